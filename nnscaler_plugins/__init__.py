@@ -1,0 +1,19 @@
+"""nnscaler-plugins: parallelization plans for PyTorch models, searched or written with op-trans,
+op-assign and op-order, turned into per-rank code over torch.distributed.
+
+    import nnscaler_plugins as nns
+    graph = nns.capture(model, kwargs=batch)
+    plan = nns.plan(graph, strategy="tp", world_size=4)
+    module = nns.parallelize(model, batch, plan=plan)   # on every rank
+"""
+from .api import parallelize, plan, strategies
+from .capture import CaptureError, capture
+from .errors import PlanError
+from .graph import Graph
+from .plan import OpPlacement, Plan
+from .primitives import PlanBuilder, SubOp, op_assign, op_trans
+
+__version__ = "0.1.0"
+
+__all__ = ["capture", "CaptureError", "plan", "parallelize", "strategies", "Plan", "OpPlacement", "PlanError",
+           "PlanBuilder", "SubOp", "op_trans", "op_assign", "Graph", "__version__"]

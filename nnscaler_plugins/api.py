@@ -1,0 +1,116 @@
+"""The user-facing entry points: plan a model, and parallelize it on every rank."""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .capture import capture, normalize_inputs
+from .errors import PlanError
+from .graph import Graph
+from .lowering import Program, lower
+from .plan import Plan
+from .plugins import get_plugin_manager, get_strategy
+from .primitives import PlanBuilder
+from .validate import validate
+
+StrategyLike = Union[str, Callable, Plan, os.PathLike]
+
+
+def _graph_of(model_or_graph: Any, example_inputs: Any) -> Graph:
+    if isinstance(model_or_graph, Graph):
+        return model_or_graph
+    if example_inputs is None:
+        raise TypeError("planning a model needs example_inputs= (what its forward takes)")
+    args, kwargs = normalize_inputs(example_inputs, None)
+    return capture(model_or_graph, args, kwargs)
+
+
+def _degrees(fn: Callable, world_size: int, options: dict) -> tuple[int, int]:
+    deg = getattr(fn, "degrees", None)
+    if deg is not None:
+        return deg(world_size, **options)
+    tp = options.get("tp")
+    dp = options.get("dp")
+    if tp is None and dp is None:
+        return world_size, 1
+    tp = tp or world_size // dp
+    dp = dp or world_size // tp
+    return tp, dp
+
+
+def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int, example_inputs: Any = None,
+         cluster: Any = None, constraints: tuple = (), **options: Any) -> Plan:
+    """Make a validated Plan by a strategy name, a callable `fn(builder, **options)`, a Plan or a plan file."""
+    graph = _graph_of(model_or_graph, example_inputs)
+    if isinstance(strategy, Plan):
+        p = strategy
+    elif isinstance(strategy, (os.PathLike,)) or (isinstance(strategy, str) and strategy.endswith(".json")):
+        p = Plan.load(strategy)
+    else:
+        if isinstance(strategy, str):
+            try:
+                fn = get_strategy(strategy)
+            except KeyError as e:
+                raise PlanError(str(e.args[0])) from None
+            name = strategy
+        elif callable(strategy):
+            fn, name = strategy, getattr(strategy, "__name__", "custom")
+        else:
+            raise TypeError(f"strategy must be a name, a callable, a Plan or a plan file; got {type(strategy).__name__}")
+        unit, dp = _degrees(fn, world_size, options)
+        if unit * dp != world_size:
+            raise PlanError(f"strategy {name!r} with {options} gives {dp} x {unit} devices, but world size is "
+                            f"{world_size}; choose degrees whose product is {world_size}")
+        builder = PlanBuilder(graph, unit, dp, strategy=name, options={k: v for k, v in options.items()
+                                                                       if isinstance(v, (int, float, str, bool))})
+        params = inspect.signature(fn).parameters
+        accepts_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        fn(builder, **(options if accepts_kw else {k: v for k, v in options.items() if k in params}))
+        p = builder.finish(validate=False)
+    validate(p, graph, world_size=world_size)
+    lower(graph, p)  # cross-device problems surface now, before any process starts
+    return p
+
+
+def _init_distributed(device: torch.device) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = get_plugin_manager().hook.nnscaler_choose_backend(device_type=device.type)
+        dist.init_process_group(backend)
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: StrategyLike = "tp",
+                world_size: Optional[int] = None, device: Optional[Union[str, torch.device]] = None,
+                cache_dir: str = ".nnscaler_cache", loss_fn: Optional[Callable] = None, **options: Any):
+    """Capture, plan, lower and generate code for this rank; returns its ParallelModule.
+
+    Call on every rank with the same model (same initial weights) and example inputs. Initializes
+    torch.distributed from the launcher's environment when it is not initialized yet; the backend
+    comes from the `nnscaler_choose_backend` hook (NCCL for CUDA, gloo for CPU by default).
+    """
+    from .runtime.parallel_module import ParallelModule
+
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    rank, ws = _init_distributed(dev)
+    world_size = world_size or ws
+    if world_size != ws:
+        raise PlanError(f"world_size={world_size} but the process group has {ws} processes")
+    graph = _graph_of(model, example_inputs)
+    p = globals()["plan"](graph, strategy=plan, world_size=world_size, **options)
+    program = lower(graph, p)
+    return ParallelModule(program, model, rank=rank, world_size=world_size, device=dev, cache_dir=cache_dir,
+                          loss_fn=loss_fn)
+
+
+def strategies() -> list[str]:
+    """Names of all registered strategies."""
+    from .plugins import strategies as _s
+    return _s()

@@ -1,0 +1,311 @@
+"""Model capture: `torch.export` (non-strict, training IR) turned into a plain `Graph`.
+
+Capture never runs the model's arithmetic on real data when the model lives on the meta device:
+export traces with fake tensors, so a 175B-parameter configuration is captured on a laptop.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import operator
+import os
+import re
+from typing import Any, Optional
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .graph import Graph, InputSpec, OpNode, Ref, TensorMeta, Value
+from .plugins import get_plugin_manager
+
+# Ops with no runtime effect in our generated code (export's own shape/dtype assertions).
+_DROPPED = {
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+    "aten._assert_async.msg",
+}
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message says which part and what to try."""
+
+
+def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = None) -> Graph:
+    """Capture `model(*args, **kwargs)` as a `Graph`.
+
+    `args` may be a tuple, a single tensor, or a dict (taken as keyword arguments), matching how
+    `parallelize` receives example inputs. Plugins may adapt the model first (the Hugging Face
+    plugin turns off the KV cache) through the `nnscaler_adapt_model_for_capture` hook.
+    """
+    args, kwargs = normalize_inputs(args, kwargs)
+    pm = get_plugin_manager()
+    with contextlib.ExitStack() as stack:
+        for ctx in pm.hook.nnscaler_adapt_model_for_capture(model=model, kwargs=kwargs):
+            if ctx is not None:
+                stack.enter_context(ctx)
+        try:
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        except Exception as e:  # torch.export raises many types; wrap with guidance
+            raise CaptureError(
+                f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
+                "Data-dependent Python control flow and untraceable custom kernels are the usual causes; "
+                "register a custom op (torch.library) for such code or simplify the forward."
+            ) from e
+    return _to_graph(ep, model, args, kwargs)
+
+
+def normalize_inputs(args: Any, kwargs: Optional[dict]) -> tuple[tuple, dict]:
+    """One convention for example inputs everywhere: dict -> kwargs, tensor -> single arg."""
+    kwargs = dict(kwargs or {})
+    if isinstance(args, dict):
+        kwargs.update(args)
+        args = ()
+    elif isinstance(args, torch.Tensor):
+        args = (args,)
+    elif isinstance(args, list):
+        args = tuple(args)
+    return tuple(args), kwargs
+
+
+def _model_source_hash(model: torch.nn.Module) -> str:
+    """Hash of the source of every module class used by the model (for the code cache key)."""
+    h = hashlib.sha256()
+    seen = set()
+    for m in model.modules():
+        cls = type(m)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        try:
+            h.update(inspect.getsource(cls).encode())
+        except (OSError, TypeError):
+            h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+    return h.hexdigest()[:16]
+
+
+def _source_of(node: torch.fx.Node) -> tuple[str, str]:
+    """The most user-relevant frame: the last one outside torch itself."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = _FRAME_RE.findall(trace)
+    if not frames:
+        return "", ""
+    pick = frames[-1]
+    for f in reversed(frames):
+        if f"{os.sep}torch{os.sep}" not in f[0]:
+            pick = f
+            break
+    path, line, _fn, code = pick
+    return f"{os.path.basename(path)}:{line}", code.strip()
+
+
+def _module_of(node: torch.fx.Node) -> tuple[str, str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    cls_name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+    return path, cls_name.rsplit(".", 1)[-1]
+
+
+def _meta_of(val: Any, requires_grad: bool = False) -> Optional[TensorMeta]:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype, requires_grad)
+    return None
+
+
+class _Converter:
+    def __init__(self, ep: torch.export.ExportedProgram, model: torch.nn.Module):
+        self.ep = ep
+        self.model = model
+        self.values: dict[str, Value] = {}
+        self.ops: list[OpNode] = []
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.used_names: set[str] = set()
+
+    # names -----------------------------------------------------------------------------
+    def fresh(self, name: str) -> str:
+        base, i = name, 1
+        while name in self.used_names:
+            name = f"{base}_{i}"
+            i += 1
+        self.used_names.add(name)
+        return name
+
+    def resolve(self, a: Any) -> Any:
+        return torch.fx.node.map_aggregate(a, lambda x: self.env[x] if isinstance(x, torch.fx.Node) else x)
+
+    def requires_grad(self, refs: list[str]) -> bool:
+        return any(self.values[r].meta is not None and self.values[r].meta.requires_grad for r in refs)
+
+    # graph walk --------------------------------------------------------------------------
+    def run(self, graph: torch.fx.Graph, grad_enabled: bool = True, prefix: str = "") -> list[Any]:
+        outputs: list[Any] = []
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                continue  # bound by the caller
+            if node.op == "output":
+                outputs = list(self.resolve(node.args[0]))
+                continue
+            if node.op == "get_attr":
+                self.env[node] = getattr(self.ep.graph_module, node.target)
+                continue
+            if node.op != "call_function":
+                raise CaptureError(f"unexpected fx node {node.op} {node.target}")
+            target = node.target
+            if target is operator.getitem:
+                src = self.env[node.args[0]]
+                self.env[node] = src[node.args[1]]
+                continue
+            tname = str(target)
+            if tname in _DROPPED:
+                continue
+            hop = getattr(target, "__name__", "") or tname
+            if hop == "wrap_with_set_grad_enabled":
+                enabled, sub, *sub_args = node.args
+                self.inline(node, self.env[sub], sub_args, grad_enabled=bool(enabled))
+                continue
+            if isinstance(target, torch._ops.HigherOrderOperator):
+                raise CaptureError(
+                    f"{tname} (a higher-order op) at {_source_of(node)[0]} is not supported yet; "
+                    "move that region out of torch.autocast / control-flow constructs before capture")
+            self.add_op(node, target, grad_enabled, prefix)
+        return outputs
+
+    def inline(self, node: torch.fx.Node, sub: torch.fx.GraphModule, sub_args: list, grad_enabled: bool) -> None:
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for ph, a in zip(placeholders, sub_args):
+            self.env[ph] = self.resolve(a)
+        outs = self.run(sub.graph, grad_enabled=grad_enabled, prefix=node.name + "_")
+        self.env[node] = tuple(outs)
+
+    def add_op(self, node: torch.fx.Node, target: Any, grad_enabled: bool, prefix: str) -> None:
+        args = self.resolve(node.args)
+        kwargs = self.resolve(dict(node.kwargs))
+        inputs: list[str] = []
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, Ref) and self.values[leaf.name].meta is not None:
+                inputs.append(leaf.name)
+        name = self.fresh(prefix + node.name)
+        val = node.meta.get("val")
+        rg = grad_enabled and self.requires_grad(inputs)
+        module_path, module_type = _module_of(node)
+        source, code = _source_of(node)
+        if isinstance(val, (tuple, list)):
+            outs: list[Optional[str]] = []
+            refs = []
+            for i, v in enumerate(val):
+                meta = _meta_of(v, rg and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
+                if meta is None:
+                    outs.append(None)
+                    refs.append(v)
+                    continue
+                oname = self.fresh(f"{name}_{i}")
+                self.values[oname] = Value(oname, "op", meta, producer=name)
+                outs.append(oname)
+                refs.append(Ref(oname))
+            self.env[node] = tuple(refs)
+            multi = True
+        else:
+            meta = _meta_of(val, rg and isinstance(val, torch.Tensor) and val.dtype.is_floating_point)
+            if meta is None and val is not None:
+                raise CaptureError(f"{name} ({target}) produced a non-tensor {type(val).__name__}; "
+                                   "symbolic values are not supported, capture with static shapes")
+            outs = [name] if meta is not None else [None]
+            if meta is not None:
+                self.values[name] = Value(name, "op", meta, producer=name)
+            self.env[node] = Ref(name) if meta is not None else None
+            multi = False
+        self.ops.append(OpNode(name=name, target=target, args=tuple(args), kwargs=kwargs, inputs=inputs,
+                               outputs=outs, multi_output=multi, module_path=module_path,
+                               module_type=module_type, source=source, source_code=code,
+                               grad_enabled=grad_enabled))
+
+
+def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple, kwargs: dict) -> Graph:
+    conv = _Converter(ep, model)
+    sig = ep.graph_signature
+    # Tied parameters: every FQN that points to the same tensor object.
+    same: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        same.setdefault(id(p), []).append(fqn)
+    param_aliases = {names[0]: names for names in same.values()}
+    for names in same.values():
+        for n in names:
+            param_aliases[n] = names
+
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user_leaves = _flatten_user_inputs(args, kwargs)
+    user_specs = [s for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    tensor_leaves = [(p, v) for p, v in user_leaves if isinstance(v, torch.Tensor)]
+    leaves_for_inputs = tensor_leaves if len(tensor_leaves) == len(user_specs) else user_leaves
+    user_iter = iter(leaves_for_inputs)
+    inputs: list[InputSpec] = []
+    K = torch.export.graph_signature.InputKind
+    for ph, spec in zip(placeholders, sig.input_specs):
+        name = conv.fresh(ph.name)
+        val = ph.meta.get("val")
+        if spec.kind == K.PARAMETER:
+            fqn = spec.target
+            p = model.get_parameter(fqn)
+            aliases = tuple(a for a in param_aliases.get(fqn, [fqn]) if a != fqn)
+            conv.values[name] = Value(name, "param", _meta_of(val, p.requires_grad), fqn=fqn, aliases=aliases)
+        elif spec.kind == K.BUFFER:
+            conv.values[name] = Value(name, "buffer", _meta_of(val), fqn=spec.target)
+        elif spec.kind in (K.CONSTANT_TENSOR,):
+            conv.values[name] = Value(name, "constant", _meta_of(val), fqn=spec.target)
+        elif spec.kind == K.USER_INPUT:
+            path, leaf = next(user_iter)
+            rg = isinstance(leaf, torch.Tensor) and leaf.requires_grad
+            conv.values[name] = Value(name, "input", _meta_of(val, rg))
+            inputs.append(InputSpec(name, path))
+        else:
+            raise CaptureError(f"unsupported graph input kind {spec.kind} for {ph.name}")
+        conv.env[ph] = Ref(name) if conv.values[name].meta is not None else val
+
+    outs = conv.run(ep.graph)
+    n_user = len([s for s in sig.output_specs if s.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT])
+    if n_user != len(outs):
+        raise CaptureError("the model mutates buffers in forward (e.g. BatchNorm running stats); "
+                           "this is not supported yet: put such modules in eval mode or replace them")
+    out_names: list[Optional[str]] = []
+    out_consts: list[Any] = []
+    for o in outs:
+        if isinstance(o, Ref):
+            out_names.append(o.name)
+            out_consts.append(None)
+        else:
+            out_names.append(None)
+            out_consts.append(o)
+    g = Graph(ops=conv.ops, values=conv.values, inputs=inputs, outputs=out_names, output_constants=out_consts,
+              out_spec=ep.call_spec.out_spec, model_class=type(model).__name__,
+              source_hash=_model_source_hash(model), constants=dict(ep.constants))
+    _warn_unruled(g)
+    return g
+
+
+def _flatten_user_inputs(args: tuple, kwargs: dict) -> list[tuple[tuple, Any]]:
+    out = []
+    for i, a in enumerate(args):
+        for kp, leaf in pytree.tree_flatten_with_path(a)[0]:
+            out.append((("args", i) + tuple(_key(k) for k in kp), leaf))
+    for k, a in kwargs.items():
+        for kp, leaf in pytree.tree_flatten_with_path(a)[0]:
+            out.append((("kwargs", k) + tuple(_key(x) for x in kp), leaf))
+    return out
+
+
+def _key(k: Any) -> Any:
+    for attr in ("idx", "key", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return str(k)
+
+
+def _warn_unruled(g: Graph) -> None:
+    from .rules.table import warn_replicate_only
+    warn_replicate_only(g)

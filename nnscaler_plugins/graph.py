@@ -1,0 +1,182 @@
+"""The captured program: ops over named values, with shapes, dtypes and where each op came from.
+
+The graph is the single source of truth every later stage reads (rules, plans, lowering, codegen).
+It is plain data: no torch.fx objects leak out of `capture`, so a plan can be checked against a
+graph without re-tracing and the graph can be fingerprinted for the code cache.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).replace('torch.', '')}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to a graph value inside an op's args (tensor or symbolic)."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass
+class Value:
+    """A named value: a parameter, buffer, user input, constant, or op output."""
+
+    name: str
+    kind: str  # "param" | "buffer" | "input" | "constant" | "op"
+    meta: Optional[TensorMeta]
+    fqn: Optional[str] = None  # parameters and buffers: fully-qualified name in the model
+    aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
+    producer: Optional[str] = None  # op name for kind == "op"
+
+
+@dataclass
+class OpNode:
+    name: str
+    target: Any  # an aten OpOverload (or other callable) called with args/kwargs
+    args: tuple
+    kwargs: dict
+    inputs: list[str]  # tensor inputs, in the order they appear in (args, kwargs)
+    outputs: list[Optional[str]]  # one name per tensor output; None for an unused element
+    multi_output: bool  # the op returns a tuple/list (outputs index it)
+    module_path: str = ""
+    module_type: str = ""
+    source: str = ""  # "file.py:123"
+    source_code: str = ""  # the line itself, stripped
+    grad_enabled: bool = True
+
+    @property
+    def op_name(self) -> str:
+        t = self.target
+        name = getattr(t, "_name", None) or getattr(t, "__name__", None) or str(t)
+        overload = getattr(t, "_overloadname", None)
+        if overload and not name.endswith(overload):
+            name = f"{name}.{overload}"
+        return name
+
+    def where(self) -> str:
+        """Human-readable location used in every error and warning about this op."""
+        loc = self.source or "<unknown source>"
+        mod = f" in {self.module_path}" if self.module_path else ""
+        return f"{self.name} ({self.op_name}){mod} at {loc}"
+
+
+@dataclass
+class InputSpec:
+    name: str  # graph value name
+    path: tuple  # ("args", i) or ("kwargs", key)
+
+
+@dataclass
+class Graph:
+    ops: list[OpNode]
+    values: dict[str, Value]
+    inputs: list[InputSpec]
+    outputs: list[Optional[str]]  # flattened model outputs (value names; None for non-tensor leaves)
+    output_constants: list[Any]  # for None entries in outputs: the constant value
+    out_spec: Any = None  # pytree spec to rebuild the model's output structure
+    model_class: str = ""
+    source_hash: str = ""  # hash of the model's Python source (code cache key)
+    constants: dict[str, Any] = field(default_factory=dict, repr=False)  # lifted tensor constants by fqn
+    _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {op.name: op for op in self.ops}
+
+    # -- lookups --------------------------------------------------------------------------
+    def op(self, name: str) -> OpNode:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no op named {name!r} in the graph of {self.model_class}") from None
+
+    def __iter__(self) -> Iterator[OpNode]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    @property
+    def parameters(self) -> dict[str, Value]:
+        """Parameters by fully-qualified name (tied weights appear under each of their names)."""
+        out: dict[str, Value] = {}
+        for v in self.values.values():
+            if v.kind == "param":
+                out[v.fqn] = v
+                for a in v.aliases:
+                    out[a] = v
+        return out
+
+    @property
+    def buffers(self) -> dict[str, Value]:
+        return {v.fqn: v for v in self.values.values() if v.kind == "buffer"}
+
+    def consumers(self, value: str) -> list[OpNode]:
+        return [op for op in self.ops if value in op.inputs]
+
+    def find(self, *, target: Any = None, module: Optional[str] = None) -> list[OpNode]:
+        """Ops whose aten overload (or its packet name) and/or module path prefix match."""
+        out = []
+        for op in self.ops:
+            if target is not None:
+                names = {op.op_name, op.op_name.split(".")[0]}
+                if target is not op.target and str(target) not in names and target not in names:
+                    continue
+            if module is not None and not (op.module_path == module or op.module_path.startswith(module + ".")):
+                continue
+            out.append(op)
+        return out
+
+    # -- identity -------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """Stable hash of the graph structure: ops, args, shapes, dtypes and parameter names.
+
+        Two captures of the same model code with the same input shapes hash equal; any change
+        that could change the generated program changes the hash.
+        """
+        h = hashlib.sha256()
+        for v in sorted(self.values.values(), key=lambda v: v.name):
+            h.update(f"{v.name}|{v.kind}|{v.fqn}|{v.aliases}|{v.meta}\n".encode())
+        for op in self.ops:
+            h.update(f"{op.name}|{op.op_name}|{op.args!r}|{sorted(op.kwargs.items())!r}|{op.outputs}|{op.grad_enabled}\n".encode())
+        h.update(repr([i.path for i in self.inputs]).encode())
+        h.update(repr(self.outputs).encode())
+        return h.hexdigest()[:16]
+
+    def summary(self) -> str:
+        n_params = sum(v.meta.numel for v in self.values.values() if v.kind == "param" and v.meta)
+        return (f"Graph({self.model_class}: {len(self.ops)} ops, "
+                f"{sum(1 for v in self.values.values() if v.kind == 'param')} parameters "
+                f"({n_params / 1e6:.2f} M elements), inputs {[i.name for i in self.inputs]})")
+
+    def meta(self, value: str) -> TensorMeta:
+        m = self.values[value].meta
+        if m is None:
+            raise TypeError(f"value {value!r} is not a tensor")
+        return m

@@ -1,0 +1,44 @@
+"""The whole contract between the core and its plugins.
+
+Built-in strategies and adapters implement these exactly like a third-party package would: they are
+found through the `nnscaler_plugins` entry-point group and never imported by the core.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("nnscaler_plugins")
+hookimpl = pluggy.HookimplMarker("nnscaler_plugins")
+
+
+@hookspec
+def nnscaler_register_strategies() -> dict[str, Callable]:
+    """Return {name: strategy}. A strategy is `fn(graph, world_size, **options) -> Plan`.
+
+    Names must be unique across plugins; a clash raises at first use with both plugin names.
+    """
+
+
+@hookspec
+def nnscaler_register_op_rules() -> dict[Any, Callable]:
+    """Return {aten overload or its string name: rule}. A rule is `fn(call: OpCall) -> Signature | None`.
+
+    Rules from plugins override built-in rules for the same overload, so a plugin can teach the
+    planner how its custom op splits (see CONTRIBUTING.md, "Adding an op rule").
+    """
+
+
+@hookspec
+def nnscaler_adapt_model_for_capture(model: Any, kwargs: dict) -> Optional[Any]:
+    """Return a context manager to enter around `torch.export`, or None.
+
+    Used to switch off features that cannot be captured (KV caches) only for the capture and put
+    them back afterwards. May also add keyword arguments to `kwargs` in place.
+    """
+
+
+@hookspec(firstresult=True)
+def nnscaler_choose_backend(device_type: str) -> Optional[str]:
+    """Return the torch.distributed backend for a device type ("cuda" -> "nccl", "cpu" -> "gloo")."""

@@ -1,0 +1,170 @@
+"""The Plan: the declarative result of applying primitives to a graph.
+
+A plan says, per op, how it is split (nested `(label, num)` splits and a replication factor) and
+which device runs each sub-op, for one *unit* of `unit_size` devices. Data parallelism replicates
+the unit `dp` times (`world_size = unit_size * dp`), which is how one plan serves any number of
+replicas. The plan is plain JSON: versioned, readable and diffable, and re-checked against the
+graph it is applied to.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from .errors import PlanError
+from .graph import Graph, OpNode
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass
+class OpPlacement:
+    """How one op is split and where its pieces run.
+
+    Sub-ops are numbered row-major over the digits (replica, split_1, ..., split_k): the replica
+    digit is outermost, then splits in the order they were applied.
+    """
+
+    splits: list[tuple[str, int]] = field(default_factory=list)
+    replicate: int = 1
+    devices: list[Optional[int]] = field(default_factory=lambda: [None])
+
+    @property
+    def num_subops(self) -> int:
+        return self.replicate * math.prod(n for _, n in self.splits)
+
+    def digits(self, index: int) -> tuple[int, ...]:
+        """Multi-index (replica, s_1, ..., s_k) of a flat sub-op index."""
+        radices = [self.replicate] + [n for _, n in self.splits]
+        out = []
+        for r in reversed(radices):
+            out.append(index % r)
+            index //= r
+        return tuple(reversed(out))
+
+    def label_counts(self) -> dict[str, int]:
+        """Total pieces per label (nested splits of one label multiply)."""
+        out: dict[str, int] = {}
+        for l, n in self.splits:
+            out[l] = out.get(l, 1) * n
+        return out
+
+    def label_index(self, index: int) -> dict[str, int]:
+        """Per label, the piece index of sub-op `index` (nested splits combine row-major)."""
+        d = self.digits(index)[1:]
+        out: dict[str, int] = {}
+        for (l, n), i in zip(self.splits, d):
+            out[l] = out.get(l, 0) * n + i
+        return out
+
+    def to_json(self) -> dict:
+        return {"splits": [list(s) for s in self.splits], "replicate": self.replicate, "devices": self.devices}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "OpPlacement":
+        return cls([(str(l), int(n)) for l, n in d.get("splits", [])], int(d.get("replicate", 1)),
+                   list(d.get("devices", [None])))
+
+
+@dataclass
+class Plan:
+    graph_fingerprint: str
+    model_class: str
+    unit_size: int
+    dp: int
+    ops: dict[str, OpPlacement]
+    strategy: str = "custom"
+    options: dict[str, Any] = field(default_factory=dict)
+    estimate: Optional[dict[str, Any]] = None
+    version: int = PLAN_FORMAT_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return self.unit_size * self.dp
+
+    # -- persistence ----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": "nnscaler-plan",
+            "version": self.version,
+            "model_class": self.model_class,
+            "graph_fingerprint": self.graph_fingerprint,
+            "strategy": self.strategy,
+            "options": self.options,
+            "world_size": self.world_size,
+            "unit_size": self.unit_size,
+            "dp": self.dp,
+            "estimate": self.estimate,
+            "ops": {name: p.to_json() for name, p in self.ops.items()},
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically: a crash mid-write never leaves a truncated plan behind."""
+        path = os.fspath(path)
+        text = json.dumps(self.to_json(), indent=1, sort_keys=False, default=str)
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", dir=d)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        if d.get("format") != "nnscaler-plan":
+            raise PlanError("not an nnscaler plan file (missing 'format': 'nnscaler-plan')")
+        v = int(d.get("version", 0))
+        if v > PLAN_FORMAT_VERSION:
+            raise PlanError(f"plan format version {v} is newer than this library understands "
+                            f"({PLAN_FORMAT_VERSION}); upgrade nnscaler-plugins")
+        return cls(graph_fingerprint=d["graph_fingerprint"], model_class=d.get("model_class", ""),
+                   unit_size=int(d["unit_size"]), dp=int(d.get("dp", 1)),
+                   ops={k: OpPlacement.from_json(p) for k, p in d["ops"].items()},
+                   strategy=d.get("strategy", "custom"), options=d.get("options", {}),
+                   estimate=d.get("estimate"), version=v)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, graph: Optional[Graph] = None,
+             world_size: Optional[int] = None) -> "Plan":
+        """Read a plan; with `graph` (and `world_size`) it is validated against them at once."""
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON ({e})") from e
+        plan = cls.from_json(d)
+        if graph is not None:
+            from .validate import validate
+            validate(plan, graph, world_size=world_size)
+        return plan
+
+    # -- reading ----------------------------------------------------------------------------------
+    def explain(self, graph: Optional[Graph] = None) -> str:
+        """A short human summary: strategy, degrees, and how ops are split (grouped by pattern)."""
+        lines = [f"Plan for {self.model_class} ({self.strategy}{' ' + str(self.options) if self.options else ''})",
+                 f"  world size {self.world_size} = {self.dp} data-parallel replica(s) x {self.unit_size} "
+                 f"device(s) per replica"]
+        patterns: dict[str, list[str]] = {}
+        for name, p in self.ops.items():
+            key = ("replicated" if not p.splits else
+                   " x ".join(f"{l}/{n}" for l, n in p.splits)) + (f" (x{p.replicate} copies)" if p.replicate > 1 else "")
+            patterns.setdefault(key, []).append(name)
+        for key, names in sorted(patterns.items(), key=lambda kv: -len(kv[1])):
+            ops = names if graph is None else [f"{n}:{graph.op(n).op_name.split('.')[0]}" for n in names]
+            shown = ", ".join(ops[:6]) + (f", ... ({len(ops)} ops)" if len(ops) > 6 else "")
+            lines.append(f"  {key:<28} {shown}")
+        if self.estimate:
+            lines.append(f"  estimate: {self.estimate}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()

@@ -1,0 +1,237 @@
+"""op-trans and op-assign: the two primitives a plan is written with (op-order comes with pipelines).
+
+A strategy is a function `fn(builder: PlanBuilder, **options)` that calls `op_trans`/`op_assign`
+on the builder's ops. The builder records the calls; `finish()` turns them into a validated `Plan`.
+
+    def my_plan(b, **_):
+        for op in b.ops:
+            if op.splittable("n"):
+                for i, sub in enumerate(op_trans(op, dim="n", num=b.unit_size)):
+                    op_assign(sub, i)
+            else:
+                b.replicate(op)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .errors import PlanError
+from .graph import Graph, OpNode
+from .plan import OpPlacement, Plan
+from .rules import Signature, signature_for
+
+
+@dataclass(frozen=True)
+class SubOp:
+    """One piece of an op after op_trans; `index` is its flat sub-op number."""
+
+    op: "OpHandle"
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.op.name}[{self.index}]"
+
+    def __repr__(self) -> str:
+        return f"SubOp({self.name})"
+
+
+class OpHandle:
+    """An op as a strategy sees it: the graph node, its signature and the builder it belongs to."""
+
+    def __init__(self, builder: "PlanBuilder", node: OpNode, signature: Signature):
+        self.builder = builder
+        self.node = node
+        self.signature = signature
+
+    name = property(lambda self: self.node.name)
+    target = property(lambda self: self.node.target)
+    module_path = property(lambda self: self.node.module_path)
+
+    def where(self) -> str:
+        return self.node.where()
+
+    def label_of(self, dim: Any) -> str:
+        """Resolve `dim` to a signature label.
+
+        Accepts a label string, an int (a dim of output 0), or (input_index, dim) like nnScaler's
+        partition(idx=, dim=).
+        """
+        sig = self.signature
+        if isinstance(dim, str):
+            if dim not in sig.labels():
+                raise PlanError(f"has no dim labelled {dim!r}; its signature labels are {sig.labels()}",
+                                op=self.name, where=self.where())
+            return dim
+        if isinstance(dim, int):
+            labs = sig.outputs[0] if sig.outputs and sig.outputs[0] is not None else None
+            if labs is None or not -len(labs) <= dim < len(labs):
+                raise PlanError(f"output dim {dim} does not exist or is not splittable", op=self.name,
+                                where=self.where())
+            return labs[dim]
+        if isinstance(dim, tuple) and len(dim) == 2:
+            i, d = dim
+            labs = sig.inputs[i] if i < len(sig.inputs) else None
+            if labs is None or not -len(labs) <= d < len(labs):
+                raise PlanError(f"input {i} dim {d} is not splittable (input kept whole)", op=self.name,
+                                where=self.where())
+            return labs[d]
+        raise PlanError(f"dim must be a label, an output dim or (input, dim); got {dim!r}", op=self.name,
+                        where=self.where())
+
+    def splittable(self, dim: Any, num: int = 2) -> bool:
+        """True when op_trans(self, dim=dim, num=num) would be accepted (divides, not frozen)."""
+        try:
+            label = self.label_of(dim)
+        except PlanError:
+            return False
+        if self.signature.is_frozen(label):
+            return False
+        current = self.builder._placement(self).label_counts().get(label, 1)
+        from .rules import op_call
+        size = self.signature.size_of(label, op_call(self.builder.graph, self.node))
+        block = _block_factor(self.signature, label)
+        return size % (current * num * block) == 0
+
+    def __repr__(self) -> str:
+        return f"<op {self.name} {self.node.op_name} {self.signature.inputs}->{self.signature.outputs}>"
+
+
+def _block_factor(sig: Signature, label: str) -> int:
+    blocks = getattr(sig, "blocks", None) or {}
+    factor = 1
+    for (l, _i), b in blocks.items():
+        if l == label:
+            factor = max(factor, b)
+    return factor
+
+
+Transformable = Union[OpHandle, SubOp]
+
+
+class PlanBuilder:
+    """Records primitive calls for one graph and one unit of `unit_size` devices."""
+
+    def __init__(self, graph: Graph, unit_size: int, dp: int = 1, strategy: str = "custom",
+                 options: Optional[dict] = None):
+        if unit_size < 1 or dp < 1:
+            raise PlanError(f"unit size and data-parallel degree must be >= 1 (got {unit_size}, {dp})")
+        self.graph = graph
+        self.unit_size = unit_size
+        self.dp = dp
+        self.strategy = strategy
+        self.options = dict(options or {})
+        self.ops = [OpHandle(self, node, signature_for(graph, node)) for node in graph.ops]
+        self._by_name = {h.name: h for h in self.ops}
+        self._placements: dict[str, OpPlacement] = {}
+        self._subop_splits: dict[str, dict[int, list[tuple[str, int]]]] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.unit_size * self.dp
+
+    def op(self, name: str) -> OpHandle:
+        return self._by_name[name]
+
+    def _placement(self, op: OpHandle) -> OpPlacement:
+        return self._placements.setdefault(op.name, OpPlacement())
+
+    # -- primitives -------------------------------------------------------------------------------
+    def op_trans(self, target: Transformable, dim: Any = None, num: Optional[int] = None,
+                 replicate: Optional[int] = None) -> list[SubOp]:
+        op = target.op if isinstance(target, SubOp) else target
+        if not isinstance(op, OpHandle):
+            raise TypeError(f"op_trans expects an op or sub-op from this builder, got {type(target).__name__}")
+        p = self._placement(op)
+        if any(d is not None for d in p.devices):
+            raise PlanError("op_trans after op_assign: transform an op fully before assigning its pieces",
+                            op=op.name, where=op.where())
+        if replicate is not None:
+            if dim is not None or num is not None:
+                raise PlanError("op_trans takes either replicate= or dim= and num=, not both", op=op.name,
+                                where=op.where())
+            if p.splits:
+                raise PlanError("replicate= must come before any split of the op", op=op.name, where=op.where())
+            p.replicate *= int(replicate)
+        else:
+            if dim is None or num is None:
+                raise PlanError("op_trans needs dim= and num= (or replicate=)", op=op.name, where=op.where())
+            label = op.label_of(dim)
+            if op.signature.is_frozen(label):
+                raise PlanError(f"dim {label!r} is frozen by the op's rule ({op.signature.note or 'it must stay whole'})",
+                                op=op.name, where=op.where())
+            if isinstance(target, SubOp):
+                # A nested split of one sub-op: recorded per sub-op and required to be uniform
+                # across siblings when the plan is finished (layouts are uniform splits).
+                self._subop_splits.setdefault(op.name, {}).setdefault(target.index, []).append((label, int(num)))
+                siblings = self._subop_splits[op.name]
+                if len(siblings) < p.num_subops:
+                    return [SubOp(op, -1)]  # placeholder until every sibling got the same split
+                first = next(iter(siblings.values()))
+                if any(v != first for v in siblings.values()):
+                    raise PlanError("nested op_trans must split every sub-op of the op the same way "
+                                    f"(got {siblings}); uneven splits are not representable as layouts",
+                                    op=op.name, where=op.where())
+                del self._subop_splits[op.name]
+                for l, n in first:
+                    p.splits.append((l, n))
+            else:
+                p.splits.append((label, int(num)))
+        p.devices = [None] * p.num_subops
+        return [SubOp(op, i) for i in range(p.num_subops)]
+
+    def op_assign(self, sub: SubOp, device: int) -> None:
+        if not isinstance(sub, SubOp) or sub.index < 0:
+            raise PlanError(f"op_assign expects a sub-op returned by op_trans, got {sub!r}")
+        p = self._placement(sub.op)
+        p.devices[sub.index] = int(device)
+
+    # -- conveniences strategies use ----------------------------------------------------------------
+    def replicate(self, op: OpHandle, devices: Optional[list[int]] = None) -> None:
+        """Run the whole op on each of `devices` (default: every device of the unit)."""
+        devices = list(range(self.unit_size)) if devices is None else list(devices)
+        subs = self.op_trans(op, replicate=len(devices)) if len(devices) > 1 else [SubOp(op, 0)]
+        self._placement(op)
+        for s, d in zip(subs, devices):
+            self.op_assign(s, d)
+
+    def split(self, op: OpHandle, dims: list[tuple[Any, int]], devices: Optional[list[int]] = None) -> None:
+        """Nested split along `dims` ([(dim, num), ...]) with sub-op i on devices[i]."""
+        subs: list[SubOp] = [SubOp(op, 0)]
+        for dim, num in dims:
+            subs = self.op_trans(op, dim=dim, num=num)
+        devices = list(range(len(subs))) if devices is None else list(devices)
+        for s, d in zip(subs, devices):
+            self.op_assign(s, d)
+
+    def placement(self, op: OpHandle) -> OpPlacement:
+        return self._placement(op)
+
+    def finish(self, validate: bool = True) -> Plan:
+        pending = [n for n, s in self._subop_splits.items() if s]
+        if pending:
+            op = self._by_name[pending[0]]
+            raise PlanError("nested op_trans was applied to only some sub-ops; split every sub-op the same way",
+                            op=op.name, where=op.where())
+        plan = Plan(graph_fingerprint=self.graph.fingerprint(), model_class=self.graph.model_class,
+                    unit_size=self.unit_size, dp=self.dp,
+                    ops={h.name: self._placements.get(h.name, OpPlacement()) for h in self.ops},
+                    strategy=self.strategy, options=self.options)
+        if validate:
+            from .validate import validate as _validate
+            _validate(plan, self.graph)
+        return plan
+
+
+# Free-function spellings of the primitives (the paper's names), bound to the op's builder.
+def op_trans(op: Transformable, dim: Any = None, num: Optional[int] = None,
+             replicate: Optional[int] = None) -> list[SubOp]:
+    """Split `op` along `dim` into `num` sub-ops, or copy it `replicate` times. Nested calls compose."""
+    builder = (op.op if isinstance(op, SubOp) else op).builder
+    return builder.op_trans(op, dim=dim, num=num, replicate=replicate)
+
+
+def op_assign(sub: SubOp, device: int) -> None:
+    """Place a sub-op on a device of the unit (0 <= device < unit_size)."""
+    sub.op.builder.op_assign(sub, device)

@@ -1,0 +1,101 @@
+"""The rule table: one place that maps an aten overload to its dimension rule.
+
+Built-in rules live in the sibling modules (one family of ops each) and register with `@rule`.
+Plugins add or override rules through the `nnscaler_register_op_rules` hook; their rules win.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Optional
+
+from ..graph import Graph, OpNode, TensorMeta
+from .signature import OpCall, Signature, replicate_only
+
+RuleFn = Callable[[OpCall], Optional[Signature]]
+
+_BUILTIN: dict[str, RuleFn] = {}
+
+
+class ReplicateOnlyWarning(UserWarning):
+    """Ops without a dimension rule: they run whole (replicated) on every device that needs them."""
+
+
+def op_key(target: Any) -> str:
+    """'aten::linear' style names are normalised to 'aten.linear.default'."""
+    if isinstance(target, str):
+        return target
+    name = str(target)
+    return name
+
+
+def rule(*targets: Any) -> Callable[[RuleFn], RuleFn]:
+    """Register a built-in rule for one or more overloads (objects or 'aten.x.overload' strings)."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for t in targets:
+            _BUILTIN[op_key(t)] = fn
+        return fn
+
+    return deco
+
+
+def _load_builtins() -> None:
+    # Importing the rule modules fills _BUILTIN through @rule.
+    from . import (attention, elementwise, embedding, losses, matmul, norms, reductions,  # noqa: F401
+                   shape_ops, factories)
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict[str, RuleFn]:
+    _load_builtins()
+    table = dict(_BUILTIN)
+    from ..plugins import get_plugin_manager
+
+    for extra in get_plugin_manager().hook.nnscaler_register_op_rules():
+        for k, fn in (extra or {}).items():
+            table[op_key(k)] = fn
+    return table
+
+
+def refresh() -> None:
+    """Forget cached rules (after registering a plugin at run time)."""
+    _table.cache_clear()
+
+
+def has_rule(target: Any) -> bool:
+    return op_key(target) in _table()
+
+
+def signature_of(call: OpCall) -> Signature:
+    """The signature for a call; replicate-only when no rule exists or the rule declines."""
+    fn = _table().get(op_key(call.target))
+    sig = fn(call) if fn is not None else None
+    return sig if sig is not None else replicate_only(call)
+
+
+def op_call(graph: Graph, op: OpNode) -> OpCall:
+    metas = {n: graph.meta(n) for n in op.inputs}
+    outs: list[Optional[TensorMeta]] = [graph.values[o].meta if o is not None else None for o in op.outputs]
+    return OpCall.of(op, metas, outs)
+
+
+def signature_for(graph: Graph, op: OpNode) -> Signature:
+    return signature_of(op_call(graph, op))
+
+
+def unruled_ops(graph: Graph) -> list[OpNode]:
+    table = _table()
+    return [op for op in graph.ops if op_key(op.target) not in table and any(o for o in op.outputs)]
+
+
+def warn_replicate_only(graph: Graph) -> None:
+    """One warning listing every op with no rule, with its source line."""
+    missing = unruled_ops(graph)
+    if not missing:
+        return
+    lines = "\n".join(f"  {op.where()}" for op in missing)
+    warnings.warn(
+        f"{len(missing)} op(s) in {graph.model_class} have no dimension rule and will only be replicated:\n"
+        f"{lines}\nAdd a rule through the nnscaler_register_op_rules hook to let plans split them.",
+        ReplicateOnlyWarning, stacklevel=3)

@@ -1,0 +1,106 @@
+"""Gradient reducers: sum (and average across data-parallel replicas) the gradients of parameters
+that several devices hold whole, like DDP: bucketed, launched asynchronously from the autograd
+hooks as soon as a bucket's gradients are ready, so communication overlaps the rest of backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    group: object
+    scale: float
+    ready: set[int] = field(default_factory=set)
+    work: Optional[object] = None
+    buffer: Optional[torch.Tensor] = None
+
+
+class GradReducer:
+    """One reducer per ParallelModule. `entries` are (parameter, process group, scale)."""
+
+    def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20):
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}
+        self._sync = True
+        self._queued = False
+        # Reverse order approximates the order gradients become ready in backward.
+        by_group: dict[tuple[int, float], list[torch.nn.Parameter]] = {}
+        groups: dict[tuple[int, float], object] = {}
+        for p, g, s in reversed(entries):
+            k = (id(g), s, p.dtype, p.device)
+            by_group.setdefault(k, []).append(p)
+            groups[k] = g
+        for k, ps in by_group.items():
+            cur: list[torch.nn.Parameter] = []
+            size = 0
+            for p in ps:
+                cur.append(p)
+                size += p.numel() * p.element_size()
+                if size >= bucket_bytes:
+                    self._add(cur, groups[k], k[1])
+                    cur, size = [], 0
+            if cur:
+                self._add(cur, groups[k], k[1])
+        for p, _g, _s in entries:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _add(self, params: list[torch.nn.Parameter], group: object, scale: float) -> None:
+        b = len(self.buckets)
+        for i, p in enumerate(params):
+            self._where[id(p)] = (b, i)
+        self.buckets.append(_Bucket(params, group, scale))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside the context reduces the sum."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b, i = self._where[id(p)]
+        bucket = self.buckets[b]
+        bucket.ready.add(i)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.buffer = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+
+    def _finish(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is None:  # parameters unused in this backward: reduce their (zero) grads
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            off = 0
+            for p in bucket.params:
+                n = p.numel()
+                g = bucket.buffer[off:off + n].view_as(p)
+                if bucket.scale != 1.0:
+                    g.mul_(bucket.scale)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += n
+            bucket.work = None
+            bucket.buffer = None
+            bucket.ready.clear()
+        self._queued = False

@@ -1,0 +1,271 @@
+"""ParallelModule: runs this rank's generated program and holds only this rank's parameter shards.
+
+Used like DDP: `out = module(**batch); out.loss.backward()` (gradient reducers fire during
+backward; `no_sync()` skips them for accumulation), or `module.train_step(batch)`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from ..capture import normalize_inputs
+from ..codegen import generate, write_and_load
+from ..graph import Graph
+from ..layout import Layout
+from ..lowering import Program
+from ..plan import Plan
+from .collectives import identity_fwd_allreduce_bwd
+from .grad_reducer import GradReducer
+from .loss import extract_loss
+from .process_groups import ProcessGroups
+
+
+class _UnitGroups:
+    """Process groups of this data-parallel replica, addressed by unit-relative device tuples."""
+
+    def __init__(self, groups: ProcessGroups, offset: int):
+        self._groups = groups
+        self._offset = offset
+
+    def get(self, ranks: tuple[int, ...]) -> Any:
+        return self._groups.get(tuple(self._offset + r for r in ranks))
+
+    def global_rank(self, device: int) -> int:
+        return self._offset + device
+
+
+class _Comm:
+    """What generated code calls for communication (`_groups` in the generated source)."""
+
+    def __init__(self, program: Program, device: int, unit_groups: _UnitGroups):
+        self.program = program
+        self.device = device
+        self.groups = unit_groups
+
+    def _own(self, groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+        for g in groups:
+            if self.device in g:
+                return g
+        raise RuntimeError(f"device {self.device} is in none of {groups}")
+
+    def reshard(self, key: int, x: torch.Tensor) -> torch.Tensor:
+        return self.program.reshards[key].apply(x, self.device, self.groups)
+
+    def grad_sum(self, key: int, x: torch.Tensor) -> torch.Tensor:
+        g = self._own(self.program.grad_groups[key])
+        if len(g) == 1:
+            return x
+        return identity_fwd_allreduce_bwd(x, self.groups.get(g))
+
+    def kernel(self, key: int) -> Any:
+        return self.groups.get(self._own(self.program.kernel_groups[key]))
+
+
+def _safe(fqn: str) -> str:
+    return fqn.replace(".", "__")
+
+
+class ParallelModule(torch.nn.Module):
+    def __init__(self, program: Program, model: Optional[torch.nn.Module], *, rank: int, world_size: int,
+                 device: Optional[torch.device] = None, cache_dir: str = ".nnscaler_cache",
+                 loss_fn: Optional[Callable] = None):
+        super().__init__()
+        plan = program.plan
+        if world_size != plan.world_size:
+            raise ValueError(f"plan is for {plan.world_size} processes, this job has {world_size}")
+        self.program = program
+        self.plan: Plan = plan
+        self.graph: Graph = program.graph
+        self.rank = rank
+        self.unit_device = rank % plan.unit_size
+        self.dp_rank = rank // plan.unit_size
+        self.dp_size = plan.dp
+        self.loss_fn = loss_fn
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self.groups = ProcessGroups(self._all_group_tuples())
+        unit_groups = _UnitGroups(self.groups, self.dp_rank * plan.unit_size)
+        self._comm = _Comm(program, self.unit_device, unit_groups)
+        self._forward, self.source_path = write_and_load(program, self.unit_device, cache_dir)
+
+        # Local shards: parameters become nn.Parameters, buffers and constants plain buffers.
+        rp = program.ranks[self.unit_device]
+        self._held = rp.params
+        self.shards = torch.nn.ParameterDict()
+        self._buffers_by_value: dict[str, torch.Tensor] = {}
+        state = _full_tensors(model) if model is not None else {}
+        for v in self._held:
+            s = program.shards[v]
+            full = state.get(s.fqn) if s.kind != "constant" else self.graph.constants.get(s.fqn)
+            lay = s.layout
+            if full is None or full.is_meta:
+                local = torch.empty(lay.local_shape(), dtype=self.graph.meta(v).dtype, device=self._device)
+            else:
+                local = lay.slice_full(full.detach(), self.unit_device).to(self._device).clone()
+            if s.kind == "param":
+                self.shards[_safe(s.fqn)] = torch.nn.Parameter(local, requires_grad=self.graph.meta(v).requires_grad)
+            else:
+                self.register_buffer(_safe(s.fqn), local, persistent=s.kind == "buffer")
+        self._reducer = self._build_reducer()
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _all_group_tuples(self) -> list[tuple[int, ...]]:
+        plan = self.plan
+        out = []
+        for dp in range(plan.dp):
+            off = dp * plan.unit_size
+            out += [tuple(off + r for r in g) for g in self.program.groups_needed()]
+        if plan.dp > 1:  # replicas of each unit device, for gradient averaging
+            for d in range(plan.unit_size):
+                out.append(tuple(dp * plan.unit_size + d for dp in range(plan.dp)))
+        return out
+
+    def _reducer_group(self, unit_groups: tuple[tuple[int, ...], ...]) -> Optional[tuple[int, ...]]:
+        plan = self.plan
+        mine = (next(g for g in unit_groups if self.unit_device in g) if unit_groups else (self.unit_device,))
+        ranks = tuple(sorted(dp * plan.unit_size + d for dp in range(plan.dp) for d in mine))
+        return ranks if len(ranks) > 1 else None
+
+    def _build_reducer(self) -> Optional[GradReducer]:
+        entries = []
+        extra_groups = set()
+        for v in self._held:
+            s = self.program.shards[v]
+            if s.kind != "param" or not self.graph.meta(v).requires_grad:
+                continue
+            ranks = self._reducer_group(s.grad_groups)
+            if ranks is None:
+                continue
+            extra_groups.add(ranks)
+            entries.append((self.shards[_safe(s.fqn)], ranks))
+        # Reducer groups spanning replicas x in-unit pieces are created by every rank, in order.
+        all_sets = set()
+        for dp_unit_groups in [self.program.shards[v].grad_groups for v in self.program.shards]:
+            for d in range(self.plan.unit_size):
+                g = next((g for g in dp_unit_groups if d in g), (d,)) if dp_unit_groups else (d,)
+                r = tuple(sorted(dp * self.plan.unit_size + x for dp in range(self.plan.dp) for x in g))
+                if len(r) > 1:
+                    all_sets.add(r)
+        self.groups.ensure(sorted(all_sets, key=lambda g: (len(g), g)))
+        if not entries:
+            return None
+        scale = 1.0 / self.plan.dp
+        return GradReducer([(p, self.groups.get(r), scale) for p, r in entries])
+
+    # -- running ----------------------------------------------------------------------------------
+    def _params_in_order(self) -> list[torch.Tensor]:
+        out = []
+        for v in self._held:
+            s = self.program.shards[v]
+            out.append(self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn)))
+        return out
+
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        vals = []
+        for spec in self.graph.inputs:
+            where, key, *rest = spec.path
+            try:
+                x = args[key] if where == "args" else kwargs[key]
+                for k in rest:
+                    x = x[k]
+            except (IndexError, KeyError) as e:
+                raise TypeError(f"missing model input {spec.path[1]!r} (the captured forward took "
+                                f"{[s.path[1] for s in self.graph.inputs]})") from e
+            meta = self.graph.values[spec.name].meta
+            if meta is not None:
+                if not isinstance(x, torch.Tensor):
+                    raise TypeError(f"input {key!r} must be a tensor")
+                if tuple(x.shape) != meta.shape:
+                    raise ValueError(f"input {key!r} has shape {tuple(x.shape)} but the plan was made for "
+                                     f"{meta.shape}; plans are for fixed shapes: pad batches to that shape or "
+                                     "parallelize again with example inputs of this shape")
+                x = x.to(self._device)
+            vals.append(x)
+        return vals
+
+    def _run(self, args: tuple, kwargs: dict) -> list[Any]:
+        flat = self._forward(self._comm, self._device, self._params_in_order(), *self._flat_inputs(args, kwargs))
+        return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = normalize_inputs(args, kwargs) if len(args) == 1 and isinstance(args[0], dict) else (args, kwargs)
+        flat = self._run(args, kwargs)
+        return pytree.tree_unflatten(flat, self.graph.out_spec) if self.graph.out_spec is not None else flat[0]
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """Forward and backward on one batch; returns the (detached) loss. The optimizer step is the caller's."""
+        args, kwargs = normalize_inputs(batch, None)
+        out = self.forward(*args, **kwargs)
+        loss = self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
+        loss.backward()
+        return loss.detach()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if self._reducer is None:
+            yield
+            return
+        with self._reducer.no_sync():
+            yield
+
+    def generated_source(self) -> str:
+        with open(self.source_path) as f:
+            return f.read()
+
+    # -- state ------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole tensors under the model's own names (collective: call on every rank)."""
+        out: dict[str, torch.Tensor] = {}
+        unit_groups = self._comm.groups
+        from ..resharding import plan as plan_reshard
+        for v, s in self.program.shards.items():
+            if s.kind == "constant":
+                continue
+            lay = s.layout
+            full_lay = Layout.replicated(lay.shape, lay.group)
+            local = (self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))) \
+                if v in self._held else None
+            if local is not None:
+                with torch.no_grad():
+                    whole = plan_reshard(lay, full_lay).apply(local.detach(), self.unit_device, unit_groups)
+            else:
+                whole = torch.empty(lay.shape, dtype=self.graph.meta(v).dtype, device=self._device)
+            if self.unit_device not in lay.group:
+                src = self._comm.groups.global_rank(lay.group[0])
+                dist.broadcast(whole, src=src, group=self.groups.get(tuple(
+                    self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size))))
+            t = whole.detach().cpu().clone()
+            out[s.fqn] = t
+            for a in s.aliases:
+                out[a] = t
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Each rank keeps its own pieces of a whole state dict (no communication)."""
+        missing = [self.program.shards[v].fqn for v in self._held
+                   if self.program.shards[v].kind != "constant" and self.program.shards[v].fqn not in state]
+        if missing:
+            raise KeyError(f"state dict lacks {len(missing)} tensor(s) this plan needs: {missing[:8]}")
+        with torch.no_grad():
+            for v in self._held:
+                s = self.program.shards[v]
+                if s.kind == "constant":
+                    continue
+                full = state[s.fqn]
+                if tuple(full.shape) != tuple(s.layout.shape):
+                    raise ValueError(f"{s.fqn}: shape {tuple(full.shape)} in the state dict, model has {s.layout.shape}")
+                local = s.layout.slice_full(full, self.unit_device)
+                dst = self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
+                dst.copy_(local)
+
+
+def _full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out[n] = p
+    for n, b in model.named_buffers(remove_duplicate=False):
+        out[n] = b
+    return out

@@ -1,0 +1,67 @@
+"""Plan validation: everything that can be known wrong before a process starts."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import PlanError
+from .graph import Graph
+from .plan import Plan
+from .rules import op_call, signature_for
+
+
+def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None:
+    """Raise PlanError for the first problem found, naming the op and its source line."""
+    if plan.graph_fingerprint != graph.fingerprint():
+        known = set(plan.ops)
+        missing = [op.name for op in graph.ops if op.name not in known][:5]
+        extra = [n for n in plan.ops if n not in {op.name for op in graph.ops}][:5]
+        detail = ""
+        if missing or extra:
+            detail = f" (ops only in the graph: {missing}; only in the plan: {extra})"
+        raise PlanError(
+            f"plan was made for another graph: plan fingerprint {plan.graph_fingerprint} ({plan.model_class}), "
+            f"this graph {graph.fingerprint()} ({graph.model_class}){detail}. The model code, its config or the "
+            "example input shapes changed; make a new plan (nns.plan) for this model.")
+    if world_size is not None and world_size != plan.world_size:
+        raise PlanError(f"plan is for world size {plan.world_size} ({plan.dp} x {plan.unit_size}) but the job "
+                        f"has {world_size} processes; make a plan for {world_size} or launch {plan.world_size}")
+    if plan.unit_size < 1 or plan.dp < 1:
+        raise PlanError(f"invalid degrees: unit size {plan.unit_size}, dp {plan.dp}")
+    for op in graph.ops:
+        p = plan.ops.get(op.name)
+        if p is None:
+            raise PlanError("has no placement in the plan (every op needs op_trans/op_assign or replicate)",
+                            op=op.name, where=op.where())
+        if len(p.devices) != p.num_subops:
+            raise PlanError(f"plan lists {len(p.devices)} devices for {p.num_subops} sub-ops",
+                            op=op.name, where=op.where())
+        unassigned = [i for i, d in enumerate(p.devices) if d is None]
+        if unassigned:
+            raise PlanError(f"sub-op(s) {unassigned} of {p.num_subops} are not assigned to a device "
+                            "(call op_assign on each sub-op op_trans returned)", op=op.name, where=op.where())
+        for i, d in enumerate(p.devices):
+            if not 0 <= d < plan.unit_size:
+                raise PlanError(f"sub-op {i} is assigned to device {d}, outside the world of this plan's unit "
+                                f"(devices 0..{plan.unit_size - 1})", op=op.name, where=op.where())
+        if len(set(p.devices)) != len(p.devices):
+            raise PlanError(f"two sub-ops are assigned to one device ({p.devices}); running several pieces of one "
+                            "op on a device (co-shard) needs an op-order, which this plan does not give",
+                            op=op.name, where=op.where())
+        if not p.splits:
+            continue
+        sig = signature_for(graph, op)
+        call = op_call(graph, op)
+        labels = sig.labels()
+        blocks = getattr(sig, "blocks", None) or {}
+        for label, total in p.label_counts().items():
+            if label not in labels:
+                raise PlanError(f"splits dim {label!r} but its signature has labels {labels}", op=op.name,
+                                where=op.where())
+            if sig.is_frozen(label):
+                raise PlanError(f"splits dim {label!r}, which its rule keeps whole", op=op.name, where=op.where())
+            size = sig.size_of(label, call)
+            block = max([b for (l, _i), b in blocks.items() if l == label], default=1)
+            if size % (total * block):
+                extra = f" in {block} blocks" if block > 1 else ""
+                raise PlanError(f"split of dim {label!r} (size {size}) into {total} pieces{extra} does not divide it; "
+                                f"use a number of pieces that divides {size // block}", op=op.name, where=op.where())

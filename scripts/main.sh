@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: set up, then train a GPT-2 small config on 4 gloo processes under the `tp` and
+# `hybrid` plans and compare every loss with a single-process run of the same global batch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" recipes/train_gpt2.py "$@"
