@@ -1,0 +1,108 @@
+"""Shared bits of the benchmarks: the model under test, timing, and appending to RESULTS.md."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+def gpt2(n_layer: int = 4, n_embd: int = 256, n_head: int = 8, vocab: int = 2048, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=256,
+                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(n_layer: int = 4, hidden: int = 256, heads: int = 8, kv_heads: int = 4, vocab: int = 2048, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=hidden * 4, vocab_size=vocab,
+                      max_position_embeddings=256, use_cache=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def batch(b: int, s: int, vocab: int = 2048, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def time_steps(step: Callable[[], None], warmup: int = 3, iters: int = 10, sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds per step."""
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    gpu = ""
+    if torch.cuda.is_available():
+        gpu = f", {torch.cuda.get_device_name(0)}"
+    return f"{platform.machine()} {os.cpu_count()} cores{gpu}, torch {torch.__version__}, host {socket.gethostname()}"
+
+
+def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], notes: str = "") -> str:
+    """Append a dated table to RESULTS.md and return it as text."""
+    date = datetime.date.today().isoformat()
+    lines = [f"## {title}", "", f"{date}, {machine()}", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if notes:
+        lines += ["", notes]
+    text = "\n".join(lines) + "\n\n"
+    new = not os.path.exists(RESULTS)
+    with open(RESULTS, "a") as f:
+        if new:
+            f.write("# Benchmark results\n\nEach section is appended by the script named in its title.\n\n")
+        f.write(text)
+    return text
+
+
+def _worker(rank: int, world: int, port: int, fn, args, q) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out = fn(rank, world, *args)
+        if rank == 0:
+            q.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args):
+    """Run fn(rank, world, *args) in `world` gloo processes; return rank 0's result."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = q.get(timeout=1800)
+    for p in procs:
+        p.join()
+    return out

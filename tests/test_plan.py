@@ -1,0 +1,130 @@
+"""Plans: JSON round trip, and every kind of bad plan rejected with the op and its source line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nnscaler_plugins as nns
+from nnscaler_plugins import PlanBuilder, PlanError, op_assign, op_trans
+from nnscaler_plugins.plan import Plan
+import models
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    model, inputs = models.mlp()
+    return nns.capture(model, kwargs=inputs)
+
+
+def _first_linear(b):
+    return next(op for op in b.ops if op.node.op_name.startswith("aten.linear"))
+
+
+def _replicate_rest(b, skip=()):
+    for op in b.ops:
+        if op.name not in skip and all(d is None for d in b.placement(op).devices):
+            b.replicate(op)
+
+
+def test_plan_round_trips_through_json(tmp_path, mlp_graph):
+    p = nns.plan(mlp_graph, strategy="tp", world_size=2)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    text = path.read_text()
+    assert json.loads(text)["format"] == "nnscaler-plan" and '"version": 1' in text
+    q = Plan.load(path, graph=mlp_graph, world_size=2)
+    assert q.to_json() == p.to_json()
+    assert "world size 2" in q.explain()
+
+
+def test_nested_splits_compose(mlp_graph):
+    b = PlanBuilder(mlp_graph, unit_size=4)
+    lin = _first_linear(b)
+    batch, out_features = lin.signature.outputs[0][0], lin.signature.outputs[0][-1]
+    subs = op_trans(lin, dim=batch, num=2)
+    nested = [op_trans(s, dim=out_features, num=2) for s in subs][-1]
+    assert len(nested) == 4
+    for d, s in enumerate(nested):
+        op_assign(s, d)
+    assert b.placement(lin).splits == [(batch, 2), (out_features, 2)]
+
+
+def test_unassigned_subop_is_rejected_with_source_line(mlp_graph):
+    b = PlanBuilder(mlp_graph, unit_size=2)
+    lin = _first_linear(b)
+    subs = op_trans(lin, dim=lin.signature.outputs[0][-1], num=2)
+    op_assign(subs[0], 0)
+    _replicate_rest(b, skip={lin.name})
+    with pytest.raises(PlanError) as e:
+        b.finish()
+    assert lin.name in str(e.value) and "not assigned" in str(e.value) and lin.node.source in str(e.value)
+
+
+def test_split_not_dividing_is_rejected(mlp_graph):
+    b = PlanBuilder(mlp_graph, unit_size=3)
+    lin = _first_linear(b)
+    label = lin.signature.outputs[0][-1]
+    size = mlp_graph.meta(lin.node.outputs[0]).shape[-1]
+    assert size % 3
+    for d, s in enumerate(op_trans(lin, dim=label, num=3)):
+        op_assign(s, d)
+    _replicate_rest(b, skip={lin.name})
+    with pytest.raises(PlanError, match="does not divide"):
+        b.finish()
+
+
+def test_device_outside_world_is_rejected(mlp_graph):
+    b = PlanBuilder(mlp_graph, unit_size=2)
+    lin = _first_linear(b)
+    subs = op_trans(lin, dim=lin.signature.outputs[0][-1], num=2)
+    op_assign(subs[0], 0)
+    op_assign(subs[1], 5)
+    _replicate_rest(b, skip={lin.name})
+    with pytest.raises(PlanError, match="outside the world"):
+        b.finish()
+
+
+def test_frozen_dim_is_rejected(mlp_graph):
+    b = PlanBuilder(mlp_graph, unit_size=2)
+    frozen = [(op, l) for op in b.ops for l in op.signature.labels() if op.signature.is_frozen(l)]
+    if not frozen:
+        pytest.skip("no frozen dims in this graph")
+    op, label = frozen[0]
+    with pytest.raises(PlanError, match="frozen"):
+        op_trans(op, dim=label, num=2)
+
+
+def test_plan_for_another_graph_or_world_size_is_rejected(tmp_path, mlp_graph):
+    p = nns.plan(mlp_graph, strategy="tp", world_size=2)
+    with pytest.raises(PlanError, match="world size"):
+        nns.plan(mlp_graph, strategy=p, world_size=4)
+    torch.manual_seed(0)
+    other, inputs = models.mlp()
+    inputs = {k: torch.cat([v, v]) for k, v in inputs.items()}  # other batch size -> other graph
+    g2 = nns.capture(other, kwargs=inputs)
+    p.save(tmp_path / "p.json")
+    with pytest.raises(PlanError, match="another graph"):
+        Plan.load(tmp_path / "p.json", graph=g2, world_size=2)
+
+
+def test_unknown_strategy_names_the_registered_ones(mlp_graph):
+    with pytest.raises(PlanError, match="registered"):
+        nns.plan(mlp_graph, strategy="no-such-plan", world_size=2)
+    assert {"dp", "tp", "hybrid"} <= set(nns.strategies())
+
+
+def test_failed_save_keeps_previous_plan(tmp_path, mlp_graph):
+    p = nns.plan(mlp_graph, strategy="tp", world_size=2)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    before = path.read_text()
+    p.options = {"bad": object()}
+    p.options = {"x": float("nan")}
+    p.save(path)  # a good save replaces atomically
+    p.ops = None  # a broken plan: to_json raises before anything is written
+    with pytest.raises(Exception):
+        p.save(path)
+    assert path.read_text() != "" and json.loads(path.read_text())
+    assert json.loads(before)["format"] == "nnscaler-plan"
