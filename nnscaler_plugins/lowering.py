@@ -50,6 +50,7 @@ class Stmt:
     grad_enabled: bool = True
     group_kwarg: Optional[int] = None  # index into Program.kernel_groups, passed as group=
     comment: str = ""
+    output_of: Optional[int] = None  # index of the model output this statement only serves
 
 
 @dataclass
@@ -324,7 +325,7 @@ def lower(graph: Graph, plan: Plan) -> Program:
 
     # Outputs are returned whole (replicated) on every device of the unit.
     outputs_per_rank: list[list[Optional[str]]] = [[] for _ in range(unit)]
-    for o in graph.outputs:
+    for oi, o in enumerate(graph.outputs):
         if o is None:
             for dev in range(unit):
                 outputs_per_rank[dev].append(None)
@@ -337,7 +338,8 @@ def lower(graph: Graph, plan: Plan) -> Program:
             if not reshards[k].is_identity:
                 var = fresh(o + "_out")
                 for dev in range(unit):
-                    per_rank[dev].append(Stmt("reshard", out=[var], src=o, key=k, comment=_describe(reshards[k])))
+                    per_rank[dev].append(Stmt("reshard", out=[var], src=o, key=k, comment=_describe(reshards[k]),
+                                              output_of=oi))
         for dev in range(unit):
             outputs_per_rank[dev].append(var)
 

@@ -65,6 +65,16 @@ class _Comm:
         return self.groups.get(self._own(self.program.kernel_groups[key]))
 
 
+class _SingleProcess:
+    """World size 1 needs no torch.distributed at all (and may run without it initialized)."""
+
+    def get(self, ranks: tuple[int, ...]) -> None:
+        return None
+
+    def ensure(self, rank_sets: Any) -> None:
+        pass
+
+
 def _safe(fqn: str) -> str:
     return fqn.replace(".", "__")
 
@@ -86,10 +96,10 @@ class ParallelModule(torch.nn.Module):
         self.dp_size = plan.dp
         self.loss_fn = loss_fn
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self.groups = ProcessGroups(self._all_group_tuples())
+        self.groups = ProcessGroups(self._all_group_tuples()) if world_size > 1 else _SingleProcess()
         unit_groups = _UnitGroups(self.groups, self.dp_rank * plan.unit_size)
         self._comm = _Comm(program, self.unit_device, unit_groups)
-        self._forward, self.source_path = write_and_load(program, self.unit_device, cache_dir)
+        self._gen, self.source_path = write_and_load(program, self.unit_device, cache_dir)
 
         # Local shards: parameters become nn.Parameters, buffers and constants plain buffers.
         rp = program.ranks[self.unit_device]
@@ -186,8 +196,9 @@ class ParallelModule(torch.nn.Module):
             vals.append(x)
         return vals
 
-    def _run(self, args: tuple, kwargs: dict) -> list[Any]:
-        flat = self._forward(self._comm, self._device, self._params_in_order(), *self._flat_inputs(args, kwargs))
+    def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
+        fn = self._gen.forward_loss if loss_only else self._gen.forward
+        flat = fn(self._comm, self._device, self._params_in_order(), *self._flat_inputs(args, kwargs))
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -198,8 +209,11 @@ class ParallelModule(torch.nn.Module):
     def train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward on one batch; returns the (detached) loss. The optimizer step is the caller's."""
         args, kwargs = normalize_inputs(batch, None)
-        out = self.forward(*args, **kwargs)
-        loss = self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
+        if self.loss_fn is None and self.program.loss_index is not None:
+            loss = self._run(args, kwargs, loss_only=True)[self.program.loss_index]
+        else:
+            out = self.forward(*args, **kwargs)
+            loss = self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
         loss.backward()
         return loss.detach()
 
