@@ -1,0 +1,263 @@
+"""Collectives as autograd functions, each with the backward its dual layout calls for.
+
+Gradients live in the dual layout of their values: a replicated value has the whole gradient on
+every replica (not a share of it), a partial-sum value has the whole gradient on every summand, and
+a split value has the matching piece. So gathering a split value needs no communication backward
+(each device keeps its piece of an already whole gradient), while splitting a replicated value
+needs an all-gather backward to make the gradient whole again.
+
+`order` lists the process-group ranks in piece order (piece j lives on group rank order[j]);
+resharding needs it because the devices holding consecutive pieces need not be sorted. None means
+group-rank order. A `group` of None stands for a device alone (what `ProcessGroups.get` returns
+for single-device tuples): the collective is then the identity, or the local piece.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from ..layout import cat_dim, chunk_dim
+
+Order = Optional[Sequence[int]]
+# What a one-number header can name when a receiver knows only the shape.
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _order(group: Any, order: Order) -> tuple[int, ...]:
+    return tuple(range(_size(group))) if order is None else tuple(order)
+
+
+def _my_index(group: Any, order: tuple[int, ...]) -> int:
+    return 0 if group is None else order.index(dist.get_rank(group))
+
+
+def _gather(x: torch.Tensor, dim: int, group: Any, blocks: int, order: tuple[int, ...]) -> torch.Tensor:
+    if group is None:
+        return x
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in order]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return cat_dim([parts[g] for g in order], dim, blocks)
+
+
+def _scatter_sum(x: torch.Tensor, dim: int, group: Any, blocks: int, order: tuple[int, ...]) -> torch.Tensor:
+    n = len(order)
+    if group is None:
+        return x
+    inputs = [chunk_dim(x, dim, n, order.index(g), blocks).contiguous() for g in range(n)]
+    out = torch.empty_like(inputs[0])
+    dist.reduce_scatter(out, inputs, group=group)
+    return out
+
+
+def _sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def _exchange(x: torch.Tensor, src_dim: int, dst_dim: int, group: Any, src_blocks: int, dst_blocks: int,
+              order: tuple[int, ...]) -> torch.Tensor:
+    n = len(order)
+    if group is None:
+        return x
+    sends = [chunk_dim(x, dst_dim, n, order.index(g), dst_blocks).contiguous() for g in range(n)]
+    recvs = [torch.empty_like(s) for s in sends]
+    dist.all_to_all(recvs, sends, group=group)
+    return cat_dim([recvs[g] for g in order], src_dim, src_blocks)
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, blocks, order):
+        ctx.args = (dim, len(order), _my_index(group, order), blocks)
+        return _gather(x, dim, group, blocks, order)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, n, index, blocks = ctx.args
+        return chunk_dim(g, dim, n, index, blocks), None, None, None, None
+
+
+class _AllReduce(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, blocks, order):
+        ctx.args = (dim, group, blocks, order)
+        return _scatter_sum(x, dim, group, blocks, order)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, *ctx.args), None, None, None, None
+
+
+class _Chunk(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, blocks, order):
+        ctx.args = (dim, group, blocks, order)
+        return chunk_dim(x, dim, len(order), _my_index(group, order), blocks).clone(
+            memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, *ctx.args), None, None, None, None
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, group, src_blocks, dst_blocks, order):
+        ctx.args = (dst_dim, src_dim, group, dst_blocks, src_blocks, order)
+        return _exchange(x, src_dim, dst_dim, group, src_blocks, dst_blocks, order)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_exchange(g, *ctx.args),) + (None,) * 6
+
+
+class _ValueMask(Function):
+    @staticmethod
+    def forward(ctx, x, keep):
+        return x.clone() if keep else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _SendRecv(Function):
+    @staticmethod
+    def forward(ctx, x, send_to, recv_from):
+        ctx.peers = (recv_from, send_to)
+        return _send_recv(x, send_to, recv_from)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _send_recv(g, *ctx.peers), None, None
+
+
+def _send_recv(x: torch.Tensor, send_to: Optional[int], recv_from: Optional[int]) -> torch.Tensor:
+    me = dist.get_rank()
+    if send_to == me and recv_from == me:
+        return x.clone()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ops = []
+    if send_to is not None:
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
+    if recv_from is not None:
+        ops.append(dist.P2POp(dist.irecv, out, recv_from))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return out
+
+
+class _IdentityAllReduce(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _sum(g, ctx.group), None
+
+
+class _GatherScatterSum(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, blocks, order):
+        ctx.args = (dim, group, blocks, order)
+        return _gather(x, dim, group, blocks, order)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _scatter_sum(g, *ctx.args), None, None, None, None
+
+
+# -- public -------------------------------------------------------------------------------------------
+def all_gather(x: torch.Tensor, dim: int, group: Any, blocks: int = 1, order: Order = None) -> torch.Tensor:
+    """D -> R along `dim`; backward keeps the local piece of the (whole) gradient."""
+    return _AllGather.apply(x, dim, group, blocks, _order(group, order))
+
+
+def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """V -> R; backward is the identity (each summand's gradient is the whole gradient)."""
+    return _AllReduce.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Any, blocks: int = 1, order: Order = None) -> torch.Tensor:
+    """V -> D along `dim`; backward all-gathers the pieces of the gradient."""
+    return _ReduceScatter.apply(x, dim, group, blocks, _order(group, order))
+
+
+def chunk(x: torch.Tensor, dim: int, group: Any, blocks: int = 1, order: Order = None) -> torch.Tensor:
+    """R -> D along `dim` without communication; backward all-gathers over `group`."""
+    return _Chunk.apply(x, dim, group, blocks, _order(group, order))
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: Any, src_blocks: int = 1,
+               dst_blocks: int = 1, order: Order = None) -> torch.Tensor:
+    """Move the split from `src_dim` to `dst_dim`; backward moves it back."""
+    return _AllToAll.apply(x, src_dim, dst_dim, group, src_blocks, dst_blocks, _order(group, order))
+
+
+def value_mask(x: torch.Tensor, keep: bool) -> torch.Tensor:
+    """R -> V: one summand keeps the value, the others become zeros; backward is the identity."""
+    return _ValueMask.apply(x, keep)
+
+
+def send_recv(x: torch.Tensor, send_to: Optional[int], recv_from: Optional[int]) -> torch.Tensor:
+    """One step of a permutation between global ranks (batched isend/irecv); backward runs it reversed.
+
+    The received tensor has the shape and dtype of `x`, since permutations move equal pieces."""
+    return _SendRecv.apply(x, send_to, recv_from)
+
+
+def identity_fwd_allreduce_bwd(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Megatron's f: a whole input feeding split pieces, whose gradients are each only a share."""
+    return _IdentityAllReduce.apply(x, group)
+
+
+def allgather_fwd_reducescatter_bwd(x: torch.Tensor, dim: int, group: Any, blocks: int = 1,
+                                    order: Order = None) -> torch.Tensor:
+    """A split input made whole for split pieces whose gradients are shares: sum them, keep the piece."""
+    return _GatherScatterSum.apply(x, dim, group, blocks, _order(group, order))
+
+
+def transfer(x: Optional[torch.Tensor], send_to: Sequence[int], recv_from: Optional[int],
+             shape: Sequence[int], keep: bool) -> Optional[torch.Tensor]:
+    """Whole tensors to devices outside the source set (pipeline stages), by global rank.
+
+    Receivers know the shape but not the dtype, so a one-number header carries it. This is
+    forward-only: gradients crossing device sets are the pipeline schedule's to send. Returns the
+    received tensor, `x` where this device keeps its own copy, else None."""
+    # Receivers hold nothing to take a device from; NCCL only moves GPU tensors.
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else "cpu"
+    works = []
+    for peer in send_to:
+        header = torch.tensor([_DTYPES.index(x.dtype)], dtype=torch.int64, device=x.device)
+        works += [dist.isend(header, peer), dist.isend(x.detach().contiguous(), peer)]
+    out = x if keep else None
+    if recv_from is not None:
+        header = torch.empty(1, dtype=torch.int64, device=device)
+        dist.recv(header, recv_from)
+        out = torch.empty(tuple(shape), dtype=_DTYPES[int(header.item())], device=device)
+        dist.recv(out, recv_from)
+    for work in works:
+        work.wait()
+    return out
