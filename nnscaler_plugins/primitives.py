@@ -90,9 +90,7 @@ class OpHandle:
             return False
         current = self.builder._placement(self).label_counts().get(label, 1)
         from .rules import op_call
-        size = self.signature.size_of(label, op_call(self.builder.graph, self.node))
-        block = _block_factor(self.signature, label)
-        return size % (current * num * block) == 0
+        return self.signature.divides(label, current * num, op_call(self.builder.graph, self.node))
 
     def __repr__(self) -> str:
         return f"<op {self.name} {self.node.op_name} {self.signature.inputs}->{self.signature.outputs}>"

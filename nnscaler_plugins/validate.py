@@ -59,9 +59,9 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
                                 where=op.where())
             if sig.is_frozen(label):
                 raise PlanError(f"splits dim {label!r}, which its rule keeps whole", op=op.name, where=op.where())
-            size = sig.size_of(label, call)
-            block = max([b for (l, _i), b in blocks.items() if l == label], default=1)
-            if size % (total * block):
-                extra = f" in {block} blocks" if block > 1 else ""
-                raise PlanError(f"split of dim {label!r} (size {size}) into {total} pieces{extra} does not divide it; "
-                                f"use a number of pieces that divides {size // block}", op=op.name, where=op.where())
+            if not sig.divides(label, total, call):
+                block = max([b for (l, _i), b in blocks.items() if l == label], default=1)
+                extra = f" (in each of {block} blocks)" if block > 1 else ""
+                raise PlanError(f"split of dim {label!r} (size {sig.size_of(label, call)}) into {total} pieces "
+                                f"does not divide it{extra}; use a number of pieces that divides every dim carrying "
+                                f"{label!r}", op=op.name, where=op.where())

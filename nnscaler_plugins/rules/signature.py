@@ -19,6 +19,14 @@ Labels are plain strings. By convention a label starting with "^" is frozen, so 
 when those inputs arrive as partial sums the op may run on each partial and its outputs are partial
 sums as well, with no communication. Inputs not listed must then be whole (replicated).
 
+`blocks[(label, input_index)] = b` marks an input dim that must be split as a *blocked* (strided)
+split: the dim is viewed as `b` equal blocks and every piece takes its chunk of each block. This is
+how `split`/`chunk` into `b` equal sections (a fused QKV projection cut into q, k, v) can run on
+pieces: each output section is then split contiguously.
+
+A label may carry different sizes on different tensors (a reshape's merged dim and the leading dim
+it becomes; grouped-query attention's query and key heads): a split must divide all of them.
+
 When the plain op is not what a piece must run (a vocabulary-parallel embedding must shift and
 mask its ids; a mean over a split dim must divide by the global count), `localize` returns the
 target and arguments each piece runs. It receives a `LocalCall` describing the piece. If the piece
@@ -27,6 +35,7 @@ names the split label whose device group is passed as the keyword argument `grou
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -93,6 +102,7 @@ class Signature:
     localize: Optional[Callable[[LocalCall], Localized]] = None
     # Labels whose split requires `localize` to return a group-aware kernel (for messages/search).
     comm_labels: frozenset[str] = frozenset()
+    blocks: Mapping[tuple[str, int], int] = field(default_factory=dict)
     # Labels that may only be split if every label in the tuple divides; informative for search.
     note: str = ""
 
@@ -118,14 +128,31 @@ class Signature:
         return "reduce" if label in self.reduce else "spatial"
 
     def size_of(self, label: str, call: OpCall) -> int:
-        """Length of the dims carrying `label` (all must agree; checked by `check`)."""
+        """The largest piece count bound for `label`: the gcd of every dim length carrying it, so a
+        number of pieces divides this exactly when it divides every such dim."""
+        found = 0
         for metas, labs in ((call.inputs, self.inputs), (call.outputs, self.outputs)):
             for m, lab in zip(metas, labs):
                 if m is not None and lab:
                     for d, l in enumerate(lab):
                         if l == label:
-                            return m.shape[d]
-        raise KeyError(label)
+                            found = math.gcd(found, m.shape[d])
+        if not found:
+            raise KeyError(label)
+        return found
+
+    def divides(self, label: str, num: int, call: OpCall) -> bool:
+        """True when `num` pieces split every dim carrying `label` evenly (blocked dims per block)."""
+        for k, (metas, labs) in enumerate(((call.inputs, self.inputs), (call.outputs, self.outputs))):
+            for i, (m, lab) in enumerate(zip(metas, labs)):
+                if m is None or not lab:
+                    continue
+                for d, l in enumerate(lab):
+                    if l == label:
+                        b = self.blocks.get((label, i), 1) if k == 0 else 1
+                        if m.shape[d] % (num * b):
+                            return False
+        return True
 
     def dims_of(self, label: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(input_index, dim) and (output_index, dim) pairs carrying `label`."""
@@ -147,8 +174,6 @@ class Signature:
                 if len(lab) != m.ndim:
                     raise ValueError(f"labels {lab} do not match shape {m.shape}")
                 for l, s in zip(lab, m.shape):
-                    if l in sizes and sizes[l] != s and not self.is_frozen(l):
-                        raise ValueError(f"label {l!r} has sizes {sizes[l]} and {s}")
                     sizes.setdefault(l, s)
         for l in self.reduce:
             _, outs = self.dims_of(l)

@@ -1,0 +1,31 @@
+"""Label helpers shared by the rule families: broadcasting and local shape arguments."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..graph import TensorMeta
+from .signature import Labels
+
+
+def out_labels(ndim: int, prefix: str = "d") -> Labels:
+    return tuple(f"{prefix}{i}" for i in range(ndim))
+
+
+def broadcast_labels(inp: TensorMeta, out_shape: Sequence[int], tag: str, prefix: str = "d") -> Labels:
+    """Labels of an input broadcast to `out_shape`: dims equal to the output's share its label,
+    broadcast (size-1) dims are frozen so they are never split."""
+    n, m = len(out_shape), inp.ndim
+    labs = []
+    for j, s in enumerate(inp.shape):
+        i = j + n - m
+        labs.append(f"{prefix}{i}" if s == out_shape[i] else f"^b{tag}_{j}")
+    return tuple(labs)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def local_size(meta: Optional[TensorMeta]) -> list[int]:
+    assert meta is not None
+    return list(meta.shape)

@@ -1,0 +1,43 @@
+"""Elementwise ops (with broadcasting) and value-preserving copies: every output dim is spatial."""
+from __future__ import annotations
+
+from .broadcast import broadcast_labels, out_labels
+from .signature import OpCall, Signature
+from .table import rule
+
+UNARY_OR_BROADCAST = [
+    # arithmetic
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.div.Tensor_mode",
+    "aten.add.Scalar", "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.rsub.Scalar",
+    "aten.rsub.Tensor", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.neg.default",
+    "aten.rsqrt.default", "aten.sqrt.default", "aten.exp.default", "aten.log.default", "aten.abs.default",
+    "aten.reciprocal.default", "aten.square.default", "aten.clamp.default", "aten.clamp_min.default",
+    "aten.maximum.default", "aten.minimum.default", "aten.lerp.Scalar",
+    # activations
+    "aten.tanh.default", "aten.gelu.default", "aten.silu.default", "aten.relu.default", "aten.sigmoid.default",
+    "aten.softplus.default", "aten.erf.default", "aten.sin.default", "aten.cos.default", "aten.hardtanh.default",
+    "aten.leaky_relu.default", "aten.elu.default", "aten.mish.default",
+    # comparisons and logic
+    "aten.eq.Tensor", "aten.eq.Scalar", "aten.ne.Tensor", "aten.ne.Scalar", "aten.ge.Tensor", "aten.ge.Scalar",
+    "aten.gt.Tensor", "aten.gt.Scalar", "aten.le.Tensor", "aten.le.Scalar", "aten.lt.Tensor", "aten.lt.Scalar",
+    "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
+    "aten.bitwise_not.default", "aten.logical_not.default", "aten.logical_and.default", "aten.logical_or.default",
+    "aten.where.self", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.isnan.default",
+    # copies, casts, dropout
+    "aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default", "aten.type_as.default",
+    "aten.lift_fresh_copy.default", "aten.dropout.default", "aten.zeros_like.default", "aten.ones_like.default",
+    "aten.full_like.default", "aten.empty_like.default", "aten.fill.Scalar",
+]
+
+
+@rule(*UNARY_OR_BROADCAST)
+def elementwise(call: OpCall) -> Signature:
+    """Each output element depends only on the same element of each (broadcast) input, so every
+    output dim may be split; an input's broadcast dims stay whole. Dropout pieces draw their own
+    masks: equal in distribution, not bit for bit, to the unsplit op."""
+    out = call.outputs[0]
+    if out is None:
+        return None
+    ins = tuple(broadcast_labels(m, out.shape, str(i)) for i, m in enumerate(call.inputs))
+    return Signature(inputs=ins, outputs=(out_labels(out.ndim),))

@@ -1,0 +1,234 @@
+"""View and movement ops: labels follow the data. A reshape splits or merges groups of dims; the
+leading dim of a group may be split (its chunks are contiguous in the merged dim), the rest stay
+whole. Size arguments are rewritten to the piece's local shape.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .broadcast import norm_dim
+from .signature import LocalCall, Localized, OpCall, Signature
+from .table import rule
+
+
+def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[list[tuple[list[int], list[int]]]]:
+    """Pair runs of dims of src and dst with equal products (size-1 dims get their own group)."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(src) or j >= len(dst):
+            return None
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        i += 1
+        j += 1
+        while pi != pj:
+            if pi < pj:
+                if i >= len(src):
+                    return None
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                if j >= len(dst):
+                    return None
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _local_shape(lc: LocalCall, out: int = 0) -> list[int]:
+    meta = lc.local_outputs[out]
+    assert meta is not None
+    return list(meta.shape)
+
+
+def _reshape_localize(call: OpCall, size_index: int = 1):
+    def localize(lc: LocalCall) -> Localized:
+        args = list(call.args)
+        args[size_index] = _local_shape(lc)
+        return Localized(call.target, tuple(args), call.kwargs)
+    return localize
+
+
+@rule("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+def view(call: OpCall) -> Signature:
+    src, dst = call.inputs[0].shape, call.outputs[0].shape
+    groups = _groups(tuple(src), tuple(dst))
+    if groups is None:
+        return None
+    ins: list[str] = [""] * len(src)
+    outs: list[str] = [""] * len(dst)
+    for g, (gi, gj) in enumerate(groups):
+        for k, i in enumerate(gi):
+            ins[i] = f"g{g}" if k == 0 and gj else f"^i{i}"
+        for k, j in enumerate(gj):
+            outs[j] = f"g{g}" if k == 0 and gi else f"^o{j}"
+    return Signature(inputs=(tuple(ins),), outputs=(tuple(outs),), localize=_reshape_localize(call))
+
+
+@rule("aten.flatten.using_ints")
+def flatten(call: OpCall) -> Signature:
+    x = call.inputs[0]
+    start = norm_dim(call.arg(1, "start_dim", 0), x.ndim)
+    end = norm_dim(call.arg(2, "end_dim", -1), x.ndim)
+    ins = tuple(f"d{i}" if i < start else (f"g{start}" if i == start else (f"^i{i}" if i <= end else f"e{i}"))
+                for i in range(x.ndim))
+    outs = tuple(f"d{i}" for i in range(start)) + (f"g{start}",) + tuple(f"e{i}" for i in range(end + 1, x.ndim))
+    return Signature(inputs=(ins,), outputs=(outs,))
+
+
+@rule("aten.expand.default")
+def expand(call: OpCall) -> Signature:
+    x, out = call.inputs[0], call.outputs[0]
+    n, m = out.ndim, x.ndim
+    ins = tuple(f"d{j + n - m}" if s == out.shape[j + n - m] else f"^b{j}" for j, s in enumerate(x.shape))
+    return Signature(inputs=(ins,), outputs=(tuple(f"d{i}" for i in range(n)),), localize=_reshape_localize(call))
+
+
+@rule("aten.unsqueeze.default")
+def unsqueeze(call: OpCall) -> Signature:
+    x, out = call.inputs[0], call.outputs[0]
+    d = norm_dim(call.arg(1, "dim"), out.ndim)
+    ins = tuple(f"d{i}" for i in range(x.ndim))
+    outs = ins[:d] + ("^new",) + ins[d:]
+    return Signature(inputs=(ins,), outputs=(outs,))
+
+
+@rule("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default")
+def squeeze(call: OpCall) -> Signature:
+    x, out = call.inputs[0], call.outputs[0]
+    dims = call.arg(1, "dim", None)
+    if dims is None:
+        dims = [i for i, s in enumerate(x.shape) if s == 1]
+    elif isinstance(dims, int):
+        dims = [dims]
+    dims = {norm_dim(d, x.ndim) for d in dims if x.shape[norm_dim(d, x.ndim)] == 1}
+    ins = tuple(f"^s{i}" if i in dims else f"d{i}" for i in range(x.ndim))
+    outs = tuple(l for l in ins if not l.startswith("^s"))
+    return Signature(inputs=(ins,), outputs=(outs,))
+
+
+@rule("aten.transpose.int")
+def transpose(call: OpCall) -> Signature:
+    x = call.inputs[0]
+    a, b = norm_dim(call.arg(1, "dim0"), x.ndim), norm_dim(call.arg(2, "dim1"), x.ndim)
+    ins = [f"d{i}" for i in range(x.ndim)]
+    outs = list(ins)
+    outs[a], outs[b] = outs[b], outs[a]
+    return Signature(inputs=(tuple(ins),), outputs=(tuple(outs),))
+
+
+@rule("aten.t.default")
+def t(call: OpCall) -> Signature:
+    x = call.inputs[0]
+    ins = tuple(f"d{i}" for i in range(x.ndim))
+    return Signature(inputs=(ins,), outputs=(tuple(reversed(ins)),))
+
+
+@rule("aten.permute.default")
+def permute(call: OpCall) -> Signature:
+    x = call.inputs[0]
+    order = [norm_dim(d, x.ndim) for d in call.arg(1, "dims")]
+    ins = tuple(f"d{i}" for i in range(x.ndim))
+    return Signature(inputs=(ins,), outputs=(tuple(ins[i] for i in order),))
+
+
+@rule("aten.slice.Tensor", "aten.narrow.default")
+def slice_(call: OpCall) -> Signature:
+    x = call.inputs[0]
+    d = norm_dim(call.arg(1, "dim", 0), x.ndim)
+    ins = tuple("^in" if i == d else f"d{i}" for i in range(x.ndim))
+    outs = tuple("^out" if i == d else f"d{i}" for i in range(x.ndim))
+    return Signature(inputs=(ins,), outputs=(outs,))
+
+
+@rule("aten.select.int")
+def select(call: OpCall) -> Signature:
+    x = call.inputs[0]
+    d = norm_dim(call.arg(1, "dim"), x.ndim)
+    ins = tuple("^sel" if i == d else f"d{i}" for i in range(x.ndim))
+    return Signature(inputs=(ins,), outputs=(tuple(l for l in ins if l != "^sel"),))
+
+
+@rule("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int")
+def split(call: OpCall) -> Signature:
+    """Equal sections may split the sectioned dim *blockwise*: every piece takes its chunk of each
+    section, so each output is split contiguously (a fused QKV projection cut into q, k, v)."""
+    x = call.inputs[0]
+    name = str(call.target)
+    dim = norm_dim(call.arg(2 if not name.startswith("aten.unbind") else 1, "dim", 0), x.ndim)
+    outs_meta = [o for o in call.outputs]
+    sizes = [o.shape[dim] if o is not None and not name.startswith("aten.unbind") else None for o in outs_meta]
+    base = [f"d{i}" for i in range(x.ndim)]
+    if name.startswith("aten.unbind"):
+        ins = tuple("^u" if i == dim else base[i] for i in range(x.ndim))
+        outs = tuple(tuple(b for i, b in enumerate(base) if i != dim) if o is not None else None for o in outs_meta)
+        return Signature(inputs=(ins,), outputs=outs)
+    equal = all(s is not None for s in sizes) and len(set(sizes)) == 1 and sizes[0] * len(sizes) == x.shape[dim]
+    sec = "q" if equal else "^in"
+    ins = tuple(sec if i == dim else base[i] for i in range(x.ndim))
+    outs = tuple(tuple((sec if equal else f"^out{j}") if i == dim else base[i] for i in range(x.ndim))
+                 if o is not None else None for j, o in enumerate(outs_meta))
+    blocks = {("q", 0): len(sizes)} if equal and len(sizes) > 1 else {}
+
+    def localize(lc: LocalCall) -> Localized:
+        if "q" not in lc.splits:
+            return Localized(call.target, call.args, call.kwargs)
+        args = list(call.args)
+        n = lc.splits["q"]
+        if name.startswith("aten.split.Tensor"):
+            args[1] = args[1] // n
+        elif name.startswith("aten.split_with_sizes"):
+            args[1] = [s // n for s in args[1]]
+        return Localized(call.target, tuple(args), call.kwargs)
+
+    return Signature(inputs=(ins,), outputs=outs, blocks=blocks, localize=localize)
+
+
+@rule("aten.cat.default")
+def cat(call: OpCall) -> Signature:
+    out = call.outputs[0]
+    dim = norm_dim(call.arg(1, "dim", 0), out.ndim)
+    ins = []
+    for t, m in enumerate(call.inputs):
+        if m.ndim != out.ndim:  # legacy empty tensors
+            return None
+        ins.append(tuple(f"^c{t}" if i == dim else f"d{i}" for i in range(m.ndim)))
+    return Signature(inputs=tuple(ins), outputs=(tuple("^out" if i == dim else f"d{i}" for i in range(out.ndim)),))
+
+
+@rule("aten.stack.default")
+def stack(call: OpCall) -> Signature:
+    out = call.outputs[0]
+    dim = norm_dim(call.arg(1, "dim", 0), out.ndim)
+    ins = tuple(tuple(f"d{i if i < dim else i + 1}" for i in range(m.ndim)) for m in call.inputs)
+    return Signature(inputs=ins, outputs=(tuple("^new" if i == dim else f"d{i}" for i in range(out.ndim)),))
+
+
+@rule("aten.pad.default", "aten.constant_pad_nd.default")
+def pad(call: OpCall) -> Signature:
+    x = call.inputs[0]
+    p = list(call.arg(1, "pad"))
+    padded = {x.ndim - 1 - k // 2 for k in range(len(p)) if p[k] != 0}
+    ins = tuple(f"^p{i}" if i in padded else f"d{i}" for i in range(x.ndim))
+    outs = tuple(f"^q{i}" if i in padded else f"d{i}" for i in range(x.ndim))
+    return Signature(inputs=(ins,), outputs=(outs,))
+
+
+@rule("aten.index.Tensor", "aten.gather.default", "aten.index_select.default", "aten.masked_select.default",
+      "aten.nonzero.default", "aten.scatter.src", "aten.scatter_add.default", "aten.index_put.default")
+def gather_like(call: OpCall) -> Signature:
+    """Data-dependent indexing: kept whole (replicated) by design; cheap in the graphs where it
+    appears (masks and position ids)."""
+    return Signature(inputs=tuple(None for _ in call.inputs), outputs=tuple(None for _ in call.outputs),
+                     note="data-dependent indexing runs whole")
