@@ -74,11 +74,9 @@ class OpNode:
     @property
     def op_name(self) -> str:
         t = self.target
-        name = getattr(t, "_name", None) or getattr(t, "__name__", None) or str(t)
-        overload = getattr(t, "_overloadname", None)
-        if overload and not name.endswith(overload):
-            name = f"{name}.{overload}"
-        return name
+        if isinstance(t, torch._ops.OpOverload):
+            return str(t)  # "aten.linear.default", the key the rule table uses
+        return getattr(t, "__name__", None) or str(t)
 
     def where(self) -> str:
         """Human-readable location used in every error and warning about this op."""

@@ -86,12 +86,11 @@ def test_device_outside_world_is_rejected(mlp_graph):
         b.finish()
 
 
-def test_frozen_dim_is_rejected(mlp_graph):
-    b = PlanBuilder(mlp_graph, unit_size=2)
-    frozen = [(op, l) for op in b.ops for l in op.signature.labels() if op.signature.is_frozen(l)]
-    if not frozen:
-        pytest.skip("no frozen dims in this graph")
-    op, label = frozen[0]
+def test_frozen_dim_is_rejected():
+    model, inputs = models.vit_small()
+    b = PlanBuilder(nns.capture(model, kwargs=inputs), unit_size=2)
+    op = next(op for op in b.ops if op.node.op_name == "aten.softmax.int")
+    label = next(l for l in op.signature.labels() if op.signature.is_frozen(l))
     with pytest.raises(PlanError, match="frozen"):
         op_trans(op, dim=label, num=2)
 

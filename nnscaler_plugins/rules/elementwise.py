@@ -41,3 +41,10 @@ def elementwise(call: OpCall) -> Signature:
         return None
     ins = tuple(broadcast_labels(m, out.shape, str(i)) for i, m in enumerate(call.inputs))
     return Signature(inputs=ins, outputs=(out_labels(out.ndim),))
+
+
+@rule("aten.broadcast_tensors.default")
+def broadcast_tensors(call: OpCall) -> Signature:
+    out = call.outputs[0]
+    ins = tuple(broadcast_labels(m, out.shape, str(i)) for i, m in enumerate(call.inputs))
+    return Signature(inputs=ins, outputs=tuple(out_labels(out.ndim) for _ in call.outputs))

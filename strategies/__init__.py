@@ -1,0 +1,71 @@
+"""The built-in strategies, shipped as a plugin exactly like a third-party package would ship one.
+
+The core finds this module through the `nnscaler_plugins` entry point and never imports it, so a
+strategy written outside this repository has the same standing as these.
+
+Registration: each strategy is registered as a `Strategy` object. It is callable like any
+strategy (`strategy(builder, **options)`), and it also carries `degrees(world_size, **options) ->
+(unit_size, dp)`, which `nns.plan` asks before it makes the builder -- a plain function with a
+`.degrees` attribute works the same for third-party plugins; the object exists so that the name
+and a one-line description travel with the strategy (for `nns.strategies()`-style listings).
+
+    dp      every rank runs the whole model on its own batch (unit of 1 device, dp = world)
+    tp      Megatron-style tensor parallelism over the whole world (or tp= devices, dp = world / tp)
+    hybrid  tp= devices per unit, dp= units
+"""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nnscaler_plugins.hookspecs import hookimpl
+from nnscaler_plugins.primitives import PlanBuilder
+
+from . import data_parallel, hybrid, tensor_parallel
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named strategy: `apply(builder, **options)` plus the degrees it wants for a world size."""
+
+    name: str
+    apply: Callable[..., None]
+    degrees: Callable[..., tuple[int, int]]
+    doc: str = ""
+
+    def __call__(self, builder: PlanBuilder, **options: Any) -> None:
+        self.apply(builder, **options)
+
+    def __repr__(self) -> str:
+        return f"<strategy {self.name}: {self.doc}>"
+
+
+DP = Strategy("dp", data_parallel.data_parallel, data_parallel.degrees,
+              "data parallel: the whole model on every rank, gradients averaged")
+TP = Strategy("tp", tensor_parallel.tensor_parallel, tensor_parallel.degrees,
+              "tensor parallel: column/row-parallel matmuls, head-parallel attention, vocabulary-parallel "
+              "embedding and loss, found from the ops' dimension rules")
+HYBRID = Strategy("hybrid", hybrid.hybrid, hybrid.degrees,
+                  "tensor parallel inside units of tp= devices, data parallel across dp= units")
+
+
+@hookimpl
+def nnscaler_register_strategies() -> dict[str, Strategy]:
+    return {s.name: s for s in (DP, TP, HYBRID)}
+
+
+__all__ = ["Strategy", "DP", "TP", "HYBRID", "nnscaler_register_strategies"]
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this subpackage binds `nnscaler_plugins.strategies` to it, which would hide the
+    public function `nns.strategies()`; calling the module keeps that name working."""
+
+    def __call__(self) -> list[str]:
+        from nnscaler_plugins.plugins import strategies
+        return strategies()
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,35 @@
+"""Pure data parallelism: a unit of one device running the whole model.
+
+Every rank runs the same program on its own slice of the batch; the runtime averages gradients
+across the `dp` replicas of the unit. Expressing it as a one-device unit (rather than as a special
+mode) keeps one code path for every strategy: the plan, the lowering and the runtime do not know
+data parallelism is anything but `dp` copies of a unit.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.primitives import PlanBuilder
+
+
+def degrees(world_size: int, **options: Any) -> tuple[int, int]:
+    """(unit_size, dp) = (1, world_size); a `tp` other than 1 is a request for another strategy."""
+    tp = options.get("tp")
+    if tp not in (None, 1):
+        raise PlanError(f"strategy 'dp' has no tensor parallelism (got tp={tp}); use strategy='hybrid' "
+                        f"with tp={tp}, dp={world_size // tp if tp and world_size % tp == 0 else '?'}")
+    dp = options.get("dp")
+    if dp not in (None, world_size):
+        raise PlanError(f"strategy 'dp' uses every rank as a replica: dp must equal the world size "
+                        f"{world_size} (got dp={dp})")
+    return 1, world_size
+
+
+def data_parallel(builder: PlanBuilder, **options: Any) -> None:
+    """Run every op whole on the unit's only device."""
+    if builder.unit_size != 1:
+        raise PlanError(f"strategy 'dp' plans a unit of one device, the builder has {builder.unit_size}; "
+                        "use strategy='hybrid' to combine data and tensor parallelism")
+    for op in builder.ops:
+        builder.replicate(op, devices=[0])

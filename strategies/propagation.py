@@ -1,0 +1,552 @@
+"""Layout propagation: Megatron-style tensor parallelism found from dimension rules alone.
+
+Why a propagation and not a pattern match: a pattern ("q/k/v then o", "gate/up then down") only
+knows the models it was written for. Here the unit of reasoning is a tensor's layout on the unit of
+`n` devices -- replicated, split along one dim (possibly blocked), or a partial sum -- and an op's
+dimension rule says which layouts it accepts and produces. Walking the graph in order while keeping
+every value's layout, each op takes the split that leaves its inputs where their producers put
+them; whatever it cannot accept is left to the lowering, which inserts the collective.
+
+The only decisions that are not local are the matmuls with a weight parameter. A matmul whose
+activation arrives split along its reduce dim runs row-parallel (its output is a partial sum). A
+matmul whose activation is whole may run column-parallel, but that only pays if the split output
+can travel on, without a gather, to a row-parallel partner, to a group-aware kernel (vocabulary-
+parallel cross-entropy) or to the model's outputs. That is checked by simulating the same local
+choices ahead of the real walk. When a path stops at an op that wants the split in blocks (the
+`split` of a fused QKV projection into three sections), the simulation is retried with that block
+factor; when it still stops, the matmul stays replicated rather than paying a gather per step.
+
+Vocabulary embeddings (a parameter holding the only dim that the op reduces over) are split along
+the vocabulary, which gives a partial-sum output. When several embeddings are summed (token +
+position embeddings), each split one would cost its own all-reduce because a partial sum cannot yet
+flow through the add, so only the largest table of such a group is split.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from nnscaler_plugins.graph import Graph
+from nnscaler_plugins.plan import Plan
+from nnscaler_plugins.primitives import OpHandle, PlanBuilder
+from nnscaler_plugins.rules import Signature, op_call, signature_for
+
+_STATIC = ("param", "buffer", "constant")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a tensor's elements live on the unit.
+
+    kind "R": whole on every device; "S": split along `dim` into one chunk per device (with
+    `block` > 1, each of `block` equal sections is split separately); "P": every device holds a
+    tensor of full shape and the true value is their sum.
+    """
+
+    kind: str
+    dim: int = -1
+    block: int = 1
+
+    def __repr__(self) -> str:
+        if self.kind == "S":
+            return f"S({self.dim}{f', block={self.block}' if self.block > 1 else ''})"
+        return self.kind
+
+
+REPLICATED = Layout("R")
+PARTIAL = Layout("P")
+
+
+def split(dim: int, block: int = 1) -> Layout:
+    return Layout("S", dim, block)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one op runs on the unit: whole (label None) or split along `label` into n pieces."""
+
+    label: Optional[str] = None
+    block: int = 1
+
+    def __repr__(self) -> str:
+        if self.label is None:
+            return "replicate"
+        return f"split {self.label!r}" + (f" in {self.block} blocks" if self.block > 1 else "")
+
+
+REPLICATE = Choice()
+
+# Conversion costs, coarse on purpose: the walk only has to tell "free" from "local slicing" (no
+# forward communication, a gather of the gradient in backward) from "a collective per step".
+FREE, SLICE, COMM = 0, 1, 4
+
+
+def conversion_cost(current: Optional[Layout], required: Layout) -> int:
+    """Cost of handing a value held as `current` to an op that needs `required`.
+
+    `current` None means the layout is not fixed yet (an unplaced parameter, or a value the walk
+    has not reached), which any requirement can adopt.
+    """
+    if current is None or current == required:
+        return FREE
+    if required.kind == "P" and current.kind == "R":
+        return FREE  # a whole tensor is a valid partial sum: piece 0 keeps it, the others add zeros
+    if current.kind == "R" and required.kind == "S":
+        return SLICE
+    return COMM
+
+
+@dataclass(frozen=True)
+class MatmulAnchor:
+    """A matmul-family op with a weight parameter: the places where column/row parallelism is decided."""
+
+    activation: int  # input index of the activation
+    weight: int  # input index of the parameter
+    k: str  # the reduce label shared by both
+    n: Optional[str]  # the output-feature label, carried by the weight and the output only
+
+
+@dataclass(frozen=True)
+class VocabAnchor:
+    """An embedding-style lookup: the only input carrying the reduce label is the parameter."""
+
+    weight: int
+    label: str
+
+
+def _is_static(graph: Graph, value: str) -> bool:
+    return graph.values[value].kind in _STATIC
+
+
+def find_matmul_anchor(graph: Graph, op: OpHandle) -> Optional[MatmulAnchor]:
+    """The matmul reading of an op's rule: a reduce label shared by one activation and one parameter."""
+    sig, names = op.signature, op.node.inputs
+    for k in sorted(sig.reduce):
+        if sig.is_frozen(k):
+            continue
+        carriers = sorted({i for i, _ in sig.dims_of(k)[0]})
+        weights = [i for i in carriers if graph.values[names[i]].kind == "param"]
+        acts = [i for i in carriers if not _is_static(graph, names[i])]
+        if len(weights) != 1 or len(acts) != 1:
+            continue
+        w, a = weights[0], acts[0]
+        act_labels = set(sig.inputs[a] or ())
+        out_labels = {l for lab in sig.outputs for l in (lab or ())}
+        n = next((l for l in sig.inputs[w] or () if l != k and sig.kind(l) == "spatial"
+                  and l not in act_labels and l in out_labels), None)
+        return MatmulAnchor(a, w, k, n)
+    return None
+
+
+def find_vocab_anchor(graph: Graph, op: OpHandle) -> Optional[VocabAnchor]:
+    """The embedding reading of an op's rule: a reduce label carried by a parameter and nothing else."""
+    sig, names = op.signature, op.node.inputs
+    for k in sorted(sig.reduce):
+        if sig.is_frozen(k):
+            continue
+        carriers = sorted({i for i, _ in sig.dims_of(k)[0]})
+        if len(carriers) == 1 and graph.values[names[carriers[0]]].kind == "param":
+            return VocabAnchor(carriers[0], k)
+    return None
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    ok: bool
+    stop: Optional[OpHandle] = None
+    demand: Optional[Choice] = None
+
+
+def supports_blocked_splits(builder: PlanBuilder) -> bool:
+    """Whether this core can record a blocked split of an op (needed to column-split a fused QKV)."""
+    try:
+        return "block" in inspect.signature(builder.op_trans).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class TensorParallelPropagation:
+    """One `Choice` per op for the builder's unit; `run` decides, `apply` records on the builder.
+
+    Deciding and recording are separate so that tests and `explain`-style tools can read the
+    layouts and matmul roles the walk arrived at without making a plan.
+    """
+
+    def __init__(self, builder: PlanBuilder):
+        self.builder = builder
+        self.graph = builder.graph
+        self.n = builder.unit_size
+        self.ops = list(builder.ops)
+        self.position = {op.name: i for i, op in enumerate(self.ops)}
+        self.blocked = supports_blocked_splits(builder)
+        self.layout: dict[str, Layout] = {i.name: REPLICATED for i in self.graph.inputs
+                                          if self.graph.values[i.name].meta is not None}
+        self.stored: dict[str, Layout] = {}
+        self.choices: dict[str, Choice] = {}
+        self.roles: dict[str, str] = {}  # matmul anchors: "column" | "row" | "replicated"
+        self.seeds: dict[str, Choice] = {}  # ops that may start a split a whole matmul could not
+        self._matmul: dict[str, Optional[MatmulAnchor]] = {}
+        self._vocab: dict[str, Optional[VocabAnchor]] = {}
+        self._calls = {op.name: op_call(self.graph, op.node) for op in self.ops}
+        self._last_use: dict[str, int] = {}
+        self._consumers: dict[str, list[OpHandle]] = {}
+        for i, op in enumerate(self.ops):
+            for v in dict.fromkeys(op.node.inputs):
+                self._last_use[v] = i
+                self._consumers.setdefault(v, []).append(op)
+        self.vocab_split = self._vocab_tables_to_split()
+
+    # -- reading the rules --------------------------------------------------------------------------
+    def _is_static(self, value: str) -> bool:
+        return _is_static(self.graph, value)
+
+    def matmul_anchor(self, op: OpHandle) -> Optional[MatmulAnchor]:
+        if op.name not in self._matmul:
+            self._matmul[op.name] = find_matmul_anchor(self.graph, op)
+        return self._matmul[op.name]
+
+    def vocab_anchor(self, op: OpHandle) -> Optional[VocabAnchor]:
+        if op.name not in self._vocab:
+            self._vocab[op.name] = find_vocab_anchor(self.graph, op)
+        return self._vocab[op.name]
+
+    def _sig_block(self, sig: Signature, label: str, index: Optional[int] = None) -> int:
+        blocks = getattr(sig, "blocks", None) or {}
+        found = [b for (l, i), b in blocks.items() if l == label and (index is None or i == index)]
+        return max(found, default=1)
+
+    def divides(self, op: OpHandle, choice: Choice) -> bool:
+        if choice.label is None:
+            return True
+        sig = op.signature
+        if sig.is_frozen(choice.label):
+            return False
+        try:
+            size = sig.size_of(choice.label, self._calls[op.name])
+        except KeyError:
+            return False
+        return size % (self.n * max(choice.block, self._sig_block(sig, choice.label))) == 0
+
+    def required(self, op: OpHandle, choice: Choice) -> tuple[list[Layout], list[Optional[Layout]]]:
+        """The layouts the op's pieces read and write under `choice` (the lowering's reading of a plan)."""
+        sig, node = op.signature, op.node
+        if choice.label is None:
+            return ([REPLICATED] * len(node.inputs),
+                    [None if o is None else REPLICATED for o in node.outputs])
+        label = choice.label
+        ins: list[Layout] = []
+        for i, labels in enumerate(sig.inputs):
+            if labels and label in labels:
+                sig_block = self._sig_block(sig, label, i)
+                ins.append(split(labels.index(label), sig_block if sig_block > 1 else choice.block))
+            elif i in sig.partial_inputs.get(label, frozenset()):
+                ins.append(PARTIAL)
+            else:
+                ins.append(REPLICATED)
+        outs: list[Optional[Layout]] = []
+        for j, name in enumerate(node.outputs):
+            labels = sig.outputs[j] if j < len(sig.outputs) else None
+            if name is None:
+                outs.append(None)
+            elif labels and label in labels:
+                outs.append(split(labels.index(label), choice.block))
+            elif label in sig.reduce:
+                outs.append(PARTIAL)
+            else:
+                outs.append(REPLICATED)
+        return ins, outs
+
+    # -- local choice -------------------------------------------------------------------------------
+    def current(self, value: str, pending: Optional[dict[str, Layout]] = None) -> Optional[Layout]:
+        if pending is not None and value in pending:
+            return pending[value]
+        if self._is_static(value):
+            return self.stored.get(value)
+        return self.layout.get(value)
+
+    def candidates(self, op: OpHandle, current: list[Optional[Layout]]) -> list[Choice]:
+        blocks = {1}
+        if self.blocked:
+            blocks |= {c.block for c in current if c is not None and c.kind == "S"}
+        out = [REPLICATE]
+        for label in op.signature.splittable():
+            for b in sorted(blocks):
+                c = Choice(label, b)
+                if self.divides(op, c):
+                    out.append(c)
+        return out
+
+    def cost(self, op: OpHandle, choice: Choice, current: list[Optional[Layout]]) -> list[int]:
+        ins, _ = self.required(op, choice)
+        return [conversion_cost(c, r) for c, r in zip(current, ins)]
+
+    def best(self, op: OpHandle, current: list[Optional[Layout]]) -> Choice:
+        """The cheapest choice; ties go to running whole, then to the smaller block factor."""
+        def key(c: Choice) -> tuple:
+            return (sum(self.cost(op, c, current)), c.label is not None, c.block)
+        return min(self.candidates(op, current), key=key)
+
+    def _partial_ends_path(self, op: OpHandle, choice: Choice) -> bool:
+        """A partial sum is an acceptable end of a column split only where Megatron would have one."""
+        anchor = self.matmul_anchor(op)
+        if anchor is not None and choice.label == anchor.k:
+            return True
+        return choice.label in op.signature.comm_labels
+
+    # -- look-ahead -----------------------------------------------------------------------------------
+    def simulate(self, start: OpHandle, choice: Choice) -> Lookahead:
+        """Follow the split outputs of `start` forward with the same local choices the walk makes.
+
+        ok when every path reaches a row-parallel matmul, a group-aware kernel or a model output
+        without a gather; otherwise `stop` is the op where a path stopped and `demand` the
+        choice (a blocked split) it would have accepted instead, if there is one.
+        """
+        pending: dict[str, Layout] = {}
+        frontier: set[str] = set()
+        horizon = -1  # position of the last op that reads a split value; nothing after it matters
+        _, outs = self.required(start, choice)
+        for name, lay in zip(start.node.outputs, outs):
+            if name is not None and lay is not None:
+                pending[name] = lay
+                if lay.kind == "S":
+                    frontier.add(name)
+                    horizon = max(horizon, self._last_use.get(name, -1))
+        for op in self.ops[self.position[start.name] + 1:]:
+            if self.position[op.name] > horizon:
+                break
+            affected = [i for i, v in enumerate(op.node.inputs) if v in frontier]
+            if not affected:
+                continue
+            current = [self.current(v, pending) for v in op.node.inputs]
+            c = self.best(op, current)
+            costs = self.cost(op, c, current)
+            if any(costs[i] for i in affected):
+                return Lookahead(False, op, self._demanded_split(op, current, affected))
+            _, outs = self.required(op, c)
+            for name, lay in zip(op.node.outputs, outs):
+                if name is None or lay is None:
+                    continue
+                pending[name] = lay
+                if lay.kind == "S":
+                    frontier.add(name)
+                    horizon = max(horizon, self._last_use.get(name, -1))
+                elif lay.kind == "P" and not self._partial_ends_path(op, c):
+                    return Lookahead(False, op)
+        return Lookahead(True)
+
+    def _demanded_split(self, op: OpHandle, current: list[Optional[Layout]], affected: list[int]) -> Optional[Choice]:
+        """A split of `op` that takes the stopped inputs on the same dim, only with another block factor."""
+        for label in op.signature.splittable():
+            if not self.divides(op, Choice(label)):
+                continue
+            ins, _ = self.required(op, Choice(label))
+            wants = set()
+            for i in affected:
+                cur, req = current[i], ins[i]
+                if req.kind != "S" or cur is None or cur.kind != "S" or req.dim != cur.dim:
+                    break
+                wants.add(req.block)
+            else:
+                if len(wants) == 1 and next(iter(wants)) > 1:
+                    return Choice(label, next(iter(wants)))
+        return None
+
+    def _try_column(self, op: OpHandle, anchor: MatmulAnchor) -> Optional[Choice]:
+        queue, tried = [1], set()
+        while queue:
+            b = queue.pop(0)
+            if b in tried:
+                continue
+            tried.add(b)
+            c = Choice(anchor.n, b)
+            if not self.divides(op, c):
+                continue
+            result = self.simulate(op, c)
+            if result.ok:
+                return c
+            if result.demand is not None:
+                if self.blocked:
+                    queue.append(result.demand.block)
+                else:
+                    # The core cannot record a blocked matmul split: the matmul stays whole and
+                    # the op that wanted the blocks may start the split itself (a local slice).
+                    self.seeds[result.stop.name] = Choice(result.demand.label)
+        return None
+
+    def _try_seed(self, op: OpHandle, seed: Choice, current: list[Optional[Layout]]) -> Optional[Choice]:
+        """Split an op whose inputs are whole, when its split outputs reach row-parallel partners."""
+        if any(c == COMM for c in self.cost(op, seed, current)):
+            return None
+        return seed if self.simulate(op, seed).ok else None
+
+    # -- embeddings -------------------------------------------------------------------------------------
+    def _vocab_tables_to_split(self) -> set[str]:
+        """Embedding ops to split along the vocabulary: the largest table of each group summed together."""
+        embeds = [op for op in self.ops if self.vocab_anchor(op) is not None
+                  and self.divides(op, Choice(self.vocab_anchor(op).label))]
+        if self.n == 1 or not embeds:
+            return set()
+        reach = {op.name: self._linear_reach(op) for op in embeds}
+        parent = {op.name: op.name for op in embeds}
+
+        def root(x: str) -> str:
+            while parent[x] != x:
+                x = parent[x]
+            return x
+
+        for i, a in enumerate(embeds):
+            for bop in embeds[i + 1:]:
+                if reach[a.name] & reach[bop.name]:
+                    parent[root(bop.name)] = root(a.name)
+        largest: dict[str, OpHandle] = {}
+        for op in embeds:
+            r = root(op.name)
+            if r not in largest or self._table_size(op) > self._table_size(largest[r]):
+                largest[r] = op
+        return {op.name for op in largest.values()}
+
+    def _table_size(self, op: OpHandle) -> int:
+        return self.graph.meta(op.node.inputs[self.vocab_anchor(op).weight]).numel
+
+    def _linear_reach(self, op: OpHandle, limit: int = 16) -> set[str]:
+        """Ops reached from `op`'s output through ops a partial sum could flow through."""
+        seen: set[str] = set()
+        frontier = [v for v in op.node.outputs if v is not None]
+        while frontier and len(seen) < limit:
+            v = frontier.pop()
+            for c in self._consumers.get(v, ()):
+                if c.name in seen:
+                    continue
+                seen.add(c.name)
+                idx = c.node.inputs.index(v)
+                dynamic = [x for x in c.node.inputs if not self._is_static(x)]
+                if idx in c.signature.value_inputs or len(dynamic) == 1:
+                    frontier.extend(o for o in c.node.outputs if o is not None)
+        return seen
+
+    # -- the walk -----------------------------------------------------------------------------------------
+    def decide(self, op: OpHandle) -> Choice:
+        if self.n == 1 or not any(o is not None for o in op.node.outputs):
+            return REPLICATE
+        current = [self.current(v) for v in op.node.inputs]
+        anchor = self.matmul_anchor(op)
+        if anchor is not None:
+            act = current[anchor.activation]
+            if act is not None and act.kind == "R" and anchor.n is not None:
+                c = self._try_column(op, anchor)
+                self.roles[op.name] = "column" if c else "replicated"
+                return c or REPLICATE
+            c = self.best(op, current)
+            if c.label is None:
+                self.roles[op.name] = "replicated"
+            else:
+                self.roles[op.name] = "row" if c.label == anchor.k else "column" if c.label == anchor.n else "other"
+            return c
+        vocab = self.vocab_anchor(op)
+        if vocab is not None and op.name in self.vocab_split:
+            return Choice(vocab.label)
+        if op.name in self.seeds:
+            c = self._try_seed(op, self.seeds[op.name], current)
+            if c is not None:
+                return c
+        return self.best(op, current)
+
+    def run(self) -> dict[str, Choice]:
+        for op in self.ops:
+            c = self.decide(op)
+            self.choices[op.name] = c
+            ins, outs = self.required(op, c)
+            for v, req in zip(op.node.inputs, ins):
+                if self._is_static(v) and v not in self.stored:
+                    self.stored[v] = REPLICATED if req.kind == "P" else req
+            for v, lay in zip(op.node.outputs, outs):
+                if v is not None and lay is not None:
+                    self.layout[v] = lay
+        return self.choices
+
+    def apply(self) -> None:
+        """Record the choices on the builder: piece i of every split op runs on device i."""
+        if not self.choices:
+            self.run()
+        b = self.builder
+        for op in self.ops:
+            c = self.choices[op.name]
+            if c.label is None:
+                b.replicate(op)
+                continue
+            if c.block > 1:
+                subs = b.op_trans(op, dim=c.label, num=self.n, block=c.block)
+            else:
+                subs = b.op_trans(op, dim=c.label, num=self.n)
+            for device, sub in enumerate(subs):
+                b.op_assign(sub, device)
+
+    def summary(self) -> Counter:
+        """Matmul roles (column/row/replicated) plus split/replicated counts of all ops."""
+        c = Counter(self.roles.values())
+        c["split_ops"] = sum(1 for ch in self.choices.values() if ch.label is not None)
+        c["replicated_ops"] = sum(1 for ch in self.choices.values() if ch.label is None)
+        return c
+
+
+# -- plan-level checks --------------------------------------------------------------------------------------
+def _digit_partial(sig: Signature, label: str, labels: Optional[tuple], is_output: bool, index: int) -> str:
+    if labels is not None and label in labels:
+        return "S"
+    if is_output and label in sig.reduce:
+        return "P"
+    if not is_output and index in sig.partial_inputs.get(label, frozenset()):
+        return "P"
+    return "R"
+
+
+def partial_to_whole(graph: Graph, plan: Plan) -> list[tuple[str, str]]:
+    """(value, consumer) pairs where a partial-sum output is read by something that needs it summed.
+
+    Read from the plan and the rules alone, independently of how the plan was made, so it counts
+    the all-reduces (or reduce-scatters) of activations that the lowering will have to insert;
+    each value is counted once however many consumers need it summed. Model outputs count as
+    consumers that need whole tensors.
+    """
+    partial: dict[str, bool] = {}
+    found: dict[str, str] = {}
+    for op in graph.ops:
+        p = plan.ops[op.name]
+        sig = signature_for(graph, op)
+        for i, name in enumerate(op.inputs):
+            if not partial.get(name):
+                continue
+            labels = sig.inputs[i]
+            takes_partial = any(_digit_partial(sig, l, labels, False, i) == "P" for l, _ in p.splits)
+            if not takes_partial and name not in found:
+                found[name] = op.name
+        for j, name in enumerate(op.outputs):
+            if name is None:
+                continue
+            labels = sig.outputs[j] if j < len(sig.outputs) else None
+            partial[name] = any(_digit_partial(sig, l, labels, True, j) == "P" for l, _ in p.splits)
+    for name in graph.outputs:
+        if name is not None and partial.get(name) and name not in found:
+            found[name] = "<model output>"
+    return list(found.items())
+
+
+def matmul_roles(builder: PlanBuilder, plan: Plan) -> dict[str, str]:
+    """Per matmul with a weight parameter: "column", "row", "replicated" or "other", read from a plan."""
+    out: dict[str, str] = {}
+    for op in builder.ops:
+        anchor = find_matmul_anchor(builder.graph, op)
+        if anchor is None:
+            continue
+        labels = {l for l, _ in plan.ops[op.name].splits}
+        if not labels:
+            out[op.name] = "replicated"
+        elif labels == {anchor.k}:
+            out[op.name] = "row"
+        elif labels == {anchor.n}:
+            out[op.name] = "column"
+        else:
+            out[op.name] = "other"
+    return out
