@@ -86,9 +86,9 @@ def train(strategy: str, steps: int, batch: int, seq: int, lr: float, rank: int,
         loss = pm.train_step({"input_ids": mine, "labels": mine})
         opt.step()
         opt.zero_grad()
-        if pm.dp_size > 1:  # the global loss is the mean over replicas (equal-sized shards)
+        if pm.dp_size > 1:  # the global loss is the mean over replicas; every rank holds its replica's
             dist.all_reduce(loss)
-            loss /= pm.dp_size
+            loss /= world
         losses.append(loss.item())
     return losses
 
