@@ -165,14 +165,23 @@ def op_layouts(graph: Graph, op: OpNode, p: OpPlacement, sig: Signature) -> OpLa
     blocks_map = getattr(sig, "blocks", None) or {}
     ins: list[Optional[Layout]] = []
     grads: list[tuple[tuple[int, ...], ...]] = []
+    split_labels = {l for l, _ in p.splits}
+
+    def dim_blocks(labels: Optional[tuple[str, ...]], index: Optional[int]) -> dict[int, int]:
+        """Block factor per split dim of one tensor: the rule's for its inputs, else the plan's."""
+        out: dict[int, int] = {}
+        for d, label in enumerate(labels or ()):
+            if label not in split_labels:
+                continue
+            b = blocks_map.get((label, index), p.blocks.get(label, 1)) if index is not None else p.blocks.get(label, 1)
+            if b > 1:
+                out[d] = b
+        return out
+
     for i, name in enumerate(op.inputs):
         labels = sig.inputs[i]
         kinds = _digit_kinds(sig, p, labels, False, i)
-        blocks = {}
-        for (label, ii), b in blocks_map.items():
-            if ii == i and labels is not None and label in labels and any(l == label for l, _ in p.splits):
-                blocks[labels.index(label)] = b
-        lay, gg = _layout_for(graph.meta(name), p, kinds, blocks)
+        lay, gg = _layout_for(graph.meta(name), p, kinds, dim_blocks(labels, i))
         ins.append(lay)
         grads.append(gg)
     outs: list[Optional[Layout]] = []
@@ -182,7 +191,7 @@ def op_layouts(graph: Graph, op: OpNode, p: OpPlacement, sig: Signature) -> OpLa
             continue
         labels = sig.outputs[j] if j < len(sig.outputs) else None
         kinds = _digit_kinds(sig, p, labels, True, j)
-        lay, _ = _layout_for(graph.meta(name), p, kinds, {})
+        lay, _ = _layout_for(graph.meta(name), p, kinds, dim_blocks(labels, None))
         outs.append(lay)
     label_groups: dict[str, tuple[tuple[int, ...], ...]] = {}
     for label in {l for l, _ in p.splits}:

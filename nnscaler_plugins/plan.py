@@ -32,6 +32,9 @@ class OpPlacement:
     splits: list[tuple[str, int]] = field(default_factory=list)
     replicate: int = 1
     devices: list[Optional[int]] = field(default_factory=lambda: [None])
+    # label -> b: that label is split in b blocks (each piece takes its chunk of every block), as a
+    # fused QKV projection must be so that q, k and v each end up split by heads.
+    blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_subops(self) -> int:
@@ -62,12 +65,15 @@ class OpPlacement:
         return out
 
     def to_json(self) -> dict:
-        return {"splits": [list(s) for s in self.splits], "replicate": self.replicate, "devices": self.devices}
+        out = {"splits": [list(s) for s in self.splits], "replicate": self.replicate, "devices": self.devices}
+        if self.blocks:
+            out["blocks"] = dict(self.blocks)
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "OpPlacement":
         return cls([(str(l), int(n)) for l, n in d.get("splits", [])], int(d.get("replicate", 1)),
-                   list(d.get("devices", [None])))
+                   list(d.get("devices", [None])), {str(l): int(b) for l, b in d.get("blocks", {}).items()})
 
 
 @dataclass
@@ -156,7 +162,8 @@ class Plan:
         patterns: dict[str, list[str]] = {}
         for name, p in self.ops.items():
             key = ("replicated" if not p.splits else
-                   " x ".join(f"{l}/{n}" for l, n in p.splits)) + (f" (x{p.replicate} copies)" if p.replicate > 1 else "")
+                   " x ".join(f"{l}/{n}" + (f" in {p.blocks[l]} blocks" if p.blocks.get(l, 1) > 1 else "")
+                              for l, n in p.splits)) + (f" (x{p.replicate} copies)" if p.replicate > 1 else "")
             patterns.setdefault(key, []).append(name)
         for key, names in sorted(patterns.items(), key=lambda kv: -len(kv[1])):
             ops = names if graph is None else [f"{n}:{graph.op(n).op_name.split('.')[0]}" for n in names]

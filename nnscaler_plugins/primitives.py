@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 from .errors import PlanError
 from .graph import Graph, OpNode
 from .plan import OpPlacement, Plan
-from .rules import Signature, signature_for
+from .rules import Signature, op_call, signature_for
 
 
 @dataclass(frozen=True)
@@ -80,29 +80,24 @@ class OpHandle:
         raise PlanError(f"dim must be a label, an output dim or (input, dim); got {dim!r}", op=self.name,
                         where=self.where())
 
-    def splittable(self, dim: Any, num: int = 2) -> bool:
-        """True when op_trans(self, dim=dim, num=num) would be accepted (divides, not frozen)."""
+    def splittable(self, dim: Any, num: int = 2, block: int = 1) -> bool:
+        """True when op_trans(self, dim=dim, num=num, block=block) would be accepted."""
         try:
             label = self.label_of(dim)
         except PlanError:
             return False
         if self.signature.is_frozen(label):
             return False
-        current = self.builder._placement(self).label_counts().get(label, 1)
-        from .rules import op_call
-        return self.signature.divides(label, current * num, op_call(self.builder.graph, self.node))
+        call = op_call(self.builder.graph, self.node)
+        if block > 1 and self.signature.blockable(label, call) is not None:
+            return False
+        placement = self.builder._placement(self)
+        current = placement.label_counts().get(label, 1)
+        block = placement.blocks.get(label, block)
+        return self.signature.divides(label, current * num, call, block)
 
     def __repr__(self) -> str:
         return f"<op {self.name} {self.node.op_name} {self.signature.inputs}->{self.signature.outputs}>"
-
-
-def _block_factor(sig: Signature, label: str) -> int:
-    blocks = getattr(sig, "blocks", None) or {}
-    factor = 1
-    for (l, _i), b in blocks.items():
-        if l == label:
-            factor = max(factor, b)
-    return factor
 
 
 Transformable = Union[OpHandle, SubOp]
@@ -137,7 +132,7 @@ class PlanBuilder:
 
     # -- primitives -------------------------------------------------------------------------------
     def op_trans(self, target: Transformable, dim: Any = None, num: Optional[int] = None,
-                 replicate: Optional[int] = None) -> list[SubOp]:
+                 replicate: Optional[int] = None, block: int = 1) -> list[SubOp]:
         op = target.op if isinstance(target, SubOp) else target
         if not isinstance(op, OpHandle):
             raise TypeError(f"op_trans expects an op or sub-op from this builder, got {type(target).__name__}")
@@ -159,6 +154,15 @@ class PlanBuilder:
             if op.signature.is_frozen(label):
                 raise PlanError(f"dim {label!r} is frozen by the op's rule ({op.signature.note or 'it must stay whole'})",
                                 op=op.name, where=op.where())
+            if block != 1:
+                why = op.signature.blockable(label, op_call(self.graph, op.node)) if block > 1 else "block must be >= 1"
+                if why is not None:
+                    raise PlanError(f"cannot split dim {label!r} in {block} blocks: {why}", op=op.name,
+                                    where=op.where())
+                if p.blocks.get(label, block) != block:
+                    raise PlanError(f"dim {label!r} is already split in {p.blocks[label]} blocks; nested splits "
+                                    f"of one dim use one block factor (got {block})", op=op.name, where=op.where())
+                p.blocks[label] = block
             if isinstance(target, SubOp):
                 # A nested split of one sub-op: recorded per sub-op and required to be uniform
                 # across siblings when the plan is finished (layouts are uniform splits).
@@ -224,10 +228,15 @@ class PlanBuilder:
 
 # Free-function spellings of the primitives (the paper's names), bound to the op's builder.
 def op_trans(op: Transformable, dim: Any = None, num: Optional[int] = None,
-             replicate: Optional[int] = None) -> list[SubOp]:
-    """Split `op` along `dim` into `num` sub-ops, or copy it `replicate` times. Nested calls compose."""
+             replicate: Optional[int] = None, block: int = 1) -> list[SubOp]:
+    """Split `op` along `dim` into `num` sub-ops, or copy it `replicate` times. Nested calls compose.
+
+    `block=b` views the dim as b equal blocks and gives each sub-op its chunk of every block: a
+    fused projection (q, k and v side by side) split this way leaves each device whole heads of
+    each of q, k and v, so the `split` into q, k, v that follows runs locally.
+    """
     builder = (op.op if isinstance(op, SubOp) else op).builder
-    return builder.op_trans(op, dim=dim, num=num, replicate=replicate)
+    return builder.op_trans(op, dim=dim, num=num, replicate=replicate, block=block)
 
 
 def op_assign(sub: SubOp, device: int) -> None:

@@ -53,14 +53,24 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
         call = op_call(graph, op)
         labels = sig.labels()
         blocks = getattr(sig, "blocks", None) or {}
+        stray = sorted(set(p.blocks) - set(p.label_counts()))
+        if stray:
+            raise PlanError(f"gives blocks for dim(s) {stray} that the plan does not split", op=op.name,
+                            where=op.where())
         for label, total in p.label_counts().items():
             if label not in labels:
                 raise PlanError(f"splits dim {label!r} but its signature has labels {labels}", op=op.name,
                                 where=op.where())
             if sig.is_frozen(label):
                 raise PlanError(f"splits dim {label!r}, which its rule keeps whole", op=op.name, where=op.where())
-            if not sig.divides(label, total, call):
-                block = max([b for (l, _i), b in blocks.items() if l == label], default=1)
+            own_block = p.blocks.get(label, 1)
+            if own_block != 1:
+                why = sig.blockable(label, call) if own_block > 1 else "block must be >= 1"
+                if why is not None:
+                    raise PlanError(f"splits dim {label!r} in {own_block} blocks, but {why}", op=op.name,
+                                    where=op.where())
+            if not sig.divides(label, total, call, own_block):
+                block = max([b for (l, _i), b in blocks.items() if l == label], default=own_block)
                 extra = f" (in each of {block} blocks)" if block > 1 else ""
                 raise PlanError(f"split of dim {label!r} (size {sig.size_of(label, call)}) into {total} pieces "
                                 f"does not divide it{extra}; use a number of pieces that divides every dim carrying "

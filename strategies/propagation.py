@@ -220,14 +220,12 @@ class TensorParallelPropagation:
     def divides(self, op: OpHandle, choice: Choice) -> bool:
         if choice.label is None:
             return True
-        sig = op.signature
+        sig, call = op.signature, self._calls[op.name]
         if sig.is_frozen(choice.label):
             return False
-        try:
-            size = sig.size_of(choice.label, self._calls[op.name])
-        except KeyError:
+        if choice.block > 1 and sig.blockable(choice.label, call) is not None:
             return False
-        return size % (self.n * max(choice.block, self._sig_block(sig, choice.label))) == 0
+        return sig.divides(choice.label, self.n, call, choice.block)
 
     def required(self, op: OpHandle, choice: Choice) -> tuple[list[Layout], list[Optional[Layout]]]:
         """The layouts the op's pieces read and write under `choice` (the lowering's reading of a plan)."""

@@ -127,3 +127,39 @@ def test_failed_save_keeps_previous_plan(tmp_path, mlp_graph):
         p.save(path)
     assert path.read_text() != "" and json.loads(path.read_text())
     assert json.loads(before)["format"] == "nnscaler-plan"
+
+
+def test_blocked_splits_are_checked_and_round_trip(tmp_path, mlp_graph):
+    b = PlanBuilder(mlp_graph, unit_size=2)
+    lin = _first_linear(b)
+    out_features = lin.signature.outputs[0][-1]
+    reduce = next(iter(lin.signature.reduce))
+    with pytest.raises(PlanError, match="reduction"):
+        op_trans(lin, dim=reduce, num=2, block=2)
+    for d, s in enumerate(op_trans(lin, dim=out_features, num=2, block=2)):
+        op_assign(s, d)
+    _replicate_rest(b, skip={lin.name})
+    plan = b.finish()
+    assert plan.ops[lin.name].blocks == {out_features: 2}
+    assert "in 2 blocks" in plan.explain()
+    path = tmp_path / "blocked.json"
+    plan.save(path)
+    assert Plan.load(path, graph=mlp_graph, world_size=2).ops[lin.name].blocks == {out_features: 2}
+
+    # A hand-edited plan that blocks the reduction is refused on load, naming the op.
+    data = json.loads(path.read_text())
+    data["ops"][lin.name]["blocks"] = {reduce: 2}
+    data["ops"][lin.name]["splits"] = [[reduce, 2]]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=lin.name):
+        Plan.load(path, graph=mlp_graph, world_size=2)
+
+
+def test_tp_splits_gpt2_fused_qkv_in_three_blocks():
+    model, inputs = models.gpt2_small()
+    g = nns.capture(model, kwargs=inputs)
+    plan = nns.plan(g, strategy="tp", world_size=2)
+    qkv = [op for op in g.ops if op.module_path.endswith("attn.c_attn") and op.op_name == "aten.addmm.default"]
+    assert len(qkv) == model.config.n_layer
+    for op in qkv:
+        assert list(plan.ops[op.name].blocks.values()) == [3], plan.ops[op.name]

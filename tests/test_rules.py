@@ -38,7 +38,7 @@ aten = torch.ops.aten
 
 RTOL = ATOL = 1e-5
 
-Split = tuple[tuple[str, int], ...]  # ((label, pieces), ...), outermost first
+Split = tuple[tuple[str, int, int], ...]  # ((label, pieces, blocks), ...), outermost first
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,17 +204,22 @@ class OpChecker:
 
     # -- which splits ----------------------------------------------------------------------------
     def splits(self) -> list[Split]:
-        """num 2 and (where it divides) 4 along each label, and one 2 x 2 nesting of two labels."""
+        """num 2 and (where it divides) 4 along each label, one 2 x 2 nesting of two labels, and
+        a blocked split (2 pieces of 2 or 3 blocks) of every label a plan may split in blocks."""
         sig, call = self.sig, self.call
         labels = [l for l in sig.splittable() if l not in sig.comm_labels]
         out: list[Split] = []
         for l in labels:
             for num in (2, 4):
                 if sig.divides(l, num, call):
-                    out.append(((l, num),))
+                    out.append(((l, num, 1),))
+            if sig.blockable(l, call) is None:
+                block = next((b for b in (3, 2) if sig.divides(l, 2, call, b)), None)
+                if block is not None:
+                    out.append(((l, 2, block),))
         for a, b in itertools.combinations(labels, 2):
             if sig.divides(a, 2, call) and sig.divides(b, 2, call):
-                out.append(((a, 2), (b, 2)))
+                out.append(((a, 2, 1), (b, 2, 1)))
                 break
         return out
 
@@ -226,7 +231,7 @@ class OpChecker:
         pieces: dict[tuple[int, ...], list[Any]] = {}
         grads: dict[tuple[int, ...], dict[str, Any]] = {}
         local_shapes: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
-        for index in itertools.product(*(range(num) for _, num in split)):
+        for index in itertools.product(*(range(num) for _, num, _ in split)):
             local, shapes = self._slice_inputs(split, index)
             local_shapes[index] = shapes
             lz_target, lz_args, lz_kwargs, expected = self._localize(split, index, local)
@@ -271,11 +276,11 @@ class OpChecker:
             t = self.values[n]
             labels = sig.inputs[pos]
             constant = False
-            for (label, num), i in zip(split, index):
+            for (label, num, block), i in zip(split, index):
                 dims = _dims(labels, label)
                 if dims:
                     for d in dims:
-                        t = chunk_dim(t, d, num, i, sig.blocks.get((label, pos), 1))
+                        t = chunk_dim(t, d, num, i, sig.blocks.get((label, pos), block))
                 elif pos in sig.partial_inputs.get(label, ()) and i != 0:
                     # Only piece 0 holds a partial input's value; the zeros elsewhere are made on
                     # the spot, not taken from the input, so no gradient flows back through them.
@@ -296,14 +301,14 @@ class OpChecker:
                 expected.append(None)
                 continue
             shape = list(m.shape)
-            for label, num in split:
+            for label, num, _ in split:
                 for d in _dims(labels, label):
                     shape[d] //= num
             expected.append(TensorMeta(tuple(shape), m.dtype, m.requires_grad))
         if sig.localize is None:
             return call.target, call.args, call.kwargs, expected
         local_inputs = tuple(TensorMeta(tuple(local[n].shape), local[n].dtype) for n in self.names)
-        lc = LocalCall(call=call, splits=dict(split), index={l: i for (l, _), i in zip(split, index)},
+        lc = LocalCall(call=call, splits={l: n for l, n, _ in split}, index={l: i for (l, _, _), i in zip(split, index)},
                        local_inputs=local_inputs, local_outputs=tuple(expected))
         try:
             lz = sig.localize(lc)
@@ -323,11 +328,11 @@ class OpChecker:
             if not (isinstance(o, torch.Tensor) and o.requires_grad):
                 continue
             labels = sig.outputs[j]
-            for (label, num), i in zip(split, index):
+            for (label, num, block), i in zip(split, index):
                 dims = _dims(labels, label)
                 if dims:
                     for d in dims:
-                        g = chunk_dim(g, d, num, i)
+                        g = chunk_dim(g, d, num, i, block)
                 elif label not in sig.reduce and i != 0:
                     # A replicated output is counted once: the other copies get no gradient.
                     g = torch.zeros_like(g)
@@ -347,7 +352,7 @@ class OpChecker:
         by every piece add up). Outputs of a spatial label they lack are copies: they must agree."""
         sig = self.sig
         for level in reversed(range(len(split))):
-            label, num = split[level]
+            label, num, block = split[level]
             groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
             for key, t in sorted(pieces.items()):
                 groups.setdefault(key[:level], []).append(t)
@@ -355,7 +360,7 @@ class OpChecker:
             for prefix, ts in groups.items():
                 dims = _dims(labels, label)
                 if dims:
-                    blocks = sig.blocks.get((label, input_pos), 1) if input_pos is not None else 1
+                    blocks = sig.blocks.get((label, input_pos), block) if input_pos is not None else block
                     merged[prefix] = cat_dim(ts, dims[0], blocks)
                 elif input_pos is not None or label in sig.reduce:
                     merged[prefix] = torch.stack(list(ts)).sum(0)
@@ -370,7 +375,7 @@ class OpChecker:
 
 
 def _describe(split: Split) -> str:
-    return " x ".join(f"{l}/{n}" for l, n in split)
+    return " x ".join(f"{l}/{n}" + (f" in {b} blocks" if b > 1 else "") for l, n, b in split)
 
 
 def check_call(call: OpCall, values: dict[str, Any], where: str) -> tuple[list[str], int]:

@@ -247,7 +247,7 @@ def mlp_linears_only(builder: PlanBuilder, **_: Any) -> None:
 def test_user_callable_strategy():
     b, plan = make_plan("mlp", mlp_linears_only, unit_size=2)
     roles = matmul_roles(b, plan)
-    assert list(roles.values()) == ["column", "row"]
+    assert list(roles.values()) == ["column", "row", "replicated"]  # fc1, fc2, then the head kept whole
     assert all(not plan.ops[n].splits for n in plan.ops if n not in roles)
     assert len(partial_to_whole(b.graph, plan)) == 1
 
@@ -297,4 +297,4 @@ def test_plan_by_name_and_by_callable():
     hybrid = nns.plan(g, strategy="hybrid", world_size=4, tp=2)
     assert (hybrid.unit_size, hybrid.dp) == (2, 2)
     custom = nns.plan(g, strategy=mlp_linears_only, world_size=2)
-    assert list(matmul_roles(PlanBuilder(g, unit_size=2), custom).values()) == ["column", "row"]
+    assert list(matmul_roles(PlanBuilder(g, unit_size=2), custom).values()) == ["column", "row", "replicated"]

@@ -141,18 +141,45 @@ class Signature:
             raise KeyError(label)
         return found
 
-    def divides(self, label: str, num: int, call: OpCall) -> bool:
-        """True when `num` pieces split every dim carrying `label` evenly (blocked dims per block)."""
+    def divides(self, label: str, num: int, call: OpCall, block: int = 1) -> bool:
+        """True when `num` pieces split every dim carrying `label` evenly (blocked dims per block).
+
+        `block` is a plan's own blocked split of the label (see `blockable`); the rule's blocks
+        for an input take precedence over it.
+        """
         for k, (metas, labs) in enumerate(((call.inputs, self.inputs), (call.outputs, self.outputs))):
             for i, (m, lab) in enumerate(zip(metas, labs)):
                 if m is None or not lab:
                     continue
                 for d, l in enumerate(lab):
                     if l == label:
-                        b = self.blocks.get((label, i), 1) if k == 0 else 1
+                        b = self.blocks.get((label, i), block) if k == 0 else block
                         if m.shape[d] % (num * b):
                             return False
         return True
+
+    def blockable(self, label: str, call: OpCall) -> Optional[str]:
+        """Why a plan may not split `label` in blocks, or None when it may.
+
+        A blocked split hands each piece a strided subset of the indices instead of a contiguous
+        range. That is only the same computation for a spatial label every tensor carries with one
+        size (index i of an input feeds index i of the output, so any subset of indices works) and
+        whose pieces do not need their own offsets (reductions and group-aware kernels do).
+        """
+        if self.is_frozen(label):
+            return f"dim {label!r} is frozen"
+        if label in self.reduce or label in self.comm_labels:
+            return f"dim {label!r} is a reduction; only spatial dims may be split in blocks"
+        if any(l == label for l, _ in self.blocks):
+            return f"the op's rule already fixes the blocks of dim {label!r}"
+        sizes = set()
+        for metas, labs in ((call.inputs, self.inputs), (call.outputs, self.outputs)):
+            for m, lab in zip(metas, labs):
+                if m is not None and lab:
+                    sizes |= {m.shape[d] for d, l in enumerate(lab) if l == label}
+        if len(sizes) > 1:
+            return f"dim {label!r} has different sizes {sorted(sizes)} on the op's tensors (a reshape)"
+        return None
 
     def dims_of(self, label: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(input_index, dim) and (output_index, dim) pairs carrying `label`."""
