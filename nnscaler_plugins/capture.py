@@ -255,7 +255,8 @@ def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tu
             aliases = tuple(a for a in param_aliases.get(fqn, [fqn]) if a != fqn)
             conv.values[name] = Value(name, "param", _meta_of(val, p.requires_grad), fqn=fqn, aliases=aliases)
         elif spec.kind == K.BUFFER:
-            conv.values[name] = Value(name, "buffer", _meta_of(val), fqn=spec.target)
+            conv.values[name] = Value(name, "buffer", _meta_of(val), fqn=spec.target,
+                                      persistent=spec.persistent is not False)
         elif spec.kind in (K.CONSTANT_TENSOR,):
             conv.values[name] = Value(name, "constant", _meta_of(val), fqn=spec.target)
         elif spec.kind == K.USER_INPUT:

@@ -54,6 +54,7 @@ class Value:
     fqn: Optional[str] = None  # parameters and buffers: fully-qualified name in the model
     aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
     producer: Optional[str] = None  # op name for kind == "op"
+    persistent: bool = True  # buffers: False when the model keeps it out of its state dict
 
 
 @dataclass
@@ -77,6 +78,12 @@ class OpNode:
         if isinstance(t, torch._ops.OpOverload):
             return str(t)  # "aten.linear.default", the key the rule table uses
         return getattr(t, "__name__", None) or str(t)
+
+    @property
+    def short_name(self) -> str:
+        """The op's packet name without namespace or overload: 'aten.linear.default' -> 'linear'."""
+        parts = self.op_name.split(".")
+        return parts[1] if len(parts) == 3 else parts[-1]
 
     def where(self) -> str:
         """Human-readable location used in every error and warning about this op."""
@@ -143,7 +150,7 @@ class Graph:
         out = []
         for op in self.ops:
             if target is not None:
-                names = {op.op_name, op.op_name.split(".")[0]}
+                names = {op.op_name, op.short_name, ".".join(op.op_name.split(".")[:2])}
                 if target is not op.target and str(target) not in names and target not in names:
                     continue
             if module is not None and not (op.module_path == module or op.module_path.startswith(module + ".")):

@@ -61,6 +61,11 @@ class ParamShard:
     kind: str  # "param" | "buffer" | "constant"
     layout: Layout
     grad_groups: tuple[tuple[int, ...], ...] = ()  # unit device groups to sum gradients over
+    persistent: bool = True  # part of the model's state dict (non-persistent buffers are not)
+
+    @property
+    def in_state_dict(self) -> bool:
+        return self.kind == "param" or (self.kind == "buffer" and self.persistent)
 
 
 @dataclass
@@ -261,7 +266,7 @@ def lower(graph: Graph, plan: Plan) -> Program:
         gg = next(iter(gg_all)) if use_reducer else ()
         if use_reducer:
             reducer_owned |= {(name, o.name, i) for o, i in us}
-        shards[name] = ParamShard(name, v.fqn or name, v.aliases, v.kind, storage, gg)
+        shards[name] = ParamShard(name, v.fqn or name, v.aliases, v.kind, storage, gg, v.persistent)
         produced[name] = storage
 
     # Statements, in graph order; every rank walks the same order (no deadlock by construction).

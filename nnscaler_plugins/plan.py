@@ -166,7 +166,7 @@ class Plan:
                               for l, n in p.splits)) + (f" (x{p.replicate} copies)" if p.replicate > 1 else "")
             patterns.setdefault(key, []).append(name)
         for key, names in sorted(patterns.items(), key=lambda kv: -len(kv[1])):
-            ops = names if graph is None else [f"{n}:{graph.op(n).op_name.split('.')[0]}" for n in names]
+            ops = names if graph is None else [f"{n}:{graph.op(n).short_name}" for n in names]
             shown = ", ".join(ops[:6]) + (f", ... ({len(ops)} ops)" if len(ops) > 6 else "")
             lines.append(f"  {key:<28} {shown}")
         if self.estimate:

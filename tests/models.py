@@ -110,5 +110,15 @@ def vit_small():
     return model, {"pixels": torch.randn(BATCH, 3, 16, 16), "labels": torch.randint(0, 10, (BATCH,))}
 
 
+def vit_hf():
+    """Hugging Face's ViT image classifier from a small config."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    image_size=16, patch_size=4, num_labels=10)
+    model = ViTForImageClassification(cfg)
+    return model, {"pixel_values": torch.randn(BATCH, 3, 16, 16), "labels": torch.randint(0, 10, (BATCH,))}
+
+
 ALL = {"mlp": mlp, "gpt2_small": gpt2_small, "llama_small": llama_small, "bert_small": bert_small,
-       "vit_small": vit_small}
+       "vit_small": vit_small, "vit_hf": vit_hf}

@@ -54,43 +54,117 @@ def _slice_batch(inputs: dict, dp_rank: int, dp: int) -> dict:
     return out
 
 
+def _compare_grads(pm, ref_params: dict, what: str, rtol: float = 1e-5) -> list[str]:
+    """Every local gradient against the matching piece of the reference's full gradient."""
+    from nnscaler_plugins.runtime.parallel_module import _safe
+
+    problems = []
+    for v in pm._held:
+        s = pm.program.shards[v]
+        if s.kind != "param" or ref_params[s.fqn].grad is None:
+            continue
+        mine = pm.shards[_safe(s.fqn)].grad
+        want = s.layout.slice_full(ref_params[s.fqn].grad, pm.unit_device)
+        if mine is None or not torch.allclose(mine, want, rtol=rtol, atol=1e-6):
+            err = (mine - want).abs().max().item() if mine is not None else "missing"
+            problems.append(f"{what}: grad of {s.fqn} differs (max abs {err})")
+    return problems
+
+
+def _compare_params(pm, ref_params: dict, what: str, rtol: float, atol: float) -> list[str]:
+    from nnscaler_plugins.runtime.parallel_module import _safe
+
+    problems = []
+    for v in pm._held:
+        s = pm.program.shards[v]
+        if s.kind == "param":
+            want = s.layout.slice_full(ref_params[s.fqn].detach(), pm.unit_device)
+            got = pm.shards[_safe(s.fqn)].detach()
+            if not torch.allclose(got, want, rtol=rtol, atol=atol):
+                problems.append(f"{what}: param {s.fqn} max abs diff {(got - want).abs().max().item():.3g}")
+    return problems
+
+
+def _global_loss(loss: torch.Tensor, plan, world: int) -> torch.Tensor:
+    """Every rank of a replica holds its replica's loss: the global one is the mean over all ranks."""
+    if plan.dp > 1:
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss)
+        loss = loss / world
+    return loss
+
+
 def run_case(rank: int, world: int, name: str, strategy, options: dict, steps: int = 3):
+    """Two trainings from the same start, each against a single-process reference:
+
+    SGD, checked exactly (losses, every gradient and every parameter after every step, fp32
+    relative 1e-5), driving the module three ways: `train_step`, DDP-style `forward` +
+    `loss.backward()`, and two batches accumulated under `no_sync()`; then AdamW for `steps` steps.
+    """
     import nnscaler_plugins as nns
     from nnscaler_plugins.runtime.loss import extract_loss
-    from nnscaler_plugins.runtime.parallel_module import _safe
 
     if strategy == "custom_mlp":
         strategy = split_linears
     ref_model, inputs = _global_batch(name)
     model, _ = _global_batch(name)
+    initial = {k: v.clone() for k, v in ref_model.state_dict().items()}
     plan = nns.plan(model, strategy=strategy, world_size=world, example_inputs=_slice_batch(inputs, 0, _dp(strategy, world, options)), **options)
     dp = plan.dp
-    local_inputs = _slice_batch(inputs, rank // plan.unit_size, dp)
-    pm = nns.parallelize(model, local_inputs, plan=plan, cache_dir=f"/tmp/nns_test_cache")
-    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    second = {k: v.roll(1, 0) for k, v in inputs.items()}  # another global batch of the same shapes
+    local = lambda batch: _slice_batch(batch, rank // plan.unit_size, dp)  # noqa: E731
+    pm = nns.parallelize(model, local(inputs), plan=plan, cache_dir="/tmp/nns_test_cache")
     ref_params = dict(ref_model.named_parameters(remove_duplicate=False))
     problems = []
+
+    def check_loss(what, loss, ref_loss):
+        loss = _global_loss(loss, plan, world)
+        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"{what}: loss {loss.item()} vs {ref_loss.item()}")
+
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    for step, mode in enumerate(("train_step", "forward_backward", "no_sync")):
+        what = f"SGD step {step} ({mode})"
+        if mode == "train_step":
+            ref_loss = extract_loss(ref_model(**inputs))
+            ref_loss.backward()
+            check_loss(what, pm.train_step(local(inputs)), ref_loss)
+        elif mode == "forward_backward":
+            ref_loss = extract_loss(ref_model(**inputs))
+            ref_loss.backward()
+            loss = extract_loss(pm(**local(inputs)))
+            loss.backward()
+            check_loss(what, loss, ref_loss)
+        else:
+            for batch in (inputs, second):
+                extract_loss(ref_model(**batch)).backward()
+            reducer = pm._reducer
+            before = reducer.launched if reducer is not None else 0
+            with pm.no_sync():
+                pm.train_step(local(inputs))
+            if reducer is not None and reducer.launched != before:
+                problems.append(f"{what}: gradients were reduced inside no_sync()")
+            pm.train_step(local(second))
+            if reducer is not None and reducer.launched == before:
+                problems.append(f"{what}: gradients were not reduced after no_sync()")
+        problems += _compare_grads(pm, ref_params, what)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        problems += _compare_params(pm, ref_params, what, rtol=1e-5, atol=1e-6)
+
+    ref_model.load_state_dict(initial)
+    pm.load_full_state_dict(initial)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     for step in range(steps):
         ref_loss = extract_loss(ref_model(**inputs))
         ref_loss.backward()
-        loss = pm.train_step(local_inputs)
-        if dp > 1:  # every rank of a replica holds its replica's loss: average over all ranks
-            torch.distributed.all_reduce(loss)
-            loss = loss / world
-        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
-            problems.append(f"step {step}: loss {loss.item()} vs {ref_loss.item()}")
-        for v in pm._held:
-            s = pm.program.shards[v]
-            if s.kind != "param":
-                continue
-            mine = pm.shards[_safe(s.fqn)]
-            ref = ref_params[s.fqn]
-            if step == 0 and ref.grad is not None:
-                want = s.layout.slice_full(ref.grad, pm.unit_device)
-                if mine.grad is None or not torch.allclose(mine.grad, want, rtol=1e-5, atol=1e-6):
-                    err = (mine.grad - want).abs().max().item() if mine.grad is not None else "missing"
-                    problems.append(f"step {step}: grad of {s.fqn} differs (max abs {err})")
+        check_loss(f"AdamW step {step}", pm.train_step(local(inputs)), ref_loss)
+        if step == 0:
+            problems += _compare_grads(pm, ref_params, f"AdamW step {step}")
         ref_opt.step()
         ref_opt.zero_grad()
         opt.step()
@@ -98,14 +172,8 @@ def run_case(rank: int, world: int, name: str, strategy, options: dict, steps: i
     # Adam divides each update by the gradient's own running magnitude, so a last-bit difference in
     # a tiny gradient (a different summation order across shards) can move a weight by a visible
     # fraction of one step. lr is 1e-3: 5e-5 absolute is 5% of a single step's size, far below any
-    # real divergence, while the losses and first gradients above are held to 1e-5 relative.
-    for v in pm._held:
-        s = pm.program.shards[v]
-        if s.kind == "param":
-            want = s.layout.slice_full(ref_params[s.fqn].detach(), pm.unit_device)
-            got = pm.shards[_safe(s.fqn)].detach()
-            if not torch.allclose(got, want, rtol=1e-5, atol=5e-5):
-                problems.append(f"param {s.fqn} after {steps} steps: max abs diff {(got - want).abs().max().item():.3g}")
+    # real divergence; the exact check of parameters is the SGD run above.
+    problems += _compare_params(pm, ref_params, f"after {steps} AdamW steps", rtol=1e-5, atol=5e-5)
     full = pm.full_state_dict()
     for k, t in ref_model.state_dict().items():
         if k in full and not torch.allclose(full[k], t, rtol=1e-5, atol=5e-5):

@@ -15,39 +15,38 @@ from nnscaler_plugins.resharding import plan
 SHAPE = (4, 8)
 
 
+def all_layouts(n: int, orders: list[tuple[int, ...]]) -> list[Layout]:
+    """Every RVD layout of a SHAPE tensor over n devices: each way to write n as replicas x partial
+    sums x splits of dim 0 x splits of dim 1, in each given device order, plus every split of dim
+    1 also cut in 2 blocks (as fused projections are)."""
+    out: list[Layout] = []
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    for r in divisors:
+        for v in divisors:
+            for d0 in divisors:
+                if n % (r * v * d0):
+                    continue
+                d1 = n // (r * v * d0)
+                if SHAPE[0] % d0 or SHAPE[1] % d1:
+                    continue
+                for order in orders:
+                    out.append(Layout(SHAPE, order, replicas=r, partial=v, splits=(d0, d1)))
+                if d1 > 1 and SHAPE[1] % (2 * d1) == 0:
+                    out.append(Layout(SHAPE, orders[0], replicas=r, partial=v, splits=(d0, d1), blocks=(1, 2)))
+    return out
+
+
 def layouts_2() -> list[Layout]:
-    g, s = (0, 1), SHAPE
-    return [
-        Layout.replicated(s, g),
-        Layout(s, g, partial=2),
-        Layout.sharded(s, g, 0),
-        Layout.sharded(s, g, 1),
-        Layout.sharded(s, g, 1, blocks=2),
-        Layout.sharded(s, (1, 0), 0),
-        Layout(s, (1, 0), partial=2),
-    ]
+    return all_layouts(2, [(0, 1), (1, 0)])
 
 
 def layouts_4() -> list[Layout]:
-    g, s = (0, 1, 2, 3), SHAPE
-    return [
-        Layout.replicated(s, g),
-        Layout(s, g, partial=4),
-        Layout.sharded(s, g, 0),
-        Layout.sharded(s, g, 1),
-        Layout.sharded(s, g, 0, num=2),
-        Layout.sharded(s, g, 1, num=2),
-        Layout(s, g, partial=2, splits=(2, 1)),
-        Layout(s, g, partial=2, splits=(1, 2)),
-        Layout(s, g, replicas=2, partial=2),
-        Layout(s, g, splits=(2, 2)),
-        Layout.sharded(s, g, 1, blocks=2),
-        Layout.sharded(s, g, 1, num=2, blocks=2),
-        Layout(s, (0, 2, 1, 3), splits=(2, 2)),
-        Layout.sharded(s, (3, 2, 1, 0), 1, num=2),
-        Layout.sharded(s, (1, 0, 3, 2), 1),
-        Layout(s, (2, 0, 3, 1), partial=2, splits=(2, 1)),
-    ]
+    return all_layouts(4, [(0, 1, 2, 3), (2, 0, 3, 1)])
+
+
+def test_layout_lists_are_complete():
+    assert len({(l.replicas, l.partial, l.splits) for l in layouts_2()}) == 4
+    assert len({(l.replicas, l.partial, l.splits) for l in layouts_4()}) == 10
 
 
 def _mismatch(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:

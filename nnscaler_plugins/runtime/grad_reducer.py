@@ -30,6 +30,7 @@ class GradReducer:
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._queued = False
+        self.launched = 0  # bucket reductions started so far (tests read it to see no_sync work)
         # Reverse order approximates the order gradients become ready in backward.
         by_group: dict[tuple[int, float], list[torch.nn.Parameter]] = {}
         groups: dict[tuple[int, float], object] = {}
@@ -82,6 +83,7 @@ class GradReducer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
         bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+        self.launched += 1
 
     def _finish(self) -> None:
         for bucket in self.buckets:

@@ -118,7 +118,7 @@ class ParallelModule(torch.nn.Module):
             if s.kind == "param":
                 self.shards[_safe(s.fqn)] = torch.nn.Parameter(local, requires_grad=self.graph.meta(v).requires_grad)
             else:
-                self.register_buffer(_safe(s.fqn), local, persistent=s.kind == "buffer")
+                self.register_buffer(_safe(s.fqn), local, persistent=s.in_state_dict)
         self._reducer = self._build_reducer()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ class ParallelModule(torch.nn.Module):
         unit_groups = self._comm.groups
         from ..resharding import plan as plan_reshard
         for v, s in self.program.shards.items():
-            if s.kind == "constant":
+            if not s.in_state_dict:
                 continue
             lay = s.layout
             full_lay = Layout.replicated(lay.shape, lay.group)
@@ -260,13 +260,13 @@ class ParallelModule(torch.nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Each rank keeps its own pieces of a whole state dict (no communication)."""
         missing = [self.program.shards[v].fqn for v in self._held
-                   if self.program.shards[v].kind != "constant" and self.program.shards[v].fqn not in state]
+                   if self.program.shards[v].in_state_dict and self.program.shards[v].fqn not in state]
         if missing:
             raise KeyError(f"state dict lacks {len(missing)} tensor(s) this plan needs: {missing[:8]}")
         with torch.no_grad():
             for v in self._held:
                 s = self.program.shards[v]
-                if s.kind == "constant":
+                if s.kind == "constant" or s.fqn not in state:
                     continue
                 full = state[s.fqn]
                 if tuple(full.shape) != tuple(s.layout.shape):
