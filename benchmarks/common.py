@@ -39,18 +39,27 @@ def batch(b: int, s: int, vocab: int = 2048, seed: int = 1) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def time_steps(step: Callable[[], None], warmup: int = 3, iters: int = 10, sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds per step."""
+def time_paired(step_a: Callable[[], None], step_b: Callable[[], None], warmup: int = 3, iters: int = 20,
+                sync: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
+    """(median seconds of a, median seconds of b, median of the per-pair ratios a/b).
+
+    The two steps alternate (a, b, a, b, ...), so slow phases of a shared machine hit both alike;
+    the median of per-pair ratios is what the benchmarks report, not a ratio of two runs taken
+    minutes apart.
+    """
     for _ in range(warmup):
-        step()
+        step_a()
+        step_b()
     sync()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    ta, tb = [], []
+    for i in range(iters):
+        for step, out in ((step_a, ta), (step_b, tb)) if i % 2 == 0 else ((step_b, tb), (step_a, ta)):
+            t = time.perf_counter()
+            step()
+            sync()
+            out.append(time.perf_counter() - t)
+    ratios = [a / b for a, b in zip(ta, tb)]
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
 
 
 def machine() -> str:

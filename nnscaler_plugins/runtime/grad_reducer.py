@@ -25,7 +25,8 @@ class _Bucket:
 class GradReducer:
     """One reducer per ParallelModule. `entries` are (parameter, process group, scale)."""
 
-    def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20):
+    def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20,
+                 first_bucket_bytes: int = 2**20):
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
@@ -39,14 +40,16 @@ class GradReducer:
             by_group.setdefault(k, []).append(p)
             groups[k] = g
         for k, ps in by_group.items():
+            # The first bucket is small, as in DDP: the gradients ready first start communicating
+            # while the rest of backward still runs instead of waiting for 25 MB of them.
             cur: list[torch.nn.Parameter] = []
-            size = 0
+            size, cap = 0, first_bucket_bytes
             for p in ps:
                 cur.append(p)
                 size += p.numel() * p.element_size()
-                if size >= bucket_bytes:
+                if size >= cap:
                     self._add(cur, groups[k], k[1])
-                    cur, size = [], 0
+                    cur, size, cap = [], 0, bucket_bytes
             if cur:
                 self._add(cur, groups[k], k[1])
         for p, _g, _s in entries:
@@ -82,6 +85,8 @@ class GradReducer:
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        if bucket.scale != 1.0:  # averaging before the sum, as DDP does: one op per bucket
+            bucket.buffer.mul_(bucket.scale)
         bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
         self.launched += 1
 
@@ -95,8 +100,6 @@ class GradReducer:
             for p in bucket.params:
                 n = p.numel()
                 g = bucket.buffer[off:off + n].view_as(p)
-                if bucket.scale != 1.0:
-                    g.mul_(bucket.scale)
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
