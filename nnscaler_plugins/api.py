@@ -76,6 +76,16 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
     return p
 
 
+def _default_device() -> torch.device:
+    """This rank's GPU when there is one (LOCAL_RANK from the launcher picks it), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) if local is not None else torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _init_distributed(device: torch.device) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -97,8 +107,7 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: StrategyLi
     """
     from .runtime.parallel_module import ParallelModule
 
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    dev = torch.device(device) if device is not None else _default_device()
     rank, ws = _init_distributed(dev)
     world_size = world_size or ws
     if world_size != ws:

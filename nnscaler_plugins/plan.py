@@ -166,7 +166,8 @@ class Plan:
                               for l, n in p.splits)) + (f" (x{p.replicate} copies)" if p.replicate > 1 else "")
             patterns.setdefault(key, []).append(name)
         for key, names in sorted(patterns.items(), key=lambda kv: -len(kv[1])):
-            ops = names if graph is None else [f"{n}:{graph.op(n).short_name}" for n in names]
+            ops = names if graph is None else [n if n.split("_")[0] == graph.op(n).short_name.split("_")[0]
+                                               else f"{n}:{graph.op(n).short_name}" for n in names]
             shown = ", ".join(ops[:6]) + (f", ... ({len(ops)} ops)" if len(ops) > 6 else "")
             lines.append(f"  {key:<28} {shown}")
         if self.estimate:
