@@ -15,7 +15,9 @@ hookimpl = pluggy.HookimplMarker("nnscaler_plugins")
 
 @hookspec
 def nnscaler_register_strategies() -> dict[str, Callable]:
-    """Return {name: strategy}. A strategy is `fn(graph, world_size, **options) -> Plan`.
+    """Return {name: strategy}. A strategy is `fn(builder, **options)` that applies op_trans and
+    op_assign to every op of `builder.ops` for one unit of `builder.unit_size` devices; an optional
+    `fn.degrees(world_size, **options) -> (unit_size, dp)` says how it splits the world.
 
     Names must be unique across plugins; a clash raises at first use with both plugin names.
     """
