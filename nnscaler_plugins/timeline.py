@@ -1,0 +1,212 @@
+"""Replaying per-rank task lists as an event timeline, and the dry run every schedule passes first.
+
+Each rank runs its list in order; a task starts when its rank is free and every task it depends on
+has finished (plus the transfer time when that task ran on another rank). Sends are asynchronous,
+as in the executor, so a rank never waits for its consumers. The same replay serves three purposes:
+
+- `check`: unit task times, before any process starts. A schedule that would deadlock, is missing a
+  task, runs one twice or on the wrong rank, or holds more micro-batches than allowed raises
+  `PlanError` naming the first task that cannot run and why.
+- the simulator: task and transfer times from the cost model.
+- the rendered pipeline timeline: the boxes are these events.
+
+Dependencies: F(s, mb) needs F(s-1, mb); B(s, mb) needs F(s, mb) and B(s+1, mb); W(s, mb) needs
+B(s, mb); a no-grad forward of round r needs the previous stage's no-grad forward of round r.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+from .errors import PlanError
+from .schedules import BACKWARD, FORWARD, WEIGHT, PipelineShape, Task
+
+Duration = Callable[[int, Task], float]
+Transfer = Callable[[Task, Task], float]
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    task: Task
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    shape: PipelineShape
+    events: list[list[Event]]  # per rank, in execution order
+    peak_in_flight: list[int]  # per rank: most micro-batches whose activations were held at once
+
+    @property
+    def makespan(self) -> float:
+        return max((e.end for evs in self.events for e in evs), default=0.0)
+
+    @property
+    def busy(self) -> list[float]:
+        return [sum(e.end - e.start for e in evs) for evs in self.events]
+
+    @property
+    def bubble(self) -> list[float]:
+        """Idle time per rank within the step."""
+        span = self.makespan
+        return [span - b for b in self.busy]
+
+    def bubble_fraction(self) -> float:
+        """Idle share of all rank-time in the step."""
+        span = self.makespan
+        return sum(self.bubble) / (span * len(self.events)) if span else 0.0
+
+
+def dependencies(task: Task, shape: PipelineShape) -> list[tuple]:
+    """Keys of the tasks `task` waits for."""
+    s, mb = task.stage, task.micro_batch
+    if task.kind == FORWARD:
+        return [(s - 1, mb, FORWARD, task.grad, task.round)] if s > 0 else []
+    if task.kind == BACKWARD:
+        deps = [(s, mb, FORWARD, True, 0)]
+        if s < shape.num_stages - 1:
+            deps.append((s + 1, mb, BACKWARD, True, 0))
+        return deps
+    return [(s, mb, BACKWARD, True, 0)]
+
+
+def _name(key: tuple) -> str:
+    return str(Task(*key))
+
+
+def _check_structure(lists: Sequence[Sequence[Task]], shape: PipelineShape) -> None:
+    if len(lists) != shape.num_ranks:
+        raise PlanError(f"schedule gives {len(lists)} task lists for {shape.num_ranks} pipeline ranks")
+    seen: dict[tuple, int] = {}
+    for rank, tasks in enumerate(lists):
+        for i, task in enumerate(tasks):
+            if not isinstance(task, Task):
+                raise PlanError(f"rank {rank} task {i} is a {type(task).__name__}, not a Task")
+            if not 0 <= task.stage < shape.num_stages:
+                raise PlanError(f"task {task} on rank {rank} names stage {task.stage}; the pipeline has stages "
+                                f"0..{shape.num_stages - 1}")
+            if not 0 <= task.micro_batch < shape.micro_batches:
+                raise PlanError(f"task {task} on rank {rank} names micro-batch {task.micro_batch}; the step has "
+                                f"micro-batches 0..{shape.micro_batches - 1}")
+            owner = shape.stage_rank[task.stage]
+            if owner != rank:
+                raise PlanError(f"task {task} is on rank {rank}, but stage {task.stage} runs on rank {owner}")
+            if task.kind == WEIGHT and not shape.split_backward:
+                raise PlanError(f"task {task} on rank {rank}: weight-gradient tasks need a schedule that splits "
+                                "backward (split_backward=True); this one computes weight gradients in B")
+            if task.key in seen:
+                raise PlanError(f"task {task} appears twice (rank {rank} positions {seen[task.key]} and {i})")
+            seen[task.key] = i
+    kinds = (FORWARD, BACKWARD, WEIGHT) if shape.split_backward else (FORWARD, BACKWARD)
+    for s in range(shape.num_stages):
+        for mb in range(shape.micro_batches):
+            for kind in kinds:
+                key = (s, mb, kind, True, 0)
+                if key not in seen:
+                    what = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight-gradient"}[kind]
+                    raise PlanError(f"the schedule never runs the {what} of stage {s} micro-batch {mb} "
+                                    f"(task {_name(key)}, due on rank {shape.stage_rank[s]})")
+    for key in seen:
+        task = Task(*key)
+        for dep in dependencies(task, shape):
+            if dep not in seen:
+                raise PlanError(f"task {task} on rank {shape.stage_rank[task.stage]} needs {_name(dep)}, which no "
+                                "rank runs: its receive would never be matched by a send")
+
+
+def replay(lists: Sequence[Sequence[Task]], shape: PipelineShape, duration: Optional[Duration] = None,
+           transfer: Optional[Transfer] = None) -> Timeline:
+    """Run the task lists on a clock; raises PlanError if they are malformed or deadlock."""
+    _check_structure(lists, shape)
+    duration = duration or (lambda rank, task: 1.0)
+    transfer = transfer or (lambda src, dst: 0.0)
+    p = shape.num_ranks
+    pos = [0] * p
+    free = [0.0] * p
+    end: dict[tuple, float] = {}
+    events: list[list[Event]] = [[] for _ in range(p)]
+    in_flight = [0] * p
+    peak = [0] * p
+    release = WEIGHT if shape.split_backward else BACKWARD
+    remaining = sum(len(t) for t in lists)
+    while remaining:
+        progress = False
+        for r in range(p):
+            tasks = lists[r]
+            while pos[r] < len(tasks):
+                task = tasks[pos[r]]
+                deps = dependencies(task, shape)
+                if any(d not in end for d in deps):
+                    break
+                start = free[r]
+                for d in deps:
+                    t = end[d]
+                    if shape.stage_rank[d[0]] != r:
+                        t += transfer(Task(*d), task)
+                    start = max(start, t)
+                finish = start + duration(r, task)
+                end[task.key] = finish
+                free[r] = finish
+                events[r].append(Event(r, task, start, finish))
+                if task.kind == FORWARD and task.grad:
+                    in_flight[r] += 1
+                    peak[r] = max(peak[r], in_flight[r])
+                elif task.kind == release:
+                    in_flight[r] -= 1
+                pos[r] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            raise PlanError(_deadlock_message(lists, shape, pos, end))
+    return Timeline(shape, events, peak)
+
+
+def _deadlock_message(lists: Sequence[Sequence[Task]], shape: PipelineShape, pos: list[int],
+                      end: dict[tuple, float]) -> str:
+    where = {t.key: (r, i) for r, tasks in enumerate(lists) for i, t in enumerate(tasks)}
+    stuck = [r for r in range(shape.num_ranks) if pos[r] < len(lists[r])]
+    lines = []
+    for r in stuck:
+        task = lists[r][pos[r]]
+        missing = [d for d in dependencies(task, shape) if d not in end]
+        parts = []
+        for d in missing:
+            dr, di = where[d]
+            blocker = lists[dr][pos[dr]]
+            parts.append(f"{_name(d)} (rank {dr}, position {di}, behind its blocked task {blocker})"
+                         if di > pos[dr] else f"{_name(d)} (rank {dr})")
+        lines.append(f"rank {r} cannot run {task} (position {pos[r]}): it waits for {', '.join(parts)}")
+    first = lines[0]
+    rest = "".join(f"\n  {l}" for l in lines[1:])
+    return (f"the pipeline schedule deadlocks: {first}{rest}\nReorder the tasks so that every task comes after "
+            "the tasks it waits for on its own rank, or use a built-in schedule.")
+
+
+def check(lists: Sequence[Sequence[Task]], shape: PipelineShape,
+          memory_limit: Union[None, int, Sequence[int]] = None) -> Timeline:
+    """The dry run: replay with unit times; enforce a limit on micro-batches held per rank."""
+    timeline = replay(lists, shape)
+    if memory_limit is not None:
+        limits = [memory_limit] * shape.num_ranks if isinstance(memory_limit, int) else list(memory_limit)
+        for r, (peak, limit) in enumerate(zip(timeline.peak_in_flight, limits)):
+            if peak > limit:
+                over = _first_over(timeline, shape, r, limit)
+                raise PlanError(f"rank {r} holds the activations of {peak} micro-batches at once (first over the "
+                                f"limit of {limit} at task {over}); use a schedule that runs backwards earlier "
+                                "(1F1B) or fewer micro-batches in flight")
+    return timeline
+
+
+def _first_over(timeline: Timeline, shape: PipelineShape, rank: int, limit: int) -> Task:
+    release = WEIGHT if shape.split_backward else BACKWARD
+    held = 0
+    for e in timeline.events[rank]:
+        if e.task.kind == FORWARD and e.task.grad:
+            held += 1
+            if held > limit:
+                return e.task
+        elif e.task.kind == release:
+            held -= 1
+    raise AssertionError("peak over the limit but no task found")
