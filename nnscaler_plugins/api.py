@@ -12,6 +12,7 @@ from .capture import capture, normalize_inputs
 from .errors import PlanError
 from .graph import Graph
 from .lowering import Program, lower
+from .microbatch import resolve_micro_batches, split_batch
 from .plan import Plan
 from .plugins import get_plugin_manager, get_strategy
 from .primitives import PlanBuilder
@@ -20,12 +21,14 @@ from .validate import validate
 StrategyLike = Union[str, Callable, Plan, os.PathLike]
 
 
-def _graph_of(model_or_graph: Any, example_inputs: Any) -> Graph:
+def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1) -> Graph:
+    """The graph of one micro-batch: a model is captured on the first micro-batch of its inputs."""
     if isinstance(model_or_graph, Graph):
         return model_or_graph
     if example_inputs is None:
         raise TypeError("planning a model needs example_inputs= (what its forward takes)")
-    args, kwargs = normalize_inputs(example_inputs, None)
+    first = split_batch(example_inputs, micro_batches)[0] if micro_batches > 1 else example_inputs
+    args, kwargs = normalize_inputs(first, None)
     return capture(model_or_graph, args, kwargs)
 
 
@@ -44,8 +47,15 @@ def _degrees(fn: Callable, world_size: int, options: dict) -> tuple[int, int]:
 
 def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int, example_inputs: Any = None,
          cluster: Any = None, constraints: tuple = (), **options: Any) -> Plan:
-    """Make a validated Plan by a strategy name, a callable `fn(builder, **options)`, a Plan or a plan file."""
-    graph = _graph_of(model_or_graph, example_inputs)
+    """Make a validated Plan by a strategy name, a callable `fn(builder, **options)`, a Plan or a plan file.
+
+    `example_inputs` is what one data-parallel replica's forward takes in one training step; with
+    `micro_batches=` (or `micro_batch_size=`) the step is cut into micro-batches along the batch
+    dim and the plan is made for one of them.
+    """
+    micro = resolve_micro_batches(None if isinstance(model_or_graph, Graph) else example_inputs,
+                                  options.pop("micro_batches", None), options.pop("micro_batch_size", None))
+    graph = _graph_of(model_or_graph, example_inputs, micro)
     if isinstance(strategy, Plan):
         p = strategy
     elif isinstance(strategy, (os.PathLike,)) or (isinstance(strategy, str) and strategy.endswith(".json")):
@@ -66,7 +76,8 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
             raise PlanError(f"strategy {name!r} with {options} gives {dp} x {unit} devices, but world size is "
                             f"{world_size}; choose degrees whose product is {world_size}")
         builder = PlanBuilder(graph, unit, dp, strategy=name, options={k: v for k, v in options.items()
-                                                                       if isinstance(v, (int, float, str, bool))})
+                                                                       if isinstance(v, (int, float, str, bool))},
+                              micro_batches=micro)
         params = inspect.signature(fn).parameters
         accepts_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
         fn(builder, **(options if accepts_kw else {k: v for k, v in options.items() if k in params}))
@@ -112,7 +123,16 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: StrategyLi
     world_size = world_size or ws
     if world_size != ws:
         raise PlanError(f"world_size={world_size} but the process group has {ws} processes")
-    graph = _graph_of(model, example_inputs)
+    if isinstance(plan, (str, os.PathLike)) and str(plan).endswith(".json"):
+        plan = Plan.load(plan)
+    if isinstance(plan, Plan):
+        micro = plan.num_micro_batches
+        resolve_micro_batches(example_inputs, micro)  # the batch must cut into the plan's micro-batches
+    else:
+        micro = resolve_micro_batches(example_inputs, options.pop("micro_batches", None),
+                                      options.pop("micro_batch_size", None))
+        options["micro_batches"] = micro
+    graph = _graph_of(model, example_inputs, micro)
     p = globals()["plan"](graph, strategy=plan, world_size=world_size, **options)
     program = lower(graph, p)
     return ParallelModule(program, model, rank=rank, world_size=world_size, device=dev, cache_dir=cache_dir,

@@ -35,6 +35,7 @@ class OpPlacement:
     # label -> b: that label is split in b blocks (each piece takes its chunk of every block), as a
     # fused QKV projection must be so that q, k and v each end up split by heads.
     blocks: dict[str, int] = field(default_factory=dict)
+    stage: Optional[int] = None  # pipeline stage (plans with op_order); None without a pipeline
 
     @property
     def num_subops(self) -> int:
@@ -68,12 +69,83 @@ class OpPlacement:
         out = {"splits": [list(s) for s in self.splits], "replicate": self.replicate, "devices": self.devices}
         if self.blocks:
             out["blocks"] = dict(self.blocks)
+        if self.stage is not None:
+            out["stage"] = self.stage
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> "OpPlacement":
+        stage = d.get("stage")
         return cls([(str(l), int(n)) for l, n in d.get("splits", [])], int(d.get("replicate", 1)),
-                   list(d.get("devices", [None])), {str(l): int(b) for l, b in d.get("blocks", {}).items()})
+                   list(d.get("devices", [None])), {str(l): int(b) for l, b in d.get("blocks", {}).items()},
+                   None if stage is None else int(stage))
+
+
+@dataclass
+class PipelineSpec:
+    """op-order for pipelines: which devices run each stage, how many micro-batches, in what order.
+
+    `stage_devices[k]` is the device group of stage k (unit devices); stages that share a pipeline
+    rank (`stage_rank`, interleaved chunks) share its group. The order is a built-in schedule by
+    name, or, for a schedule written by the user, the task lists it produced (kept in the plan, so
+    a saved plan runs without the function that made it).
+    """
+
+    stage_devices: list[list[int]]
+    micro_batches: int
+    schedule: str = "1f1b"
+    stage_rank: list[int] = field(default_factory=list)
+    split_backward: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    tasks: Optional[list[list[Any]]] = None  # explicit per-rank Task lists
+
+    def __post_init__(self) -> None:
+        if not self.stage_rank:
+            groups: list[tuple[int, ...]] = []
+            for devs in self.stage_devices:
+                if tuple(devs) not in groups:
+                    groups.append(tuple(devs))
+            self.stage_rank = [groups.index(tuple(d)) for d in self.stage_devices]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_devices)
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.stage_rank) + 1
+
+    def rank_devices(self, rank: int) -> list[int]:
+        return list(self.stage_devices[self.stage_rank.index(rank)])
+
+    def shape(self):
+        from .schedules import PipelineShape
+        return PipelineShape(self.num_stages, self.num_ranks, self.micro_batches, tuple(self.stage_rank),
+                             self.split_backward)
+
+    def task_lists(self):
+        """Per pipeline rank, the ordered tasks of one training step."""
+        from .schedules import build
+        if self.tasks is not None:
+            return [list(t) for t in self.tasks]
+        return build(self.schedule, self.shape(), **self.options)
+
+    def to_json(self) -> dict:
+        out = {"stage_devices": [list(d) for d in self.stage_devices], "stage_rank": list(self.stage_rank),
+               "micro_batches": self.micro_batches, "schedule": self.schedule,
+               "split_backward": self.split_backward, "options": self.options}
+        if self.tasks is not None:
+            out["tasks"] = [[t.to_json() for t in tasks] for tasks in self.tasks]
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelineSpec":
+        from .schedules import Task
+        tasks = d.get("tasks")
+        return cls([list(map(int, g)) for g in d["stage_devices"]], int(d["micro_batches"]),
+                   str(d.get("schedule", "1f1b")), [int(r) for r in d.get("stage_rank", [])],
+                   bool(d.get("split_backward", False)), dict(d.get("options", {})),
+                   None if tasks is None else [[Task.from_json(t) for t in ts] for ts in tasks])
 
 
 @dataclass
@@ -87,10 +159,18 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     estimate: Optional[dict[str, Any]] = None
     version: int = PLAN_FORMAT_VERSION
+    pipeline: Optional[PipelineSpec] = None
+    # Micro-batches per training step when there is no pipeline (gradient accumulation in train_step).
+    micro_batches: int = 1
 
     @property
     def world_size(self) -> int:
         return self.unit_size * self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per training step (the pipeline's, or gradient accumulation's)."""
+        return self.pipeline.micro_batches if self.pipeline is not None else self.micro_batches
 
     # -- persistence ----------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -105,6 +185,8 @@ class Plan:
             "unit_size": self.unit_size,
             "dp": self.dp,
             "estimate": self.estimate,
+            "micro_batches": self.micro_batches,
+            "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
             "ops": {name: p.to_json() for name, p in self.ops.items()},
         }
 
@@ -136,7 +218,9 @@ class Plan:
                    unit_size=int(d["unit_size"]), dp=int(d.get("dp", 1)),
                    ops={k: OpPlacement.from_json(p) for k, p in d["ops"].items()},
                    strategy=d.get("strategy", "custom"), options=d.get("options", {}),
-                   estimate=d.get("estimate"), version=v)
+                   estimate=d.get("estimate"), version=v,
+                   pipeline=None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"]),
+                   micro_batches=int(d.get("micro_batches", 1)))
 
     @classmethod
     def load(cls, path: str | os.PathLike, graph: Optional[Graph] = None,
@@ -159,6 +243,15 @@ class Plan:
         lines = [f"Plan for {self.model_class} ({self.strategy}{' ' + str(self.options) if self.options else ''})",
                  f"  world size {self.world_size} = {self.dp} data-parallel replica(s) x {self.unit_size} "
                  f"device(s) per replica"]
+        if self.pipeline is not None:
+            pl = self.pipeline
+            counts = [sum(1 for p in self.ops.values() if p.stage == k) for k in range(pl.num_stages)]
+            lines.append(f"  pipeline: {pl.num_stages} stages on {pl.num_ranks} ranks, {pl.micro_batches} micro-batches, "
+                         f"schedule {pl.schedule}{' (backward split into B and W)' if pl.split_backward else ''}")
+            for k, (devs, n) in enumerate(zip(pl.stage_devices, counts)):
+                lines.append(f"    stage {k}: rank {pl.stage_rank[k]}, devices {devs}, {n} ops")
+        elif self.micro_batches > 1:
+            lines.append(f"  {self.micro_batches} micro-batches per step (gradients accumulated)")
         patterns: dict[str, list[str]] = {}
         for name, p in self.ops.items():
             key = ("replicated" if not p.splits else

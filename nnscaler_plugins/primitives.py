@@ -14,11 +14,11 @@ on the builder's ops. The builder records the calls; `finish()` turns them into 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from .errors import PlanError
 from .graph import Graph, OpNode
-from .plan import OpPlacement, Plan
+from .plan import OpPlacement, PipelineSpec, Plan
 from .rules import Signature, op_call, signature_for
 
 
@@ -107,7 +107,7 @@ class PlanBuilder:
     """Records primitive calls for one graph and one unit of `unit_size` devices."""
 
     def __init__(self, graph: Graph, unit_size: int, dp: int = 1, strategy: str = "custom",
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, micro_batches: int = 1):
         if unit_size < 1 or dp < 1:
             raise PlanError(f"unit size and data-parallel degree must be >= 1 (got {unit_size}, {dp})")
         self.graph = graph
@@ -119,6 +119,8 @@ class PlanBuilder:
         self._by_name = {h.name: h for h in self.ops}
         self._placements: dict[str, OpPlacement] = {}
         self._subop_splits: dict[str, dict[int, list[tuple[str, int]]]] = {}
+        self.micro_batches = int(micro_batches)
+        self.pipeline: Optional[PipelineSpec] = None
 
     @property
     def world_size(self) -> int:
@@ -210,6 +212,66 @@ class PlanBuilder:
     def placement(self, op: OpHandle) -> OpPlacement:
         return self._placement(op)
 
+    def op_order(self, stages: Sequence[Sequence[Union[OpHandle, str]]], devices: Sequence[Sequence[int]], *,
+                 micro_batches: Optional[int] = None, schedule: Union[str, Callable[..., Any]] = "1f1b",
+                 stage_rank: Optional[Sequence[int]] = None, split_backward: Optional[bool] = None,
+                 **options: Any) -> PipelineSpec:
+        """Pipeline the ops: stage k (ops in model order) runs on `devices[k]`, micro-batches flow
+        through the stages in the order `schedule` gives (a built-in name or a function
+        `fn(shape, **options) -> per-rank task lists`). Stages sharing a device group share a
+        pipeline rank (interleaved chunks). The schedule is dry-run here, so a broken one fails now.
+        """
+        from .schedules import SPLITS_BACKWARD
+        from .timeline import check
+
+        if len(stages) != len(devices):
+            raise PlanError(f"op_order got {len(stages)} stages but {len(devices)} device groups")
+        m = self.micro_batches if micro_batches is None else int(micro_batches)
+        seen: dict[str, int] = {}
+        for k, ops in enumerate(stages):
+            if not ops:
+                raise PlanError(f"pipeline stage {k} has no ops")
+            for op in ops:
+                handle = self._by_name[op] if isinstance(op, str) else op
+                if handle.name in seen:
+                    raise PlanError(f"is in pipeline stages {seen[handle.name]} and {k}; an op belongs to one stage",
+                                    op=handle.name, where=handle.where())
+                seen[handle.name] = k
+                self._placement(handle).stage = k
+        missing = [h for h in self.ops if h.name not in seen]
+        if missing:
+            raise PlanError(f"is in no pipeline stage ({len(missing)} ops are not); give every op a stage",
+                            op=missing[0].name, where=missing[0].where())
+        for k, group in enumerate(devices):
+            bad = [d for d in group if not 0 <= d < self.unit_size]
+            if bad or not group:
+                raise PlanError(f"pipeline stage {k} is given devices {list(group)}, outside this plan's unit "
+                                f"(devices 0..{self.unit_size - 1})")
+        name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "custom")
+        split = name in SPLITS_BACKWARD if split_backward is None else bool(split_backward)
+        spec = PipelineSpec([list(map(int, g)) for g in devices], m, name,
+                            list(stage_rank) if stage_rank is not None else [], split,
+                            {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
+        groups: dict[int, tuple[int, ...]] = {}
+        for k, (r, g) in enumerate(zip(spec.stage_rank, spec.stage_devices)):
+            if groups.setdefault(r, tuple(g)) != tuple(g):
+                raise PlanError(f"pipeline stage {k} runs on rank {r} with devices {g}, but another stage of rank "
+                                f"{r} has devices {list(groups[r])}; one rank is one device group")
+        flat = [d for g in groups.values() for d in g]
+        if len(flat) != len(set(flat)):
+            raise PlanError(f"pipeline ranks share devices ({[list(g) for g in groups.values()]}); each device "
+                            "belongs to one pipeline rank")
+        try:
+            if callable(schedule):
+                from .schedules import build
+                spec.tasks = build(schedule, spec.shape(), **options)
+            lists = spec.task_lists()
+        except ValueError as e:
+            raise PlanError(f"schedule {name!r}: {e}") from None
+        check(lists, spec.shape())
+        self.pipeline = spec
+        return spec
+
     def finish(self, validate: bool = True) -> Plan:
         pending = [n for n, s in self._subop_splits.items() if s]
         if pending:
@@ -219,7 +281,8 @@ class PlanBuilder:
         plan = Plan(graph_fingerprint=self.graph.fingerprint(), model_class=self.graph.model_class,
                     unit_size=self.unit_size, dp=self.dp,
                     ops={h.name: self._placements.get(h.name, OpPlacement()) for h in self.ops},
-                    strategy=self.strategy, options=self.options)
+                    strategy=self.strategy, options=self.options, pipeline=self.pipeline,
+                    micro_batches=self.pipeline.micro_batches if self.pipeline else self.micro_batches)
         if validate:
             from .validate import validate as _validate
             _validate(plan, self.graph)
@@ -237,6 +300,13 @@ def op_trans(op: Transformable, dim: Any = None, num: Optional[int] = None,
     """
     builder = (op.op if isinstance(op, SubOp) else op).builder
     return builder.op_trans(op, dim=dim, num=num, replicate=replicate, block=block)
+
+
+def op_order(builder: PlanBuilder, stages: Sequence[Sequence[Union[OpHandle, str]]], devices: Sequence[Sequence[int]],
+             **schedule: Any) -> PipelineSpec:
+    """Pipeline the ops of `builder` in stages on device groups, ordered by a schedule (see
+    `PlanBuilder.op_order`)."""
+    return builder.op_order(stages, devices, **schedule)
 
 
 def op_assign(sub: SubOp, device: int) -> None:

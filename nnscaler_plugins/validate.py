@@ -27,6 +27,13 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
                         f"has {world_size} processes; make a plan for {world_size} or launch {plan.world_size}")
     if plan.unit_size < 1 or plan.dp < 1:
         raise PlanError(f"invalid degrees: unit size {plan.unit_size}, dp {plan.dp}")
+    if plan.pipeline is not None:
+        _validate_pipeline(plan, graph)
+    else:
+        staged = next((op for op in graph.ops if op.name in plan.ops and plan.ops[op.name].stage is not None), None)
+        if staged is not None:
+            raise PlanError("has a pipeline stage but the plan has no pipeline (op_order)", op=staged.name,
+                            where=staged.where())
     for op in graph.ops:
         p = plan.ops.get(op.name)
         if p is None:
@@ -75,3 +82,44 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
                 raise PlanError(f"split of dim {label!r} (size {sig.size_of(label, call)}) into {total} pieces "
                                 f"does not divide it{extra}; use a number of pieces that divides every dim carrying "
                                 f"{label!r}", op=op.name, where=op.where())
+
+
+def _validate_pipeline(plan: Plan, graph: Graph) -> None:
+    """Stages cover every op, follow the model's data flow, run on their own devices, and the
+    schedule passes the dry run."""
+    from .timeline import check
+
+    spec = plan.pipeline
+    groups = [set(g) for g in spec.stage_devices]
+    for k, g in enumerate(spec.stage_devices):
+        bad = [d for d in g if not 0 <= d < plan.unit_size]
+        if bad or not g:
+            raise PlanError(f"pipeline stage {k} runs on devices {g}, outside the plan's unit "
+                            f"(devices 0..{plan.unit_size - 1})")
+    stage_of: dict[str, int] = {}
+    for op in graph.ops:
+        p = plan.ops.get(op.name)
+        if p is None:
+            continue  # reported by the caller
+        if p.stage is None or not 0 <= p.stage < spec.num_stages:
+            raise PlanError(f"has stage {p.stage}; the pipeline has stages 0..{spec.num_stages - 1}", op=op.name,
+                            where=op.where())
+        outside = [d for d in p.devices if d is not None and d not in groups[p.stage]]
+        if outside:
+            raise PlanError(f"runs on devices {outside}, outside its pipeline stage {p.stage} "
+                            f"(devices {spec.stage_devices[p.stage]})", op=op.name, where=op.where())
+        for o in op.outputs:
+            if o is not None:
+                stage_of[o] = p.stage
+        for name in op.inputs:
+            src = stage_of.get(name)
+            if src is not None and src > p.stage:
+                producer = graph.op(graph.values[name].producer)
+                raise PlanError(f"in stage {p.stage} uses {name}, made in the later stage {src} by "
+                                f"{producer.where()}; stages must follow the model's order", op=op.name,
+                                where=op.where())
+    try:
+        lists = spec.task_lists()
+    except ValueError as e:
+        raise PlanError(f"pipeline schedule {spec.schedule!r}: {e}") from None
+    check(lists, spec.shape())

@@ -9,9 +9,12 @@ strategy (`strategy(builder, **options)`), and it also carries `degrees(world_si
 `.degrees` attribute works the same for third-party plugins; the object exists so that the name
 and a one-line description travel with the strategy (for `nns.strategies()`-style listings).
 
-    dp      every rank runs the whole model on its own batch (unit of 1 device, dp = world)
-    tp      Megatron-style tensor parallelism over the whole world (or tp= devices, dp = world / tp)
-    hybrid  tp= devices per unit, dp= units
+    dp           every rank runs the whole model on its own batch (unit of 1 device, dp = world)
+    tp           Megatron-style tensor parallelism over the whole world (or tp= devices, dp = world / tp)
+    hybrid       tp= devices per unit, dp= units
+    gpipe, 1f1b, interleaved, zero-bubble
+                 pipelines of pp stages (x tp, x dp) with that schedule
+    megatron     tp x pp x dp with Megatron's options
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Any, Callable
 from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.primitives import PlanBuilder
 
-from . import data_parallel, hybrid, tensor_parallel
+from . import data_parallel, hybrid, pipeline, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,28 @@ HYBRID = Strategy("hybrid", hybrid.hybrid, hybrid.degrees,
                   "tensor parallel inside units of tp= devices, data parallel across dp= units")
 
 
+GPIPE = Strategy("gpipe", pipeline.gpipe, pipeline.degrees,
+                 "pipeline, GPipe schedule (all forwards, then all backwards); options pp, tp, dp, micro_batches")
+ONE_F_ONE_B = Strategy("1f1b", pipeline.one_f_one_b, pipeline.degrees,
+                       "pipeline, 1F1B schedule; options pp, tp, dp, micro_batches")
+INTERLEAVED = Strategy("interleaved", pipeline.interleaved, pipeline.degrees,
+                       "pipeline, interleaved 1F1B over virtual_stages chunks per rank; options pp, tp, dp, "
+                       "micro_batches, virtual_stages")
+ZERO_BUBBLE = Strategy("zero-bubble", pipeline.zero_bubble, pipeline.degrees,
+                       "pipeline, zero-bubble schedule (backward split into input and weight gradients)")
+MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.megatron_degrees,
+                    "a Megatron-LM configuration: tp, pp, dp, micro_batch_size or micro_batches, schedule, "
+                    "virtual_stages, sequence_parallel, recompute")
+BUILTIN = (DP, TP, HYBRID, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, MEGATRON)
+
+
 @hookimpl
 def nnscaler_register_strategies() -> dict[str, Strategy]:
-    return {s.name: s for s in (DP, TP, HYBRID)}
+    return {s.name: s for s in BUILTIN}
 
 
-__all__ = ["Strategy", "DP", "TP", "HYBRID", "nnscaler_register_strategies"]
+__all__ = ["Strategy", "DP", "TP", "HYBRID", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "MEGATRON",
+           "nnscaler_register_strategies"]
 
 
 class _CallableModule(types.ModuleType):

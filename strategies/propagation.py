@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from nnscaler_plugins.graph import Graph
 from nnscaler_plugins.plan import Plan
@@ -174,10 +174,15 @@ class TensorParallelPropagation:
     layouts and matmul roles the walk arrived at without making a plan.
     """
 
-    def __init__(self, builder: PlanBuilder):
+    def __init__(self, builder: PlanBuilder, degree: Optional[int] = None,
+                 devices_of: Optional[Callable[[OpHandle], list[int]]] = None):
+        """`degree` pieces per split op (default: the unit size); `devices_of(op)` gives the
+        `degree` devices an op's pieces run on (default: devices 0..degree-1), which is how a
+        pipeline stage gets tensor parallelism on its own device group."""
         self.builder = builder
         self.graph = builder.graph
-        self.n = builder.unit_size
+        self.n = builder.unit_size if degree is None else int(degree)
+        self.devices_of = devices_of or (lambda op: list(range(self.n)))
         self.ops = list(builder.ops)
         self.position = {op.name: i for i, op in enumerate(self.ops)}
         self.blocked = supports_blocked_splits(builder)
@@ -471,14 +476,12 @@ class TensorParallelPropagation:
         b = self.builder
         for op in self.ops:
             c = self.choices[op.name]
+            devices = self.devices_of(op)
             if c.label is None:
-                b.replicate(op)
+                b.replicate(op, devices=devices)
                 continue
-            if c.block > 1:
-                subs = b.op_trans(op, dim=c.label, num=self.n, block=c.block)
-            else:
-                subs = b.op_trans(op, dim=c.label, num=self.n)
-            for device, sub in enumerate(subs):
+            subs = b.op_trans(op, dim=c.label, num=self.n, block=c.block)
+            for device, sub in zip(devices, subs):
                 b.op_assign(sub, device)
 
     def summary(self) -> Counter:
