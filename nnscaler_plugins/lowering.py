@@ -55,26 +55,74 @@ class Stmt:
 
 @dataclass
 class ParamShard:
-    value: str
+    """Where one parameter, buffer or constant is stored: one copy per pipeline rank that uses it
+    (tied weights used by two stages, an embedding and its LM head, have two copies)."""
+
+    value: str  # the graph value (the variable generated code reads)
     fqn: str
     aliases: tuple[str, ...]
     kind: str  # "param" | "buffer" | "constant"
     layout: Layout
     grad_groups: tuple[tuple[int, ...], ...] = ()  # unit device groups to sum gradients over
     persistent: bool = True  # part of the model's state dict (non-persistent buffers are not)
+    # Unit device groups whose gradients are summed by the reducer: the grad groups, joined across
+    # the copies of a tied weight so that every copy steps with the sum of all copies' gradients.
+    reduce_groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def in_state_dict(self) -> bool:
         return self.kind == "param" or (self.kind == "buffer" and self.persistent)
 
+    def reduce_group(self, device: int) -> tuple[int, ...]:
+        return next((g for g in self.reduce_groups if device in g), (device,))
+
+
+@dataclass
+class StageProgram:
+    """The code one device runs for one pipeline stage (the whole model when there is no pipeline).
+
+    The stage function takes `inputs` (graph inputs the stage reads, then the boundary values it
+    receives, whole) and returns `sent` (boundary values later stages read, made whole on this
+    stage's devices) followed by one entry per model output (None where another stage makes it).
+    """
+
+    stage: int
+    device: int
+    stmts: list[Stmt]
+    inputs: list[str]
+    sent: list[str]  # var names of the boundary values, in Program.stage_sends[stage] order
+    outputs: list[Optional[str]]  # per model output: this stage's var, or None
+    params: list[str]  # shard keys the stage reads
+
 
 @dataclass
 class RankProgram:
     device: int
-    stmts: list[Stmt]
-    inputs: list[str]  # graph input value names this rank receives (all of them)
-    outputs: list[Optional[str]]  # var per flattened model output (None: constant)
-    params: list[str]  # param/buffer values held on this rank
+    stages: dict[int, StageProgram]
+    params: list[str]  # shard keys held on this device (every stage it runs)
+
+    # The single-stage view, for plans without a pipeline.
+    @property
+    def stmts(self) -> list[Stmt]:
+        return self.stages[0].stmts
+
+    @property
+    def inputs(self) -> list[str]:
+        return self.stages[0].inputs
+
+    @property
+    def outputs(self) -> list[Optional[str]]:
+        return self.stages[0].outputs
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A value made in one stage and read in later ones: sent whole, its gradient sent back."""
+
+    value: str
+    src: int
+    dsts: tuple[int, ...]
+    requires_grad: bool
 
 
 @dataclass
@@ -88,6 +136,15 @@ class Program:
     grad_groups: list[tuple[tuple[int, ...], ...]]
     kernel_groups: list[tuple[tuple[int, ...], ...]]
     loss_index: Optional[int]
+    stage_groups: list[tuple[int, ...]] = field(default_factory=list)  # devices of each stage
+    boundaries: list[Boundary] = field(default_factory=list)
+    stage_inputs: list[list[str]] = field(default_factory=list)  # per stage: graph inputs, then boundary values
+    stage_sends: list[list[str]] = field(default_factory=list)  # per stage: boundary values it sends
+    output_stage: list[Optional[int]] = field(default_factory=list)  # per model output: the stage making it
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_groups)
 
     def groups_needed(self) -> list[tuple[int, ...]]:
         """Every unit-relative rank tuple any collective uses, sorted (creation order)."""
@@ -104,11 +161,12 @@ class Program:
         """Collectives this device runs in one forward (by kind), for tests and explain()."""
         from collections import Counter
         c: Counter = Counter()
-        for s in self.ranks[device].stmts:
-            if s.kind == "reshard":
-                c.update(self.reshards[s.key].count())
-            elif s.kind == "op" and s.group_kwarg is not None:
-                c["kernel:" + getattr(s.target, "__name__", str(s.target))] += 1
+        for sp in self.ranks[device].stages.values():
+            for s in sp.stmts:
+                if s.kind == "reshard":
+                    c.update(self.reshards[s.key].count())
+                elif s.kind == "op" and s.group_kwarg is not None:
+                    c["kernel:" + getattr(s.target, "__name__", str(s.target))] += 1
         return c
 
 
@@ -231,34 +289,76 @@ def _loss_index(graph: Graph) -> Optional[int]:
     return idx if isinstance(idx, int) else None
 
 
+def _stages(graph: Graph, plan: Plan) -> tuple[dict[str, int], list[tuple[int, ...]]]:
+    """Stage of every op and devices of every stage; a plan without a pipeline is one stage."""
+    if plan.pipeline is None:
+        return {op.name: 0 for op in graph.ops}, [tuple(range(plan.unit_size))]
+    return ({op.name: plan.ops[op.name].stage for op in graph.ops},
+            [tuple(g) for g in plan.pipeline.stage_devices])
+
+
 def lower(graph: Graph, plan: Plan) -> Program:
     unit = plan.unit_size
     full_group = tuple(range(unit))
-    produced: dict[str, Layout] = {}
-    shards: dict[str, ParamShard] = {}
+    stage_of, stage_groups = _stages(graph, plan)
+    num_stages = len(stage_groups)
+    group_ids = {g: i for i, g in enumerate(dict.fromkeys(stage_groups))}  # pipeline rank of each group
     reshards: list[ReshardPlan] = []
     reshard_index: dict[tuple, int] = {}
     grad_groups: list[tuple[tuple[int, ...], ...]] = []
     kernel_groups: list[tuple[tuple[int, ...], ...]] = []
-    per_rank: list[list[Stmt]] = [[] for _ in range(unit)]
+    stmts: dict[tuple[int, int], list[Stmt]] = {(d, k): [] for k, g in enumerate(stage_groups) for d in g}
 
+    # Which stage makes each value, and which later stages read it (pipeline boundaries).
+    made_in: dict[str, int] = {}
+    read_in: dict[str, list[int]] = {}
+    for op in graph.ops:
+        k = stage_of[op.name]
+        for name in op.inputs:
+            if name in made_in and made_in[name] != k and k not in read_in.setdefault(name, []):
+                read_in[name].append(k)
+        for o in op.outputs:
+            if o is not None:
+                made_in[o] = k
+    boundaries = [Boundary(v, made_in[v], tuple(sorted(ks)), graph.meta(v).requires_grad)
+                  for v, ks in read_in.items() if ks]
+    output_stage = [made_in.get(o) if o is not None else None for o in graph.outputs]
+    for oi, (o, k) in enumerate(zip(graph.outputs, output_stage)):
+        if o is not None and k is None:  # an input or parameter returned as is: the last stage returns it
+            output_stage[oi] = num_stages - 1
+
+    # produced[k][v]: the layout value v has on stage k's devices.
+    produced: list[dict[str, Layout]] = [dict() for _ in range(num_stages)]
     for inp in graph.inputs:
         if graph.values[inp.name].meta is not None:
-            produced[inp.name] = Layout.replicated(graph.meta(inp.name).shape, full_group)
+            for k in range(num_stages):
+                produced[k][inp.name] = Layout.replicated(graph.meta(inp.name).shape, full_group)
+    for b in boundaries:
+        for k in b.dsts:
+            produced[k][b.value] = Layout.replicated(graph.meta(b.value).shape, stage_groups[k])
 
-    # Parameter consumers decide storage and gradient handling up front.
+    # Parameters: one stored copy per pipeline rank that uses them; their consumers decide the
+    # storage layout and who sums the gradients.
     op_info: dict[str, tuple[Signature, OpLayouts]] = {}
-    uses: dict[str, list[tuple[OpNode, int]]] = {}
+    uses: dict[tuple[str, int], list[tuple[OpNode, int]]] = {}
     for op in graph.ops:
         sig = signature_for(graph, op)
         lays = op_layouts(graph, op, plan.ops[op.name], sig)
         op_info[op.name] = (sig, lays)
+        rank = group_ids[stage_groups[stage_of[op.name]]]
         for i, name in enumerate(op.inputs):
             if graph.values[name].kind in ("param", "buffer", "constant"):
-                uses.setdefault(name, []).append((op, i))
+                uses.setdefault((name, rank), []).append((op, i))
+    ranks_using: dict[str, list[int]] = {}
+    for name, rank in uses:
+        ranks_using.setdefault(name, []).append(rank)
+    shards: dict[str, ParamShard] = {}
+    shard_key: dict[tuple[str, int], str] = {}
     reducer_owned: set[tuple[str, str, int]] = set()
-    for name, us in uses.items():
+    for (name, rank), us in uses.items():
         v = graph.values[name]
+        key = name if len(ranks_using[name]) == 1 else f"{name}__r{rank}"
+        shard_key[(name, rank)] = key
         first_op, first_i = us[0]
         storage = _fold_partial(op_info[first_op.name][1].inputs[first_i])
         gg_all = {op_info[o.name][1].grad_partial[i] for o, i in us}
@@ -266,11 +366,12 @@ def lower(graph: Graph, plan: Plan) -> Program:
         gg = next(iter(gg_all)) if use_reducer else ()
         if use_reducer:
             reducer_owned |= {(name, o.name, i) for o, i in us}
-        shards[name] = ParamShard(name, v.fqn or name, v.aliases, v.kind, storage, gg, v.persistent)
-        produced[name] = storage
+        shards[key] = ParamShard(name, v.fqn or name, v.aliases, v.kind, storage, gg, v.persistent, gg)
+        for k, g in enumerate(stage_groups):
+            if group_ids[g] == rank:
+                produced[k][name] = storage
+    _tie_copies(graph, shards, ranks_using, shard_key)
 
-    # Statements, in graph order; every rank walks the same order (no deadlock by construction).
-    cache: dict[tuple[str, Layout, tuple], str] = {}
     counter = [0]
 
     def fresh(base: str) -> str:
@@ -290,78 +391,137 @@ def lower(graph: Graph, plan: Plan) -> Program:
             reshards.append(plan_reshard(src, dst))
         return reshard_index[k]
 
+    def reshard_to(k: int, name: str, src: Layout, dst: Layout, what: str, op: Optional[OpNode] = None,
+                   output_of: Optional[int] = None) -> str:
+        """Emit the change of layout on stage k's devices; the variable holding the result."""
+        if src == dst:
+            return name
+        r = get_reshard(src, dst, what)
+        if reshards[r].is_identity:
+            return name
+        var = fresh(name if output_of is None else name + "_out")
+        for dev in sorted(set(dst.group) | (set(src.group) & set(stage_groups[k]))):
+            stmts[(dev, k)].append(Stmt("reshard", out=[var], src=name, key=r, op=op, comment=_describe(reshards[r]),
+                                        output_of=output_of))
+        return var
+
+    # Statements, in graph order; every device of a stage walks the same order (no deadlock).
+    cache: dict[tuple[int, str, Layout, tuple], str] = {}
     for op in graph.ops:
+        k = stage_of[op.name]
         sig, lays = op_info[op.name]
         p = plan.ops[op.name]
         call = op_call(graph, op)
-        local_names: list[list[str]] = [[] for _ in range(unit)]
+        local_names: list[str] = []
         for i, name in enumerate(op.inputs):
-            src = produced.get(name)
+            src = produced[k].get(name)
             if src is None:
                 raise PlanError(f"input {name} has no producer before this op", op=op.name, where=op.where())
             dst = lays.inputs[i]
             need_grad = graph.meta(name).requires_grad and op.grad_enabled
             gg = lays.grad_partial[i] if need_grad and (name, op.name, i) not in reducer_owned else ()
-            key = (name, dst, gg)
+            key = (k, name, dst, gg)
             if key not in cache:
-                var = name
-                if src != dst:
-                    k = get_reshard(src, dst, f"{name} consumed by {op.where()}")
-                    rp = reshards[k]
-                    if not rp.is_identity:
-                        var = fresh(name)
-                        for dev in sorted(set(src.group) | set(dst.group)):
-                            per_rank[dev].append(Stmt("reshard", out=[var], src=name, key=k, op=op,
-                                                      comment=_describe(rp)))
+                var = reshard_to(k, name, src, dst, f"{name} consumed by {op.where()}", op)
                 if gg:
                     gk = len(grad_groups)
                     grad_groups.append(gg)
                     new = fresh(name + "_g")
                     for dev in sorted({d for g in gg for d in g}):
-                        per_rank[dev].append(Stmt("grad_sum", out=[new], src=var, key=gk, op=op,
-                                                  comment=f"sum gradient over {list(gg)} in backward"))
+                        stmts[(dev, k)].append(Stmt("grad_sum", out=[new], src=var, key=gk, op=op,
+                                                    comment=f"sum gradient over {list(gg)} in backward"))
                     var = new
                 cache[key] = var
-            for dev in range(unit):
-                local_names[dev].append(cache[key])
+            local_names.append(cache[key])
         for j, name in enumerate(op.outputs):
             if name is not None:
-                produced[name] = lays.outputs[j]
+                produced[k][name] = lays.outputs[j]
+        renames = dict(zip(op.inputs, local_names))
         for idx, dev in enumerate(lays.devices):
             local = _localize(graph, op, sig, call, p, idx, lays)
-            args, kwargs = _rename(local.args, local.kwargs, dict(zip(op.inputs, local_names[dev])))
+            args, kwargs = _rename(local.args, local.kwargs, renames)
             gkw = None
             if local.group_label is not None:
                 gkw = len(kernel_groups)
                 kernel_groups.append(lays.label_groups[local.group_label])
-            per_rank[dev].append(Stmt("op", out=list(op.outputs), target=local.target, args=args, kwargs=kwargs,
-                                      op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw))
+            stmts[(dev, k)].append(Stmt("op", out=list(op.outputs), target=local.target, args=args, kwargs=kwargs,
+                                        op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw))
 
-    # Outputs are returned whole (replicated) on every device of the unit.
-    outputs_per_rank: list[list[Optional[str]]] = [[] for _ in range(unit)]
+    # What leaves each stage is whole on its devices: boundary values, then the model's outputs.
+    sent_vars: dict[tuple[int, str], str] = {}
+    stage_sends: list[list[str]] = [[] for _ in range(num_stages)]
+    for b in boundaries:
+        g = stage_groups[b.src]
+        var = reshard_to(b.src, b.value, produced[b.src][b.value], Layout.replicated(graph.meta(b.value).shape, g),
+                         f"{b.value} sent from stage {b.src}")
+        sent_vars[(b.src, b.value)] = var
+        stage_sends[b.src].append(b.value)
+    out_vars: dict[tuple[int, int], Optional[str]] = {}
     for oi, o in enumerate(graph.outputs):
+        k = output_stage[oi]
         if o is None:
-            for dev in range(unit):
-                outputs_per_rank[dev].append(None)
             continue
-        src = produced[o]
-        dst = Layout.replicated(src.shape, full_group)
-        var = o
-        if src != dst:
-            k = get_reshard(src, dst, f"model output {o}")
-            if not reshards[k].is_identity:
-                var = fresh(o + "_out")
-                for dev in range(unit):
-                    per_rank[dev].append(Stmt("reshard", out=[var], src=o, key=k, comment=_describe(reshards[k]),
-                                              output_of=oi))
-        for dev in range(unit):
-            outputs_per_rank[dev].append(var)
+        g = stage_groups[k]
+        out_vars[(k, oi)] = reshard_to(k, o, produced[k][o], Layout.replicated(graph.meta(o).shape, g),
+                                       f"model output {o}", output_of=oi)
 
+    used_inputs = [[i.name for i in graph.inputs if any(i.name in op.inputs for op in graph.ops if stage_of[op.name] == k)
+                    or (i.name in graph.outputs and output_stage[graph.outputs.index(i.name)] == k)]
+                   for k in range(num_stages)]
+    if num_stages == 1:
+        used_inputs = [[i.name for i in graph.inputs]]  # the whole model takes every input
+    stage_inputs = [used_inputs[k] + [b.value for b in boundaries if k in b.dsts] for k in range(num_stages)]
+
+    key_rank = {key: rank for (_name, rank), key in shard_key.items()}
     ranks = []
     for dev in range(unit):
-        held = [n for n, s in shards.items() if dev in s.layout.group]
-        ranks.append(RankProgram(dev, per_rank[dev], [i.name for i in graph.inputs], outputs_per_rank[dev], held))
-    return Program(graph, plan, unit, ranks, shards, reshards, grad_groups, kernel_groups, _loss_index(graph))
+        held = [key for key, sh in shards.items() if dev in sh.layout.group]
+        per_stage = {}
+        for k, g in enumerate(stage_groups):
+            if dev not in g:
+                continue
+            mine = [key for key in held if key_rank[key] == group_ids[g]]
+            per_stage[k] = StageProgram(k, dev, stmts[(dev, k)], stage_inputs[k],
+                                        [sent_vars[(k, v)] for v in stage_sends[k]],
+                                        [out_vars.get((k, oi)) for oi in range(len(graph.outputs))], mine)
+        ranks.append(RankProgram(dev, per_stage, held))
+    return Program(graph, plan, unit, ranks, shards, reshards, grad_groups, kernel_groups, _loss_index(graph),
+                   stage_groups, boundaries, stage_inputs, stage_sends, output_stage)
+
+
+def _tie_copies(graph: Graph, shards: dict[str, ParamShard], ranks_using: dict[str, list[int]],
+                shard_key: dict[tuple[str, int], str]) -> None:
+    """Copies of one parameter on several pipeline ranks (tied weights) step together: their
+    gradients are summed across the copies, piece by piece, by the reducer."""
+    for name, ranks in ranks_using.items():
+        if len(ranks) < 2:
+            continue
+        copies = [shards[shard_key[(name, r)]] for r in ranks]
+        first = copies[0]
+        if first.kind != "param" or not graph.meta(name).requires_grad:
+            continue
+        shape = (first.layout.replicas, first.layout.partial, first.layout.splits, first.layout.blocks)
+        for c in copies[1:]:
+            other = (c.layout.replicas, c.layout.partial, c.layout.splits, c.layout.blocks)
+            if other != shape or _positions(c.layout, c.reduce_groups) != _positions(first.layout, first.reduce_groups):
+                raise PlanError(f"parameter {first.fqn} is used by several pipeline stages and split differently on "
+                                f"them ({first.layout} vs {c.layout}); split it the same way wherever it is used")
+        joined = []
+        for positions in _positions(first.layout, first.reduce_groups):
+            joined.append(tuple(sorted(c.layout.group[pos] for c in copies for pos in positions)))
+        for c in copies:
+            c.reduce_groups = tuple(joined)
+
+
+def _positions(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> list[tuple[int, ...]]:
+    """Groups as positions in the layout (device-independent), every position in one group."""
+    out, covered = [], set()
+    for g in groups:
+        pos = tuple(sorted(layout.position_of(d) for d in g))
+        out.append(pos)
+        covered |= set(pos)
+    out += [(p,) for p in range(layout.num_devices) if p not in covered]
+    return sorted(out)
 
 
 def _describe(rp: ReshardPlan) -> str:

@@ -112,11 +112,12 @@ class ParallelModule(torch.nn.Module):
             full = state.get(s.fqn) if s.kind != "constant" else self.graph.constants.get(s.fqn)
             lay = s.layout
             if full is None or full.is_meta:
-                local = torch.empty(lay.local_shape(), dtype=self.graph.meta(v).dtype, device=self._device)
+                local = torch.empty(lay.local_shape(), dtype=self.graph.meta(s.value).dtype, device=self._device)
             else:
                 local = lay.slice_full(full.detach(), self.unit_device).to(self._device).clone()
             if s.kind == "param":
-                self.shards[_safe(s.fqn)] = torch.nn.Parameter(local, requires_grad=self.graph.meta(v).requires_grad)
+                self.shards[_safe(s.fqn)] = torch.nn.Parameter(local,
+                                                               requires_grad=self.graph.meta(s.value).requires_grad)
             else:
                 self.register_buffer(_safe(s.fqn), local, persistent=s.in_state_dict)
         self._reducer = self._build_reducer()
@@ -133,32 +134,27 @@ class ParallelModule(torch.nn.Module):
                 out.append(tuple(dp * plan.unit_size + d for dp in range(plan.dp)))
         return out
 
-    def _reducer_group(self, unit_groups: tuple[tuple[int, ...], ...]) -> Optional[tuple[int, ...]]:
+    def _replicas_of(self, unit_group: tuple[int, ...]) -> tuple[int, ...]:
+        """Global ranks of a unit device group in every data-parallel replica."""
         plan = self.plan
-        mine = (next(g for g in unit_groups if self.unit_device in g) if unit_groups else (self.unit_device,))
-        ranks = tuple(sorted(dp * plan.unit_size + d for dp in range(plan.dp) for d in mine))
-        return ranks if len(ranks) > 1 else None
+        return tuple(sorted(dp * plan.unit_size + d for dp in range(plan.dp) for d in unit_group))
 
     def _build_reducer(self) -> Optional[GradReducer]:
         entries = []
-        extra_groups = set()
         for v in self._held:
             s = self.program.shards[v]
-            if s.kind != "param" or not self.graph.meta(v).requires_grad:
+            if s.kind != "param" or not self.graph.meta(s.value).requires_grad:
                 continue
-            ranks = self._reducer_group(s.grad_groups)
-            if ranks is None:
-                continue
-            extra_groups.add(ranks)
-            entries.append((self.shards[_safe(s.fqn)], ranks))
-        # Reducer groups spanning replicas x in-unit pieces are created by every rank, in order.
+            ranks = self._replicas_of(s.reduce_group(self.unit_device))
+            if len(ranks) > 1:
+                entries.append((self.shards[_safe(s.fqn)], ranks))
+        # Reducer groups are created by every rank, members or not, in one order.
         all_sets = set()
-        for dp_unit_groups in [self.program.shards[v].grad_groups for v in self.program.shards]:
-            for d in range(self.plan.unit_size):
-                g = next((g for g in dp_unit_groups if d in g), (d,)) if dp_unit_groups else (d,)
-                r = tuple(sorted(dp * self.plan.unit_size + x for dp in range(self.plan.dp) for x in g))
-                if len(r) > 1:
-                    all_sets.add(r)
+        for s in self.program.shards.values():
+            for d in s.layout.group:
+                ranks = self._replicas_of(s.reduce_group(d))
+                if len(ranks) > 1:
+                    all_sets.add(ranks)
         self.groups.ensure(sorted(all_sets, key=lambda g: (len(g), g)))
         if not entries:
             return None
@@ -166,12 +162,13 @@ class ParallelModule(torch.nn.Module):
         return GradReducer([(p, self.groups.get(r), scale) for p, r in entries])
 
     # -- running ----------------------------------------------------------------------------------
-    def _params_in_order(self) -> list[torch.Tensor]:
-        out = []
-        for v in self._held:
-            s = self.program.shards[v]
-            out.append(self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn)))
-        return out
+    def _local(self, key: str) -> torch.Tensor:
+        s = self.program.shards[key]
+        return self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
+
+    def _params_in_order(self, stage: int = 0) -> list[torch.Tensor]:
+        """What the stage function unpacks as `_P`: its parameters and buffers, in Program order."""
+        return [self._local(key) for key in self.program.ranks[self.unit_device].stages[stage].params]
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         vals = []
@@ -236,7 +233,7 @@ class ParallelModule(torch.nn.Module):
         unit_groups = self._comm.groups
         from ..resharding import plan as plan_reshard
         for v, s in self.program.shards.items():
-            if not s.in_state_dict:
+            if not s.in_state_dict or s.fqn in out:  # a tied weight's copies hold the same values
                 continue
             lay = s.layout
             full_lay = Layout.replicated(lay.shape, lay.group)
@@ -246,7 +243,7 @@ class ParallelModule(torch.nn.Module):
                 with torch.no_grad():
                     whole = plan_reshard(lay, full_lay).apply(local.detach(), self.unit_device, unit_groups)
             else:
-                whole = torch.empty(lay.shape, dtype=self.graph.meta(v).dtype, device=self._device)
+                whole = torch.empty(lay.shape, dtype=self.graph.meta(s.value).dtype, device=self._device)
             if self.unit_device not in lay.group:
                 src = self._comm.groups.global_rank(lay.group[0])
                 dist.broadcast(whole, src=src, group=self.groups.get(tuple(
