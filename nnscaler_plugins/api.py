@@ -83,8 +83,14 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
         fn(builder, **(options if accepts_kw else {k: v for k, v in options.items() if k in params}))
         p = builder.finish(validate=False)
     validate(p, graph, world_size=world_size)
-    lower(graph, p)  # cross-device problems surface now, before any process starts
+    if p.unit_size <= _LOWER_CHECK_MAX_UNIT:
+        lower(graph, p)  # cross-device problems surface now, before any process starts
     return p
+
+
+# Lowering writes statements for every device of the unit; past this size (plans for large
+# clusters, made to be simulated) the check is left to `parallelize`, which lowers anyway.
+_LOWER_CHECK_MAX_UNIT = 64
 
 
 def _default_device() -> torch.device:

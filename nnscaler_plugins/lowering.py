@@ -68,6 +68,7 @@ class ParamShard:
     # Unit device groups whose gradients are summed by the reducer: the grad groups, joined across
     # the copies of a tied weight so that every copy steps with the sum of all copies' gradients.
     reduce_groups: tuple[tuple[int, ...], ...] = ()
+    tied: bool = False  # one of several copies on different pipeline ranks
 
     @property
     def in_state_dict(self) -> bool:
@@ -511,6 +512,7 @@ def _tie_copies(graph: Graph, shards: dict[str, ParamShard], ranks_using: dict[s
             joined.append(tuple(sorted(c.layout.group[pos] for c in copies for pos in positions)))
         for c in copies:
             c.reduce_groups = tuple(joined)
+            c.tied = True
 
 
 def _positions(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> list[tuple[int, ...]]:

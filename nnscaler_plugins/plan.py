@@ -162,6 +162,8 @@ class Plan:
     pipeline: Optional[PipelineSpec] = None
     # Micro-batches per training step when there is no pipeline (gradient accumulation in train_step).
     micro_batches: int = 1
+    # Shapes of the graph inputs the plan was made for (one micro-batch), for messages.
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -186,6 +188,7 @@ class Plan:
             "dp": self.dp,
             "estimate": self.estimate,
             "micro_batches": self.micro_batches,
+            "input_shapes": self.input_shapes,
             "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
             "ops": {name: p.to_json() for name, p in self.ops.items()},
         }
@@ -220,7 +223,8 @@ class Plan:
                    strategy=d.get("strategy", "custom"), options=d.get("options", {}),
                    estimate=d.get("estimate"), version=v,
                    pipeline=None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"]),
-                   micro_batches=int(d.get("micro_batches", 1)))
+                   micro_batches=int(d.get("micro_batches", 1)),
+                   input_shapes={k: list(v) for k, v in d.get("input_shapes", {}).items()})
 
     @classmethod
     def load(cls, path: str | os.PathLike, graph: Optional[Graph] = None,

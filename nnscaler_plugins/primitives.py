@@ -282,7 +282,10 @@ class PlanBuilder:
                     unit_size=self.unit_size, dp=self.dp,
                     ops={h.name: self._placements.get(h.name, OpPlacement()) for h in self.ops},
                     strategy=self.strategy, options=self.options, pipeline=self.pipeline,
-                    micro_batches=self.pipeline.micro_batches if self.pipeline else self.micro_batches)
+                    micro_batches=self.pipeline.micro_batches if self.pipeline else self.micro_batches,
+                    input_shapes={i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
+                                  list(self.graph.meta(i.name).shape)
+                                  for i in self.graph.inputs if self.graph.values[i.name].meta is not None})
         if validate:
             from .validate import validate as _validate
             _validate(plan, self.graph)

@@ -12,6 +12,13 @@ from .rules import op_call, signature_for
 def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None:
     """Raise PlanError for the first problem found, naming the op and its source line."""
     if plan.graph_fingerprint != graph.fingerprint():
+        shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])): list(graph.meta(i.name).shape)
+                  for i in graph.inputs if graph.values[i.name].meta is not None}
+        if plan.input_shapes and plan.input_shapes != shapes:
+            raise PlanError(
+                f"plan was made for inputs {plan.input_shapes} (one micro-batch of one data-parallel replica), "
+                f"but the model is given {shapes}; give each replica the batch the plan expects "
+                f"({plan.num_micro_batches} micro-batch(es) of that size), or make a new plan for these shapes")
         known = set(plan.ops)
         missing = [op.name for op in graph.ops if op.name not in known][:5]
         extra = [n for n in plan.ops if n not in {op.name for op in graph.ops}][:5]

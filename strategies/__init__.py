@@ -14,6 +14,7 @@ and a one-line description travel with the strategy (for `nns.strategies()`-styl
     hybrid       tp= devices per unit, dp= units
     gpipe, 1f1b, interleaved, zero-bubble
                  pipelines of pp stages (x tp, x dp) with that schedule
+    pipeline     the same with schedule= any built-in name or a function of your own
     megatron     tp x pp x dp with Megatron's options
 """
 from __future__ import annotations
@@ -63,10 +64,13 @@ INTERLEAVED = Strategy("interleaved", pipeline.interleaved, pipeline.degrees,
                        "micro_batches, virtual_stages")
 ZERO_BUBBLE = Strategy("zero-bubble", pipeline.zero_bubble, pipeline.degrees,
                        "pipeline, zero-bubble schedule (backward split into input and weight gradients)")
+PIPELINE = Strategy("pipeline", pipeline.pipeline, pipeline.degrees,
+                    "pipeline with any schedule: schedule= a built-in name or your function fn(shape) -> per-rank "
+                    "task lists; options pp, tp, dp, micro_batches, virtual_stages")
 MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.megatron_degrees,
                     "a Megatron-LM configuration: tp, pp, dp, micro_batch_size or micro_batches, schedule, "
                     "virtual_stages, sequence_parallel, recompute")
-BUILTIN = (DP, TP, HYBRID, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, MEGATRON)
+BUILTIN = (DP, TP, HYBRID, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, MEGATRON)
 
 
 @hookimpl
@@ -74,7 +78,7 @@ def nnscaler_register_strategies() -> dict[str, Strategy]:
     return {s.name: s for s in BUILTIN}
 
 
-__all__ = ["Strategy", "DP", "TP", "HYBRID", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "MEGATRON",
+__all__ = ["Strategy", "DP", "TP", "HYBRID", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "PIPELINE", "MEGATRON",
            "nnscaler_register_strategies"]
 
 

@@ -55,7 +55,7 @@ def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Opti
     if pp * tp != builder.unit_size:
         raise PlanError(f"pp={pp} x tp={tp} does not match the plan's unit of {builder.unit_size} devices")
     virtual_stages = int(virtual_stages)
-    if virtual_stages > 1 and schedule not in ("interleaved",) and not callable(schedule):
+    if virtual_stages > 1 and schedule != "interleaved" and not callable(schedule):
         raise PlanError(f"virtual_stages={virtual_stages} needs the 'interleaved' schedule (got {schedule!r})")
     groups = layer_groups(builder.graph)
     num_stages = pp * virtual_stages

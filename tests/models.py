@@ -31,20 +31,20 @@ def mlp():
     return model, {"x": torch.randn(BATCH, 16), "labels": torch.randint(0, 8, (BATCH,))}
 
 
-def gpt2_small():
+def gpt2_small(layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=False,
+    cfg = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=False,
                      bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg)
     ids = _ids()
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
-def llama_small():
+def llama_small(layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
                       intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = LlamaForCausalLM(cfg)

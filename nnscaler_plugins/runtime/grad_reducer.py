@@ -70,6 +70,14 @@ class GradReducer:
         finally:
             self._sync = old
 
+    def reduce_now(self) -> None:
+        """Reduce every bucket at once (after a pipeline step, whose micro-batches accumulate
+        gradients under no_sync)."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        self._finish()
+
     def _hook(self, p: torch.nn.Parameter) -> None:
         if not self._sync:
             return

@@ -17,9 +17,11 @@ from ..codegen import generate, write_and_load
 from ..graph import Graph
 from ..layout import Layout
 from ..lowering import Program
+from ..microbatch import split_batch
 from ..plan import Plan
 from .collectives import identity_fwd_allreduce_bwd
 from .grad_reducer import GradReducer
+from .pipeline_executor import PipelineExecutor
 from .loss import extract_loss
 from .process_groups import ProcessGroups
 
@@ -121,14 +123,18 @@ class ParallelModule(torch.nn.Module):
             else:
                 self.register_buffer(_safe(s.fqn), local, persistent=s.in_state_dict)
         self._reducer = self._build_reducer()
+        self._executor = PipelineExecutor(self) if plan.pipeline is not None else None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _all_group_tuples(self) -> list[tuple[int, ...]]:
         plan = self.plan
         out = []
+        unit_sets = list(self.program.groups_needed())
+        if plan.unit_size > 1:  # the step's loss and whole state dicts go to every device of the unit
+            unit_sets.append(tuple(range(plan.unit_size)))
         for dp in range(plan.dp):
             off = dp * plan.unit_size
-            out += [tuple(off + r for r in g) for g in self.program.groups_needed()]
+            out += [tuple(off + r for r in g) for g in unit_sets]
         if plan.dp > 1:  # replicas of each unit device, for gradient averaging
             for d in range(plan.unit_size):
                 out.append(tuple(dp * plan.unit_size + d for dp in range(plan.dp)))
@@ -140,14 +146,17 @@ class ParallelModule(torch.nn.Module):
         return tuple(sorted(dp * plan.unit_size + d for dp in range(plan.dp) for d in unit_group))
 
     def _build_reducer(self) -> Optional[GradReducer]:
-        entries = []
+        entries, tied = [], []
         for v in self._held:
             s = self.program.shards[v]
             if s.kind != "param" or not self.graph.meta(s.value).requires_grad:
                 continue
             ranks = self._replicas_of(s.reduce_group(self.unit_device))
             if len(ranks) > 1:
-                entries.append((self.shards[_safe(s.fqn)], ranks))
+                (tied if s.tied else entries).append((s.fqn, self.shards[_safe(s.fqn)], ranks))
+        # Copies of a tied weight sit among different parameters on each stage: order them by name
+        # so every member of their group reduces them in the same order.
+        entries = [(p, r) for _, p, r in entries + sorted(tied, key=lambda e: e[0])]
         # Reducer groups are created by every rank, members or not, in one order.
         all_sets = set()
         for s in self.program.shards.values():
@@ -199,20 +208,61 @@ class ParallelModule(torch.nn.Module):
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.plan.pipeline is not None:
+            raise RuntimeError("a pipeline plan runs whole training steps over its micro-batches: call "
+                               "train_step(batch) instead of forward")
+        if self.plan.num_micro_batches > 1:
+            raise RuntimeError(f"this plan cuts each step into {self.plan.num_micro_batches} micro-batches: call "
+                               "train_step(batch), or make a plan without micro_batches to call forward")
         args, kwargs = normalize_inputs(args, kwargs) if len(args) == 1 and isinstance(args[0], dict) else (args, kwargs)
         flat = self._run(args, kwargs)
         return pytree.tree_unflatten(flat, self.graph.out_spec) if self.graph.out_spec is not None else flat[0]
 
     def train_step(self, batch: Any) -> torch.Tensor:
-        """Forward and backward on one batch; returns the (detached) loss. The optimizer step is the caller's."""
+        """Forward and backward on one batch, cut into the plan's micro-batches; returns the
+        (detached) loss, the mean over micro-batches. The optimizer step is the caller's."""
+        micro = split_batch(batch, self.plan.num_micro_batches)
+        if self.plan.pipeline is not None:
+            return self._pipeline_step(micro)
+        total = None
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                loss = self._loss_of(mb)
+                (loss / len(micro) if len(micro) > 1 else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / len(micro)
+
+    def _loss_of(self, batch: Any) -> torch.Tensor:
         args, kwargs = normalize_inputs(batch, None)
         if self.loss_fn is None and self.program.loss_index is not None:
-            loss = self._run(args, kwargs, loss_only=True)[self.program.loss_index]
-        else:
-            out = self.forward(*args, **kwargs)
-            loss = self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
-        loss.backward()
-        return loss.detach()
+            return self._run(args, kwargs, loss_only=True)[self.program.loss_index]
+        flat = self._run(args, kwargs)
+        out = pytree.tree_unflatten(flat, self.graph.out_spec) if self.graph.out_spec is not None else flat[0]
+        return self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
+
+    def _pipeline_step(self, micro: list[Any]) -> torch.Tensor:
+        if self.loss_fn is not None or self.program.loss_index is None:
+            raise RuntimeError("a pipeline plan needs the loss computed inside the model (a scalar output, .loss or "
+                               "'loss'); loss_fn= is not supported with pipelines")
+        inputs = [self._flat_inputs(*normalize_inputs(mb, None)) for mb in micro]
+        with self.no_sync():
+            loss = self._executor.run(inputs)
+        if self._reducer is not None:
+            self._reducer.reduce_now()
+        # The stage that computes the loss tells every device of the replica.
+        src_stage = self.program.output_stage[self.program.loss_index]
+        src = self._comm.groups.global_rank(self.program.stage_groups[src_stage][0])
+        unit = tuple(self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size))
+        group = self.groups.get(unit)
+        if group is not None:
+            dist.broadcast(loss, src=src, group=group)
+        return loss
+
+    @property
+    def pipeline_stats(self) -> Any:
+        """What the last pipeline step measured: peak micro-batches held, peak bytes saved for backward."""
+        return None if self._executor is None else self._executor.stats
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -244,7 +294,7 @@ class ParallelModule(torch.nn.Module):
                     whole = plan_reshard(lay, full_lay).apply(local.detach(), self.unit_device, unit_groups)
             else:
                 whole = torch.empty(lay.shape, dtype=self.graph.meta(s.value).dtype, device=self._device)
-            if self.unit_device not in lay.group:
+            if len(lay.group) < self.plan.unit_size:  # held by some devices (a stage): they tell the rest
                 src = self._comm.groups.global_rank(lay.group[0])
                 dist.broadcast(whole, src=src, group=self.groups.get(tuple(
                     self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size))))

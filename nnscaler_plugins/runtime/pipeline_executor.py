@@ -1,0 +1,229 @@
+"""The pipeline executor: runs this device's task list of one training step.
+
+The task lists come from the plan's schedule and passed the dry run (`timeline.check`) before any
+process started, so following them in order cannot deadlock: every receive a task waits on is
+matched by a send an earlier task (on another rank) posts. Sends are asynchronous and waited for
+at the end of the step; receives block just before the task that needs them.
+
+Boundary values cross stages whole: device j of the receiving stage gets the value from device
+j mod |sender| of the sending stage, and gradients travel back the same way, one per consumer
+stage, summed on arrival. Values passed between two stages of one device (interleaved chunks) go
+through a local mailbox instead of the network.
+
+Memory is measured, not assumed: every tensor autograd saves for backward is counted against its
+micro-batch until that micro-batch's backward (or weight-gradient task) is done; the peak is kept
+in `peak_saved_bytes` and the most micro-batches held at once in `peak_in_flight`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..schedules import BACKWARD, FORWARD, WEIGHT, Task
+from .split_backward import SplitBackward
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .parallel_module import ParallelModule
+
+
+@dataclass
+class _InFlight:
+    """What a forward keeps for its backward."""
+
+    leaves: list[tuple[str, torch.Tensor]]  # boundary inputs that need a gradient
+    sent: list[tuple[str, torch.Tensor]]  # boundary outputs whose gradient comes back
+    loss: Optional[torch.Tensor]
+    saved_bytes: int = 0
+    split: Optional[SplitBackward] = None
+
+
+@dataclass
+class StepStats:
+    peak_in_flight: int = 0
+    peak_saved_bytes: int = 0
+    tasks_run: list[str] = field(default_factory=list)
+
+
+class PipelineExecutor:
+    def __init__(self, module: "ParallelModule"):
+        self.m = module
+        program = module.program
+        self.program = program
+        self.spec = module.plan.pipeline
+        self.device = module.unit_device
+        self.my_stages = sorted(program.ranks[self.device].stages)
+        rank_of_stage = self.spec.stage_rank
+        self.pipeline_rank = rank_of_stage[self.my_stages[0]]
+        self.tasks: list[Task] = self.spec.task_lists()[self.pipeline_rank]
+        self.groups = program.stage_groups
+        self.input_index = {spec.name: i for i, spec in enumerate(program.graph.inputs)}
+        self.loss_index = program.loss_index
+        self.loss_stage = program.output_stage[self.loss_index] if self.loss_index is not None else None
+        self.boundary = {b.value: b for b in program.boundaries}
+        # A tag per (value, consumer stage, direction); micro-batch and round are folded in per step.
+        self._channels: dict[tuple[str, int, int], int] = {}
+        for b in program.boundaries:
+            for k in b.dsts:
+                for direction in (0, 1):
+                    self._channels[(b.value, k, direction)] = len(self._channels)
+        self._rounds = 1 + max((t.round for ts in self.spec.task_lists() for t in ts), default=0)
+        self.stats = StepStats()
+
+    # -- addressing ---------------------------------------------------------------------------------------
+    def _global(self, unit_device: int) -> int:
+        return self.m.dp_rank * self.m.plan.unit_size + unit_device
+
+    def _tag(self, value: str, consumer: int, direction: int, mb: int, rnd: int) -> int:
+        channel = self._channels[(value, consumer, direction)]
+        return (channel * self.spec.micro_batches + mb) * self._rounds + rnd
+
+    @staticmethod
+    def _pick(senders: tuple[int, ...], receivers: tuple[int, ...], receiver: int) -> int:
+        return senders[receivers.index(receiver) % len(senders)]
+
+    # -- communication -------------------------------------------------------------------------------------
+    def _send(self, t: torch.Tensor, dst: int, tag: int, key: tuple) -> None:
+        if dst == self.device:
+            self._mailbox[key] = t
+        else:
+            self._pending.append((dist.isend(t.contiguous(), self._global(dst), tag=tag), t))
+
+    def _recv(self, src: int, meta_of: str, tag: int, key: tuple) -> torch.Tensor:
+        if src == self.device:
+            return self._mailbox.pop(key)
+        meta = self.program.graph.meta(meta_of)
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.m._device)
+        dist.irecv(buf, self._global(src), tag=tag).wait()
+        return buf
+
+    def _send_forward(self, value: str, stage: int, t: torch.Tensor, mb: int, rnd: int) -> None:
+        b = self.boundary[value]
+        src_group = self.groups[stage]
+        payload = t.detach()
+        for k in b.dsts:
+            for dst in self.groups[k]:
+                if self._pick(src_group, self.groups[k], dst) == self.device:
+                    self._send(payload, dst, self._tag(value, k, 0, mb, rnd), ("f", value, k, mb, rnd, dst))
+
+    def _recv_forward(self, value: str, stage: int, mb: int, rnd: int) -> torch.Tensor:
+        b = self.boundary[value]
+        src = self._pick(self.groups[b.src], self.groups[stage], self.device)
+        return self._recv(src, value, self._tag(value, stage, 0, mb, rnd), ("f", value, stage, mb, rnd, self.device))
+
+    def _send_backward(self, value: str, stage: int, grad: torch.Tensor, mb: int) -> None:
+        b = self.boundary[value]
+        for dst in self.groups[b.src]:
+            if self._pick(self.groups[stage], self.groups[b.src], dst) == self.device:
+                self._send(grad, dst, self._tag(value, stage, 1, mb, 0), ("b", value, stage, mb, dst))
+
+    def _recv_backward(self, value: str, mb: int) -> torch.Tensor:
+        b = self.boundary[value]
+        total = None
+        for k in b.dsts:
+            src = self._pick(self.groups[k], self.groups[b.src], self.device)
+            g = self._recv(src, value, self._tag(value, k, 1, mb, 0), ("b", value, k, mb, self.device))
+            total = g if total is None else total + g
+        return total
+
+    # -- tasks ----------------------------------------------------------------------------------------------
+    def _forward(self, task: Task, inputs: list[list[Any]]) -> None:
+        s, mb = task.stage, task.micro_batch
+        ins, leaves = [], []
+        for name in self.program.stage_inputs[s]:
+            if name in self.input_index:
+                ins.append(inputs[mb][self.input_index[name]])
+                continue
+            t = self._recv_forward(name, s, mb, task.round)
+            if task.grad and self.boundary[name].requires_grad:
+                t.requires_grad_(True)
+                leaves.append((name, t))
+            ins.append(t)
+        loss_here = self.loss_stage == s
+        fn = getattr(self.m._gen, f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
+        saved = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if task.grad else contextlib.nullcontext()
+        with torch.set_grad_enabled(task.grad), hooks:
+            outs = fn(self.m._comm, self.m._device, self.m._params_in_order(s), *ins)
+        sends = self.program.stage_sends[s]
+        for value, t in zip(sends, outs[:len(sends)]):
+            self._send_forward(value, s, t, mb, task.round)
+        if not task.grad:
+            return
+        loss = outs[len(sends) + self.loss_index] if loss_here else None
+        if loss is not None:
+            self._loss_sum = self._loss_sum + loss.detach()
+        sent = [(v, t) for v, t in zip(sends, outs[:len(sends)])
+                if self.boundary[v].requires_grad and t.requires_grad]
+        self._in_flight[(s, mb)] = _InFlight(leaves, sent, loss, saved[0])
+        self._account()
+
+    def _account(self) -> None:
+        held = list(self._in_flight.values())
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(held))
+        self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, sum(h.saved_bytes for h in held))
+
+    def _roots(self, state: _InFlight, mb: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        roots, grads = [], []
+        for value, t in state.sent:
+            roots.append(t)
+            grads.append(self._recv_backward(value, mb))
+        if state.loss is not None:
+            roots.append(state.loss)
+            grads.append(torch.full_like(state.loss, 1.0 / self.spec.micro_batches))
+        return roots, grads
+
+    def _backward(self, task: Task) -> None:
+        s, mb = task.stage, task.micro_batch
+        state = self._in_flight[(s, mb)]
+        roots, grads = self._roots(state, mb)
+        leaves = [t for _, t in state.leaves]
+        if self.spec.split_backward:
+            state.split = SplitBackward(roots, grads, leaves, self.m._params_in_order(s))
+            state.split.inputs()
+        elif roots:
+            torch.autograd.backward(roots, grads)
+        for value, leaf in state.leaves:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self._send_backward(value, s, grad, mb)
+        if not self.spec.split_backward:
+            del self._in_flight[(s, mb)]
+
+    def _weight(self, task: Task) -> None:
+        state = self._in_flight.pop((task.stage, task.micro_batch))
+        if state.split is not None:
+            state.split.weights()
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def run(self, inputs: list[list[Any]]) -> torch.Tensor:
+        """One training step over the micro-batches (each a list of graph-input values)."""
+        if len(inputs) != self.spec.micro_batches:
+            raise ValueError(f"the plan's pipeline takes {self.spec.micro_batches} micro-batches, got {len(inputs)}")
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._mailbox: dict[tuple, torch.Tensor] = {}
+        self._in_flight: dict[tuple[int, int], _InFlight] = {}
+        self._loss_sum = torch.zeros((), device=self.m._device)
+        self.stats = StepStats()
+        for task in self.tasks:
+            if task.kind == FORWARD:
+                self._forward(task, inputs)
+            elif task.kind == BACKWARD:
+                self._backward(task)
+            else:
+                self._weight(task)
+            self.stats.tasks_run.append(str(task))
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        if self._in_flight or self._mailbox:
+            raise RuntimeError(f"pipeline step ended with work left: {sorted(self._in_flight)} "
+                               f"{sorted(self._mailbox)}")
+        return self._loss_sum / self.spec.micro_batches
