@@ -86,21 +86,30 @@ def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], not
     return text
 
 
-def _worker(rank: int, world: int, port: int, fn, args, q) -> None:
+def _worker(rank: int, world: int, port: int, fn, args, q, result_rank: int = 0) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         out = fn(rank, world, *args)
-        if rank == 0:
+        if rank == result_rank:
             q.put(out)
     finally:
         dist.destroy_process_group()
 
 
+def spawn_last(fn, world: int, *args):
+    """As `spawn`, returning the last rank's result (where a pipeline computes its loss)."""
+    return _spawn(fn, world, args, world - 1)
+
+
 def spawn(fn, world: int, *args):
     """Run fn(rank, world, *args) in `world` gloo processes; return rank 0's result."""
+    return _spawn(fn, world, args, 0)
+
+
+def _spawn(fn, world: int, args: tuple, result_rank: int):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -108,7 +117,7 @@ def spawn(fn, world: int, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q, result_rank)) for r in range(world)]
     for p in procs:
         p.start()
     out = q.get(timeout=1800)
