@@ -2,8 +2,9 @@
 
 The task lists come from the plan's schedule and passed the dry run (`timeline.check`) before any
 process started, so following them in order cannot deadlock: every receive a task waits on is
-matched by a send an earlier task (on another rank) posts. Sends are asynchronous and waited for
-at the end of the step; receives block just before the task that needs them.
+matched by a send an earlier task (on another rank) posts. A task's sends are posted together as
+one batch of asynchronous point-to-point ops, waited for at the end of the step; its receives are
+posted as one batch just before it runs, and waited for there.
 
 Boundary values cross stages whole: device j of the receiving stage gets the value from device
 j mod |sender| of the sending stage, and gradients travel back the same way, one per consumer
@@ -39,6 +40,14 @@ class _InFlight:
     loss: Optional[torch.Tensor]
     saved_bytes: int = 0
     split: Optional[SplitBackward] = None
+
+
+@dataclass
+class _Incoming:
+    """A tensor on its way: ready when `op` (a posted receive) completes, or at once from the mailbox."""
+
+    tensor: torch.Tensor
+    op: Optional[Any]
 
 
 @dataclass
@@ -86,19 +95,34 @@ class PipelineExecutor:
         return senders[receivers.index(receiver) % len(senders)]
 
     # -- communication -------------------------------------------------------------------------------------
+    # A task's transfers are gathered and posted together as one batch of point-to-point ops;
+    # transfers between two stages of this device go through the mailbox.
     def _send(self, t: torch.Tensor, dst: int, tag: int, key: tuple) -> None:
         if dst == self.device:
             self._mailbox[key] = t
         else:
-            self._pending.append((dist.isend(t.contiguous(), self._global(dst), tag=tag), t))
+            payload = t.contiguous()
+            self._outbox.append(dist.P2POp(dist.isend, payload, self._global(dst), tag=tag))
 
-    def _recv(self, src: int, meta_of: str, tag: int, key: tuple) -> torch.Tensor:
+    def _flush_sends(self) -> None:
+        if self._outbox:
+            works = dist.batch_isend_irecv(self._outbox)
+            self._pending += [(w, op.tensor) for w, op in zip(works, self._outbox)]
+            self._outbox = []
+
+    def _recv(self, src: int, meta_of: str, tag: int, key: tuple) -> "_Incoming":
         if src == self.device:
-            return self._mailbox.pop(key)
+            return _Incoming(self._mailbox.pop(key), None)
         meta = self.program.graph.meta(meta_of)
         buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.m._device)
-        dist.irecv(buf, self._global(src), tag=tag).wait()
-        return buf
+        return _Incoming(buf, dist.P2POp(dist.irecv, buf, self._global(src), tag=tag))
+
+    @staticmethod
+    def _wait(incoming: list["_Incoming"]) -> None:
+        ops = [i.op for i in incoming if i.op is not None]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def _send_forward(self, value: str, stage: int, t: torch.Tensor, mb: int, rnd: int) -> None:
         b = self.boundary[value]
@@ -109,7 +133,7 @@ class PipelineExecutor:
                 if self._pick(src_group, self.groups[k], dst) == self.device:
                     self._send(payload, dst, self._tag(value, k, 0, mb, rnd), ("f", value, k, mb, rnd, dst))
 
-    def _recv_forward(self, value: str, stage: int, mb: int, rnd: int) -> torch.Tensor:
+    def _recv_forward(self, value: str, stage: int, mb: int, rnd: int) -> "_Incoming":
         b = self.boundary[value]
         src = self._pick(self.groups[b.src], self.groups[stage], self.device)
         return self._recv(src, value, self._tag(value, stage, 0, mb, rnd), ("f", value, stage, mb, rnd, self.device))
@@ -120,24 +144,28 @@ class PipelineExecutor:
             if self._pick(self.groups[stage], self.groups[b.src], dst) == self.device:
                 self._send(grad, dst, self._tag(value, stage, 1, mb, 0), ("b", value, stage, mb, dst))
 
-    def _recv_backward(self, value: str, mb: int) -> torch.Tensor:
+    def _recv_backward(self, value: str, mb: int) -> list["_Incoming"]:
+        """One incoming gradient per consumer stage; the caller sums them once they arrived."""
         b = self.boundary[value]
-        total = None
+        out = []
         for k in b.dsts:
             src = self._pick(self.groups[k], self.groups[b.src], self.device)
-            g = self._recv(src, value, self._tag(value, k, 1, mb, 0), ("b", value, k, mb, self.device))
-            total = g if total is None else total + g
-        return total
+            out.append(self._recv(src, value, self._tag(value, k, 1, mb, 0), ("b", value, k, mb, self.device)))
+        return out
 
     # -- tasks ----------------------------------------------------------------------------------------------
     def _forward(self, task: Task, inputs: list[list[Any]]) -> None:
         s, mb = task.stage, task.micro_batch
+        names = self.program.stage_inputs[s]
+        incoming = {name: self._recv_forward(name, s, mb, task.round) for name in names
+                    if name not in self.input_index}
+        self._wait(list(incoming.values()))
         ins, leaves = [], []
-        for name in self.program.stage_inputs[s]:
+        for name in names:
             if name in self.input_index:
                 ins.append(inputs[mb][self.input_index[name]])
                 continue
-            t = self._recv_forward(name, s, mb, task.round)
+            t = incoming[name].tensor
             if task.grad and self.boundary[name].requires_grad:
                 t.requires_grad_(True)
                 leaves.append((name, t))
@@ -156,6 +184,7 @@ class PipelineExecutor:
         sends = self.program.stage_sends[s]
         for value, t in zip(sends, outs[:len(sends)]):
             self._send_forward(value, s, t, mb, task.round)
+        self._flush_sends()
         if not task.grad:
             return
         loss = outs[len(sends) + self.loss_index] if loss_here else None
@@ -172,10 +201,15 @@ class PipelineExecutor:
         self.stats.peak_saved_bytes = max(self.stats.peak_saved_bytes, sum(h.saved_bytes for h in held))
 
     def _roots(self, state: _InFlight, mb: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        incoming = [self._recv_backward(value, mb) for value, _ in state.sent]
+        self._wait([i for parts in incoming for i in parts])
         roots, grads = [], []
-        for value, t in state.sent:
+        for (value, t), parts in zip(state.sent, incoming):
             roots.append(t)
-            grads.append(self._recv_backward(value, mb))
+            total = parts[0].tensor
+            for extra in parts[1:]:
+                total = total + extra.tensor
+            grads.append(total)
         if state.loss is not None:
             roots.append(state.loss)
             grads.append(torch.full_like(state.loss, 1.0 / self.spec.micro_batches))
@@ -194,6 +228,7 @@ class PipelineExecutor:
         for value, leaf in state.leaves:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self._send_backward(value, s, grad, mb)
+        self._flush_sends()
         if not self.spec.split_backward:
             del self._in_flight[(s, mb)]
 
@@ -208,6 +243,7 @@ class PipelineExecutor:
         if len(inputs) != self.spec.micro_batches:
             raise ValueError(f"the plan's pipeline takes {self.spec.micro_batches} micro-batches, got {len(inputs)}")
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._outbox: list[Any] = []
         self._mailbox: dict[tuple, torch.Tensor] = {}
         self._in_flight: dict[tuple[int, int], _InFlight] = {}
         self._loss_sum = torch.zeros((), device=self.m._device)
