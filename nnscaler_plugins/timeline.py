@@ -167,6 +167,12 @@ def _deadlock_message(lists: Sequence[Sequence[Task]], shape: PipelineShape, pos
                       end: dict[tuple, float]) -> str:
     where = {t.key: (r, i) for r, tasks in enumerate(lists) for i, t in enumerate(tasks)}
     stuck = [r for r in range(shape.num_ranks) if pos[r] < len(lists[r])]
+
+    def blocks_itself(r: int) -> bool:
+        task = lists[r][pos[r]]
+        return any(d not in end and where[d][0] == r for d in dependencies(task, shape))
+
+    stuck.sort(key=lambda r: (not blocks_itself(r), r))  # the root cause first
     lines = []
     for r in stuck:
         task = lists[r][pos[r]]

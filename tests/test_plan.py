@@ -104,7 +104,7 @@ def test_plan_for_another_graph_or_world_size_is_rejected(tmp_path, mlp_graph):
     inputs = {k: torch.cat([v, v]) for k, v in inputs.items()}  # other batch size -> other graph
     g2 = nns.capture(other, kwargs=inputs)
     p.save(tmp_path / "p.json")
-    with pytest.raises(PlanError, match="another graph"):
+    with pytest.raises(PlanError, match=r"made for inputs \{'x': \[4, 16\], 'labels': \[4\]\}.* given \{'x': \[8, 16\]"):
         Plan.load(tmp_path / "p.json", graph=g2, world_size=2)
 
 
@@ -163,3 +163,67 @@ def test_tp_splits_gpt2_fused_qkv_in_three_blocks():
     assert len(qkv) == model.config.n_layer
     for op in qkv:
         assert list(plan.ops[op.name].blocks.values()) == [3], plan.ops[op.name]
+
+
+# -- op-order ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    model, inputs = models.gpt2_small()
+    return nns.capture(model, kwargs={k: v[:2] for k, v in inputs.items()})
+
+
+def test_broken_user_schedule_is_refused_before_launch(gpt2_graph):
+    from nnscaler_plugins.schedules import BACKWARD, FORWARD, Task, one_f_one_b
+
+    def backwards_first(shape):
+        lists = one_f_one_b(shape)
+        lists[1] = sorted(lists[1], key=lambda t: t.kind != BACKWARD)  # B1.0 before F1.0
+        return lists
+
+    with pytest.raises(PlanError, match=r"deadlocks: rank 1 cannot run B1.0 .*waits for F1.0"):
+        nns.plan(gpt2_graph, strategy="pipeline", world_size=2, pp=2, micro_batches=2, schedule=backwards_first)
+
+    def forgets_a_backward(shape):
+        lists = one_f_one_b(shape)
+        lists[0] = [t for t in lists[0] if t != Task(0, 1, BACKWARD)]
+        return lists
+
+    with pytest.raises(PlanError, match="never runs the backward of stage 0 micro-batch 1"):
+        nns.plan(gpt2_graph, strategy="pipeline", world_size=2, pp=2, micro_batches=2, schedule=forgets_a_backward)
+
+
+def test_user_schedule_is_kept_in_the_saved_plan(tmp_path, gpt2_graph):
+    from nnscaler_plugins.schedules import gpipe
+
+    def my_gpipe(shape):
+        return gpipe(shape)
+
+    p = nns.plan(gpt2_graph, strategy="pipeline", world_size=2, pp=2, micro_batches=2, schedule=my_gpipe)
+    p.save(tmp_path / "p.json")
+    q = Plan.load(tmp_path / "p.json", graph=gpt2_graph, world_size=2)
+    assert q.pipeline.schedule == "my_gpipe" and q.pipeline.task_lists() == p.pipeline.task_lists()
+    assert "pipeline: 2 stages on 2 ranks, 2 micro-batches, schedule my_gpipe" in q.explain()
+
+
+def test_stages_out_of_model_order_and_ops_off_their_stage(tmp_path, gpt2_graph):
+    p = nns.plan(gpt2_graph, strategy="1f1b", world_size=2, pp=2, micro_batches=2)
+    data = p.to_json()
+    last = gpt2_graph.ops[-1].name
+    data["ops"][gpt2_graph.ops[0].name]["stage"] = 1  # the first op moved to the last stage
+    data["ops"][gpt2_graph.ops[0].name]["devices"] = [1]
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="made in the later stage 1"):
+        Plan.load(tmp_path / "a.json", graph=gpt2_graph, world_size=2)
+    data = p.to_json()
+    data["ops"][last]["devices"] = [0]  # the loss on a device of the first stage
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=f"{last}.*outside its pipeline stage 1"):
+        Plan.load(tmp_path / "b.json", graph=gpt2_graph, world_size=2)
+
+
+def test_pipeline_options_are_checked(gpt2_graph):
+    with pytest.raises(PlanError, match="2 layers cannot fill 4 pipeline stages"):
+        nns.plan(gpt2_graph, strategy="1f1b", world_size=4, pp=4, micro_batches=2)
+    with pytest.raises(PlanError, match="micro-batches .* divisible"):
+        nns.plan(models.gpt2_small(4)[0], strategy="interleaved", world_size=2, pp=2, micro_batches=3,
+                 example_inputs={k: v[:3] for k, v in models.gpt2_small(4)[1].items()})
