@@ -105,7 +105,9 @@ class PipelineSpec:
             for devs in self.stage_devices:
                 if tuple(devs) not in groups:
                     groups.append(tuple(devs))
-            self.stage_rank = [groups.index(tuple(d)) for d in self.stage_devices]
+            # A group that contains others runs on every pipeline rank at once (a shared stage).
+            ranks = [g for g in groups if not any(set(h) < set(g) for h in groups)]
+            self.stage_rank = [ranks.index(tuple(d)) if tuple(d) in ranks else -1 for d in self.stage_devices]
 
     @property
     def num_stages(self) -> int:
@@ -117,6 +119,10 @@ class PipelineSpec:
 
     def rank_devices(self, rank: int) -> list[int]:
         return list(self.stage_devices[self.stage_rank.index(rank)])
+
+    def rank_of_device(self, device: int) -> int:
+        """The pipeline rank whose own stages run on `device`."""
+        return next(r for k, r in enumerate(self.stage_rank) if r >= 0 and device in self.stage_devices[k])
 
     def shape(self):
         from .schedules import PipelineShape
@@ -253,7 +259,8 @@ class Plan:
             lines.append(f"  pipeline: {pl.num_stages} stages on {pl.num_ranks} ranks, {pl.micro_batches} micro-batches, "
                          f"schedule {pl.schedule}{' (backward split into B and W)' if pl.split_backward else ''}")
             for k, (devs, n) in enumerate(zip(pl.stage_devices, counts)):
-                lines.append(f"    stage {k}: rank {pl.stage_rank[k]}, devices {devs}, {n} ops")
+                rank = "every rank" if pl.stage_rank[k] < 0 else f"rank {pl.stage_rank[k]}"
+                lines.append(f"    stage {k}: {rank}, devices {devs}, {n} ops")
         elif self.micro_batches > 1:
             lines.append(f"  {self.micro_batches} micro-batches per step (gradients accumulated)")
         patterns: dict[str, list[str]] = {}

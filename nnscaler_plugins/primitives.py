@@ -254,13 +254,17 @@ class PlanBuilder:
                             {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))})
         groups: dict[int, tuple[int, ...]] = {}
         for k, (r, g) in enumerate(zip(spec.stage_rank, spec.stage_devices)):
-            if groups.setdefault(r, tuple(g)) != tuple(g):
+            if r >= 0 and groups.setdefault(r, tuple(g)) != tuple(g):
                 raise PlanError(f"pipeline stage {k} runs on rank {r} with devices {g}, but another stage of rank "
                                 f"{r} has devices {list(groups[r])}; one rank is one device group")
         flat = [d for g in groups.values() for d in g]
         if len(flat) != len(set(flat)):
             raise PlanError(f"pipeline ranks share devices ({[list(g) for g in groups.values()]}); each device "
                             "belongs to one pipeline rank")
+        for k, (r, g) in enumerate(zip(spec.stage_rank, spec.stage_devices)):
+            if r < 0 and sorted(g) != sorted(flat):
+                raise PlanError(f"pipeline stage {k} is shared by every rank, so it must run on all their devices "
+                                f"{sorted(flat)} (given {list(g)})")
         try:
             if callable(schedule):
                 from .schedules import build

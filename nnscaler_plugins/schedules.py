@@ -9,7 +9,9 @@ rendered timeline: what a person looks at is what runs.
 
 Stages are numbered in model order. With virtual stages (interleaved schedules) there are more
 stages than ranks and `stage_rank` says which rank runs each; by default stage s runs on rank
-s % ranks, so each rank holds every `ranks`-th chunk of the model.
+s % ranks, so each rank holds every `ranks`-th chunk of the model. A stage whose rank is
+`SHARED` (-1) runs on every rank at once, split across all their devices (the interlaced
+pipeline's embedding and LM head): its tasks appear in every rank's list and start together.
 
 Built-ins (registered by name in `SCHEDULES`): GPipe, 1F1B, interleaved 1F1B (Megatron's order)
 and a zero-bubble schedule. A user's own function is checked the same way before anything runs.
@@ -21,6 +23,7 @@ from typing import Any, Callable, Optional
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 KINDS = (FORWARD, BACKWARD, WEIGHT)
+SHARED = -1  # the stage_rank of a stage every rank runs together
 
 
 @dataclass(frozen=True, order=True)
@@ -83,7 +86,7 @@ class PipelineShape:
             object.__setattr__(self, "stage_rank", tuple(s % self.num_ranks for s in range(self.num_stages)))
         if len(self.stage_rank) != self.num_stages:
             raise ValueError(f"stage_rank has {len(self.stage_rank)} entries for {self.num_stages} stages")
-        if any(not 0 <= r < self.num_ranks for r in self.stage_rank):
+        if any(not (0 <= r < self.num_ranks or r == SHARED) for r in self.stage_rank):
             raise ValueError(f"stage_rank {self.stage_rank} names ranks outside 0..{self.num_ranks - 1}")
 
     @property
@@ -91,8 +94,12 @@ class PipelineShape:
         """Stages per rank when they are spread evenly (interleaving chunks)."""
         return self.num_stages // self.num_ranks
 
+    def is_shared(self, stage: int) -> bool:
+        return self.stage_rank[stage] == SHARED
+
     def stages_of(self, rank: int) -> list[int]:
-        return [s for s, r in enumerate(self.stage_rank) if r == rank]
+        """The stages a rank runs: its own and the shared ones."""
+        return [s for s, r in enumerate(self.stage_rank) if r == rank or r == SHARED]
 
 
 Schedule = Callable[..., list[list[Task]]]
@@ -240,6 +247,65 @@ def zero_bubble(shape: PipelineShape, memory_limit: Optional[int] = None) -> lis
     return order
 
 
+def interlaced(shape: PipelineShape) -> list[list[Task]]:
+    """The interlaced pipeline: a shared first stage (a large embedding) and a shared last stage (the
+    LM head and its loss) run on every rank at once, the stages between them one per rank. The layer
+    stages keep 1F1B's order; the shared steps are slotted in as soon as what they wait for is done,
+    all ranks taking them together, and a new micro-batch enters only while fewer than `ranks` are in
+    flight (1F1B's memory). Ordered by list scheduling on unit task times."""
+    p, m, S = shape.num_ranks, shape.micro_batches, shape.num_stages
+    if not (shape.is_shared(0) and shape.is_shared(S - 1) and S == p + 2
+            and shape.stage_rank[1:-1] == tuple(range(p))):
+        raise ValueError(f"the interlaced schedule needs a shared first and last stage around one stage per rank "
+                         f"(stage_rank -1, 0..{p - 1}, -1); got {shape.stage_rank}")
+    layers = PipelineShape(p, p, m)
+    order_layers = [[Task(t.stage + 1, t.micro_batch, t.kind) for t in tasks] for tasks in one_f_one_b(layers)]
+    done: set[tuple] = set()
+    nxt = [0] * p
+    out: list[list[Task]] = [[] for _ in range(p)]
+    entered = finished = 0
+    total = p * 2 * m
+    shared = [Task(s, mb, k) for mb in range(m) for s, k in ((S - 1, FORWARD), (S - 1, BACKWARD), (0, BACKWARD))]
+    while sum(nxt) < total or finished < m:
+        ready = [t for t in shared if t.key not in done and all(d in done for d in _deps(t, S))]
+        if entered < m and entered - finished < p:
+            ready.append(Task(0, entered, FORWARD))
+        if ready:
+            # drain before filling: finish backwards first, then the loss, then new micro-batches
+            task = min(ready, key=lambda t: ({BACKWARD: 0, FORWARD: 1}[t.kind], t.stage != S - 1, t.micro_batch))
+            for r in range(p):
+                out[r].append(task)
+            done.add(task.key)
+            if task.stage == 0 and task.kind == FORWARD:
+                entered += 1
+            if task.stage == 0 and task.kind == BACKWARD:
+                finished += 1
+            continue
+        started = []
+        for r in range(p):
+            if nxt[r] < len(order_layers[r]):
+                t = order_layers[r][nxt[r]]
+                if all(d in done for d in _deps(t, S)):
+                    started.append((r, t))
+        if not started:
+            raise RuntimeError("interlaced list scheduling made no progress (a bug)")
+        for r, t in started:
+            out[r].append(t)
+            nxt[r] += 1
+            done.add(t.key)
+    return out
+
+
+def _deps(task: Task, num_stages: int) -> list[tuple]:
+    s, mb = task.stage, task.micro_batch
+    if task.kind == FORWARD:
+        return [(s - 1, mb, FORWARD, True, 0)] if s > 0 else []
+    deps = [(s, mb, FORWARD, True, 0)]
+    if s < num_stages - 1:
+        deps.append((s + 1, mb, BACKWARD, True, 0))
+    return deps
+
+
 def _zero_bubble_shape(shape: PipelineShape) -> PipelineShape:
     return shape if shape.split_backward else PipelineShape(shape.num_stages, shape.num_ranks, shape.micro_batches,
                                                             shape.stage_rank, True)
@@ -254,6 +320,7 @@ SCHEDULES: dict[str, Schedule] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zero-bubble": _zero_bubble_entry,
+    "interlaced": interlaced,
 }
 
 # Schedules that split backward into B and W whatever the shape asks for.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from .errors import PlanError
-from .schedules import BACKWARD, FORWARD, WEIGHT, PipelineShape, Task
+from .schedules import BACKWARD, FORWARD, SHARED, WEIGHT, PipelineShape, Task
 
 Duration = Callable[[int, Task], float]
 Transfer = Callable[[Task, Task], float]
@@ -80,6 +80,7 @@ def _check_structure(lists: Sequence[Sequence[Task]], shape: PipelineShape) -> N
     if len(lists) != shape.num_ranks:
         raise PlanError(f"schedule gives {len(lists)} task lists for {shape.num_ranks} pipeline ranks")
     seen: dict[tuple, int] = {}
+    on_rank: dict[tuple, int] = {}
     for rank, tasks in enumerate(lists):
         for i, task in enumerate(tasks):
             if not isinstance(task, Task):
@@ -91,13 +92,14 @@ def _check_structure(lists: Sequence[Sequence[Task]], shape: PipelineShape) -> N
                 raise PlanError(f"task {task} on rank {rank} names micro-batch {task.micro_batch}; the step has "
                                 f"micro-batches 0..{shape.micro_batches - 1}")
             owner = shape.stage_rank[task.stage]
-            if owner != rank:
+            if owner != rank and owner != SHARED:
                 raise PlanError(f"task {task} is on rank {rank}, but stage {task.stage} runs on rank {owner}")
             if task.kind == WEIGHT and not shape.split_backward:
                 raise PlanError(f"task {task} on rank {rank}: weight-gradient tasks need a schedule that splits "
                                 "backward (split_backward=True); this one computes weight gradients in B")
-            if task.key in seen:
-                raise PlanError(f"task {task} appears twice (rank {rank} positions {seen[task.key]} and {i})")
+            if (rank, task.key) in on_rank:
+                raise PlanError(f"task {task} appears twice (rank {rank} positions {on_rank[rank, task.key]} and {i})")
+            on_rank[rank, task.key] = i
             seen[task.key] = i
     kinds = (FORWARD, BACKWARD, WEIGHT) if shape.split_backward else (FORWARD, BACKWARD)
     for s in range(shape.num_stages):
@@ -106,14 +108,21 @@ def _check_structure(lists: Sequence[Sequence[Task]], shape: PipelineShape) -> N
                 key = (s, mb, kind, True, 0)
                 if key not in seen:
                     what = {FORWARD: "forward", BACKWARD: "backward", WEIGHT: "weight-gradient"}[kind]
+                    due = "every rank" if shape.is_shared(s) else f"rank {shape.stage_rank[s]}"
                     raise PlanError(f"the schedule never runs the {what} of stage {s} micro-batch {mb} "
-                                    f"(task {_name(key)}, due on rank {shape.stage_rank[s]})")
+                                    f"(task {_name(key)}, due on {due})")
+    for key in seen:
+        if shape.is_shared(key[0]):
+            missing = [r for r in range(shape.num_ranks) if (r, key) not in on_rank]
+            if missing:
+                raise PlanError(f"task {Task(*key)} of the shared stage {key[0]} must be in every rank's list; "
+                                f"rank(s) {missing} lack it")
     for key in seen:
         task = Task(*key)
         for dep in dependencies(task, shape):
             if dep not in seen:
-                raise PlanError(f"task {task} on rank {shape.stage_rank[task.stage]} needs {_name(dep)}, which no "
-                                "rank runs: its receive would never be matched by a send")
+                raise PlanError(f"task {task} needs {_name(dep)}, which no rank runs: its receive would never be "
+                                "matched by a send")
 
 
 def replay(lists: Sequence[Sequence[Task]], shape: PipelineShape, duration: Optional[Duration] = None,
@@ -131,6 +140,28 @@ def replay(lists: Sequence[Sequence[Task]], shape: PipelineShape, duration: Opti
     peak = [0] * p
     release = WEIGHT if shape.split_backward else BACKWARD
     remaining = sum(len(t) for t in lists)
+    def run(ranks: list[int], task: Task, deps: list[tuple]) -> None:
+        nonlocal remaining
+        start = max(free[r] for r in ranks)
+        for d in deps:
+            t = end[d]
+            if shape.stage_rank[d[0]] not in ranks:
+                t += transfer(Task(*d), task)
+            start = max(start, t)
+        finish = start + max(duration(r, task) for r in ranks)
+        end[task.key] = finish
+        for r in ranks:
+            free[r] = finish
+            events[r].append(Event(r, task, start, finish))
+            if task.kind == FORWARD and task.grad:
+                in_flight[r] += 1
+                peak[r] = max(peak[r], in_flight[r])
+            elif task.kind == release:
+                in_flight[r] -= 1
+            pos[r] += 1
+            remaining -= 1
+
+    everyone = list(range(p))
     while remaining:
         progress = False
         for r in range(p):
@@ -140,23 +171,13 @@ def replay(lists: Sequence[Sequence[Task]], shape: PipelineShape, duration: Opti
                 deps = dependencies(task, shape)
                 if any(d not in end for d in deps):
                     break
-                start = free[r]
-                for d in deps:
-                    t = end[d]
-                    if shape.stage_rank[d[0]] != r:
-                        t += transfer(Task(*d), task)
-                    start = max(start, t)
-                finish = start + duration(r, task)
-                end[task.key] = finish
-                free[r] = finish
-                events[r].append(Event(r, task, start, finish))
-                if task.kind == FORWARD and task.grad:
-                    in_flight[r] += 1
-                    peak[r] = max(peak[r], in_flight[r])
-                elif task.kind == release:
-                    in_flight[r] -= 1
-                pos[r] += 1
-                remaining -= 1
+                if shape.is_shared(task.stage):
+                    # every rank takes it together, once all of them have reached it
+                    if any(pos[q] >= len(lists[q]) or lists[q][pos[q]] != task for q in everyone):
+                        break
+                    run(everyone, task, deps)
+                else:
+                    run([r], task, deps)
                 progress = True
         if not progress:
             raise PlanError(_deadlock_message(lists, shape, pos, end))
@@ -183,6 +204,10 @@ def _deadlock_message(lists: Sequence[Sequence[Task]], shape: PipelineShape, pos
             blocker = lists[dr][pos[dr]]
             parts.append(f"{_name(d)} (rank {dr}, position {di}, behind its blocked task {blocker})"
                          if di > pos[dr] else f"{_name(d)} (rank {dr})")
+        if not missing and shape.is_shared(task.stage):
+            others = [f"rank {q} at {lists[q][pos[q]] if pos[q] < len(lists[q]) else 'its end'}"
+                      for q in range(shape.num_ranks) if pos[q] >= len(lists[q]) or lists[q][pos[q]] != task]
+            parts.append(f"every rank to reach it together ({', '.join(others)})")
         lines.append(f"rank {r} cannot run {task} (position {pos[r]}): it waits for {', '.join(parts)}")
     first = lines[0]
     rest = "".join(f"\n  {l}" for l in lines[1:])

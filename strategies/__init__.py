@@ -15,6 +15,7 @@ and a one-line description travel with the strategy (for `nns.strategies()`-styl
     gpipe, 1f1b, interleaved, zero-bubble
                  pipelines of pp stages (x tp, x dp) with that schedule
     pipeline     the same with schedule= any built-in name or a function of your own
+    interlaced   layers pipelined, embedding and LM head tensor-parallel over all devices
     megatron     tp x pp x dp with Megatron's options
 """
 from __future__ import annotations
@@ -67,10 +68,14 @@ ZERO_BUBBLE = Strategy("zero-bubble", pipeline.zero_bubble, pipeline.degrees,
 PIPELINE = Strategy("pipeline", pipeline.pipeline, pipeline.degrees,
                     "pipeline with any schedule: schedule= a built-in name or your function fn(shape) -> per-rank "
                     "task lists; options pp, tp, dp, micro_batches, virtual_stages")
+INTERLACED = Strategy("interlaced", pipeline.interlaced_pipeline, pipeline.degrees,
+                      "interlaced pipeline: layers in pp stages, the embedding and the LM head with its loss "
+                      "tensor-parallel over every device, interlaced into the 1F1B order; options pp, tp, dp, "
+                      "micro_batches")
 MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.megatron_degrees,
                     "a Megatron-LM configuration: tp, pp, dp, micro_batch_size or micro_batches, schedule, "
                     "virtual_stages, sequence_parallel, recompute")
-BUILTIN = (DP, TP, HYBRID, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, MEGATRON)
+BUILTIN = (DP, TP, HYBRID, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON)
 
 
 @hookimpl
@@ -78,7 +83,8 @@ def nnscaler_register_strategies() -> dict[str, Strategy]:
     return {s.name: s for s in BUILTIN}
 
 
-__all__ = ["Strategy", "DP", "TP", "HYBRID", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "PIPELINE", "MEGATRON",
+__all__ = ["Strategy", "DP", "TP", "HYBRID", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "PIPELINE", "INTERLACED",
+           "MEGATRON",
            "nnscaler_register_strategies"]
 
 

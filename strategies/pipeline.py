@@ -65,13 +65,44 @@ def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Opti
         raise PlanError(f"cannot cut {builder.graph.model_class} into {num_stages} pipeline stages: {e}") from None
     rank_devices = [list(range(r * tp, (r + 1) * tp)) for r in range(pp)]
     stage_devices = [rank_devices[k % pp] for k in range(num_stages)]
-    stage_of = {op.name: k for k, ops in enumerate(stages) for op in ops}
-
-    def devices_of(op: OpHandle) -> list[int]:
-        return stage_devices[stage_of[op.name]]
-
-    TensorParallelPropagation(builder, degree=tp, devices_of=devices_of).apply()
+    _tensor_parallel_stages(builder, stages, stage_devices)
     builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule=schedule)
+
+
+def _tensor_parallel_stages(builder: PlanBuilder, stages: list[list[Any]], stage_devices: list[list[int]]) -> None:
+    """Megatron tensor parallelism inside each stage, over that stage's own devices; values enter
+    and leave a stage whole, as the executor moves them."""
+    handles = {op.name: op for op in builder.ops}
+    for ops, devices in zip(stages, stage_devices):
+        segment = [handles[op.name] for op in ops]
+        TensorParallelPropagation(builder, degree=len(devices), devices_of=lambda op, d=devices: d,
+                                  ops=segment).apply()
+
+
+def interlaced_pipeline(builder: PlanBuilder, *, pp: Optional[int] = None, tp: Optional[int] = None,
+                        **_: Any) -> None:
+    """The interlaced pipeline: the layers in pp stages (tp devices each) while what comes before
+    them (a large embedding) and after them (the LM head and its loss) are tensor-parallel across
+    every device of the unit, as two shared stages the schedule interlaces into the 1F1B order."""
+    tp = 1 if tp is None else int(tp)
+    pp = builder.unit_size // tp if pp is None else int(pp)
+    if pp * tp != builder.unit_size:
+        raise PlanError(f"pp={pp} x tp={tp} does not match the plan's unit of {builder.unit_size} devices")
+    groups = layer_groups(builder.graph)
+    if not groups.pre or not groups.post:
+        raise PlanError(f"the interlaced pipeline needs ops before and after the layer stack of "
+                        f"{builder.graph.model_class} (an embedding and an LM head); found "
+                        f"{len(groups.pre)} before and {len(groups.post)} after")
+    try:
+        layer_stages = balanced_stages(type(groups)(groups.prefix, [], groups.layers, []), pp)
+    except ValueError as e:
+        raise PlanError(f"cannot cut {builder.graph.model_class} into {pp} layer stages: {e}") from None
+    everyone = list(range(builder.unit_size))
+    stages = [groups.pre] + layer_stages + [groups.post]
+    stage_devices = [everyone] + [list(range(r * tp, (r + 1) * tp)) for r in range(pp)] + [everyone]
+    _tensor_parallel_stages(builder, stages, stage_devices)
+    builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule="interlaced",
+                     stage_rank=[-1] + list(range(pp)) + [-1])
 
 
 def _named(schedule: str):

@@ -175,19 +175,26 @@ class TensorParallelPropagation:
     """
 
     def __init__(self, builder: PlanBuilder, degree: Optional[int] = None,
-                 devices_of: Optional[Callable[[OpHandle], list[int]]] = None):
+                 devices_of: Optional[Callable[[OpHandle], list[int]]] = None,
+                 ops: Optional[list[OpHandle]] = None):
         """`degree` pieces per split op (default: the unit size); `devices_of(op)` gives the
         `degree` devices an op's pieces run on (default: devices 0..degree-1), which is how a
-        pipeline stage gets tensor parallelism on its own device group."""
+        pipeline stage gets tensor parallelism on its own device group. `ops` restricts the walk
+        to a segment (a pipeline stage): values entering it from outside arrive whole."""
         self.builder = builder
         self.graph = builder.graph
         self.n = builder.unit_size if degree is None else int(degree)
         self.devices_of = devices_of or (lambda op: list(range(self.n)))
-        self.ops = list(builder.ops)
+        self.ops = list(builder.ops) if ops is None else list(ops)
         self.position = {op.name: i for i, op in enumerate(self.ops)}
         self.blocked = supports_blocked_splits(builder)
         self.layout: dict[str, Layout] = {i.name: REPLICATED for i in self.graph.inputs
                                           if self.graph.values[i.name].meta is not None}
+        made_here = {o for op in self.ops for o in op.node.outputs if o is not None}
+        for op in self.ops:
+            for v in op.node.inputs:
+                if v not in made_here and not _is_static(self.graph, v):
+                    self.layout[v] = REPLICATED
         self.stored: dict[str, Layout] = {}
         self.choices: dict[str, Choice] = {}
         self.roles: dict[str, str] = {}  # matmul anchors: "column" | "row" | "replicated"

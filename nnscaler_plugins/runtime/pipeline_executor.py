@@ -65,8 +65,7 @@ class PipelineExecutor:
         self.spec = module.plan.pipeline
         self.device = module.unit_device
         self.my_stages = sorted(program.ranks[self.device].stages)
-        rank_of_stage = self.spec.stage_rank
-        self.pipeline_rank = rank_of_stage[self.my_stages[0]]
+        self.pipeline_rank = self.spec.rank_of_device(self.device)
         self.tasks: list[Task] = self.spec.task_lists()[self.pipeline_rank]
         self.groups = program.stage_groups
         self.input_index = {spec.name: i for i, spec in enumerate(program.graph.inputs)}
@@ -92,6 +91,9 @@ class PipelineExecutor:
 
     @staticmethod
     def _pick(senders: tuple[int, ...], receivers: tuple[int, ...], receiver: int) -> int:
+        """Who sends a whole value to `receiver`: itself when it holds it, else senders in turn."""
+        if receiver in senders:
+            return receiver
         return senders[receivers.index(receiver) % len(senders)]
 
     # -- communication -------------------------------------------------------------------------------------
