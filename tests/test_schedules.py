@@ -143,3 +143,26 @@ def test_memory_limit():
     with pytest.raises(PlanError, match="rank 0 holds the activations of 8 micro-batches .*limit of 4"):
         check(gpipe(shape), shape, memory_limit=4)
     check(one_f_one_b(shape), shape, memory_limit=4)
+
+
+def _interlaced_shape(p=2, m=4):
+    return PipelineShape(p + 2, p, m, stage_rank=tuple([-1] + list(range(p)) + [-1]))
+
+
+def test_interlaced_shared_stages_run_together():
+    from nnscaler_plugins.schedules import interlaced
+
+    shape = _interlaced_shape()
+    tl = check(interlaced(shape), shape)
+    for task in (Task(0, 1, FORWARD), Task(3, 2, BACKWARD)):
+        starts = {e.start for evs in tl.events for e in evs if e.task == task}
+        assert len(starts) == 1  # every rank runs a shared task at the same time
+    lists = interlaced(shape)
+    lists[1] = [t for t in lists[1] if t != Task(3, 0, FORWARD)]
+    with pytest.raises(PlanError, match=r"F3.0 of the shared stage 3 must be in every rank's list; rank\(s\) \[1\]"):
+        check(lists, shape)
+    lists = interlaced(shape)
+    i, j = lists[1].index(Task(0, 0, FORWARD)), lists[1].index(Task(0, 1, FORWARD))
+    lists[1][i], lists[1][j] = lists[1][j], lists[1][i]  # the ranks disagree on the order of shared steps
+    with pytest.raises(PlanError, match="every rank to reach it together"):
+        check(lists, shape)
