@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -104,22 +105,96 @@ class _Emitter:
         raise TypeError(f"cannot emit literal of type {type(x).__name__}: {x!r}")
 
 
-def _last_uses(stmts: list[Stmt], outputs: list[Optional[str]]) -> dict[int, list[str]]:
-    """Statement index -> names whose last use is that statement (freed right after)."""
+def _stmt_uses(s: Stmt) -> list[str]:
+    names: list[str] = []
+    if s.src:
+        names.append(s.src)
+    for leaf in torch.utils._pytree.tree_leaves((s.args, s.kwargs)):
+        if isinstance(leaf, Ref):
+            names.append(leaf.name)
+    return names
+
+
+@dataclass
+class _Region:
+    """Consecutive co-sharded ops of one device, run piece by piece (see runtime/coshard.py)."""
+
+    stmts: list[Stmt]
+    chunks: int
+    inputs: dict[str, tuple]  # outside var -> how each piece gets it
+    outputs: list[tuple[str, tuple]] = field(default_factory=list)  # (var, how pieces combine)
+
+    def uses(self) -> list[str]:
+        return list(self.inputs)
+
+    def defines(self) -> set[str]:
+        return {o for s in self.stmts for o in s.out if o}
+
+
+def _regions(stmts: list[Stmt]) -> list[Any]:
+    """Group co-sharded ops into regions. A region grows while the next op splits its inputs the
+    way the region made them; a reshard or gradient sum of a value made before the region moves
+    in front of it; anything else ends it (its outputs are then put back together)."""
+    items: list[Any] = []
+    i = 0
+    while i < len(stmts):
+        s = stmts[i]
+        if not (s.kind == "op" and s.coshard is not None and s.grad_enabled):
+            items.append(s)
+            i += 1
+            continue
+        region = _Region([], s.coshard.chunks, {})
+        made: dict[str, tuple] = {}
+        hoisted: list[Stmt] = []
+        j = i
+        while j < len(stmts):
+            t = stmts[j]
+            if t.kind == "op" and t.coshard is not None and t.grad_enabled and t.coshard.chunks == region.chunks:
+                wants = dict(region.inputs)
+                fits = True
+                for var, mode in zip(t.coshard.in_vars, t.coshard.in_modes):
+                    if var in made:
+                        out = made[var]
+                        fits &= out is not None and out[0] == "cat" and mode == ("chunk", (out[1],), out[2])
+                    elif wants.setdefault(var, mode) != mode:
+                        fits = False
+                if fits or not region.stmts:
+                    region.inputs = wants
+                    region.stmts.append(t)
+                    for var, mode in zip(t.out, t.coshard.out_modes):
+                        if var:
+                            made[var] = mode
+                    j += 1
+                    continue
+                break
+            if t.kind in ("reshard", "grad_sum") and t.src not in made:
+                hoisted.append(t)
+                j += 1
+                continue
+            break
+        items += hoisted + [region]
+        i = j
+    return items
+
+
+def _finish_regions(items: list[Any], outputs: list[Optional[str]]) -> None:
+    """A region's outputs: what it makes that later items or the function's outputs read."""
+    later: set[str] = {o for o in outputs if o}
+    for item in reversed(items):
+        if isinstance(item, _Region):
+            modes = {var: mode for s in item.stmts for var, mode in zip(s.out, s.coshard.out_modes) if var}
+            item.outputs = [(v, modes[v]) for v in sorted(item.defines() & later)]
+            later |= set(item.uses())
+        else:
+            later |= set(_stmt_uses(item))
+
+
+def _last_uses(items: list[Any], outputs: list[Optional[str]]) -> dict[int, list[str]]:
+    """Item index -> names whose last use is that item (freed right after)."""
     last: dict[str, int] = {}
     keep = {o for o in outputs if o}
-
-    def uses(s: Stmt) -> list[str]:
-        names: list[str] = []
-        if s.src:
-            names.append(s.src)
-        for leaf in torch.utils._pytree.tree_leaves((s.args, s.kwargs)):
-            if isinstance(leaf, Ref):
-                names.append(leaf.name)
-        return names
-
-    for i, s in enumerate(stmts):
-        for n in uses(s):
+    for i, item in enumerate(items):
+        for n in (item.uses() if isinstance(item, _Region) else _stmt_uses(item)):
             last[n] = i
     out: dict[int, list[str]] = {}
     for n, i in last.items():
@@ -161,37 +236,29 @@ def generate(program: Program, device: int) -> str:
 def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt], outputs: list[Optional[str]],
               em: "_Emitter") -> str:
     body: list[str] = []
-    frees = _last_uses(stmts, outputs)
+    items = _regions(stmts)
+    _finish_regions(items, outputs)
+    frees = _last_uses(items, outputs)
     no_grad_open = False
     defined = set(sp.inputs) | set(params)
-    for i, s in enumerate(stmts):
+    regions = 0
+    for i, s in enumerate(items):
         ind = "    "
-        if s.kind == "op" and not s.grad_enabled:
-            if not no_grad_open:
-                body.append("    with torch.no_grad():")
-                no_grad_open = True
-            ind = "        "
-        elif no_grad_open:
+        if isinstance(s, _Region):
             no_grad_open = False
-        if s.kind == "op" and s.op is not None:
-            where = s.op.source or "?"
-            code = f": {s.op.source_code}" if s.op.source_code else ""
-            mod = f" [{s.op.module_path}]" if s.op.module_path else ""
-            body.append(f"{ind}# {where}{mod}{code}"[:160])
-            outs = [o if o is not None else "_" for o in s.out]
-            lhs = (", ".join(outs) + ("," if len(outs) == 1 else "")) if s.op.multi_output else outs[0]
-            args = ", ".join(em.value(a) for a in s.args)
-            kw = dict(s.kwargs)
-            kws = [f"{k}={em.value(v)}" for k, v in kw.items()]
-            if s.group_kwarg is not None:
-                kws.append(f"group=_groups.kernel({s.group_kwarg})")
-            call = f"{em.callable_name(s.target)}({', '.join([a for a in [args] if a] + kws)})"
-            body.append(f"{ind}{lhs} = {call}" if any(o is not None for o in s.out) else f"{ind}{call}")
+            body += _region_lines(s, regions, em, ind)
+            regions += 1
+            defined.update(v for v, _ in s.outputs)
+        else:
+            if s.kind == "op" and not s.grad_enabled:
+                if not no_grad_open:
+                    body.append("    with torch.no_grad():")
+                    no_grad_open = True
+                ind = "        "
+            elif no_grad_open:
+                no_grad_open = False
+            body += _stmt_lines(s, ind, em)
             defined.update(o for o in s.out if o)
-        elif s.kind == "reshard":
-            body.append(f"{ind}{s.out[0]} = _groups.reshard({s.key}, {s.src})  # {s.comment}")
-        elif s.kind == "grad_sum":
-            body.append(f"{ind}{s.out[0]} = _groups.grad_sum({s.key}, {s.src})  # {s.comment}")
         dead = [n for n in frees.get(i, []) if n in defined and n not in params and n not in sp.inputs]
         if dead:
             body.append(f"{ind}del {', '.join(sorted(dead))}")
@@ -202,6 +269,67 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
     return (f"\n\ndef {name}({sig_args}):\n"
             f"    # parameters and buffers held on this device, in Program order\n{unpack}"
             + "\n".join(body) + f"\n    return ({outs}{',' if len(outputs) == 1 else ''})\n")
+
+
+def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", piece: Optional[int] = None) -> list[str]:
+    lines = []
+    if s.kind == "op" and s.op is not None:
+        where = s.op.source or "?"
+        code = f": {s.op.source_code}" if s.op.source_code else ""
+        mod = f" [{s.op.module_path}]" if s.op.module_path else ""
+        lines.append(f"{ind}# {where}{mod}{code}"[:160])
+        outs = [o if o is not None else "_" for o in s.out]
+        lhs = (", ".join(outs) + ("," if len(outs) == 1 else "")) if s.op.multi_output else outs[0]
+        target, args, kwargs = (s.target, s.args, s.kwargs) if piece is None else s.coshard.pieces[piece]
+        arg_text = ", ".join(em.value(a) for a in args)
+        kws = [f"{k}={em.value(v)}" for k, v in dict(kwargs).items()]
+        if s.group_kwarg is not None:
+            kws.append(f"group=_groups.kernel({s.group_kwarg})")
+        call = f"{em.callable_name(target)}({', '.join([a for a in [arg_text] if a] + kws)})"
+        lines.append(f"{ind}{lhs} = {call}" if any(o is not None for o in s.out) else f"{ind}{call}")
+    elif s.kind == "reshard":
+        lines.append(f"{ind}{s.out[0]} = _groups.reshard({s.key}, {s.src})  # {s.comment}")
+    elif s.kind == "grad_sum":
+        lines.append(f"{ind}{s.out[0]} = _groups.grad_sum({s.key}, {s.src})  # {s.comment}")
+    return lines
+
+
+def _region_lines(region: _Region, number: int, em: "_Emitter", ind: str) -> list[str]:
+    """One nested function per piece, each run under a checkpoint, then the pieces put together."""
+    from .runtime import coshard as cs
+
+    c = region.chunks
+    names = list(region.inputs)
+    outs = [v for v, _ in region.outputs]
+    lines = [f"{ind}# co-shard: {len(region.stmts)} ops in {c} pieces on this device, one after another, "
+             "each recomputed in backward"]
+    for j in range(c):
+        lines.append(f"{ind}def _cs{number}_{j}({', '.join(names)}):")
+        for s in region.stmts:
+            lines += _stmt_lines(s, ind + "    ", em, piece=j)
+        lines.append(f"{ind}    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
+    run = em.callable_name(cs.run)
+    for j in range(c):
+        args = []
+        for var in names:
+            mode = region.inputs[var]
+            if mode[0] == "chunk":
+                args.append(f"{em.callable_name(cs.chunk)}({var}, {list(mode[1])}, {c}, {j}, {mode[2]})")
+            elif mode[0] == "first":
+                args.append(f"{em.callable_name(cs.first)}({var}, {j})")
+            else:
+                args.append(var)
+        lines.append(f"{ind}_cs{number}_{j}_out = {run}(_cs{number}_{j}, {', '.join(args)})")
+    for k, (var, mode) in enumerate(region.outputs):
+        pieces = "[" + ", ".join(f"_cs{number}_{j}_out[{k}]" for j in range(c)) + "]"
+        if mode[0] == "cat":
+            lines.append(f"{ind}{var} = {em.callable_name(cs.cat)}({pieces}, {mode[1]}, {mode[2]})")
+        elif mode[0] == "sum":
+            lines.append(f"{ind}{var} = {em.callable_name(cs.total)}({pieces})")
+        else:
+            lines.append(f"{ind}{var} = _cs{number}_0_out[{k}]")
+    lines.append(f"{ind}del {', '.join(f'_cs{number}_{j}, _cs{number}_{j}_out' for j in range(c))}")
+    return lines
 
 
 def write_and_load(program: Program, device: int, cache_dir: str) -> tuple[Any, str]:

@@ -38,6 +38,24 @@ class OpLayouts:
 
 
 @dataclass
+class CoShardCall:
+    """An op whose device runs `chunks` pieces one after another (co-shard).
+
+    `pieces[j]` is what piece j runs; `in_modes` says, per tensor input, how piece j gets its part
+    of the device's local input: ("chunk", dims, blocks) cut along the co-sharded dims, ("first",)
+    the value for piece 0 and zeros for the others (an input added once, a bias), or ("whole",).
+    `out_modes` says how the pieces' outputs make the device's: ("cat", dim, blocks), ("sum",) for
+    partial sums, or ("first",) for copies. `in_vars` names the local inputs, in op-input order.
+    """
+
+    chunks: int
+    pieces: list[tuple[Any, tuple, dict]]
+    in_modes: list[tuple]
+    out_modes: list[Optional[tuple]]
+    in_vars: list[str]
+
+
+@dataclass
 class Stmt:
     kind: str  # "op" | "reshard" | "grad_sum" | "del"
     out: list[Optional[str]] = field(default_factory=list)
@@ -51,6 +69,7 @@ class Stmt:
     group_kwarg: Optional[int] = None  # index into Program.kernel_groups, passed as group=
     comment: str = ""
     output_of: Optional[int] = None  # index of the model output this statement only serves
+    coshard: Optional[CoShardCall] = None
 
 
 @dataclass
@@ -344,7 +363,7 @@ def lower(graph: Graph, plan: Plan) -> Program:
     uses: dict[tuple[str, int], list[tuple[OpNode, int]]] = {}
     for op in graph.ops:
         sig = signature_for(graph, op)
-        lays = op_layouts(graph, op, plan.ops[op.name], sig)
+        lays = op_layouts(graph, op, plan.ops[op.name].unit_view(), sig)
         op_info[op.name] = (sig, lays)
         rank = group_ids[stage_groups[stage_of[op.name]]]
         for i, name in enumerate(op.inputs):
@@ -438,15 +457,17 @@ def lower(graph: Graph, plan: Plan) -> Program:
             if name is not None:
                 produced[k][name] = lays.outputs[j]
         renames = dict(zip(op.inputs, local_names))
+        unit_p = p.unit_view()
         for idx, dev in enumerate(lays.devices):
-            local = _localize(graph, op, sig, call, p, idx, lays)
+            local = _localize(graph, op, sig, call, unit_p, idx, lays)
             args, kwargs = _rename(local.args, local.kwargs, renames)
             gkw = None
             if local.group_label is not None:
                 gkw = len(kernel_groups)
                 kernel_groups.append(lays.label_groups[local.group_label])
+            cs = _coshard_call(graph, op, sig, call, p, idx, renames, local_names) if p.coshard > 1 else None
             stmts[(dev, k)].append(Stmt("op", out=list(op.outputs), target=local.target, args=args, kwargs=kwargs,
-                                        op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw))
+                                        op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw, coshard=cs))
 
     # What leaves each stage is whole on its devices: boundary values, then the model's outputs.
     sent_vars: dict[tuple[int, str], str] = {}
@@ -524,6 +545,54 @@ def _positions(layout: Layout, groups: tuple[tuple[int, ...], ...]) -> list[tupl
         covered |= set(pos)
     out += [(p,) for p in range(layout.num_devices) if p not in covered]
     return sorted(out)
+
+
+def _coshard_call(graph: Graph, op: OpNode, sig: Signature, call, p: OpPlacement, idx: int,
+                  renames: dict[str, str], local_names: list[str]) -> CoShardCall:
+    """The pieces device `idx` of a co-sharded op runs, localized for the finer split."""
+    c = p.coshard
+    label = p.splits[-1][0]
+    numbered = OpPlacement(p.splits, p.replicate, list(range(p.num_subops)), p.blocks, p.stage)
+    lays = op_layouts(graph, op, numbered, sig)
+    pieces = []
+    for j in range(c):
+        local = _localize(graph, op, sig, call, p, idx * c + j, lays)
+        if local.group_label is not None:
+            raise PlanError(f"cannot be co-sharded: its pieces along {label!r} talk to each other through a "
+                            "process group; co-shard the ops around it instead", op=op.name, where=op.where())
+        args, kwargs = _rename(local.args, local.kwargs, renames)
+        pieces.append((local.target, args, kwargs))
+
+    def block_of(labels, input_index):
+        b = sig.blocks.get((label, input_index), p.blocks.get(label, 1)) if input_index is not None else \
+            p.blocks.get(label, 1)
+        return b
+
+    in_modes: list[tuple] = []
+    for i, labels in enumerate(sig.inputs):
+        dims = [d for d, l in enumerate(labels or ()) if l == label]
+        if dims:
+            in_modes.append(("chunk", tuple(dims), block_of(labels, i)))
+        elif i in sig.partial_inputs.get(label, frozenset()):
+            in_modes.append(("first",))
+        else:
+            in_modes.append(("whole",))
+    out_modes: list[Optional[tuple]] = []
+    for j, name in enumerate(op.outputs):
+        labels = sig.outputs[j] if j < len(sig.outputs) else None
+        dims = [d for d, l in enumerate(labels or ()) if l == label]
+        if name is None:
+            out_modes.append(None)
+        elif len(dims) > 1:
+            raise PlanError(f"cannot be co-sharded along {label!r}: output {j} carries it on several dims", op=op.name,
+                            where=op.where())
+        elif dims:
+            out_modes.append(("cat", dims[0], block_of(labels, None)))
+        elif label in sig.reduce:
+            out_modes.append(("sum",))
+        else:
+            out_modes.append(("first",))
+    return CoShardCall(c, pieces, in_modes, out_modes, list(local_names))
 
 
 def _describe(rp: ReshardPlan) -> str:

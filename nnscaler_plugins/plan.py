@@ -50,6 +50,24 @@ class OpPlacement:
             index //= r
         return tuple(reversed(out))
 
+    @property
+    def coshard(self) -> int:
+        """Pieces per device: with co-shard, consecutive pieces of the innermost split share a device
+        and run one after another (recomputed in backward), cutting peak activation memory."""
+        used = [d for d in self.devices if d is not None]
+        if not self.splits or len(set(used)) == len(used):
+            return 1
+        return len(used) // max(1, len(set(used)))
+
+    def unit_view(self) -> "OpPlacement":
+        """The placement with each device's co-sharded pieces taken as one piece (what the layouts see)."""
+        c = self.coshard
+        if c == 1:
+            return self
+        label, num = self.splits[-1]
+        return OpPlacement(self.splits[:-1] + [(label, num // c)], self.replicate, self.devices[::c], self.blocks,
+                           self.stage)
+
     def label_counts(self) -> dict[str, int]:
         """Total pieces per label (nested splits of one label multiply)."""
         out: dict[str, int] = {}

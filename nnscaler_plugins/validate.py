@@ -58,9 +58,7 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
                 raise PlanError(f"sub-op {i} is assigned to device {d}, outside the world of this plan's unit "
                                 f"(devices 0..{plan.unit_size - 1})", op=op.name, where=op.where())
         if len(set(p.devices)) != len(p.devices):
-            raise PlanError(f"two sub-ops are assigned to one device ({p.devices}); running several pieces of one "
-                            "op on a device (co-shard) needs an op-order, which this plan does not give",
-                            op=op.name, where=op.where())
+            _check_coshard(p, op)
         if not p.splits:
             continue
         sig = signature_for(graph, op)
@@ -130,3 +128,22 @@ def _validate_pipeline(plan: Plan, graph: Graph) -> None:
     except ValueError as e:
         raise PlanError(f"pipeline schedule {spec.schedule!r}: {e}") from None
     check(lists, spec.shape())
+
+
+def _check_coshard(p, op) -> None:
+    """Several sub-ops on one device are a co-shard: each device takes the same number of
+    consecutive pieces of the op's innermost split and runs them one after another."""
+    c = p.coshard
+    why = None
+    if not p.splits:
+        why = "a replicated op cannot place two copies on one device"
+    elif len(p.devices) % c or p.splits[-1][1] % c:
+        why = f"each device must take the same number of pieces of the innermost split ({p.splits[-1]})"
+    else:
+        runs = [p.devices[i:i + c] for i in range(0, len(p.devices), c)]
+        if any(len(set(r)) != 1 for r in runs) or len({r[0] for r in runs}) != len(runs):
+            why = (f"devices {p.devices} do not give each device {c} consecutive pieces of the innermost split "
+                   f"{p.splits[-1][0]!r}")
+    if why:
+        raise PlanError(f"two sub-ops are assigned to one device, which is a co-shard, but {why}; assign sub-op i "
+                        f"to device i // pieces_per_device", op=op.name, where=op.where())

@@ -12,6 +12,7 @@ and a one-line description travel with the strategy (for `nns.strategies()`-styl
     dp           every rank runs the whole model on its own batch (unit of 1 device, dp = world)
     tp           Megatron-style tensor parallelism over the whole world (or tp= devices, dp = world / tp)
     hybrid       tp= devices per unit, dp= units
+    coshard      tp whose split ops run chunks= pieces per device in turn, recomputed in backward
     gpipe, 1f1b, interleaved, zero-bubble
                  pipelines of pp stages (x tp, x dp) with that schedule
     pipeline     the same with schedule= any built-in name or a function of your own
@@ -29,6 +30,7 @@ from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.primitives import PlanBuilder
 
 from . import data_parallel, hybrid, pipeline, tensor_parallel
+from . import auto as auto_search
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ INTERLEAVED = Strategy("interleaved", pipeline.interleaved, pipeline.degrees,
                        "micro_batches, virtual_stages")
 ZERO_BUBBLE = Strategy("zero-bubble", pipeline.zero_bubble, pipeline.degrees,
                        "pipeline, zero-bubble schedule (backward split into input and weight gradients)")
+COSHARD = Strategy("coshard", tensor_parallel.coshard, tensor_parallel.degrees,
+                   "tensor parallel with each device's piece of every split op run as chunks= pieces one after "
+                   "another, recomputed in backward (less activation memory, same communication)")
 PIPELINE = Strategy("pipeline", pipeline.pipeline, pipeline.degrees,
                     "pipeline with any schedule: schedule= a built-in name or your function fn(shape) -> per-rank "
                     "task lists; options pp, tp, dp, micro_batches, virtual_stages")
@@ -75,7 +80,9 @@ INTERLACED = Strategy("interlaced", pipeline.interlaced_pipeline, pipeline.degre
 MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.megatron_degrees,
                     "a Megatron-LM configuration: tp, pp, dp, micro_batch_size or micro_batches, schedule, "
                     "virtual_stages, sequence_parallel, recompute")
-BUILTIN = (DP, TP, HYBRID, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON)
+AUTO = Strategy("auto", auto_search.auto, auto_search.degrees,
+                "the fastest plan the search finds for the cluster (default: this machine) within its memory")
+BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO)
 
 
 @hookimpl
@@ -83,7 +90,7 @@ def nnscaler_register_strategies() -> dict[str, Strategy]:
     return {s.name: s for s in BUILTIN}
 
 
-__all__ = ["Strategy", "DP", "TP", "HYBRID", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "PIPELINE", "INTERLACED",
+__all__ = ["Strategy", "DP", "TP", "HYBRID", "COSHARD", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "PIPELINE", "INTERLACED",
            "MEGATRON",
            "nnscaler_register_strategies"]
 

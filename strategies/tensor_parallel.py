@@ -42,3 +42,35 @@ def tensor_parallel(builder: PlanBuilder, **options: Any) -> None:
         raise PlanError(f"tp={tp} but the plan's unit has {builder.unit_size} devices; the tensor-parallel "
                         "degree is the unit size")
     TensorParallelPropagation(builder).apply()
+
+
+def coshard(builder: PlanBuilder, *, chunks: int = 2, modules: Optional[tuple[str, ...]] = None,
+            **options: Any) -> None:
+    """Tensor parallelism where every split op runs as `chunks` pieces per device, one after
+    another, each recomputed in backward (co-shard): the same communication as `tp` with a
+    fraction of its activation memory inside attention and MLP blocks.
+
+    `modules` limits co-sharding to ops whose module path contains one of the given names (all
+    split ops by default). Ops whose pieces must talk to each other (a vocabulary-parallel loss) or
+    whose dim does not divide into devices x chunks stay plainly split.
+    """
+    chunks = int(chunks)
+    if chunks < 1:
+        raise PlanError(f"coshard: chunks must be >= 1 (got {chunks})")
+    tp = options.get("tp")
+    if tp is not None and tp != builder.unit_size:
+        raise PlanError(f"tp={tp} but the plan's unit has {builder.unit_size} devices")
+    propagation = TensorParallelPropagation(builder)
+    choices = propagation.run()
+    n = builder.unit_size
+    for op in builder.ops:
+        choice = choices[op.name]
+        if choice.label is None:
+            builder.replicate(op)
+            continue
+        wanted = modules is None or any(m in op.node.module_path for m in modules)
+        c = chunks if (wanted and choice.label not in op.signature.comm_labels
+                       and op.splittable(choice.label, n * chunks, choice.block)) else 1
+        subs = builder.op_trans(op, dim=choice.label, num=n * c, block=choice.block)
+        for i, sub in enumerate(subs):
+            builder.op_assign(sub, i // c)

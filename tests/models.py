@@ -120,5 +120,68 @@ def vit_hf():
     return model, {"pixel_values": torch.randn(BATCH, 3, 16, 16), "labels": torch.randint(0, 10, (BATCH,))}
 
 
+class _WindowAttention(torch.nn.Module):
+    """Self-attention inside non-overlapping windows, with a learned bias per head and position pair."""
+
+    def __init__(self, d: int, heads: int, window: int):
+        super().__init__()
+        self.heads, self.window = heads, window
+        # No bias on k: softmax ignores what it would add, its gradient is exactly zero, and Adam would
+        # turn rounding noise in that zero into full-size steps that no comparison can follow.
+        self.q, self.k, self.v = torch.nn.Linear(d, d), torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, d)
+        self.proj = torch.nn.Linear(d, d)
+        self.bias = torch.nn.Parameter(torch.randn(heads, window * window, window * window) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, H, W, C]
+        b, h, w, c = x.shape
+        ws, nh = self.window, self.heads
+        win = x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, c)
+        n = win.shape[0]
+
+        def heads(t):
+            return t.view(n, ws * ws, nh, c // nh).transpose(1, 2)
+
+        q, k, v = heads(self.q(win)), heads(self.k(win)), heads(self.v(win))
+        att = torch.softmax(q @ k.transpose(-2, -1) * (c // nh) ** -0.5 + self.bias, dim=-1)
+        y = self.proj((att @ v).transpose(1, 2).reshape(n, ws * ws, c))
+        return y.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+
+
+class _SwinBlock(torch.nn.Module):
+    def __init__(self, d: int, heads: int, window: int):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.attn = _WindowAttention(d, heads, window)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class TinySwin(torch.nn.Module):
+    """A Swin-style classifier: patch embedding, windowed-attention blocks, mean pooling, head."""
+
+    def __init__(self, image: int = 32, patch: int = 4, d: int = 32, heads: int = 8, window: int = 4,
+                 depth: int = 2, classes: int = 10):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, d, kernel_size=patch, stride=patch)
+        self.blocks = torch.nn.ModuleList(_SwinBlock(d, heads, window) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.patch(pixels).permute(0, 2, 3, 1)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x).mean(dim=(1, 2)))
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def swin_small():
+    model = TinySwin()
+    return model, {"pixels": torch.randn(BATCH, 3, 32, 32), "labels": torch.randint(0, 10, (BATCH,))}
+
+
 ALL = {"mlp": mlp, "gpt2_small": gpt2_small, "llama_small": llama_small, "bert_small": bert_small,
-       "vit_small": vit_small, "vit_hf": vit_hf}
+       "vit_small": vit_small, "vit_hf": vit_hf, "swin_small": swin_small}
