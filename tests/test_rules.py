@@ -154,8 +154,11 @@ def _difference(got: Any, want: Any) -> Optional[str]:
     if got.dtype != want.dtype:
         return f"dtype {got.dtype} != {want.dtype}"
     if want.dtype.is_floating_point or want.dtype.is_complex:
+        # A piece-wise sum (a weight gradient over a split batch) rounds like its largest terms, so
+        # the absolute tolerance follows the tensor's scale, not each element's own size.
+        scale = want.detach().abs().nan_to_num(0, 0, 0).max().item() if want.numel() else 0.0
         try:
-            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=max(ATOL, 1e-6 * scale), equal_nan=True)
             return None
         except AssertionError:
             err = (got.detach().double() - want.detach().double()).abs().nan_to_num(float("inf")).max().item()
