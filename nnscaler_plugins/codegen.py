@@ -123,6 +123,7 @@ class _Region:
     chunks: int
     inputs: dict[str, tuple]  # outside var -> how each piece gets it
     outputs: list[tuple[str, tuple]] = field(default_factory=list)  # (var, how pieces combine)
+    recompute: bool = False  # a recompute group: one piece, whole inputs, collectives included
 
     def uses(self) -> list[str]:
         return list(self.inputs)
@@ -139,6 +140,21 @@ def _regions(stmts: list[Stmt]) -> list[Any]:
     i = 0
     while i < len(stmts):
         s = stmts[i]
+        if s.recompute is not None and s.coshard is None:
+            j = i
+            while (j < len(stmts) and stmts[j].recompute == s.recompute and stmts[j].coshard is None
+                   and (stmts[j].kind != "op" or stmts[j].grad_enabled)):
+                j += 1
+            if j == i:  # an op run without gradients: nothing to recompute
+                items.append(s)
+                i += 1
+                continue
+            group = stmts[i:j]
+            made = {o for t in group for o in t.out if o}
+            used = [n for t in group for n in _stmt_uses(t) if n not in made]
+            items.append(_Region(group, 1, {n: ("whole",) for n in dict.fromkeys(used)}, recompute=True))
+            i = j
+            continue
         if not (s.kind == "op" and s.coshard is not None and s.grad_enabled):
             items.append(s)
             i += 1
@@ -182,7 +198,8 @@ def _finish_regions(items: list[Any], outputs: list[Optional[str]]) -> None:
     later: set[str] = {o for o in outputs if o}
     for item in reversed(items):
         if isinstance(item, _Region):
-            modes = {var: mode for s in item.stmts for var, mode in zip(s.out, s.coshard.out_modes) if var}
+            modes = {var: ("first",) if item.recompute else mode for s in item.stmts
+                     for var, mode in zip(s.out, s.coshard.out_modes if s.coshard else [None] * len(s.out)) if var}
             item.outputs = [(v, modes[v]) for v in sorted(item.defines() & later)]
             later |= set(item.uses())
         else:
@@ -301,12 +318,16 @@ def _region_lines(region: _Region, number: int, em: "_Emitter", ind: str) -> lis
     c = region.chunks
     names = list(region.inputs)
     outs = [v for v, _ in region.outputs]
-    lines = [f"{ind}# co-shard: {len(region.stmts)} ops in {c} pieces on this device, one after another, "
-             "each recomputed in backward"]
+    if region.recompute:
+        lines = [f"{ind}# recompute: {len(region.stmts)} statements run again in backward instead of keeping their "
+                 "activations"]
+    else:
+        lines = [f"{ind}# co-shard: {len(region.stmts)} ops in {c} pieces on this device, one after another, "
+                 "each recomputed in backward"]
     for j in range(c):
         lines.append(f"{ind}def _cs{number}_{j}({', '.join(names)}):")
         for s in region.stmts:
-            lines += _stmt_lines(s, ind + "    ", em, piece=j)
+            lines += _stmt_lines(s, ind + "    ", em, piece=None if region.recompute else j)
         lines.append(f"{ind}    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
     run = em.callable_name(cs.run)
     for j in range(c):

@@ -70,6 +70,7 @@ class Stmt:
     comment: str = ""
     output_of: Optional[int] = None  # index of the model output this statement only serves
     coshard: Optional[CoShardCall] = None
+    recompute: Optional[int] = None  # the recompute group of the op this statement serves
 
 
 @dataclass
@@ -468,6 +469,11 @@ def lower(graph: Graph, plan: Plan) -> Program:
             cs = _coshard_call(graph, op, sig, call, p, idx, renames, local_names) if p.coshard > 1 else None
             stmts[(dev, k)].append(Stmt("op", out=list(op.outputs), target=local.target, args=args, kwargs=kwargs,
                                         op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw, coshard=cs))
+
+    for per_device in stmts.values():
+        for st in per_device:
+            if st.op is not None and st.output_of is None:
+                st.recompute = plan.ops[st.op.name].recompute
 
     # What leaves each stage is whole on its devices: boundary values, then the model's outputs.
     sent_vars: dict[tuple[int, str], str] = {}

@@ -36,6 +36,7 @@ class OpPlacement:
     # fused QKV projection must be so that q, k and v each end up split by heads.
     blocks: dict[str, int] = field(default_factory=dict)
     stage: Optional[int] = None  # pipeline stage (plans with op_order); None without a pipeline
+    recompute: Optional[int] = None  # recompute group: its activations are recomputed in backward
 
     @property
     def num_subops(self) -> int:
@@ -66,7 +67,7 @@ class OpPlacement:
             return self
         label, num = self.splits[-1]
         return OpPlacement(self.splits[:-1] + [(label, num // c)], self.replicate, self.devices[::c], self.blocks,
-                           self.stage)
+                           self.stage, self.recompute)
 
     def label_counts(self) -> dict[str, int]:
         """Total pieces per label (nested splits of one label multiply)."""
@@ -89,14 +90,16 @@ class OpPlacement:
             out["blocks"] = dict(self.blocks)
         if self.stage is not None:
             out["stage"] = self.stage
+        if self.recompute is not None:
+            out["recompute"] = self.recompute
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> "OpPlacement":
-        stage = d.get("stage")
+        stage, group = d.get("stage"), d.get("recompute")
         return cls([(str(l), int(n)) for l, n in d.get("splits", [])], int(d.get("replicate", 1)),
                    list(d.get("devices", [None])), {str(l): int(b) for l, b in d.get("blocks", {}).items()},
-                   None if stage is None else int(stage))
+                   None if stage is None else int(stage), None if group is None else int(group))
 
 
 @dataclass
@@ -281,6 +284,10 @@ class Plan:
                 lines.append(f"    stage {k}: {rank}, devices {devs}, {n} ops")
         elif self.micro_batches > 1:
             lines.append(f"  {self.micro_batches} micro-batches per step (gradients accumulated)")
+        groups = {p.recompute for p in self.ops.values() if p.recompute is not None}
+        if groups:
+            n = sum(1 for p in self.ops.values() if p.recompute is not None)
+            lines.append(f"  recompute: {n} ops in {len(groups)} groups recomputed in backward")
         patterns: dict[str, list[str]] = {}
         for name, p in self.ops.items():
             key = ("replicated" if not p.splits else

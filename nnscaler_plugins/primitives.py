@@ -212,6 +212,15 @@ class PlanBuilder:
     def placement(self, op: OpHandle) -> OpPlacement:
         return self._placement(op)
 
+    def recompute(self, ops: Sequence[Union[OpHandle, str]]) -> int:
+        """Recompute these ops in backward instead of keeping their activations (one group: run
+        together under a checkpoint). Returns the group's number."""
+        group = 1 + max((p.recompute for p in self._placements.values() if p.recompute is not None), default=-1)
+        for op in ops:
+            handle = self._by_name[op] if isinstance(op, str) else op
+            self._placement(handle).recompute = group
+        return group
+
     def op_order(self, stages: Sequence[Sequence[Union[OpHandle, str]]], devices: Sequence[Sequence[int]], *,
                  micro_batches: Optional[int] = None, schedule: Union[str, Callable[..., Any]] = "1f1b",
                  stage_rank: Optional[Sequence[int]] = None, split_backward: Optional[bool] = None,

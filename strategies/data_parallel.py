@@ -12,6 +12,8 @@ from typing import Any
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.primitives import PlanBuilder
 
+from .recompute import apply_recompute
+
 
 def degrees(world_size: int, **options: Any) -> tuple[int, int]:
     """(unit_size, dp) = (1, world_size); a `tp` other than 1 is a request for another strategy."""
@@ -33,3 +35,4 @@ def data_parallel(builder: PlanBuilder, **options: Any) -> None:
                         "use strategy='hybrid' to combine data and tensor parallelism")
     for op in builder.ops:
         builder.replicate(op, devices=[0])
+    apply_recompute(builder, options.get("recompute"))

@@ -17,6 +17,7 @@ from nnscaler_plugins.layers import balanced_stages, layer_groups
 from nnscaler_plugins.primitives import OpHandle, PlanBuilder
 
 from .propagation import TensorParallelPropagation
+from .recompute import apply_recompute
 
 DEFAULT_SCHEDULE = "1f1b"
 
@@ -48,7 +49,7 @@ def degrees(world_size: int, pp: Optional[int] = None, tp: Optional[int] = None,
 
 
 def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Optional[int] = None,
-             tp: Optional[int] = None, virtual_stages: int = 1, **_: Any) -> None:
+             tp: Optional[int] = None, virtual_stages: int = 1, recompute: Any = None, **_: Any) -> None:
     """Stages of equal layer counts on pp device groups of tp devices each, ordered by `schedule`."""
     tp = 1 if tp is None else int(tp)
     pp = builder.unit_size // tp if pp is None else int(pp)
@@ -66,6 +67,7 @@ def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Opti
     rank_devices = [list(range(r * tp, (r + 1) * tp)) for r in range(pp)]
     stage_devices = [rank_devices[k % pp] for k in range(num_stages)]
     _tensor_parallel_stages(builder, stages, stage_devices)
+    apply_recompute(builder, recompute)
     builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule=schedule)
 
 
@@ -149,6 +151,7 @@ def megatron(builder: PlanBuilder, *, tp: Optional[int] = None, pp: Optional[int
         if int(virtual_stages) > 1:
             raise PlanError("megatron: virtual_stages needs pp > 1")
         TensorParallelPropagation(builder, degree=tp).apply()
+        apply_recompute(builder, recompute)
     else:
-        pipeline(builder, schedule=schedule, pp=pp, tp=tp, virtual_stages=virtual_stages)
+        pipeline(builder, schedule=schedule, pp=pp, tp=tp, virtual_stages=virtual_stages, recompute=recompute)
     builder.options.update({"sequence_parallel": bool(sequence_parallel), "recompute": recompute or "none"})

@@ -12,6 +12,7 @@ from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.primitives import PlanBuilder
 
 from .propagation import TensorParallelPropagation
+from .recompute import apply_recompute
 
 
 def resolve_degrees(world_size: int, tp: Optional[int], dp: Optional[int], strategy: str) -> tuple[int, int]:
@@ -42,6 +43,7 @@ def tensor_parallel(builder: PlanBuilder, **options: Any) -> None:
         raise PlanError(f"tp={tp} but the plan's unit has {builder.unit_size} devices; the tensor-parallel "
                         "degree is the unit size")
     TensorParallelPropagation(builder).apply()
+    apply_recompute(builder, options.get("recompute"))
 
 
 def coshard(builder: PlanBuilder, *, chunks: int = 2, modules: Optional[tuple[str, ...]] = None,

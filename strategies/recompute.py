@@ -1,0 +1,58 @@
+"""Activation recompute as a plan choice: which ops run again in backward instead of keeping
+their activations.
+
+    recompute="full"        every layer of the layer stack, as one group each (Megatron's full recompute)
+    recompute="selective"   per layer, the attention core: the ops of attention modules that read
+                            no parameter (scores, softmax, dropout, the product with values), which
+                            hold the activations that grow with the sequence (Korthikanti et al.)
+    recompute="MyBlock"     every module of that class name (or module path part), one group per module
+    recompute=["blocks.0.attn", ...]  those module paths, one group each
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.layers import layer_groups
+from nnscaler_plugins.primitives import PlanBuilder
+
+_ATTENTION = ("attn", "attention")
+
+
+def apply_recompute(builder: PlanBuilder, recompute: Union[None, str, Sequence[str]]) -> int:
+    """Mark the recompute groups on the builder; returns how many groups were made."""
+    if recompute in (None, "none", False):
+        return 0
+    graph = builder.graph
+    handles = {op.name: op for op in builder.ops}
+    groups: list[list[Any]] = []
+    if recompute == "full":
+        groups = [[handles[op.name] for op in layer] for layer in layer_groups(graph).layers]
+    elif recompute == "selective":
+        for layer in layer_groups(graph).layers:
+            core = [handles[op.name] for op in layer if _is_attention_core(graph, op)]
+            if core:
+                groups.append(core)
+    else:
+        wanted = [recompute] if isinstance(recompute, str) else list(recompute)
+        by_module: dict[str, list[Any]] = {}
+        for op in builder.ops:
+            path, cls = op.node.module_path, op.node.module_type
+            hit = next((w for w in wanted if w == cls or w == path or path.startswith(w + ".")), None)
+            if hit is not None:
+                key = path if hit == cls else hit
+                by_module.setdefault(key, []).append(op)
+        groups = list(by_module.values())
+    if not groups:
+        raise PlanError(f"recompute={recompute!r} matches no ops of {graph.model_class}; use 'full', 'selective', "
+                        "a module class name or module paths")
+    for ops in groups:
+        builder.recompute(ops)
+    return len(groups)
+
+
+def _is_attention_core(graph, op) -> bool:
+    path = op.module_path.lower()
+    if not any(a in path.split(".")[-1] or a in path for a in _ATTENTION):
+        return False
+    return not any(graph.values[v].kind == "param" for v in op.inputs) and op.grad_enabled
