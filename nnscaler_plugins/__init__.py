@@ -12,8 +12,12 @@ from .errors import PlanError
 from .graph import Graph
 from .plan import OpPlacement, Plan
 from .primitives import PlanBuilder, SubOp, op_assign, op_trans
+from .search import constraints
+from .search import ClusterSpec, Estimate, ParetoSet, SearchError, cluster, simulate
+from .search.solver import search
 
 __version__ = "0.1.0"
 
 __all__ = ["capture", "CaptureError", "plan", "parallelize", "strategies", "Plan", "OpPlacement", "PlanError",
            "PlanBuilder", "SubOp", "op_trans", "op_assign", "Graph", "__version__"]
+__all__ += ["search", "cluster", "simulate", "ClusterSpec", "Estimate", "ParetoSet", "SearchError", "constraints"]

@@ -78,6 +78,10 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
         builder = PlanBuilder(graph, unit, dp, strategy=name, options={k: v for k, v in options.items()
                                                                        if isinstance(v, (int, float, str, bool))},
                               micro_batches=micro)
+        if cluster is not None:  # for strategies that plan for a cluster ("auto" searches on it)
+            options.setdefault("cluster", cluster)
+        if constraints:
+            options.setdefault("constraints", tuple(constraints))
         params = inspect.signature(fn).parameters
         accepts_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
         fn(builder, **(options if accepts_kw else {k: v for k, v in options.items() if k in params}))

@@ -1,0 +1,24 @@
+"""Constraint-guided plan search: cluster specs, the cost model and simulator, the Pareto search.
+
+    import nnscaler_plugins as nns
+    spec = nns.cluster("a100-dgx", nodes=8)
+    plans = nns.search(graph, world_size=64, cluster=spec, global_batch_size=512)   # ParetoSet
+    est = nns.simulate(plans.best, spec)                                         # Estimate
+
+Layers, each usable alone: `cluster` (ClusterSpec, presets, files, the measured local CPU),
+`costmodel` and `simulator` (what a plan costs), `constraints` (what plans may be), `intraop` and
+`solver` (the search), `pareto` (its answer). The search never touches torch.distributed.
+"""
+from .cluster import ClusterError, ClusterSpec, Link, cluster, presets
+from .constraints import (Constraint, HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, MicroBatchSize, NotSplit,
+                          PipelineStages, RecomputeModes, Replicated, SameLayerConfig, Schedules, ZeroStages, check)
+from .costmodel import CostModel, Training
+from .efficiency import Efficiency
+from .pareto import ParetoSet
+from .simulator import Estimate, simulate
+from .solver import SearchError, search
+
+__all__ = ["ClusterSpec", "ClusterError", "Link", "cluster", "presets", "CostModel", "Training", "Efficiency",
+           "Estimate", "simulate", "ParetoSet", "SearchError", "search", "Constraint", "SameLayerConfig",
+           "MaxTensorParallel", "Replicated", "NotSplit", "PipelineStages", "Schedules", "MicroBatchSize",
+           "MemoryLimit", "ZeroStages", "RecomputeModes", "HFTensorParallelPlan", "check"]

@@ -1,0 +1,351 @@
+"""The cost model: time and memory of placed ops, of the communication between them, of model states.
+
+Compute (per op and piece): a roofline, t = max(FLOPs / (peak x matmul efficiency),
+bytes / (memory bandwidth x memory efficiency)) + a fixed launch cost, with FLOPs and bytes from
+`opcost` divided among the pieces. Backward is 2x the forward FLOPs of a matmul (input and
+weight gradients, split for zero-bubble schedules) and 2x the bytes of a memory-bound op.
+A profiling mode (`profile=OpProfiler(...)`) replaces the formula by times measured on the device
+at hand.
+
+Communication: the layout each producer leaves a tensor in is compared with the layout each
+consumer needs; the cheapest collective sequence (`resharding.plan`) is priced with the alpha-beta
+model of `network`, and its backward is the dual sequence (all-gather <-> chunk, reduce-scatter <->
+all-gather, all-reduce <-> identity, all-to-all <-> all-to-all). An input that the pieces of a split
+op all read whole comes back with partial gradients: an all-reduce in backward (for parameters,
+once per step in the gradient reducer, together with data parallelism).
+
+Memory: model states per ZeRO stage (`Training`), activations as the storage bases the backward keeps
+(see `opcost`), divided among pieces like everything else.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from ..graph import Graph
+from ..layout import Layout
+from ..resharding import COMMUNICATING, Step
+from ..resharding import plan as plan_reshard
+from .cluster import ClusterSpec
+from .layouts import Placement, op_layouts
+from .network import Network, Span, span_of
+from .opcost import OpCost, OpCosts
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+RECOMPUTE = ("none", "selective", "full")
+BUCKET_BYTES = 25 * 1024 ** 2  # gradient reducer bucket (as DDP's default)
+
+
+@dataclass(frozen=True)
+class Training:
+    """How a plan trains, as far as costs go: precision, ZeRO stage, recomputation, sequence parallelism.
+
+    Model states per parameter with Adam: the weights in the training dtype, gradients accumulated
+    in fp32 (Megatron's main gradients: 4 bytes; 2 with `grad_bytes=2` as in the ZeRO paper's 16
+    bytes), fp32 master weights when training in reduced precision, and Adam's two fp32 moments.
+    ZeRO stage 1 shards the optimizer states (master weights and moments) over the data-parallel
+    group, stage 2 also the gradients, stage 3 also the weights.
+    """
+
+    dtype: str = "bf16"
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    grad_bytes: int = 4
+    optimizer_bytes: int = 8
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE} (got {self.recompute!r})")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage must be 0, 1, 2 or 3 (got {self.zero!r})")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown training dtype {self.dtype!r}; one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def master_bytes(self) -> int:
+        return 0 if self.dtype in ("fp32", "tf32") else 4
+
+    def state_bytes(self, params: float, shard: int) -> dict[str, float]:
+        """Bytes of weights, gradients and optimizer states for `params` parameters, ZeRO over `shard`."""
+        shard = max(1, shard)
+        z = self.zero
+        return {"params": params * self.param_bytes / (shard if z >= 3 else 1),
+                "grads": params * self.grad_bytes / (shard if z >= 2 else 1),
+                "optimizer": params * (self.master_bytes + self.optimizer_bytes) / (shard if z >= 1 else 1)}
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "zero": self.zero, "recompute": self.recompute,
+                "sequence_parallel": self.sequence_parallel, "grad_bytes": self.grad_bytes}
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], cluster: ClusterSpec) -> "Training":
+        rec = options.get("recompute") or "none"
+        if rec is True:
+            rec = "full"
+        if rec is False:
+            rec = "none"
+        dtype = str(options.get("precision") or options.get("dtype") or cluster.dtype)
+        return cls(dtype=dtype, zero=int(options.get("zero", 0) or 0), recompute=str(rec),
+                   sequence_parallel=bool(options.get("sequence_parallel", False)),
+                   grad_bytes=int(options.get("grad_bytes", 4 if dtype not in ("fp32", "tf32") else 4)))
+
+
+@dataclass(frozen=True)
+class OpTime:
+    fwd: float
+    bwd_input: float
+    bwd_weight: float
+    flops: float = 0.0  # forward FLOPs of this piece (for utilisation figures)
+
+    @property
+    def bwd(self) -> float:
+        return self.bwd_input + self.bwd_weight
+
+
+@dataclass(frozen=True)
+class _StepCost:
+    """Hashable cost function for `resharding.plan`'s path search (one representative link)."""
+
+    alpha: float
+    beta: float
+    itemsize: int
+
+    def __call__(self, step: Step) -> float:
+        if step.kind not in COMMUNICATING:
+            return 1e-9
+        steps = 2 * (step.group_size - 1) if step.kind == "all-reduce" else max(1, step.group_size - 1)
+        return steps * self.alpha + step.elements * self.itemsize / self.beta
+
+
+def _full_bytes(step: Step, itemsize: int) -> float:
+    """The whole tensor a collective step moves, from the per-device traffic `Step.elements` counts."""
+    k = max(step.group_size, 1)
+    e = step.elements * itemsize
+    if step.kind == "all-gather":
+        return e * k / max(k - 1, 1)
+    if step.kind in ("all-reduce",):
+        return e * k / max(2 * (k - 1), 1)
+    if step.kind in ("reduce-scatter",):
+        return e * k / max(k - 1, 1)
+    if step.kind == "all-to-all":
+        return e * k * k / max(k - 1, 1)
+    return e
+
+
+DUAL = {"all-gather": None, "all-reduce": None, "reduce-scatter": "all-gather", "chunk": "all-gather",
+        "all-to-all": "all-to-all", "permute": "permute", "send": "send", "value-mask": None}
+
+
+class CostModel:
+    """Costs on one cluster for one graph; caches everything keyed by op shapes, so the identical
+    layers of a model cost one computation."""
+
+    def __init__(self, graph: Graph, cluster: ClusterSpec, profiler: Optional["Any"] = None):
+        self.graph = graph
+        self.cluster = cluster
+        self.costs = OpCosts.of(graph)
+        self.net = Network(cluster)
+        self.profiler = profiler
+        eff = cluster.efficiency
+        self._mm_rate = {}
+        self._mem_rate = cluster.memory_bandwidth * eff.memory
+        self._overhead = eff.op_overhead_s
+        self._time: dict = {}
+        self._lay: dict = {}
+        self._reshard: dict = {}
+        self._reshard_direct: dict = {}
+        self._allreduce: dict = {}
+
+    def matmul_rate(self, dtype: str) -> float:
+        r = self._mm_rate.get(dtype)
+        if r is None:
+            r = self._mm_rate[dtype] = self.cluster.flops(dtype) * self.cluster.efficiency.matmul
+        return r
+
+    # -- compute ----------------------------------------------------------------------------------------
+    def _local_bytes(self, c: OpCost, p: Placement, itemsize: int) -> float:
+        counts = p.label_counts()
+        total = 0.0
+        fuse = self.cluster.efficiency.fused_elementwise
+        for i, u in enumerate(list(c.inputs) + list(c.outputs)):
+            if fuse and ((i < len(c.inputs) and i in c.fused_in) or
+                         (i >= len(c.inputs) and i - len(c.inputs) in c.fused_out)):
+                continue
+            div = 1
+            for l in u.labels or ():
+                div *= counts.get(l, 1)
+            total += u.numel * (u.itemsize or itemsize) / div
+        return total
+
+    def op_time(self, name: str, p: Placement, training: Training, shard: int = 1) -> OpTime:
+        """Compute time of one piece of op `name` under placement `p` (every piece takes the same);
+        `shard` divides the work further (sequence parallelism of a replicated op)."""
+        c = self.costs.ops[name]
+        if c.kind == "view":
+            return OpTime(0.0, 0.0, 0.0)
+        key = (c.key, p.splits, p.blocks, training.dtype, shard)
+        t = self._time.get(key)
+        if t is not None:
+            return t
+        if self.profiler is not None:
+            t = self.profiler.time(self, name, p, training, shard)
+            if t is not None:
+                self._time[key] = t
+                return t
+        pieces = p.pieces * shard
+        isz = training.act_bytes
+        nbytes = self._local_bytes(c, p, isz) / shard
+        oh = self._overhead
+        if c.kind == "matmul":
+            rate = self.matmul_rate(training.dtype)
+            flops = c.flops / pieces
+            fwd = max(flops / rate, nbytes / self._mem_rate) + oh
+            bi = max(c.flops_input_grad / pieces / rate, nbytes / self._mem_rate) + oh if c.flops_input_grad else 0.0
+            bw = max(c.flops_weight_grad / pieces / rate, nbytes / self._mem_rate) + oh if c.flops_weight_grad else 0.0
+            t = OpTime(fwd, bi, bw, flops)
+        else:
+            name_ = self.graph.op(name).short_name
+            if name_ in ("cross_entropy_loss", "nll_loss", "log_softmax", "_log_softmax"):
+                # softmax over the logits: read, write probabilities, read them again for the loss
+                logits = max((u for u in c.inputs if u.itemsize is None), key=lambda u: u.numel, default=None)
+                if logits is not None:
+                    div = 1
+                    counts = p.label_counts()
+                    for l in logits.labels or ():
+                        div *= counts.get(l, 1)
+                    nbytes = max(nbytes, 3 * logits.numel * isz / div / shard)
+            fwd = nbytes / self._mem_rate + oh
+            bwd = 2 * nbytes / self._mem_rate + oh if c.needs_grad else 0.0
+            if name_ == "embedding" and c.needs_grad and c.inputs:
+                # the gradient of the table is dense: zeroed and accumulated into at every step
+                table = c.inputs[0]
+                div = 1
+                counts = p.label_counts()
+                for l in table.labels or ():
+                    div *= counts.get(l, 1)
+                bwd += table.numel * training.grad_bytes / div / self._mem_rate
+                t = OpTime(fwd, 0.0, bwd)
+            else:
+                t = OpTime(fwd, bwd, 0.0)
+        self._time[key] = t
+        return t
+
+    # -- layouts and communication -----------------------------------------------------------------------
+    def layouts(self, name: str, p: Placement) -> tuple[tuple, tuple, tuple]:
+        """Layouts of op `name`'s inputs and outputs on its devices (`p.devices`), and per input the
+        number of pieces over which its gradient is partial."""
+        c = self.costs.ops[name]
+        key = (c.key, p)
+        out = self._lay.get(key)
+        if out is None:
+            g = self.graph
+            op = g.op(name)
+            sig = self.costs.signatures[name]
+            shapes_in = tuple(tuple(g.meta(v).shape) if g.values[v].meta is not None else () for v in op.inputs)
+            shapes_out = tuple(tuple(g.meta(v).shape) if v is not None and g.values[v].meta is not None else None
+                               for v in op.outputs)
+            labels_in = tuple(sig.inputs[i] if i < len(sig.inputs) else None for i in range(len(op.inputs)))
+            labels_out = tuple(sig.outputs[j] if j < len(sig.outputs) else None for j in range(len(op.outputs)))
+            ins, outs, grads = op_layouts(shapes_in, tuple(s if s is not None else () for s in shapes_out), sig, p,
+                                          tuple(p.devices), labels_in, labels_out)
+            outs = tuple(o if s is not None else None for o, s in zip(outs, shapes_out))
+            out = self._lay[key] = (ins, outs, grads)
+        return out
+
+    def _span(self, devices: Sequence[int]) -> Span:
+        return span_of(self.cluster, devices)
+
+    def reshard(self, src: Layout, dst: Layout, itemsize: int, to_global: Callable[[int], int]) -> tuple[float, float]:
+        """(forward, backward) seconds to turn `src` into `dst`; device ids go through `to_global`."""
+        if src == dst:
+            return 0.0, 0.0
+        direct = (src, dst, itemsize)
+        hit = self._reshard_direct.get(direct)
+        if hit is not None:
+            return hit
+        out = self._reshard_relabelled(src, dst, itemsize, to_global)
+        self._reshard_direct[direct] = out
+        return out
+
+    def _reshard_relabelled(self, src: Layout, dst: Layout, itemsize: int, to_global) -> tuple[float, float]:
+        ids = sorted(set(src.group) | set(dst.group))
+        nodes = tuple(to_global(d) // self.cluster.devices_per_node for d in ids)
+        node_key = tuple(n - nodes[0] for n in nodes)
+        rel = {d: i for i, d in enumerate(ids)}
+        s = Layout(src.shape, tuple(rel[d] for d in src.group), src.replicas, src.partial, src.splits, src.blocks)
+        t = Layout(dst.shape, tuple(rel[d] for d in dst.group), dst.replicas, dst.partial, dst.splits, dst.blocks)
+        key = (s, t, itemsize, node_key)
+        hit = self._reshard.get(key)
+        if hit is not None:
+            return hit
+        local = len(set(nodes)) <= 1
+        fn = _StepCost(self.net.alpha_in if local else self.net.alpha_x,
+                       self.net.beta_in if local else self.net.beta_x, itemsize)
+        plan = plan_reshard(s, t, fn)
+        fwd = bwd = 0.0
+        for step in plan.steps:
+            members = step.groups[0] if step.groups else ()
+            sp = Span(step.group_size, len({nodes[m] for m in members}) if members else 1,
+                      max(sum(1 for m in members if nodes[m] == nd) for nd in {nodes[m] for m in members})
+                      if members else 1)
+            if step.kind in ("permute", "send"):
+                sp = Span(2, 1 if local else 2, 1)
+            nbytes = _full_bytes(step, itemsize)
+            fwd += self.net.collective(step.kind, nbytes, sp)
+            dual = DUAL.get(step.kind)
+            if dual is not None:
+                if step.kind == "chunk":
+                    # the gradient of a local chunk is gathered back: the whole tensor over the group
+                    k = max(len(members), 1)
+                    whole = math.prod(step.src.local_shape()) * itemsize
+                    bwd += self.net.collective("all-gather", whole, sp if k > 1 else Span(1, 1, 1))
+                elif step.kind == "reduce-scatter":
+                    bwd += self.net.collective("all-gather", nbytes, sp)
+                else:
+                    bwd += self.net.collective(dual, nbytes, sp)
+        out = self._reshard[key] = (fwd, bwd)
+        return out
+
+    def all_reduce(self, nbytes: float, devices: Sequence[int]) -> float:
+        """All-reduce of `nbytes` over global `devices`."""
+        return self.net.all_reduce(nbytes, self._span(devices))
+
+    def all_reduce_span(self, nbytes: float, span: Span) -> float:
+        return self.net.all_reduce(nbytes, span)
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def saved(self, name: str, p: Placement, training: Training) -> list[tuple[str, float, int]]:
+        """(storage value, local bytes, replicas of it on the op's devices) the backward keeps."""
+        c = self.costs.ops[name]
+        if not c.saved and not c.saved_masks:
+            return []
+        ins, outs, _ = self.layouts(name, p)
+        counts = p.label_counts()
+        out = []
+        for i in c.saved:
+            u = c.inputs[i] if i >= 0 else c.outputs[~i]
+            lay = ins[i] if i >= 0 else outs[~i]
+            div = 1
+            for l in u.labels or ():
+                div *= counts.get(l, 1)
+            base = self.costs.storage(u.value)
+            base_meta = self.graph.values[base].meta
+            numel = base_meta.numel if base_meta is not None else u.numel
+            size = numel * (u.itemsize or training.act_bytes) / div
+            out.append((base, size, lay.replicas if lay is not None else 1))
+        if c.saved_masks:
+            div = 1
+            for l in (c.outputs[0].labels if c.outputs else ()) or ():
+                div *= counts.get(l, 1)
+            out.append((f"{name}:mask", c.saved_masks / div, outs[0].replicas if outs and outs[0] is not None else 1))
+        return out

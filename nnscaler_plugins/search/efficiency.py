@@ -1,0 +1,56 @@
+"""The constants the cost model fits: how much of the hardware's nominal numbers real kernels reach.
+
+Everything else the simulator uses is either read off the graph (FLOPs, bytes, which tensors the
+backward keeps) or a nominal hardware number from the cluster spec (peak FLOP/s, memory bandwidth,
+link bandwidth and latency). Four physical constants are left, and only these are fitted:
+
+- `matmul`: the fraction of peak FLOP/s that large matrix multiplications reach (cuBLAS on
+  transformer-sized GEMMs, including the tile and wave quantization they lose on average).
+- `memory`: the fraction of memory bandwidth that memory-bound kernels (element-wise ops, norms,
+  softmax, the optimizer update) reach.
+- `network`: the fraction of a link's nominal bandwidth that collectives reach (NCCL's bus
+  bandwidth over the wire speed).
+- `op_overhead_s`: the fixed cost of launching one kernel.
+
+Fusion of element-wise chains (`fused_elementwise`) is a property of the software that runs the plan,
+not a constant: on for the GPU presets (the calibration points ran fused kernels), off for the local CPU
+preset (the generated code runs eager PyTorch ops).
+
+One more constant is taken from the literature rather than fitted: `overlap_slowdown`, the factor by
+which compute and communication slow each other down when they overlap (Galvatron's documentation
+gives 1.1 to 1.3; 1.15 is used).
+
+Fitted constants (GPU presets): the values of `GPU_EFFICIENCY` below were fitted once, by a grid search
+minimising the mean absolute percentage error of the step times of calibration points C1 and C2 in
+shared/notes/cost-model.md together (A100 rows); `benchmarks/simulator_fidelity.py --fit` repeats the
+fit. C3 (V100, Alpa) is not used in the fit and serves as a check. The local CPU preset does not fit
+anything: it measures its throughputs directly (`calibrate.py`), so its efficiencies are 1 relative
+to the measured numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    matmul: float = 0.6
+    memory: float = 0.8
+    network: float = 0.8
+    op_overhead_s: float = 5e-6
+    overlap_slowdown: float = 1.15
+    # Whether chains of element-wise ops run as one kernel (Megatron's hand-fused kernels, torch.compile,
+    # XLA) or one kernel per op (eager PyTorch). Not fitted: a property of the software that runs the plan.
+    fused_elementwise: bool = True
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Efficiency":
+        return cls(**{k: (bool(v) if k == "fused_elementwise" else float(v)) for k, v in d.items()
+                      if k in cls.__dataclass_fields__})
+
+
+GPU_EFFICIENCY = Efficiency(matmul=0.65, memory=0.8, network=0.8, op_overhead_s=5e-6)

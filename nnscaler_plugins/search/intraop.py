@@ -1,0 +1,543 @@
+"""Intra-op search: which label of each op to split, and how far, on a stage's device group.
+
+The group is seen as a mesh of one or two axes; an op's `Choice` names, per axis, the label it is
+split along (or None: copied along that axis). The search does not enumerate every op's choice (that
+space is exponential in the ops). It enumerates the choices of the *anchors* -- the matmuls with a
+weight parameter, the embedding lookups and the losses, where column, row, vocabulary and data
+parallelism are decided -- and lets every other op take, in graph order, the choice that is
+cheapest given where its inputs already are (compute plus the resharding of its inputs, forward and
+backward): that greedy walk is what turns a column-split matmul into a split GeLU and a row-split
+partner, or a partial sum into a reduce-scatter onto the sequence. Anchors are improved one at a
+time (coordinate descent, each move re-walked and evaluated exactly) from several seeds: the greedy
+walk itself, every op along the batch (data parallelism inside the group), and a Transformers
+tensor-parallel plan when one is given.
+
+Identical layers are solved once: a template layer's choices are shared by all repeats, and the
+cost is taken on a window of the ops before the layers, two layers and the ops after them (the
+second layer sees the steady state: its inputs come from a layer like itself), weighting the second
+layer by the number of repeats.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Optional, Sequence
+
+from ..graph import Graph, OpNode
+from ..layers import layer_groups
+from ..layout import Layout
+from ..rules import op_call
+from .anchors import matmul_anchor, vocab_label
+from .costmodel import CostModel, Training
+from .dims import BATCH, SEQUENCE, tag_labels
+from .layouts import Placement
+from .segments import Segment, Walker, itemsize
+
+
+_PLACEMENTS: dict = {}  # (Choice, devices) -> Placement; a pure function's cache
+
+
+@dataclass(frozen=True)
+class Choice:
+    axes: tuple  # ((label or None, size), ...), outer to inner
+    blocks: tuple = ()  # ((label, block factor),)
+
+    @property
+    def splits(self) -> bool:
+        return any(l is not None for l, _ in self.axes)
+
+    def describe(self) -> str:
+        text = " x ".join(f"{l}/{n}" if l is not None else f"copy{n}" for l, n in self.axes)
+        if self.blocks:
+            text += " " + ",".join(f"{l} in {b} blocks" for l, b in self.blocks)
+        return text
+
+    def placement(self, devices: Sequence[int]) -> Placement:
+        key = (self, tuple(devices))
+        p = _PLACEMENTS.get(key)
+        if p is None:
+            if len(_PLACEMENTS) > 200000:
+                _PLACEMENTS.clear()
+            p = _PLACEMENTS[key] = self._placement(tuple(devices))
+        return p
+
+    def _placement(self, devices: Sequence[int]) -> Placement:
+        """The OpPlacement-style split: splits in axis order, copies outermost, and sub-op -> device
+        so that every op's pieces sit at the same mesh coordinates."""
+        mesh = [n for _, n in self.axes]
+        split_axes = [i for i, (l, _) in enumerate(self.axes) if l is not None]
+        copy_axes = [i for i, (l, _) in enumerate(self.axes) if l is None]
+        splits = tuple((self.axes[i][0], self.axes[i][1]) for i in split_axes)
+        replicate = math.prod(mesh[i] for i in copy_axes)
+        strides = [math.prod(mesh[i + 1:]) for i in range(len(mesh))]
+        radices = [replicate] + [mesh[i] for i in split_axes]
+        out = []
+        for idx in range(math.prod(mesh)):
+            digits = []
+            x = idx
+            for r in reversed(radices):
+                digits.append(x % r)
+                x //= r
+            digits.reverse()
+            coord = [0] * len(mesh)
+            rep = digits[0]
+            for i in reversed(copy_axes):
+                coord[i] = rep % mesh[i]
+                rep //= mesh[i]
+            for i, dgt in zip(split_axes, digits[1:]):
+                coord[i] = dgt
+            out.append(devices[sum(c * s for c, s in zip(coord, strides))])
+        return Placement(splits, replicate, tuple(sorted(self.blocks)), tuple(out))
+
+
+@dataclass
+class IntraResult:
+    """One solved assignment for a mesh: per op its choice, and the segment sums of the window."""
+
+    mesh: tuple
+    choices: dict  # op name -> Choice (every op of the graph)
+    time: float  # objective: per micro-batch time of the whole model on one group (+ amortised sync)
+    memory: float  # activations per micro-batch plus model states, bytes per device
+    seed: str = ""
+    layer_segments: list = field(default_factory=list)  # per layer: Segment (identical layers share one)
+    pre: Optional[Segment] = None
+    post: Optional[Segment] = None
+    tp: int = 1
+
+    def key(self) -> tuple:
+        return tuple(sorted((k, v) for k, v in self.choices.items()))
+
+
+class IntraSolver:
+    """Solve the intra-op choices of one graph on one mesh of devices."""
+
+    def __init__(self, graph: Graph, cm: CostModel, training: Training, mesh: tuple, constraints: Sequence = (),
+                 hf_plan=None, micro_batches_hint: int = 1, dp_hint: int = 1, allow_blocks: bool = True):
+        self.graph, self.cm, self.t = graph, cm, training
+        self.mesh = tuple(mesh)
+        self.group = math.prod(self.mesh)
+        self.devices = tuple(range(self.group))
+        self.constraints = list(constraints)
+        self.hf_plan = hf_plan
+        self.m_hint = max(1, micro_batches_hint)
+        self.dp_hint = max(1, dp_hint)
+        costs = cm.costs
+        self.sigs = costs.signatures
+        self.tags = tag_labels(graph, self.sigs)
+        self.groups = layer_groups(graph)
+        self._setup_window()
+        self.block_factors = sorted({b for s in self.sigs.values() for b in (getattr(s, "blocks", None) or {}).values()
+                                     if b > 1}) if allow_blocks else []
+        self._choices: dict[str, list[Choice]] = {}
+        self._calls: dict = {}
+        self._local: dict = {}
+        self._static: dict = {}
+        self._folds: dict = {}
+        self._decisions: dict = {}
+        self._evaluated: dict = {}
+        self.anchors = self._find_anchors()
+
+    # -- the window ---------------------------------------------------------------------------------------
+    def _setup_window(self) -> None:
+        g = self.groups
+        ops = self.graph.ops
+        self.var: dict[str, str] = {op.name: op.name for op in ops}  # op -> variable (template position)
+        layers = g.layers
+        keys = [tuple(self.cm.costs.ops[op.name].key for op in layer) for layer in layers]
+        self.identical = len(layers) >= 2 and all(k == keys[1] for k in keys[1:]) and len(keys[0]) == len(keys[1]) \
+            and all(self.cm.costs.ops[a.name].key[0] == self.cm.costs.ops[b.name].key[0]
+                    for a, b in zip(layers[0], layers[1]))
+        if self.identical:
+            template = layers[1]
+            for layer in layers:
+                for pos, op in enumerate(layer):
+                    self.var[op.name] = template[pos].name
+            self.window = list(g.pre) + list(layers[0]) + list(layers[1]) + list(g.post)
+            self.segment = {}
+            for op in g.pre:
+                self.segment[op.name] = 0
+            for op in layers[0]:
+                self.segment[op.name] = 1
+            for op in layers[1]:
+                self.segment[op.name] = 2
+            for op in g.post:
+                self.segment[op.name] = 3
+            self.weights = [1, 1, len(layers) - 1, 1]
+            self.layer_seg = {1, 2}
+        else:
+            self.window = list(ops)
+            index = {}
+            for i, layer in enumerate(layers):
+                for op in layer:
+                    index[op.name] = i + 1
+            self.segment = {op.name: index.get(op.name, 0 if not layers or op in g.pre else len(layers) + 1)
+                            for op in ops}
+            for op in g.post:
+                self.segment[op.name] = len(layers) + 1
+            self.weights = [1] * (len(layers) + 2)
+            self.layer_seg = set(range(1, len(layers) + 1)) if layers else {0}
+        self.position = {op.name: i for i, op in enumerate(self.window)}
+        consumers: dict[str, list[OpNode]] = {}
+        for op in self.window:
+            for v in op.inputs:
+                consumers.setdefault(v, []).append(op)
+        self.consumers = consumers
+
+    # -- choices ---------------------------------------------------------------------------------------------
+    def call(self, op: OpNode):
+        c = self._calls.get(op.name)
+        if c is None:
+            c = self._calls[op.name] = op_call(self.graph, op)
+        return c
+
+    def batch_label(self, op: OpNode) -> Optional[str]:
+        return next((l for l, t in self.tags.get(op.name, {}).items() if t == BATCH), None)
+
+    def seq_label(self, op: OpNode) -> Optional[str]:
+        return next((l for l, t in self.tags.get(op.name, {}).items() if t == SEQUENCE), None)
+
+    def choices(self, op: OpNode) -> list[Choice]:
+        """Every valid choice of an op on the mesh, allowed by the constraints."""
+        found = self._choices.get(op.name)
+        if found is not None:
+            return found
+        sig = self.sigs[op.name]
+        call = self.call(op)
+        cost = self.cm.costs.ops[op.name]
+        labels = [None] + ([l for l in sig.splittable()] if any(o is not None for o in op.outputs) else [])
+        blabel = self.batch_label(op)
+        # outer axes of a 2-D mesh carry data parallelism (the batch) or nothing; the inner axis anything
+        outer = [None] + ([blabel] if blabel in labels else [])
+        per_axis = [outer for _ in self.mesh[:-1]] + [labels]
+        out: list[Choice] = []
+        forbidden = set()
+        for c in self.constraints:
+            label_for = getattr(c, "label_for", None)
+            if label_for is not None:
+                lab = label_for(op, sig, self.tags)
+                if lab is not None:
+                    forbidden.add(lab)
+        for combo in itertools.product(*per_axis):
+            counts: dict[str, int] = {}
+            for l, n in zip(combo, self.mesh):
+                if l is not None:
+                    counts[l] = counts.get(l, 1) * n
+            if any(l in forbidden for l in counts):
+                continue
+            if not all(sig.divides(l, n, call) for l, n in counts.items()):
+                continue
+            axes = tuple(zip(combo, self.mesh))
+            if cost.kind == "view" and counts and len(self.mesh) == 1 and False:
+                continue
+            ch = Choice(axes)
+            if all(con.allows_op(op, axes, blabel) for con in self.constraints):
+                out.append(ch)
+            for b in self.block_factors:
+                for l in counts:
+                    if sig.blockable(l, call) is None and sig.divides(l, counts[l], call, b) and \
+                            self._is_anchor_n(op, l):
+                        blocked = Choice(axes, ((l, b),))
+                        if all(con.allows_op(op, axes, blabel) for con in self.constraints):
+                            out.append(blocked)
+        if not out:
+            out = [Choice(tuple((None, n) for n in self.mesh))]
+        self._choices[op.name] = out
+        return out
+
+    def _is_anchor_n(self, op: OpNode, label: str) -> bool:
+        a = matmul_anchor(self.graph, op, self.sigs[op.name])
+        return a is not None and a.n == label
+
+    def _find_anchors(self) -> list[str]:
+        """Variables (template positions or ops) where the big decisions are made."""
+        out = []
+        seen = set()
+        for op in self.window:
+            var = self.var[op.name]
+            if var in seen:
+                continue
+            sig = self.sigs[op.name]
+            if matmul_anchor(self.graph, op, sig) is not None or vocab_label(self.graph, op, sig) is not None \
+                    or sig.comm_labels:
+                out.append(var)
+                seen.add(var)
+        return out
+
+    # -- the greedy walk ---------------------------------------------------------------------------------------
+    def _srcs(self, op: OpNode, produced: dict, storage: dict) -> tuple:
+        """Where the op's inputs are, as ids of interned layout objects (cheap to hash)."""
+        static = self._static.get(op.name)
+        if static is None:
+            static = self._static[op.name] = tuple(self.graph.values[v].kind in ("param", "buffer", "constant")
+                                                    for v in op.inputs)
+        return tuple(id(storage.get(v)) if st else id(produced.get(v)) for v, st in zip(op.inputs, static))
+
+    def _fold(self, need: Layout) -> Layout:
+        """The layout a parameter is kept in when its first reader needs `need` (interned)."""
+        kept = self._folds.get(id(need))
+        if kept is None:
+            kept = self._folds[id(need)] = (need, Layout(need.shape, need.group, need.replicas * need.partial, 1,
+                                                         need.splits, need.blocks))
+        return kept[1]
+
+    def _local_cost(self, op: OpNode, ch: Choice, produced: dict, storage: dict, srcs: tuple = None) -> float:
+        srcs = srcs if srcs is not None else self._srcs(op, produced, storage)
+        key = (op.name, ch, srcs)
+        hit = self._local.get(key)
+        if hit is not None:
+            return hit
+        cost = self._local_cost_uncached(op, ch, produced, storage)
+        self._local[key] = cost
+        return cost
+
+    def _local_cost_uncached(self, op: OpNode, ch: Choice, produced: dict, storage: dict) -> float:
+        p = ch.placement(self.devices)
+        cm, t = self.cm, self.t
+        ot = cm.op_time(op.name, p, t)
+        cost = ot.fwd + ot.bwd_input + ot.bwd_weight
+        ins, outs, grads = cm.layouts(op.name, p)
+        g = self.graph
+        for i, v in enumerate(op.inputs):
+            need = ins[i]
+            val = g.values[v]
+            if need is None or val.meta is None:
+                continue
+            isz = itemsize(val.meta.dtype, t)
+            if val.kind in ("param", "buffer", "constant"):
+                src = storage.get(v)
+                if src is None:
+                    # the parameter is kept where its first consumer needs it: its gradient is
+                    # summed over the pieces that read it whole, once per step
+                    if val.kind == "param" and grads[i] > 1 and val.meta.requires_grad:
+                        local = math.prod(need.local_shape()) * t.grad_bytes
+                        cost += cm.all_reduce(local, list(range(grads[i]))) / self.m_hint
+                    continue
+                if src != need and set(src.group) == set(need.group):
+                    f, b = cm.reshard(src, need, isz, lambda d: d)
+                    cost += f + b
+                continue
+            src = produced.get(v)
+            if src is None:
+                src = Layout.replicated(need.shape, need.group)
+            if src != need:
+                f, b = cm.reshard(src, need, isz, lambda d: d)
+                cost += f + (b if val.meta.requires_grad else 0.0)
+            if grads[i] > 1 and val.meta.requires_grad and op.grad_enabled:
+                local = math.prod(need.local_shape()) * isz
+                cost += cm.all_reduce(local, list(range(grads[i])))
+        return cost
+
+    def walk(self, fixed: dict[str, Choice], default: Optional[Callable[[OpNode], Optional[Choice]]] = None,
+             template_passes: int = 2) -> Optional[dict[str, Choice]]:
+        """Choices for every variable: `fixed` ones as given, the others greedily in graph order.
+
+        Template variables are decided while walking the second layer (the steady state), after a
+        first pass has fixed what the first layer hands on. A parameter read by several ops (tied
+        embeddings) is split the same way for all of them, as pipeline stages that share it must;
+        None when a fixed choice breaks that."""
+        decided: dict[str, Choice] = {}
+        for _ in range(template_passes if self.identical else 1):
+            produced: dict[str, Layout] = {}
+            storage: dict[str, Layout] = {}
+            first_pass = not decided
+            for op in self.window:
+                var = self.var[op.name]
+                seg = self.segment[op.name]
+                redo = var not in fixed and (first_pass or seg == 2 or var == op.name)
+                if var in fixed:
+                    ch = fixed[var]
+                    if not self._tied_ok(op, ch, storage):
+                        return None
+                elif not redo and var in decided:
+                    ch = decided[var]
+                else:
+                    pick = default(op) if default is not None else None
+                    if pick is not None:
+                        ch = pick
+                    else:
+                        srcs = self._srcs(op, produced, storage)
+                        ch = self._decisions.get((op.name, srcs))
+                        if ch is None:
+                            best = None
+                            cands = [c for c in self.choices(op) if self._tied_ok(op, c, storage)] or self.choices(op)
+                            for cand in cands:
+                                c = self._local_cost(op, cand, produced, storage, srcs)
+                                key = (round(c, 12), cand.splits is False, len(cand.blocks))
+                                if best is None or key < best[0]:
+                                    best = (key, cand)
+                            ch = self._decisions[(op.name, srcs)] = best[1]
+                    if seg != 1 or var == op.name or first_pass:
+                        decided[var] = ch
+                p = ch.placement(self.devices)
+                ins, outs, _ = self.cm.layouts(op.name, p)
+                for i, v in enumerate(op.inputs):
+                    if v not in storage and ins[i] is not None and self.graph.values[v].kind in ("param", "buffer",
+                                                                                                "constant"):
+                        storage[v] = self._fold(ins[i])
+                for j, v in enumerate(op.outputs):
+                    if v is not None and j < len(outs) and outs[j] is not None:
+                        produced[v] = outs[j]
+        for var, ch in fixed.items():
+            decided[var] = ch
+        return decided
+
+    def _tied_ok(self, op: OpNode, ch: Choice, storage: dict) -> bool:
+        tied = [i for i, v in enumerate(op.inputs) if v in storage]
+        if not tied:
+            return True
+        ins, _, _ = self.cm.layouts(op.name, ch.placement(self.devices))
+        for i in tied:
+            need = ins[i]
+            if need is None:
+                continue
+            if self._fold(need) != storage[op.inputs[i]]:
+                return False
+        return True
+
+    # -- exact evaluation ----------------------------------------------------------------------------------------
+    def evaluate(self, assign: dict[str, Choice], seed: str = "") -> IntraResult:
+        key = frozenset(assign.items())
+        hit = self._evaluated.get(key)
+        if hit is not None:
+            return hit if hit.seed == seed else replace(hit, seed=seed)
+        result = self._evaluate(assign, seed)
+        self._evaluated[key] = result
+        return result
+
+    def _evaluate(self, assign: dict[str, Choice], seed: str = "") -> IntraResult:
+        nseg = len(self.weights)
+        walker = Walker(self.graph, self.cm, self.t, nseg, layer_segments=self.layer_seg)
+        placements = {op.name: assign[self.var[op.name]].placement(self.devices) for op in self.window}
+        segs = walker.run(self.window, placements.__getitem__, self.segment.__getitem__, lambda a, b: False)
+        time = memory = 0.0
+        t = self.t
+        state_bytes = t.param_bytes + t.grad_bytes + t.master_bytes + t.optimizer_bytes
+        for w, s in zip(self.weights, segs):
+            time += w * (s.fwd + s.bwd_input + s.bwd_weight + s.fwd_comm + s.bwd_comm)
+            memory += w * s.activations
+            for v, (el, devs, part) in s.params.items():
+                memory += w * el * state_bytes
+                shard = part * self.dp_hint
+                if shard > 1:
+                    time += w * self.cm.all_reduce(el * t.grad_bytes, list(range(part))) / self.m_hint
+        choices = {op.name: assign[self.var[op.name]] for op in self.graph.ops if self.var[op.name] in assign}
+        result = IntraResult(self.mesh, choices, time, memory, seed)
+        if self.identical:
+            n = len(self.groups.layers)
+            result.pre, result.post = segs[0], segs[3]
+            result.layer_segments = [segs[1]] + [segs[2]] * (n - 1)
+        else:
+            result.pre, result.post = segs[0], segs[-1]
+            result.layer_segments = list(segs[1:-1]) if self.groups.layers else [segs[0]]
+            if not self.groups.layers:
+                result.pre, result.post = Segment(), Segment()
+        result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(op))
+                         for op in self.graph.ops for ch in [choices.get(op.name)] if ch is not None), default=1)
+        return result
+
+    # -- the search ---------------------------------------------------------------------------------------------
+    def _anchor_moves(self, op: OpNode) -> list[Choice]:
+        """The choices worth trying at an anchor: copy, batch, or its matmul / vocabulary labels."""
+        sig = self.sigs[op.name]
+        keep = {None, self.batch_label(op)}
+        a = matmul_anchor(self.graph, op, sig)
+        if a is not None:
+            keep |= {a.k, a.n}
+        v = vocab_label(self.graph, op, sig)
+        if v is not None:
+            keep.add(v)
+        keep |= set(sig.comm_labels)
+        return [c for c in self.choices(op) if c.axes[-1][0] in keep]
+
+    def improve(self, fixed: dict[str, Choice], seed: str, passes: int = 2,
+                on_step: Optional[Callable[[], None]] = None) -> IntraResult:
+        """Coordinate descent over the anchors' choices, each move re-walked and evaluated exactly."""
+        assign = self.walk(fixed) or self.walk({})
+        fixed = {a: assign[a] for a in self.anchors if a in assign}
+        best = self.evaluate(assign, seed)
+        for _ in range(passes):
+            changed = False
+            for a in self.anchors:
+                op = self.graph.op(a)
+                for cand in self._anchor_moves(op):
+                    if cand == fixed.get(a):
+                        continue
+                    trial = dict(fixed)
+                    trial[a] = cand
+                    walked = self.walk(trial)
+                    if walked is None:
+                        continue
+                    res = self.evaluate(walked, seed)
+                    if on_step is not None:
+                        on_step()
+                    if res.time < best.time * (1 - 1e-9):
+                        best, fixed, changed = res, trial, True
+            if not changed:
+                break
+        return best
+
+    def seeds(self) -> list[tuple[str, dict]]:
+        out: list[tuple[str, dict]] = [("greedy", {})]
+        dp = {}
+        for op in self.window:
+            var = self.var[op.name]
+            if var in dp:
+                continue
+            bl = self.batch_label(op)
+            want = tuple((bl, n) for n in self.mesh)
+            ch = next((c for c in self.choices(op) if c.axes == want and not c.blocks), None)
+            dp[var] = ch if ch is not None else next((c for c in self.choices(op) if not c.splits),
+                                                     self.choices(op)[0])
+        out.append(("data-parallel", dp))
+        if self.hf_plan is not None and self.group > 1:
+            prior = {}
+            for op in self.window:
+                var = self.var[op.name]
+                style = self.hf_plan.style_of(op)
+                if style is None or var in prior:
+                    continue
+                anchor = matmul_anchor(self.graph, op, self.sigs[op.name])
+                if anchor is None:
+                    continue
+                label = {"column": anchor.n, "row": anchor.k, "replicate": None}[style]
+                inner = self.mesh[-1]
+                outer = tuple((self.batch_label(op), n) for n in self.mesh[:-1])
+                want = outer + ((label, inner),)
+                ch = next((c for c in self.choices(op) if c.axes == want), None)
+                if ch is not None:
+                    prior[var] = ch
+            if prior:
+                out.append(("transformers tp plan", prior))
+        return out
+
+    def solve(self, on_step: Optional[Callable[[], None]] = None, passes: int = 2) -> list[IntraResult]:
+        """Non-dominated (time, memory) assignments found from every seed."""
+        results: list[IntraResult] = []
+        for name, fixed in self.seeds():
+            if self.group == 1:
+                results.append(self.evaluate(self.walk(fixed) or self.walk({}), name))
+                break
+            if name == "data-parallel":
+                walked = self.walk(fixed)
+                if walked is None:
+                    continue
+                res = self.evaluate(walked, name)
+            else:
+                res = self.improve(fixed, name, passes, on_step)
+            results.append(res)
+        return pareto_results(results)
+
+
+def pareto_results(results: Iterable[IntraResult]) -> list[IntraResult]:
+    out: list[IntraResult] = []
+    seen = set()
+    for r in sorted(results, key=lambda r: (r.time, r.memory, r.seed)):
+        k = tuple(sorted((n, c.axes, c.blocks) for n, c in r.choices.items()))
+        if k in seen:
+            continue
+        seen.add(k)
+        if any(o.time <= r.time and o.memory <= r.memory for o in out):
+            continue
+        out.append(r)
+    return out

@@ -1,0 +1,224 @@
+"""The simulator: a plan's training step replayed as an event timeline with cost-model durations.
+
+`simulate(plan, cluster)` reads every op's placement, prices it with the cost model, sums the pieces
+into per-stage forward (F), backward (B) and weight-gradient (W) task times, and replays the plan's
+own per-rank task lists through `timeline.replay` (the same replay that dry-runs schedules and
+draws the rendered timeline), with stage-to-stage transfers on the links the stages sit on. A plan
+without a pipeline is one stage that runs its micro-batches one after another. After the last
+backward each rank reduces its gradients (overlapped with that backward, as the bucketed reducer
+does) and steps the optimizer.
+
+Memory per device: weights, gradients and optimizer states of the parameters the device holds (per
+ZeRO stage over its data-parallel group), plus the activations held at the worst moment of the
+timeline (each forward adds its stage's activations for one micro-batch, its backward frees them),
+plus, under full recomputation, the largest layer rebuilt during a backward.
+
+The simulator never touches torch.distributed: everything is arithmetic on the graph and the plan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import PlanError
+from ..graph import Graph
+from ..layers import layer_groups
+from ..plan import Plan
+from ..schedules import BACKWARD, FORWARD, PipelineShape, Task
+from ..timeline import Timeline
+from .cluster import ClusterSpec, GiB
+from .costmodel import CostModel, Training
+from .layouts import Placement
+from .segments import Walker
+from .stages import Part, StageCost, Step, compose, replay_step
+
+
+@dataclass
+class Estimate:
+    """What one training step of a plan costs on a cluster.
+
+    Times are seconds for one step (all micro-batches of every replica, in parallel). `compute_s`
+    and `communication_s` are those of the busiest device; `bubble_s` is the mean idle time of the
+    pipeline ranks inside the step. `peak_memory_bytes[d]` is the peak of unit device d (every
+    data-parallel replica of the unit has the same); `memory` breaks down the largest one.
+    """
+
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    bubble_s: float
+    peak_memory_bytes: list[float]
+    memory: dict[str, float] = field(default_factory=dict)
+    micro_batches: int = 1
+    world_size: int = 1
+    flops_per_device: float = 0.0  # model FLOPs of one step per device (forward + backward, no recompute)
+    cluster: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    timeline: Optional[Timeline] = field(default=None, repr=False, compare=False)
+
+    @property
+    def max_memory_bytes(self) -> float:
+        return max(self.peak_memory_bytes, default=0.0)
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return self.max_memory_bytes / GiB
+
+    def tflops_per_device(self) -> float:
+        return self.flops_per_device / self.step_time_s / 1e12 if self.step_time_s else 0.0
+
+    def to_json(self) -> dict:
+        return {"step_time_s": self.step_time_s, "compute_s": self.compute_s,
+                "communication_s": self.communication_s, "bubble_s": self.bubble_s,
+                "peak_memory_bytes": [float(x) for x in self.peak_memory_bytes],
+                "max_memory_bytes": self.max_memory_bytes, "memory": dict(self.memory),
+                "micro_batches": self.micro_batches, "world_size": self.world_size,
+                "flops_per_device": self.flops_per_device, "cluster": self.cluster, "details": dict(self.details)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Estimate":
+        return cls(float(d["step_time_s"]), float(d.get("compute_s", 0.0)), float(d.get("communication_s", 0.0)),
+                   float(d.get("bubble_s", 0.0)), [float(x) for x in d.get("peak_memory_bytes", [])],
+                   dict(d.get("memory", {})), int(d.get("micro_batches", 1)), int(d.get("world_size", 1)),
+                   float(d.get("flops_per_device", 0.0)), str(d.get("cluster", "")), dict(d.get("details", {})))
+
+    def describe(self) -> str:
+        mem = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.memory.items())
+        return (f"step {self.step_time_s:.4g} s (compute {self.compute_s:.4g} s, communication "
+                f"{self.communication_s:.4g} s, bubble {self.bubble_s:.4g} s); peak memory "
+                f"{self.peak_memory_gib:.2f} GiB per device ({mem} GiB)")
+
+
+def parts_of(graph: Graph) -> tuple[dict[str, tuple], list[list]]:
+    """Each op's part of the model ("pre", ("layer", i), "post"), and the layers' ops.
+
+    Layers are what full recomputation rebuilds; a model without repeated blocks is one such part."""
+    groups = layer_groups(graph)
+    if not groups.layers:
+        return {op.name: ("layer", 0) for op in graph.ops}, [list(graph.ops)]
+    part = {op.name: "pre" for op in groups.pre}
+    part.update({op.name: "post" for op in groups.post})
+    for i, ops in enumerate(groups.layers):
+        for op in ops:
+            part[op.name] = ("layer", i)
+    return part, groups.layers
+
+
+def simulate(plan: Plan, cluster: ClusterSpec, graph: Optional[Graph] = None, *,
+             cost_model: Optional[CostModel] = None, keep_timeline: bool = False) -> Estimate:
+    """Replay one training step of `plan` on `cluster` and return its `Estimate`.
+
+    `graph` is the graph the plan was made for; plans from `nns.plan`, `nns.search` and
+    `PlanBuilder.finish` remember theirs, so it is only needed for plans loaded from a file.
+    """
+    graph = graph if graph is not None else getattr(plan, "graph", None)
+    if graph is None:
+        raise PlanError("simulate needs the graph the plan was made for: pass graph= (nns.capture of the model "
+                        "with one micro-batch of inputs); plans loaded from JSON do not carry their graph")
+    if plan.graph_fingerprint != graph.fingerprint():
+        raise PlanError(f"the plan was made for graph {plan.graph_fingerprint}, not for this graph "
+                        f"{graph.fingerprint()} ({graph.model_class}); simulate it with the graph it was made for")
+    if plan.world_size > cluster.num_devices:
+        raise PlanError(f"the plan needs {plan.world_size} devices but cluster {cluster.name!r} has "
+                        f"{cluster.num_devices} ({cluster.nodes} node(s) x {cluster.devices_per_node}); "
+                        f"use nns.cluster({cluster.name!r}, nodes={-(-plan.world_size // cluster.devices_per_node)})")
+    cm = cost_model if cost_model is not None and cost_model.graph is graph and cost_model.cluster == cluster \
+        else CostModel(graph, cluster)
+    training = Training.from_options(plan.options, cluster)
+    m = plan.num_micro_batches
+    if plan.pipeline is None:
+        stage_of = {op.name: 0 for op in graph.ops}
+        stage_devices = [list(range(plan.unit_size))]
+    else:
+        stage_of = {op.name: int(plan.ops[op.name].stage or 0) for op in graph.ops}
+        stage_devices = [list(g) for g in plan.pipeline.stage_devices]
+    part, _ = parts_of(graph)
+    seg_index: dict[tuple, int] = {}
+    for op in graph.ops:
+        seg_index.setdefault((stage_of[op.name], part[op.name]), len(seg_index))
+    seg_stage = {i: key[0] for key, i in seg_index.items()}
+    seg_layer = {i: key[1] != "pre" and key[1] != "post" for key, i in seg_index.items()}
+    sp_ops = {op.name for op in graph.ops if part[op.name] not in ("pre", "post")} if training.sequence_parallel else set()
+    walker = Walker(graph, cm, training, len(seg_index), sp_layers=sp_ops,
+                    layer_segments={i for i, layer in seg_layer.items() if layer})
+    placements = {name: Placement.of(p) for name, p in plan.ops.items()}
+    segments = walker.run(graph.ops, placements.__getitem__, lambda n: seg_index[(stage_of[n], part[n])],
+                          lambda a, b: seg_stage[a] != seg_stage[b])
+    per_stage: list[list[Part]] = [[] for _ in stage_devices]
+    for i, seg in enumerate(segments):
+        per_stage[seg_stage[i]].append(Part(seg, 1, seg_layer[i]))
+    split = plan.pipeline is not None and plan.pipeline.split_backward
+    stages = compose(cm, training, per_stage, stage_devices, plan.dp, plan.unit_size, m, split)
+    boundary: dict[tuple[int, int], float] = {}
+    boundary_grad: dict[tuple[int, int], float] = {}
+    for (a, b), x in walker.boundary.items():
+        key = (seg_stage[a], seg_stage[b])
+        boundary[key] = boundary.get(key, 0.0) + x
+    for (a, b), x in walker.boundary_grad.items():
+        key = (seg_stage[a], seg_stage[b])
+        boundary_grad[key] = boundary_grad.get(key, 0.0) + x
+    transfer = Transfers(cm, stage_devices, boundary, boundary_grad)
+    if plan.pipeline is not None:
+        lists, shape = plan.pipeline.task_lists(), plan.pipeline.shape()
+    else:
+        shape = PipelineShape(1, 1, m)
+        lists = [[task for mb in range(m) for task in (Task(0, mb, FORWARD), Task(0, mb, BACKWARD))]]
+    step = replay_step(stages, lists, shape, transfer, cluster.efficiency.overlap_slowdown, keep_timeline)
+    return estimate_of(plan, cluster, training, stages, step, m)
+
+
+class Transfers:
+    """Time to move the values crossing from one stage to another (one micro-batch), on the links
+    the two device groups sit on; with equal groups each sender sends 1/t and the receivers gather
+    (Megatron's scatter/gather), otherwise whole tensors go from senders taken in turn."""
+
+    def __init__(self, cm: CostModel, stage_devices: list[list[int]], boundary: dict, boundary_grad: dict,
+                 to_global=lambda d: d):
+        self.cm, self.devices, self.to_global = cm, stage_devices, to_global
+        self.boundary, self.boundary_grad = boundary, boundary_grad
+
+    def __call__(self, src: int, dst: int, grad: bool) -> float:
+        table = self.boundary_grad if grad else self.boundary
+        lo, hi = min(src, dst), max(src, dst)
+        nbytes = sum(x for (a, b), x in table.items() if a <= lo and b >= hi)
+        if nbytes <= 0:
+            return 0.0
+        sdev, ddev = self.devices[src], self.devices[dst]
+        dpn = self.cm.cluster.devices_per_node
+        cross = len({self.to_global(d) // dpn for d in list(sdev) + list(ddev)}) > 1
+        net = self.cm.net
+        if len(sdev) == len(ddev) and len(sdev) > 1:
+            inner = net.all_gather(nbytes, self.cm._span([self.to_global(d) for d in ddev]))
+            return net.p2p(nbytes / len(sdev), cross) + inner
+        per_sender = math.ceil(len(ddev) / max(1, len(sdev)))
+        return net.p2p(nbytes * per_sender, cross)
+
+
+def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: list[StageCost], step: Step,
+                m: int) -> Estimate:
+    """Per-device memory and the step's figures as an `Estimate`."""
+    peaks = [0.0] * plan.unit_size
+    which = [0] * plan.unit_size
+    for k, st in enumerate(stages):
+        total = st.static + step.act_peak[k]
+        for d in st.devices:
+            if total >= peaks[d]:
+                peaks[d], which[d] = total, k
+    worst = max(range(plan.unit_size), key=lambda d: peaks[d]) if peaks else 0
+    st = stages[which[worst]] if stages else None
+    breakdown = {}
+    if st is not None:
+        k = which[worst]
+        breakdown = {"params": st.states["params"], "grads": st.states["grads"], "optimizer": st.states["optimizer"],
+                     "buffers": st.buffers, "activations": step.act_held[k],
+                     "transient": step.act_peak[k] - step.act_held[k]}
+    flops = max((sum(s.flops for s in stages if s.devices == st_.devices) for st_ in stages), default=0.0) * m
+    details = {"stage_fwd_s": [s.F for s in stages], "stage_bwd_s": [s.B for s in stages],
+               "stage_wgrad_s": [s.W for s in stages], "exposed_grad_sync_s": step.exposed_sync,
+               "training": training.to_json()}
+    return Estimate(step_time_s=step.time, compute_s=step.compute, communication_s=step.comm, bubble_s=step.bubble,
+                    peak_memory_bytes=peaks, memory=breakdown, micro_batches=m, world_size=plan.world_size,
+                    flops_per_device=flops, cluster=cluster.name, details=details, timeline=step.timeline)
+
+

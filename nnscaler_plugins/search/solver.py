@@ -1,0 +1,477 @@
+"""The search: intra-op choices per device group, inter-op choices around them, a Pareto set of plans.
+
+    plans = nns.search(graph, world_size=64, cluster=nns.cluster("a100-dgx", nodes=8), global_batch_size=512)
+    best = plans.best                       # fastest plan that fits the memory limit
+    print(plans.table()); best.save("plan.json")
+
+1. For every device-group size a stage may have (and, when data parallelism lives inside the unit,
+   every way to see the group as a 2-D mesh), the intra-op search (`intraop`) solves which label of
+   each op to split. Identical layers are solved once.
+2. Around each of those, the inter-op choices are enumerated: pipeline ranks and stage boundaries
+   (layers cut so that stages take equal time, the ops before the layers in the first stage and the
+   ops after them in the last), data-parallel replicas, micro-batches, schedule (1F1B, GPipe,
+   interleaved with 2-4 chunks, zero-bubble), ZeRO stage and recomputation. Constraints prune
+   configurations and op choices as they are generated. Each candidate's stages are priced from the
+   solved segments with closed-form pipeline times (`stages.analytic_step`).
+3. The candidates near the (time, memory) frontier are made into real plans with the primitives
+   (op_trans, op_assign, op_order), simulated in full (`simulator.simulate`, which replays the
+   schedule's task lists), and the non-dominated ones that fit the memory limit are returned.
+
+Everything is deterministic: candidates are generated and sorted in a fixed order, ties broken by
+their description. Two data-parallel modes exist: `unit` puts data parallelism inside the plan's
+unit (every op split along its batch label; the graph is the whole step's batch), which is what
+`strategy="auto"` in `nns.plan` needs because there the unit is the whole world; the default puts it
+in the plan's replicas (`Plan.dp`; the graph is one micro-batch of one replica).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from ..errors import PlanError
+from ..graph import Graph
+from ..plan import Plan
+from ..primitives import PlanBuilder
+from .cluster import ClusterSpec, cluster as make_cluster
+from .constraints import (Constraint, HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, MicroBatchSize,
+                          parse_bytes)
+from .costmodel import CostModel, Training
+from .dims import batch_size
+from .intraop import IntraResult, IntraSolver
+from .pareto import ParetoSet, frontier
+from .progress import Progress
+from .segments import Segment
+from .simulator import Estimate, simulate
+from .space import RECOMPUTE, Config, divisors, meshes
+from .stages import Part, analytic_step, compose
+
+GiB = 1024 ** 3
+
+
+class SearchError(PlanError):
+    """No plan satisfies the constraints; the message names the binding one."""
+
+
+@dataclass
+class Candidate:
+    cfg: Config
+    intra: IntraResult
+    bounds: list[int]  # layer index where each stage starts (plus the end)
+    time: float
+    memory: float
+    graph: Graph = field(repr=False)
+
+    def describe(self) -> str:
+        return f"{self.cfg.describe()} [{self.intra.seed}]"
+
+
+def _stage_bounds(weights: Sequence[float], stages: int) -> Optional[list[int]]:
+    """Cut len(weights) layers into `stages` contiguous runs of about equal weight."""
+    n = len(weights)
+    if stages > n or stages < 1:
+        return None
+    total = sum(weights)
+    cuts, acc, k = [0], 0.0, 1
+    for i, x in enumerate(weights):
+        acc += x
+        if k < stages and (acc >= total * k / stages or n - i - 1 == stages - k):
+            cuts.append(i + 1)
+            k += 1
+    cuts.append(n)
+    return cuts if len(cuts) == stages + 1 else None
+
+
+def _runs(segments: Sequence[Segment]) -> list[Part]:
+    """Consecutive identical segment objects as one Part with a count."""
+    out: list[Part] = []
+    for s in segments:
+        if out and out[-1].segment is s:
+            out[-1] = Part(s, out[-1].times + 1, True)
+        else:
+            out.append(Part(s, 1, True))
+    return out
+
+
+class Search:
+    def __init__(self, graphs: dict[int, Graph], world_size: int, cluster: ClusterSpec, constraints: Sequence,
+                 global_batch_size: Optional[int], memory_limit: Optional[float], progress: bool,
+                 unit_mode: bool = False, micro_batches: Optional[int] = None, max_simulated: int = 10,
+                 max_group: Optional[int] = None, schedules: Sequence[str] = ("1f1b", "gpipe", "interleaved",
+                                                                               "zero-bubble")):
+        self.graphs = graphs
+        self.world = int(world_size)
+        self.cluster = cluster
+        self.unit_mode = unit_mode
+        self.fixed_m = micro_batches
+        self.max_simulated = max_simulated
+        self.schedules = tuple(schedules)
+        cons = []
+        hf = None
+        for c in constraints:
+            if isinstance(c, MaxTensorParallel) and c.limit is None:
+                c = c.bind(cluster)
+            if isinstance(c, MemoryLimit):
+                memory_limit = min(memory_limit, c.limit) if memory_limit is not None else c.limit
+            if isinstance(c, HFTensorParallelPlan):
+                hf = c
+            cons.append(c)
+        self.constraints = cons
+        self.hf = hf
+        self.memory_limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
+        self.memory_from_user = memory_limit is not None
+        b0 = min(graphs)
+        self.global_batch = int(global_batch_size) if global_batch_size is not None else None
+        self.progress = Progress("nnscaler search", 1, enabled=progress)
+        self.max_group = max_group
+        self.searched = 0
+        self.rejected: dict[str, int] = {}
+        del b0
+
+    # -- configurations ---------------------------------------------------------------------------------
+    def group_sizes(self) -> list[int]:
+        if self.unit_mode:
+            return [self.world // pp for pp in divisors(self.world)]
+        cap = self.max_group or max(self.cluster.devices_per_node * 2, 8)
+        return [g for g in divisors(self.world) if g <= cap]
+
+    def meshes_for(self, g: int) -> list[tuple]:
+        return meshes(g) if self.unit_mode else [(g,)]
+
+    def _allowed(self, cfg: Config) -> bool:
+        ok = True
+        for c in self.constraints:
+            if not c.allows(cfg):
+                self.rejected[c.describe()] = self.rejected.get(c.describe(), 0) + 1
+                ok = False
+        return ok
+
+    # -- the run ------------------------------------------------------------------------------------------
+    def run(self) -> ParetoSet:
+        t0 = time.monotonic()
+        training = Training(dtype=self.cluster.dtype)
+        candidates: list[Candidate] = []
+        intra_jobs = [(b, g, mesh) for b in sorted(self.graphs) for g in self.group_sizes() for mesh in self.meshes_for(g)]
+        self.progress.set("intra-op choices", len(intra_jobs))
+        solved: list[tuple[int, int, list[IntraResult], CostModel]] = []
+        for b, g, mesh in intra_jobs:
+            graph = self.graphs[b]
+            cm = self._cost_model(graph)
+            dp_hint = 1 if self.unit_mode else max(1, self.world // g)
+            m_hint = self._m_hint(b, dp_hint)
+            solver = IntraSolver(graph, cm, training, mesh, self.constraints, self.hf, m_hint, dp_hint)
+            results = solver.solve()
+            for r in results:
+                r.tp = max(r.tp, 1)
+            solved.append((b, g, results, cm))
+            self.progress.step()
+        self.progress.set("pipelines and knobs", len(solved))
+        for b, g, results, cm in solved:
+            for intra in results:
+                candidates += self._inter(self.graphs[b], cm, b, g, intra)
+            self.progress.step()
+        self.searched = len(candidates)
+        if not candidates:
+            raise SearchError(self._no_plan_message())
+        fitting = [c for c in candidates if c.memory <= self.memory_limit * 1.1]
+        if not fitting:
+            raise SearchError(self._memory_message(candidates))
+        chosen = self._shortlist(fitting)
+        self.progress.set("simulating the shortlist", len(chosen))
+        plans, estimates = [], []
+        for cand in chosen:
+            plan = self.materialize(cand)
+            est = simulate(plan, self.cluster, cand.graph, cost_model=self._cost_model(cand.graph))
+            plan.estimate = est.to_json()
+            plans.append(plan)
+            estimates.append(est)
+            self.progress.step()
+        keep = [i for i in range(len(plans)) if estimates[i].max_memory_bytes <= self.memory_limit]
+        if not keep:
+            raise SearchError(self._memory_message(candidates, estimates))
+        front = frontier([(estimates[i].step_time_s, estimates[i].max_memory_bytes) for i in keep])
+        order = [keep[i] for i in front]
+        seconds = time.monotonic() - t0
+        self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
+        return ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
+
+    _cms: dict
+
+    def _cost_model(self, graph: Graph) -> CostModel:
+        cache = self.__dict__.setdefault("_cms", {})
+        cm = cache.get(id(graph))
+        if cm is None:
+            cm = cache[id(graph)] = CostModel(graph, self.cluster)
+        return cm
+
+    def _m_hint(self, b: int, dp: int) -> int:
+        if self.unit_mode or self.global_batch is None:
+            return self.fixed_m or 1
+        return max(1, self.global_batch // max(1, b * dp))
+
+    def _micro_batches(self, b: int, dp: int) -> Optional[int]:
+        if self.unit_mode:
+            return self.fixed_m or 1
+        G = self.global_batch if self.global_batch is not None else b * self.world
+        if G % (b * dp):
+            return None
+        return G // (b * dp)
+
+    def _inter(self, graph: Graph, cm: CostModel, b: int, g: int, intra: IntraResult) -> list[Candidate]:
+        out = []
+        layers = intra.layer_segments
+        L = len(layers)
+        weights = [s.fwd + s.bwd_input + s.bwd_weight + s.fwd_comm + s.bwd_comm for s in layers]
+        pre, post = intra.pre or Segment(), intra.post or Segment()
+        pre_w = pre.fwd + pre.bwd_input + pre.bwd_weight + pre.fwd_comm + pre.bwd_comm
+        post_w = post.fwd + post.bwd_input + post.bwd_weight + post.fwd_comm + post.bwd_comm
+        has_core = any(s.core_fwd for s in layers)
+        for pp in divisors(self.world // g):
+            if pp > max(1, L):
+                continue
+            dp = 1 if self.unit_mode else self.world // (g * pp)
+            if self.unit_mode and g * pp != self.world:
+                continue
+            m = self._micro_batches(b, dp)
+            if m is None:
+                continue
+            schedules = [("none", 1)] if pp == 1 else []
+            if pp > 1:
+                for s in self.schedules:
+                    if s == "interleaved":
+                        for v in (2, 3, 4):
+                            if L >= pp * v and m % pp == 0:
+                                schedules.append((s, v))
+                    elif s == "zero-bubble" or s in ("1f1b", "gpipe"):
+                        schedules.append((s, 1))
+            shard_groups = dp * max((p for s in layers[:1] for _, (_, _, p) in s.params.items()), default=1)
+            zeros = [0, 1, 2, 3] if shard_groups > 1 else [0]
+            recomputes = [r for r in RECOMPUTE if r != "selective" or has_core]
+            for schedule, v in schedules:
+                stages = pp * v
+                w = list(weights)
+                if w:
+                    w[0] += pre_w
+                    w[-1] += post_w
+                bounds = _stage_bounds(w, stages) if L else [0, 0]
+                if bounds is None:
+                    continue
+                for zero in zeros:
+                    for rec in recomputes:
+                        cfg = Config(group=g, mesh=intra.mesh, pp=pp, dp=dp, micro_batch_size=b, micro_batches=m,
+                                     schedule=schedule, virtual=v, zero=zero, recompute=rec, tp=intra.tp)
+                        if not self._allowed(cfg):
+                            continue
+                        t, mem = self._price(cm, cfg, intra, bounds, pre, post, layers)
+                        out.append(Candidate(cfg, intra, bounds, t, mem, graph))
+        return out
+
+    def _price(self, cm: CostModel, cfg: Config, intra: IntraResult, bounds: list[int], pre: Segment, post: Segment,
+               layers: list[Segment]) -> tuple[float, float]:
+        training = Training(dtype=self.cluster.dtype, zero=cfg.zero, recompute=cfg.recompute)
+        S = cfg.stages
+        parts_per_stage: list[list[Part]] = []
+        for k in range(S):
+            parts = []
+            if k == 0:
+                parts.append(Part(pre, 1, False))
+            parts += _runs(layers[bounds[k]:bounds[k + 1]]) if layers else []
+            if k == S - 1:
+                parts.append(Part(post, 1, False))
+            parts_per_stage.append(parts)
+        devices = [list(range((k % cfg.pp) * cfg.group, (k % cfg.pp) * cfg.group + cfg.group)) for k in range(S)]
+        stages = compose(cm, training, parts_per_stage, devices, cfg.dp, cfg.unit_size, cfg.micro_batches,
+                         cfg.schedule == "zero-bubble")
+        boundary = {}
+        for k in range(1, S):
+            first = layers[bounds[k]] if layers and bounds[k] < len(layers) else None
+            if first is not None:
+                boundary[(k - 1, k)] = first.input_bytes + sum(first.shared_inputs.values())
+        net = cm.net
+        dpn = self.cluster.devices_per_node
+
+        def transfer(src: int, dst: int, grad: bool) -> float:
+            nbytes = boundary.get((min(src, dst), max(src, dst)), 0.0)
+            if nbytes <= 0:
+                return 0.0
+            a, b = devices[src], devices[dst]
+            cross = len({d // dpn for d in a + b}) > 1
+            inner = net.all_gather(nbytes, cm._span(b)) if len(b) > 1 else 0.0
+            return net.p2p(nbytes / max(1, len(a)), cross) + inner
+
+        step = analytic_step(stages, cfg.schedule, cfg.pp, cfg.virtual, cfg.micro_batches, transfer,
+                             self.cluster.efficiency.overlap_slowdown)
+        memory = max(st.static + step.act_peak[k] for k, st in enumerate(stages))
+        return step.time, memory
+
+    # -- choosing what to simulate --------------------------------------------------------------------------
+    def _shortlist(self, cands: list[Candidate]) -> list[Candidate]:
+        cands = sorted(cands, key=lambda c: (c.time, c.memory, c.describe()))
+        pts = [(c.time, c.memory) for c in cands]
+        front = frontier(pts)
+        chosen: list[int] = []
+        # the fastest few (the analytic times are close to, not equal to, the simulated ones) ...
+        for i in range(min(len(cands), max(3, self.max_simulated // 2))):
+            chosen.append(i)
+        # ... and the frontier spread over memory
+        step = max(1, len(front) // max(1, self.max_simulated - len(chosen)))
+        for i in front[::step]:
+            if i not in chosen and len(chosen) < self.max_simulated:
+                chosen.append(i)
+        return [cands[i] for i in chosen]
+
+    # -- plans ---------------------------------------------------------------------------------------------
+    def materialize(self, cand: Candidate) -> Plan:
+        cfg, graph = cand.cfg, cand.graph
+        from ..layers import layer_groups
+
+        groups = layer_groups(graph)
+        S = cfg.stages
+        stage_devices = [list(range((k % cfg.pp) * cfg.group, (k % cfg.pp) * cfg.group + cfg.group)) for k in range(S)]
+        stage_of: dict[str, int] = {}
+        if cfg.pp > 1 and groups.layers:
+            for k in range(S):
+                for layer in groups.layers[cand.bounds[k]:cand.bounds[k + 1]]:
+                    for op in layer:
+                        stage_of[op.name] = k
+            for op in groups.pre:
+                stage_of[op.name] = 0
+            for op in groups.post:
+                stage_of[op.name] = S - 1
+        summary = cand.describe()
+        options = {"zero": cfg.zero, "recompute": cfg.recompute, "micro_batch_size": cfg.micro_batch_size,
+                   "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
+                   "tp": cfg.tp, "pp": cfg.pp, "summary": summary}
+        builder = PlanBuilder(graph, cfg.unit_size, cfg.dp, strategy="search", options=options,
+                              micro_batches=cfg.micro_batches)
+        for handle in builder.ops:
+            ch = cand.intra.choices[handle.name]
+            k = stage_of.get(handle.name, 0)
+            p = ch.placement(stage_devices[k])
+            blocks = dict(p.blocks)
+            subs = None
+            if p.replicate > 1:
+                subs = builder.op_trans(handle, replicate=p.replicate)
+            for label, n in p.splits:
+                subs = builder.op_trans(handle, dim=label, num=n, block=blocks.get(label, 1))
+            if subs is None:
+                builder.replicate(handle, devices=[p.devices[0]])
+                continue
+            for sub, d in zip(subs, p.devices):
+                builder.op_assign(sub, d)
+        if cfg.pp > 1:
+            stages = [[] for _ in range(S)]
+            for op in graph.ops:
+                stages[stage_of.get(op.name, 0)].append(op.name)
+            builder.op_order(stages, stage_devices, micro_batches=cfg.micro_batches, schedule=cfg.schedule)
+        plan = builder.finish()
+        _remember_graph(plan, graph)
+        return plan
+
+    # -- messages ------------------------------------------------------------------------------------------
+    def _no_plan_message(self) -> str:
+        if self.rejected:
+            worst = sorted(self.rejected.items(), key=lambda kv: -kv[1])
+            names = "; ".join(f"'{k}' (rejected {n} configurations)" for k, n in worst)
+            return (f"no plan for {self.world} devices satisfies the constraints; binding: {names}. "
+                    "Relax the first of these.")
+        return (f"no plan found for {self.world} devices: no pipeline, data-parallel and micro-batch split divides "
+                f"the global batch {self.global_batch} with micro-batches of {sorted(self.graphs)}; choose a global "
+                "batch divisible by the micro-batch size times the data-parallel degree")
+
+    def _memory_message(self, cands: list[Candidate], estimates: Optional[list[Estimate]] = None) -> str:
+        smallest = min(cands, key=lambda c: c.memory)
+        lowest = smallest.memory
+        if estimates:
+            lowest = min(lowest, min(e.max_memory_bytes for e in estimates))
+        source = "the memory limit" if self.memory_from_user else f"the device memory of {self.cluster.name}"
+        return (f"binding constraint: peak memory per device <= {self.memory_limit / GiB:.2f} GiB ({source}); the "
+                f"smallest peak any plan reaches is {lowest / GiB:.2f} GiB ({smallest.describe()}). Use more "
+                "devices, a smaller micro-batch, or allow ZeRO-3 / full recomputation if a constraint excludes them.")
+
+
+def _remember_graph(plan: Plan, graph: Graph) -> None:
+    """Plans made here keep a reference to their graph so `simulate(plan, cluster)` needs no more."""
+    plan.graph = graph
+
+
+def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, str, None] = None,
+           constraints: Iterable[Constraint] = (), example_inputs: Any = None,
+           global_batch_size: Optional[int] = None, memory_limit: Union[None, float, str] = None,
+           progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
+           max_simulated: int = 10, max_group: Optional[int] = None) -> ParetoSet:
+    """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
+
+    `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one
+    micro-batch; with a `MicroBatchSize` constraint the model is captured at each allowed size, taken
+    from the first rows of the example inputs). `global_batch_size`: samples per training step over
+    all replicas (default: the micro-batch times the world size). `memory_limit`: bytes or "40GiB"
+    (default: the cluster's device memory). `data_parallel="unit"` puts data parallelism inside the
+    unit (the graph is then the whole step's batch; used by strategy="auto").
+    """
+    constraints = list(constraints)
+    spec = _resolve_cluster(cluster, world_size)
+    graphs = _graphs(model_or_graph, example_inputs, constraints)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    if world_size < 1:
+        raise SearchError(f"world_size must be >= 1 (got {world_size})")
+    s = Search(graphs, world_size, spec, constraints, global_batch_size, limit, progress,
+               unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
+               max_group=max_group)
+    return s.run()
+
+
+def _resolve_cluster(cluster: Union[ClusterSpec, str, None], world_size: int) -> ClusterSpec:
+    if cluster is None:
+        cluster = "local-cpu"
+    if isinstance(cluster, ClusterSpec):
+        spec = cluster
+    else:
+        spec = make_cluster(cluster) if str(cluster) != "local-cpu" else make_cluster(cluster, devices=world_size)
+        if spec.num_devices < world_size and str(cluster) in ("v100-p3", "a100-dgx", "h100-dgx"):
+            spec = spec.with_nodes(-(-world_size // spec.devices_per_node))
+    if spec.num_devices < world_size:
+        raise SearchError(f"cluster {spec.name!r} has {spec.num_devices} devices ({spec.nodes} node(s) x "
+                          f"{spec.devices_per_node}) but world_size is {world_size}; describe a larger cluster "
+                          f"(nodes={-(-world_size // spec.devices_per_node)})")
+    return spec
+
+
+def _graphs(model_or_graph: Any, example_inputs: Any, constraints: Sequence) -> dict[int, Graph]:
+    if isinstance(model_or_graph, Graph):
+        b = batch_size(model_or_graph) or 1
+        return {b: model_or_graph}
+    if example_inputs is None:
+        raise TypeError("searching a model needs example_inputs= (one micro-batch of what its forward takes)")
+    from ..capture import capture, normalize_inputs
+    from ..microbatch import batch_size as inputs_batch
+
+    sizes = None
+    for c in constraints:
+        if isinstance(c, MicroBatchSize):
+            sizes = sorted(c.sizes)
+    full = inputs_batch(example_inputs) or 1
+    if sizes is None:
+        sizes = [full]
+    out = {}
+    for b in sizes:
+        if b > full or b < 1:
+            continue
+        inputs = _first_rows(example_inputs, b, full)
+        args, kwargs = normalize_inputs(inputs, None)
+        out[b] = capture(model_or_graph, args, kwargs)
+    if not out:
+        raise SearchError(f"binding constraint: micro-batch size in {sizes}, but the example inputs have a batch of "
+                          f"{full}; pass example inputs with at least {min(sizes)} rows")
+    return out
+
+
+def _first_rows(batch: Any, b: int, full: int) -> Any:
+    import torch
+    import torch.utils._pytree as pytree
+
+    if b == full:
+        return batch
+    return pytree.tree_map(lambda x: x[:b] if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == full
+                           else x, batch)

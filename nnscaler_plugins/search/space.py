@@ -1,0 +1,115 @@
+"""The search space: the inter-op knobs of a candidate plan, and how they are read back from a plan.
+
+A candidate is a `Config` (how the world is cut into pipeline stages, device groups per stage and
+data-parallel replicas; micro-batches and schedule; ZeRO stage and recomputation) plus, per op, an
+intra-op choice for the stage's device group: an `Axes` tuple that says along which label each axis
+of the group's device mesh splits the op (None: the op is copied along that axis). A group of 8
+devices seen as one axis of 8 takes choices like (("n", 8),); seen as 2 x 4 it takes choices like
+(("batch-label", 2), ("n", 4)), which is data parallelism over 2 inside the group and tensor
+parallelism over 4 within each half.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from ..graph import Graph
+from ..plan import Plan
+from .dims import BATCH, batch_size, tag_labels
+
+Axes = tuple  # ((label or None, size), ...) outer to inner; the product of sizes is the group size
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The inter-op part of a candidate."""
+
+    group: int  # devices per pipeline stage (the intra-op mesh)
+    mesh: tuple[int, ...]  # the group seen as a mesh (outer to inner); prod == group
+    pp: int  # pipeline ranks
+    dp: int  # data-parallel replicas of the unit (the plan's dp)
+    micro_batch_size: int
+    micro_batches: int
+    schedule: str = "none"  # "none" without a pipeline
+    virtual: int = 1  # interleaving chunks per pipeline rank
+    zero: int = 0
+    recompute: str = "none"
+    tp: int = 1  # the largest split of an op that is not along the batch (for constraints)
+
+    @property
+    def unit_size(self) -> int:
+        return self.group * self.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.unit_size * self.dp
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual
+
+    def describe(self) -> str:
+        mesh = "x".join(map(str, self.mesh))
+        pipe = f" pp={self.pp} {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "") \
+            if self.pp > 1 else ""
+        return (f"group {self.group} (mesh {mesh}, tp {self.tp}){pipe} dp={self.dp} micro-batch "
+                f"{self.micro_batch_size} x {self.micro_batches} zero={self.zero} recompute={self.recompute}")
+
+    def to_json(self) -> dict:
+        return {"group": self.group, "mesh": list(self.mesh), "pp": self.pp, "dp": self.dp,
+                "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
+                "schedule": self.schedule, "virtual": self.virtual, "zero": self.zero, "recompute": self.recompute,
+                "tp": self.tp}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(group: int) -> list[tuple[int, ...]]:
+    """One axis, or two axes a x b (outer x inner), for a device group."""
+    out = [(group,)]
+    for a in divisors(group):
+        if 1 < a < group:
+            out.append((a, group // a))
+    return out
+
+
+def axes_tp(axes: Axes, batch_label: Optional[str]) -> int:
+    """Pieces along labels other than the batch label."""
+    return math.prod(n for l, n in axes if l is not None and l != batch_label)
+
+
+def config_of(plan: Plan, graph: Graph) -> Config:
+    """Read a plan's inter-op knobs back (for constraint checks on any plan)."""
+    from ..rules import signature_for
+
+    sigs = {op.name: signature_for(graph, op) for op in graph.ops}
+    tags = tag_labels(graph, sigs)
+    tp = 1
+    batch_split = 1
+    for op in graph.ops:
+        p = plan.ops[op.name]
+        blabel = next((l for l, tag in tags.get(op.name, {}).items() if tag == BATCH), None)
+        counts = p.label_counts()
+        tp = max(tp, math.prod(n for l, n in counts.items() if l != blabel))
+        if blabel is not None:
+            batch_split = max(batch_split, counts.get(blabel, 1))
+    pl = plan.pipeline
+    pp = pl.num_ranks if pl is not None else 1
+    virtual = pl.num_stages // pl.num_ranks if pl is not None else 1
+    group = plan.unit_size // pp if pp else plan.unit_size
+    b = batch_size(graph) or 1
+    rec = plan.options.get("recompute", "none") or "none"
+    return Config(group=group, mesh=(group,), pp=pp, dp=plan.dp, micro_batch_size=max(1, b // batch_split),
+                  micro_batches=plan.num_micro_batches, schedule=pl.schedule if pl is not None else "none",
+                  virtual=virtual, zero=int(plan.options.get("zero", 0) or 0),
+                  recompute=str(rec if rec is not True else "full"), tp=tp)
+
+
+def with_(cfg: Config, **changes: Any) -> Config:
+    return replace(cfg, **changes)

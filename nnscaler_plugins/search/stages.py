@@ -1,0 +1,279 @@
+"""From segment sums to pipeline stages, and from stages to the time and memory of a step.
+
+A stage is a list of segments on one device group. Its forward, backward and weight-gradient task
+times, the activations one micro-batch leaves behind, the model states of its devices and the
+gradient reduction after its last backward all follow from the segments' sums and the training
+choices (`Training`: ZeRO stage, recomputation). `replay_step` runs the stage times through the
+plan's schedule with `timeline.replay` (the simulator); `analytic_step` prices the same stages with
+the closed forms of shared/notes/cost-model.md (the search's quick screening of many candidates).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from ..schedules import BACKWARD, FORWARD, WEIGHT, PipelineShape, Task
+from ..timeline import Timeline, replay
+from .costmodel import BUCKET_BYTES, CostModel, Training
+from .network import Span
+from .segments import Segment
+
+
+@dataclass
+class StageCost:
+    devices: list[int]  # unit devices of the stage
+    F: float = 0.0
+    B: float = 0.0
+    W: float = 0.0
+    compute: float = 0.0  # per micro-batch, forward + backward + recomputation
+    comm: float = 0.0  # per micro-batch, synchronous tensor-parallel communication
+    flops: float = 0.0
+    act: float = 0.0  # activations kept per micro-batch
+    transient: float = 0.0  # extra during a backward (the layer rebuilt under full recomputation)
+    states: dict = field(default_factory=lambda: {"params": 0.0, "grads": 0.0, "optimizer": 0.0})
+    buffers: float = 0.0
+    sync: float = 0.0  # gradient reduction after the last backward
+    optimizer: float = 0.0  # optimizer step
+
+    @property
+    def static(self) -> float:
+        return sum(self.states.values()) + self.buffers
+
+
+@dataclass(frozen=True)
+class Part:
+    """A segment as part of a stage: `times` identical copies; `layer` says whether full
+    recomputation applies to it (transformer layers are recomputed, embeddings and heads are not)."""
+
+    segment: Segment
+    times: int = 1
+    layer: bool = True
+
+
+def _param_devices(parts: Sequence[Part], group: Sequence[int]) -> tuple[dict, dict]:
+    """Per device of the group: parameter elements held, and gradient-sync groups (members -> elements)."""
+    elems = {d: 0.0 for d in group}
+    sync: dict[tuple, float] = {}
+    for part in parts:
+        for v, (local, devices, partition) in part.segment.params.items():
+            for d in devices:
+                if d in elems:
+                    elems[d] += local * part.times
+            key = (tuple(sorted(devices)[:partition]), partition)
+            sync[key] = sync.get(key, 0.0) + local * part.times
+    return elems, sync
+
+
+def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]], devices: Sequence[Sequence[int]],
+            dp: int, unit: int, micro_batches: int, split_backward: bool = False,
+            to_global: Callable[[int], int] = lambda d: d) -> list[StageCost]:
+    """Stage costs of a pipeline whose stage k holds `stages[k]` on unit devices `devices[k]`."""
+    t = training
+    kappa = cm.cluster.efficiency.overlap_slowdown
+    out = []
+    for parts, group in zip(stages, devices):
+        sc = StageCost(list(group))
+        fwd = bwd_in = bwd_w = fcomm = bcomm = rec = rec_comm = flops = 0.0
+        act = transient = 0.0
+        shared: dict[str, float] = {}
+        for part in parts:
+            s, n = part.segment, part.times
+            fwd += n * s.fwd
+            bwd_in += n * s.bwd_input
+            bwd_w += n * s.bwd_weight
+            fcomm += n * s.fwd_comm
+            bcomm += n * s.bwd_comm
+            flops += n * s.flops
+            mode = t.recompute if part.layer else ("selective" if t.recompute == "selective" else "none")
+            rc, rcomm = s.recompute_time(mode)
+            rec += n * rc
+            rec_comm += n * rcomm
+            act += n * s.act_bytes(mode)
+            if t.recompute == "full" and part.layer:
+                transient = max(transient, s.activations)
+                for v, b in s.shared_inputs.items():
+                    shared[v] = max(shared.get(v, 0.0), b)
+            for v, (nbytes, devs) in s.buffers.items():
+                if group and group[0] in devs:
+                    sc.buffers += nbytes * n
+        elems, sync = _param_devices(parts, group)
+        # ZeRO shards each parameter over its data-parallel group: the pieces of the unit over which
+        # its gradient is partial, times the unit's replicas
+        worst = max(group, key=lambda d: elems[d]) if group else 0
+        gather = gather_b = sync_time = 0.0
+        for (members, partition), el in sync.items():
+            shard = partition * dp
+            if shard <= 1:
+                continue
+            glob = [to_global(mm + r * unit) for r in range(dp) for mm in members]
+            span = cm._span(glob)
+            nbytes = el * t.grad_bytes
+            buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
+            if t.zero >= 3:
+                # every micro-batch gathers the weights for its forward and its backward and
+                # reduce-scatters its gradients
+                ag = cm.net.all_gather(el * t.param_bytes, span)
+                gather += ag
+                gather_b += ag + cm.net.reduce_scatter(nbytes, span)
+            else:
+                sync_time += cm.net.all_reduce(nbytes, span)
+            sync_time += (buckets - 1) * (cm.net.alpha_in if span.local else cm.net.alpha_x)
+        states = _states(t, parts, worst, dp)
+        sc.states = states
+        act += sum(shared.values())
+        f = fwd + fcomm
+        b = bwd_in + bcomm + rec + rec_comm
+        w = bwd_w
+        if gather:
+            f = max(f, gather) * kappa
+            b = max(b + w, gather_b) * kappa - w
+        if not split_backward:
+            b, w = b + w, 0.0
+        sc.F, sc.B, sc.W = f, b, w
+        sc.compute = fwd + bwd_in + bwd_w + rec
+        sc.comm = fcomm + bcomm + rec_comm
+        sc.flops = flops
+        sc.act, sc.transient = act, transient
+        sc.sync = sync_time
+        per_param = t.param_bytes * 2 + t.grad_bytes + (t.master_bytes + t.optimizer_bytes) * 2
+        opt_elems = sc.states["optimizer"] / max(1, t.master_bytes + t.optimizer_bytes)
+        sc.optimizer = opt_elems * per_param / cm._mem_rate
+        out.append(sc)
+    return out
+
+
+def _states(t: Training, parts: Sequence[Part], device: int, dp: int) -> dict:
+    states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for part in parts:
+        for v, (local, devices, partition) in part.segment.params.items():
+            if device not in devices:
+                continue
+            for k, b in t.state_bytes(local, partition * dp).items():
+                states[k] += b * part.times
+    return states
+
+
+@dataclass
+class Step:
+    time: float
+    compute: float
+    comm: float
+    bubble: float
+    act_peak: list[float]  # per stage: activations at the worst moment (incl. transient)
+    act_held: list[float]  # per stage: activations held at that moment (without transient)
+    exposed_sync: list[float]
+    timeline: Optional[Timeline] = None
+
+
+def _rank_stages(stage_rank: Sequence[int]) -> list[list[int]]:
+    ranks = max(stage_rank) + 1
+    return [[k for k, r in enumerate(stage_rank) if r == rank] for rank in range(ranks)]
+
+
+def _finish(stages: list[StageCost], rank_stages: list[list[int]], ends: list[float], kappa: float,
+            last_b: list[float], m: int) -> tuple[float, list[float], list[float], list[float]]:
+    total, exposed, computes, comms = [], [], [], []
+    for rank, ks in enumerate(rank_stages):
+        sync = sum(stages[k].sync for k in ks)
+        window = last_b[rank]
+        extra = max(0.0, sync - window) + (kappa - 1.0) * min(sync, window)
+        opt = max((stages[k].optimizer for k in ks), default=0.0)
+        total.append(ends[rank] + extra + opt)
+        exposed.append(extra)
+        computes.append(sum(stages[k].compute for k in ks) * m + opt)
+        comms.append(sum(stages[k].comm for k in ks) * m + extra)
+    return max(total), exposed, computes, comms
+
+
+def replay_step(stages: list[StageCost], lists: list[list[Task]], shape: PipelineShape,
+                transfer: Callable[[int, int, bool], float], kappa: float, keep: bool = False) -> Step:
+    """The step through the schedule's own task lists (the simulator)."""
+    cache: dict = {}
+
+    def duration(rank: int, task: Task) -> float:
+        s = stages[task.stage]
+        return s.F if task.kind == FORWARD else s.B if task.kind == BACKWARD else s.W
+
+    def xfer(src: Task, dst: Task) -> float:
+        key = (src.stage, dst.stage, src.kind)
+        x = cache.get(key)
+        if x is None:
+            x = cache[key] = transfer(src.stage, dst.stage, src.kind != FORWARD)
+        return x
+
+    tl = replay(lists, shape, duration, xfer)
+    rank_stages = _rank_stages(shape.stage_rank)
+    ends, last_b = [], []
+    for events in tl.events:
+        ends.append(events[-1].end if events else 0.0)
+        lb = next((e for e in reversed(events) if e.task.kind != FORWARD), None)
+        last_b.append(lb.end - lb.start if lb is not None else 0.0)
+    time, exposed, computes, comms = _finish(stages, rank_stages, ends, kappa, last_b, shape.micro_batches)
+    release = WEIGHT if shape.split_backward else BACKWARD
+    peaks, helds = [0.0] * len(stages), [0.0] * len(stages)
+    for rank, events in enumerate(tl.events):
+        held = peak = held_at = 0.0
+        for e in events:
+            s = stages[e.task.stage]
+            if e.task.kind == FORWARD and e.task.grad:
+                held += s.act
+                if held > peak:
+                    peak, held_at = held, held
+            elif e.task.kind in (BACKWARD, WEIGHT):
+                cand = held + (s.transient if e.task.kind == BACKWARD else 0.0)
+                if cand > peak:
+                    peak, held_at = cand, held
+                if e.task.kind == release:
+                    held -= s.act
+        for k in rank_stages[rank]:
+            peaks[k], helds[k] = peak, held_at
+    worst = max(range(len(computes)), key=lambda r: computes[r] + comms[r])
+    bubble = sum(tl.bubble) / len(tl.bubble) if tl.bubble else 0.0
+    return Step(time, computes[worst], comms[worst], bubble, peaks, helds, exposed, tl if keep else None)
+
+
+def analytic_step(stages: list[StageCost], schedule: str, ranks: int, virtual: int, m: int,
+                  transfer: Callable[[int, int, bool], float], kappa: float) -> Step:
+    """Closed forms (Megatron, Alpa, zero-bubble) for the same stages: the search's screening."""
+    rank_stages = _rank_stages([k % ranks for k in range(len(stages))]) if len(stages) > 1 else [[0]]
+    per_rank = [(sum(stages[k].F for k in ks), sum(stages[k].B for k in ks), sum(stages[k].W for k in ks))
+                for ks in rank_stages]
+    c = max((transfer(k, k + 1, False) for k in range(len(stages) - 1)), default=0.0)
+    slow = max(f + b + w for f, b, w in per_rank)
+    p = ranks
+    if p == 1:
+        makespan = m * slow
+    elif schedule == "gpipe" or schedule == "1f1b":
+        # Alpa: sum of the stages plus (m - 1) times the slowest, plus the transfers on the way
+        makespan = sum(f + b + w for f, b, w in per_rank) + (m - 1) * (slow + (2 * c if schedule == "1f1b" else 0)) \
+            + 2 * (p - 1) * c
+    elif schedule == "interleaved":
+        makespan = (m + (p - 1) / virtual) * slow + 2 * (p - 1) * c + (m - 1) * 2 * c
+    elif schedule == "zero-bubble":
+        fb = max(f + b for f, b, _ in per_rank)
+        makespan = m * slow + (p - 1) * fb / 3 + 2 * (p - 1) * c + (m - 1) * 2 * c
+    else:
+        makespan = (m + p - 1) * slow
+    ends = [makespan] * len(rank_stages)
+    last_b = [b + w for _, b, w in per_rank]
+    time, exposed, computes, comms = _finish(stages, rank_stages, ends, kappa, last_b, m)
+    peaks, helds = [], []
+    for k, st in enumerate(stages):
+        rank = k % ranks
+        per_mb = sum(stages[j].act for j in rank_stages[rank])  # all chunks of the rank, one micro-batch
+        if p == 1:
+            held = per_mb
+        elif schedule == "gpipe":
+            held = per_mb * m
+        elif schedule == "interleaved" and virtual > 1:
+            # Megatron's warm-up: (p - r - 1) * 2 + (v - 1) * p chunk forwards before the first backward
+            chunks = min((p - rank - 1) * 2 + (virtual - 1) * p + 1, m * virtual)
+            held = per_mb / virtual * chunks
+        else:
+            held = per_mb * min(m, p - rank)
+        peaks.append(held + st.transient)
+        helds.append(held)
+    worst = max(range(len(computes)), key=lambda r: computes[r] + comms[r])
+    bubble = max(0.0, makespan - slow * m)
+    return Step(time, computes[worst], comms[worst], bubble, peaks, helds, exposed)

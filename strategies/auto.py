@@ -1,0 +1,64 @@
+"""`auto`: the plan the search finds fastest on the cluster at hand, within its memory.
+
+    plan = nns.plan(model, strategy="auto", world_size=4, example_inputs=batch)
+    plan = nns.plan(model, strategy="auto", world_size=4, example_inputs=batch,
+                    cluster=nns.cluster("local-cpu"), constraints=[MaxTensorParallel(2)])
+
+`nns.plan` gives a strategy a unit of the whole world (the example inputs are the step's batch), so
+the search runs with data parallelism inside the unit: every op may be split along its batch dim,
+along a model dim, or both (a 2-D mesh), and the micro-batches are those `nns.plan` was given. The
+cluster defaults to `local-cpu` with one device per rank, measured once and cached (every rank reads
+the same numbers, so every rank finds the same plan). The plan's estimate is kept in its options.
+
+The runtime does not shard optimizer states or recompute activations yet, so unless the caller's
+constraints say otherwise the search is held to ZeRO stage 0 and no recomputation: the plan it
+picks is then priced as it will run. With a single micro-batch a pipeline's stages run one after
+another (and its plan cannot run DDP-style `forward`), so pipelines are only considered then when no
+plan without one fits in memory.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.primitives import PlanBuilder
+
+
+def degrees(world_size: int, **options: Any) -> tuple[int, int]:
+    """The whole world is the unit; the search decides how it is used."""
+    dp = options.get("dp")
+    if dp not in (None, 1):
+        raise PlanError("strategy 'auto' chooses data parallelism itself; leave dp= out (or use strategy='hybrid')")
+    return world_size, 1
+
+
+def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (), memory_limit: Optional[Any] = None,
+         **_: Any) -> None:
+    from nnscaler_plugins.search import cluster as make_cluster
+    from nnscaler_plugins.search.adopt import adopt
+    from nnscaler_plugins.search.constraints import PipelineStages, RecomputeModes, ZeroStages
+    from nnscaler_plugins.search.solver import SearchError, search
+
+    constraints = list(constraints)
+    if not any(isinstance(c, ZeroStages) for c in constraints):
+        constraints.append(ZeroStages([0]))
+    if not any(isinstance(c, RecomputeModes) for c in constraints):
+        constraints.append(RecomputeModes(["none"]))
+
+    if cluster is None or isinstance(cluster, str):
+        name = cluster or "local-cpu"
+        cluster = make_cluster(name, devices=builder.unit_size) if name == "local-cpu" else make_cluster(name)
+    def run(extra: list):
+        return search(builder.graph, world_size=builder.unit_size, cluster=cluster, constraints=constraints + extra,
+                      memory_limit=memory_limit, progress=False, data_parallel="unit",
+                      micro_batches=builder.micro_batches)
+
+    if builder.micro_batches == 1 and not any(isinstance(c, PipelineStages) for c in constraints):
+        try:
+            plans = run([PipelineStages([1])])
+        except SearchError:
+            plans = run([])
+    else:
+        plans = run([])
+    adopt(builder, plans.best)
+    builder.options["cluster"] = cluster.name
