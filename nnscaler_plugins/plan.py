@@ -191,10 +191,19 @@ class Plan:
     micro_batches: int = 1
     # Shapes of the graph inputs the plan was made for (one micro-batch), for messages.
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    # The graph the plan was made for, when it was made in this process (not saved): lets
+    # `nns.simulate(plan, cluster)` price it without being handed the graph again.
+    graph: Optional[Graph] = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
         return self.unit_size * self.dp
+
+    def __getstate__(self) -> dict:
+        """Pickled (sent to other processes) without its graph, which is process-local."""
+        state = dict(self.__dict__)
+        state["graph"] = None
+        return state
 
     @property
     def num_micro_batches(self) -> int:

@@ -299,6 +299,7 @@ class PlanBuilder:
                     input_shapes={i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
                                   list(self.graph.meta(i.name).shape)
                                   for i in self.graph.inputs if self.graph.values[i.name].meta is not None})
+        plan.graph = self.graph
         if validate:
             from .validate import validate as _validate
             _validate(plan, self.graph)

@@ -53,4 +53,4 @@ class Efficiency:
                       if k in cls.__dataclass_fields__})
 
 
-GPU_EFFICIENCY = Efficiency(matmul=0.65, memory=0.8, network=0.8, op_overhead_s=5e-6)
+GPU_EFFICIENCY = Efficiency(matmul=0.7, memory=0.7, network=0.8, op_overhead_s=5e-6)

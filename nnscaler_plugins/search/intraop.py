@@ -407,7 +407,8 @@ class IntraSolver:
 
     def _evaluate(self, assign: dict[str, Choice], seed: str = "") -> IntraResult:
         nseg = len(self.weights)
-        walker = Walker(self.graph, self.cm, self.t, nseg, layer_segments=self.layer_seg)
+        walker = Walker(self.graph, self.cm, self.t, nseg, layer_segments=self.layer_seg,
+                        group_of=lambda n: self.segment[n] if self.segment[n] in self.layer_seg else None)
         placements = {op.name: assign[self.var[op.name]].placement(self.devices) for op in self.window}
         segs = walker.run(self.window, placements.__getitem__, self.segment.__getitem__, lambda a, b: False)
         time = memory = 0.0

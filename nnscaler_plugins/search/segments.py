@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -18,6 +18,17 @@ from ..graph import Graph
 from ..layout import Layout
 from .costmodel import CostModel, Training
 from .layouts import Placement
+
+
+@dataclass
+class Group:
+    """A recompute group inside a segment: run again in backward instead of keeping its activations."""
+
+    saved: dict = field(default_factory=dict)  # storage -> bytes its ops would keep (rebuilt in backward)
+    inputs: dict = field(default_factory=dict)  # storage -> bytes of what it reads from outside (kept)
+    shared: dict = field(default_factory=dict)  # the part of `inputs` made outside the layers (kept once)
+    fwd: float = 0.0
+    fwd_comm: float = 0.0
 
 
 @dataclass
@@ -31,52 +42,64 @@ class Segment:
     bwd_comm: float = 0.0  # its duals and the gradient sums of inputs read whole by split ops
     flops: float = 0.0  # model FLOPs of one piece, forward + backward
     core_fwd: float = 0.0  # forward time of attention-core ops (recomputed under selective)
-    act: dict = field(default_factory=dict)  # storage -> bytes the backward keeps
-    core_act: dict = field(default_factory=dict)  # the part of `act` selective recomputation drops
-    inputs: dict = field(default_factory=dict)  # values read from other layers -> local bytes (one per copy)
-    shared_inputs: dict = field(default_factory=dict)  # values read from non-layer segments (shared by copies)
+    act: dict = field(default_factory=dict)  # storage -> bytes the backward keeps (ops in no group)
+    core_act: dict = field(default_factory=dict)  # storage -> bytes kept by attention-core ops
+    groups: dict = field(default_factory=dict)  # recompute group -> Group
+    incoming: dict = field(default_factory=dict)  # values made in other segments -> bytes of the whole tensor
     # parameters: storage value -> (local elements, devices holding it, gradient partial-group size)
     params: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)  # value -> (local bytes, devices)
 
-    def add(self, other: "Segment", times: int = 1) -> None:
-        """Add `times` copies of another segment (identical layers)."""
-        self.fwd += times * other.fwd
-        self.bwd_input += times * other.bwd_input
-        self.bwd_weight += times * other.bwd_weight
-        self.fwd_comm += times * other.fwd_comm
-        self.bwd_comm += times * other.bwd_comm
-        self.flops += times * other.flops
-        self.core_fwd += times * other.core_fwd
-
     @property
     def activations(self) -> float:
-        return sum(self.act.values())
+        """Everything the backward would keep without recomputation."""
+        total = dict(self.act)
+        for g in self.groups.values():
+            for k, b in g.saved.items():
+                total[k] = max(total.get(k, 0.0), b)
+        return sum(total.values())
 
-    @property
-    def core_activations(self) -> float:
-        return sum(self.core_act.values())
-
-    @property
-    def input_bytes(self) -> float:
-        return sum(self.inputs.values())
-
-    def act_bytes(self, recompute: str) -> float:
-        """Activations kept per micro-batch under a recomputation choice (full: the segment's inputs
-        from other layers; those from outside the layers are counted once per stage by the caller)."""
-        if recompute == "full":
-            return self.input_bytes
+    def kept(self, recompute: str) -> tuple[dict, dict]:
+        """(storage -> bytes kept per micro-batch, the shared part) under a recomputation mode:
+        "none" keeps everything, "selective" drops what attention cores keep, "groups" runs the
+        segment's recompute groups again in backward and keeps only their inputs."""
+        if recompute == "groups" and self.groups:
+            kept = dict(self.act)
+            shared: dict = {}
+            for g in self.groups.values():
+                for k, b in g.inputs.items():
+                    kept[k] = max(kept.get(k, 0.0), b)
+                for k, b in g.shared.items():
+                    shared[k] = max(shared.get(k, 0.0), b)
+            for k in shared:
+                kept.pop(k, None)
+            return kept, shared
+        kept = dict(self.act)
+        for g in self.groups.values():
+            for k, b in g.saved.items():
+                kept[k] = max(kept.get(k, 0.0), b)
         if recompute == "selective":
-            return self.activations - self.core_activations
-        return self.activations
+            for k in self.core_act:
+                kept.pop(k, None)
+        return kept, {}
+
+    def transient(self, recompute: str) -> float:
+        """Extra bytes while a backward rebuilds the largest recompute group."""
+        if recompute == "groups":
+            return max((sum(g.saved.values()) for g in self.groups.values()), default=0.0)
+        return 0.0
 
     def recompute_time(self, recompute: str) -> tuple[float, float]:
-        """(compute, communication) re-run in backward under a recomputation choice."""
-        if recompute == "full":
-            return self.fwd, self.fwd_comm
+        """(compute, communication) re-run in backward under a recomputation mode."""
+        if recompute == "groups":
+            return sum(g.fwd for g in self.groups.values()), sum(g.fwd_comm for g in self.groups.values())
         if recompute == "selective":
             return self.core_fwd, 0.0
         return 0.0, 0.0
+
+    def act_bytes(self, recompute: str) -> float:
+        kept, _ = self.kept(recompute)
+        return sum(kept.values())
 
 
 def itemsize(dtype: torch.dtype, training: Training) -> int:
@@ -92,12 +115,13 @@ class Walker:
 
     def __init__(self, graph: Graph, cm: CostModel, training: Training, num_segments: int,
                  to_global: Callable[[int], int] = lambda d: d, sp_layers: Optional[set] = None,
-                 layer_segments: Optional[set] = None):
+                 layer_segments: Optional[set] = None, group_of: Optional[Callable[[str], Any]] = None):
         self.graph, self.cm, self.t = graph, cm, training
         self.segments = [Segment() for _ in range(num_segments)]
         self.to_global = to_global
         self.sp_ops = sp_layers or set()  # ops where sequence parallelism (the plan option) applies
         self.layer_segments = set(range(num_segments)) if layer_segments is None else set(layer_segments)
+        self.group_of = group_of or (lambda name: None)  # recompute group of an op (None: kept)
         # (src segment, dst segment) -> bytes per micro-batch crossing, and the part needing gradients
         self.boundary: dict[tuple[int, int], float] = {}
         self.boundary_grad: dict[tuple[int, int], float] = {}
@@ -124,12 +148,16 @@ class Walker:
         storage: dict[str, tuple[Layout, int]] = {}
         delivered: set = set()
         sp = t.sequence_parallel
+        made_by: dict[str, Any] = {}  # value -> recompute group of its producer
         for op in ops:
             name = op.name
             k = segment_of(name)
             seg = self.segments[k]
             p = placement_of(name)
             c = costs.ops[name]
+            gid = self.group_of(name)
+            group = seg.groups.setdefault(gid, Group()) if gid is not None else None
+            comm_before = seg.fwd_comm
             shard = p.replicate if (sp and name in self.sp_ops and c.kind == "memory" and not p.splits
                                     and p.replicate > 1) else 1
             ot = cm.op_time(name, p, t, shard)
@@ -139,6 +167,8 @@ class Walker:
             seg.flops += ot.flops * 3 if c.needs_grad else ot.flops
             if c.core:
                 seg.core_fwd += ot.fwd
+            if group is not None:
+                group.fwd += ot.fwd
             ins, outs, grads = cm.layouts(name, p)
             for i, v in enumerate(op.inputs):
                 val = g.values[v]
@@ -171,14 +201,18 @@ class Walker:
                     src, sk = Layout.replicated(need.shape, need.group), k
                 else:
                     src, sk = produced[v]
+                if group is not None and made_by.get(v) != gid and val.meta.dtype.is_floating_point:
+                    base = costs.storage(v)
+                    local = math.prod(src.local_shape()) * isz
+                    if sp and name in self.sp_ops:
+                        local /= max(1, src.replicas * src.partial)  # sequence parallelism keeps it sharded
+                    if sk not in self.layer_segments or val.kind == "input":
+                        group.shared[base] = max(group.shared.get(base, 0.0), local)
+                    group.inputs[base] = max(group.inputs.get(base, 0.0), local)
                 if sk != k:
                     if (v, k) not in delivered:
                         delivered.add((v, k))
-                        local = math.prod(src.local_shape()) * isz
-                        if sk in self.layer_segments:
-                            seg.inputs[v] = local
-                        else:
-                            seg.shared_inputs[v] = local
+                        seg.incoming[v] = val.meta.numel * isz
                         if cross_segment(sk, k):
                             nbytes = val.meta.numel * isz
                             self.boundary[(sk, k)] = self.boundary.get((sk, k), 0.0) + nbytes
@@ -198,14 +232,18 @@ class Walker:
             for j, v in enumerate(op.outputs):
                 if v is not None and j < len(outs) and outs[j] is not None:
                     produced[v] = (outs[j], k)
-            self._saved(seg, name, p)
+                    made_by[v] = gid
+            if group is not None:
+                group.fwd_comm += seg.fwd_comm - comm_before
+            self._saved(seg, name, p, group)
         return self.segments
 
-    def _saved(self, seg: Segment, name: str, p: Placement) -> None:
+    def _saved(self, seg: Segment, name: str, p: Placement, group: Optional[Group]) -> None:
         entries = self.cm.saved(name, p, self.t)
+        target = group.saved if group is not None else seg.act
         for base, nbytes, replicas in entries:
             if self.t.sequence_parallel and name in self.sp_ops and replicas > 1:
                 nbytes /= replicas
-            seg.act[base] = max(seg.act.get(base, 0.0), nbytes)
+            target[base] = max(target.get(base, 0.0), nbytes)
             if base in self.core_storage:
-                seg.core_act[base] = seg.act[base]
+                seg.core_act[base] = max(seg.core_act.get(base, 0.0), nbytes)

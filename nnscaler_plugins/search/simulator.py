@@ -140,14 +140,24 @@ def simulate(plan: Plan, cluster: ClusterSpec, graph: Optional[Graph] = None, *,
     seg_stage = {i: key[0] for key, i in seg_index.items()}
     seg_layer = {i: key[1] != "pre" and key[1] != "post" for key, i in seg_index.items()}
     sp_ops = {op.name for op in graph.ops if part[op.name] not in ("pre", "post")} if training.sequence_parallel else set()
+    # recomputation: the plan's recompute groups when it has them; otherwise its "recompute" option
+    # (full: every layer one group; selective: the attention cores)
+    groups = {name: p.recompute for name, p in plan.ops.items() if getattr(p, "recompute", None) is not None}
+    if groups:
+        group_of, mode = groups.get, "groups"
+    elif training.recompute == "full":
+        group_of = lambda n: part[n] if part[n] not in ("pre", "post") else None  # noqa: E731
+        mode = "groups"
+    else:
+        group_of, mode = (lambda n: None), training.recompute
     walker = Walker(graph, cm, training, len(seg_index), sp_layers=sp_ops,
-                    layer_segments={i for i, layer in seg_layer.items() if layer})
+                    layer_segments={i for i, layer in seg_layer.items() if layer}, group_of=group_of)
     placements = {name: Placement.of(p) for name, p in plan.ops.items()}
     segments = walker.run(graph.ops, placements.__getitem__, lambda n: seg_index[(stage_of[n], part[n])],
                           lambda a, b: seg_stage[a] != seg_stage[b])
     per_stage: list[list[Part]] = [[] for _ in stage_devices]
     for i, seg in enumerate(segments):
-        per_stage[seg_stage[i]].append(Part(seg, 1, seg_layer[i]))
+        per_stage[seg_stage[i]].append(Part(seg, 1, mode))
     split = plan.pipeline is not None and plan.pipeline.split_backward
     stages = compose(cm, training, per_stage, stage_devices, plan.dp, plan.unit_size, m, split)
     boundary: dict[tuple[int, int], float] = {}

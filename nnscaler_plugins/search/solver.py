@@ -83,15 +83,18 @@ def _stage_bounds(weights: Sequence[float], stages: int) -> Optional[list[int]]:
     return cuts if len(cuts) == stages + 1 else None
 
 
-def _runs(segments: Sequence[Segment]) -> list[Part]:
+def _runs(segments: Sequence[Segment], mode: str) -> list[Part]:
     """Consecutive identical segment objects as one Part with a count."""
     out: list[Part] = []
     for s in segments:
         if out and out[-1].segment is s:
-            out[-1] = Part(s, out[-1].times + 1, True)
+            out[-1] = Part(s, out[-1].times + 1, mode)
         else:
-            out.append(Part(s, 1, True))
+            out.append(Part(s, 1, mode))
     return out
+
+
+MODE = {"none": "none", "selective": "selective", "full": "groups"}
 
 
 class Search:
@@ -271,14 +274,15 @@ class Search:
                layers: list[Segment]) -> tuple[float, float]:
         training = Training(dtype=self.cluster.dtype, zero=cfg.zero, recompute=cfg.recompute)
         S = cfg.stages
+        mode = MODE[cfg.recompute]
         parts_per_stage: list[list[Part]] = []
         for k in range(S):
             parts = []
             if k == 0:
-                parts.append(Part(pre, 1, False))
-            parts += _runs(layers[bounds[k]:bounds[k + 1]]) if layers else []
+                parts.append(Part(pre, 1, mode))
+            parts += _runs(layers[bounds[k]:bounds[k + 1]], mode) if layers else []
             if k == S - 1:
-                parts.append(Part(post, 1, False))
+                parts.append(Part(post, 1, mode))
             parts_per_stage.append(parts)
         devices = [list(range((k % cfg.pp) * cfg.group, (k % cfg.pp) * cfg.group + cfg.group)) for k in range(S)]
         stages = compose(cm, training, parts_per_stage, devices, cfg.dp, cfg.unit_size, cfg.micro_batches,
@@ -287,7 +291,7 @@ class Search:
         for k in range(1, S):
             first = layers[bounds[k]] if layers and bounds[k] < len(layers) else None
             if first is not None:
-                boundary[(k - 1, k)] = first.input_bytes + sum(first.shared_inputs.values())
+                boundary[(k - 1, k)] = sum(first.incoming.values())
         net = cm.net
         dpn = self.cluster.devices_per_node
 
@@ -360,14 +364,18 @@ class Search:
                 continue
             for sub, d in zip(subs, p.devices):
                 builder.op_assign(sub, d)
+        if cfg.recompute != "none" and groups.layers:
+            costs = self._cost_model(graph).costs
+            for layer in groups.layers:
+                ops = [op.name for op in layer if cfg.recompute == "full" or costs.ops[op.name].core]
+                if ops:
+                    builder.recompute(ops)
         if cfg.pp > 1:
             stages = [[] for _ in range(S)]
             for op in graph.ops:
                 stages[stage_of.get(op.name, 0)].append(op.name)
             builder.op_order(stages, stage_devices, micro_batches=cfg.micro_batches, schedule=cfg.schedule)
-        plan = builder.finish()
-        _remember_graph(plan, graph)
-        return plan
+        return builder.finish()  # the plan keeps its graph (plan.graph) for simulate
 
     # -- messages ------------------------------------------------------------------------------------------
     def _no_plan_message(self) -> str:
@@ -389,11 +397,6 @@ class Search:
         return (f"binding constraint: peak memory per device <= {self.memory_limit / GiB:.2f} GiB ({source}); the "
                 f"smallest peak any plan reaches is {lowest / GiB:.2f} GiB ({smallest.describe()}). Use more "
                 "devices, a smaller micro-batch, or allow ZeRO-3 / full recomputation if a constraint excludes them.")
-
-
-def _remember_graph(plan: Plan, graph: Graph) -> None:
-    """Plans made here keep a reference to their graph so `simulate(plan, cluster)` needs no more."""
-    plan.graph = graph
 
 
 def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, str, None] = None,

@@ -43,12 +43,13 @@ class StageCost:
 
 @dataclass(frozen=True)
 class Part:
-    """A segment as part of a stage: `times` identical copies; `layer` says whether full
-    recomputation applies to it (transformer layers are recomputed, embeddings and heads are not)."""
+    """A segment as part of a stage: `times` identical copies, and how its activations are handled:
+    "none" (all kept), "selective" (attention cores recomputed) or "groups" (the segment's recompute
+    groups run again in backward)."""
 
     segment: Segment
     times: int = 1
-    layer: bool = True
+    recompute: str = "none"
 
 
 def _param_devices(parts: Sequence[Part], group: Sequence[int]) -> tuple[dict, dict]:
@@ -85,15 +86,14 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
             fcomm += n * s.fwd_comm
             bcomm += n * s.bwd_comm
             flops += n * s.flops
-            mode = t.recompute if part.layer else ("selective" if t.recompute == "selective" else "none")
-            rc, rcomm = s.recompute_time(mode)
+            rc, rcomm = s.recompute_time(part.recompute)
             rec += n * rc
             rec_comm += n * rcomm
-            act += n * s.act_bytes(mode)
-            if t.recompute == "full" and part.layer:
-                transient = max(transient, s.activations)
-                for v, b in s.shared_inputs.items():
-                    shared[v] = max(shared.get(v, 0.0), b)
+            kept, kept_shared = s.kept(part.recompute)
+            act += n * sum(kept.values())
+            for k, b in kept_shared.items():
+                shared[k] = max(shared.get(k, 0.0), b)
+            transient = max(transient, s.transient(part.recompute))
             for v, (nbytes, devs) in s.buffers.items():
                 if group and group[0] in devs:
                     sc.buffers += nbytes * n
