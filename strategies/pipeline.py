@@ -82,7 +82,7 @@ def _tensor_parallel_stages(builder: PlanBuilder, stages: list[list[Any]], stage
 
 
 def interlaced_pipeline(builder: PlanBuilder, *, pp: Optional[int] = None, tp: Optional[int] = None,
-                        **_: Any) -> None:
+                        recompute: Any = None, **_: Any) -> None:
     """The interlaced pipeline: the layers in pp stages (tp devices each) while what comes before
     them (a large embedding) and after them (the LM head and its loss) are tensor-parallel across
     every device of the unit, as two shared stages the schedule interlaces into the 1F1B order."""
@@ -103,6 +103,7 @@ def interlaced_pipeline(builder: PlanBuilder, *, pp: Optional[int] = None, tp: O
     stages = [groups.pre] + layer_stages + [groups.post]
     stage_devices = [everyone] + [list(range(r * tp, (r + 1) * tp)) for r in range(pp)] + [everyone]
     _tensor_parallel_stages(builder, stages, stage_devices)
+    apply_recompute(builder, recompute)
     builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule="interlaced",
                      stage_rank=[-1] + list(range(pp)) + [-1])
 

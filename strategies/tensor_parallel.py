@@ -76,3 +76,4 @@ def coshard(builder: PlanBuilder, *, chunks: int = 2, modules: Optional[tuple[st
         subs = builder.op_trans(op, dim=choice.label, num=n * c, block=choice.block)
         for i, sub in enumerate(subs):
             builder.op_assign(sub, i // c)
+    apply_recompute(builder, options.get("recompute"))  # co-sharded ops are recomputed already
