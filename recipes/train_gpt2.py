@@ -23,7 +23,10 @@ import nnscaler_plugins as nns
 
 
 def build_model(seed: int = 0):
+    import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()  # the small config's defaults are fine; keep the output readable
 
     cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
