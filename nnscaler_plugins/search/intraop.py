@@ -210,6 +210,7 @@ class IntraSolver:
         # outer axes of a 2-D mesh carry data parallelism (the batch) or nothing; the inner axis anything
         outer = [None] + ([blabel] if blabel in labels else [])
         per_axis = [outer for _ in self.mesh[:-1]] + [labels]
+        per_axis = [opts if n > 1 else [None] for opts, n in zip(per_axis, self.mesh)]  # a 1-wide axis splits nothing
         out: list[Choice] = []
         forbidden = set()
         for c in self.constraints:
@@ -363,7 +364,7 @@ class IntraSolver:
                             cands = [c for c in self.choices(op) if self._tied_ok(op, c, storage)] or self.choices(op)
                             for cand in cands:
                                 c = self._local_cost(op, cand, produced, storage, srcs)
-                                key = (round(c, 12), cand.splits is False, len(cand.blocks))
+                                key = (round(c, 12), cand.splits, len(cand.blocks))
                                 if best is None or key < best[0]:
                                     best = (key, cand)
                             ch = self._decisions[(op.name, srcs)] = best[1]

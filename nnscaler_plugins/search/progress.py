@@ -31,7 +31,7 @@ class Progress:
 
     def step(self, n: int = 1) -> None:
         self.done = min(self.total, self.done + n)
-        self.draw()
+        self.draw(force=self.done == self.total)
 
     def draw(self, force: bool = False) -> None:
         if not self.enabled:

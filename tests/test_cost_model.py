@@ -1,0 +1,149 @@
+"""The cost model: FLOPs, saved activations, communication and model states from the graph alone."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import nnscaler_plugins as nns
+from nnscaler_plugins.layers import layer_groups
+from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.network import Network
+from nnscaler_plugins.search.opcost import OpCosts
+from nnscaler_plugins.search.profiler import OpProfiler
+from nnscaler_plugins.search.segments import Walker
+
+B, S, H, A, V, L = 2, 32, 64, 4, 128, 2
+
+
+def gpt(attn="eager", layers=L):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=layers, n_embd=H, n_head=A, vocab_size=V, n_positions=S, activation_function="gelu",
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = attn
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+    return nns.capture(model, kwargs={"input_ids": ids, "labels": ids})
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return gpt()
+
+
+def megatron(graph, tp, **opts):
+    from nnscaler_plugins.plugins import get_strategy
+    from nnscaler_plugins.primitives import PlanBuilder
+
+    st = get_strategy("megatron")
+    b = PlanBuilder(graph, tp, 1, strategy="megatron", micro_batches=1)
+    st(b, tp=tp, pp=1, **opts)
+    return b.finish()
+
+
+def layer_segment(graph, plan, spec, training, layer=1):
+    cm = CostModel(graph, spec)
+    ops = layer_groups(graph).layers[layer]
+    walker = Walker(graph, cm, training, 1, sp_layers={op.name for op in ops})
+    return walker.run(ops, lambda n: Placement.of(plan.ops[n]), lambda n: 0)[0], cm
+
+
+def test_matmul_flops(graph):
+    costs = OpCosts.of(graph)
+    layer = layer_groups(graph).layers[0]
+    flops = sum(costs.ops[op.name].flops for op in layer if costs.ops[op.name].kind == "matmul")
+    assert flops == 24 * B * S * H * H + 4 * B * S * S * H  # Megatron's per-layer forward FLOPs
+    addmm = next(op for op in layer if op.short_name == "addmm")
+    c = costs.ops[addmm.name]
+    assert c.flops == 2 * B * S * H * 3 * H and c.flops_weight_grad == c.flops and c.flops_input_grad == c.flops
+
+
+def test_saved_activations_are_korthikantis(graph):
+    spec = nns.cluster("a100-dgx")
+    plan = megatron(graph, 1)
+    seg, _ = layer_segment(graph, plan, spec, Training("bf16"))
+    assert seg.activations == S * B * H * 34 + 5 * A * S * S * B  # bytes per layer, 16-bit activations
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_tensor_parallel_activations_and_communication(graph, t):
+    spec = nns.cluster("a100-dgx")
+    plan = megatron(graph, t)
+    training = Training("bf16")
+    seg, cm = layer_segment(graph, plan, spec, training)
+    assert seg.activations == pytest.approx(S * B * H * (10 + 24 / t + 5 * A * S / (H * t)))
+    # two all-reduces of the layer's output in forward (row-parallel outputs), two in backward (inputs of
+    # the column-parallel matmuls)
+    ar = Network(spec).all_reduce(B * S * H * 2, cm._span(range(t)))
+    assert seg.bwd_comm == pytest.approx(2 * ar, rel=0.01)  # gradient sums at the column-parallel inputs
+    if t == 2:
+        assert seg.fwd_comm == pytest.approx(2 * ar, rel=0.01)
+    else:  # the resharding search finds that these tiny, latency-bound sums go faster over pairs
+        assert 0 < seg.fwd_comm <= 2 * ar
+    sp = Training("bf16", sequence_parallel=True)
+    seg_sp, _ = layer_segment(graph, plan, spec, sp)
+    assert seg_sp.activations == pytest.approx(S * B * H / t * (34 + 5 * A * S / H))
+
+
+def test_selective_recompute_drops_the_attention_core(graph):
+    costs = OpCosts.of(graph)
+    layer = layer_groups(graph).layers[0]
+    core = [op.short_name for op in layer if costs.ops[op.name].core]
+    assert core == ["matmul", "mul", "add", "softmax", "to", "dropout"]
+    spec = nns.cluster("a100-dgx")
+    seg, _ = layer_segment(graph, megatron(graph, 1), spec, Training("bf16"))
+    assert seg.act_bytes("selective") == S * B * H * 34
+    assert seg.recompute_time("selective")[0] > 0
+
+
+def test_model_states_per_zero_stage():
+    psi, d = 1e9, 8
+    zero_paper = [Training("bf16", zero=z, grad_bytes=2) for z in range(4)]  # ZeRO paper: 16 bytes per parameter
+    totals = [sum(t.state_bytes(psi, d).values()) for t in zero_paper]
+    assert totals == pytest.approx([16 * psi, 4 * psi + 12 * psi / d, 2 * psi + 14 * psi / d, 16 * psi / d])
+    megatron_recipe = Training("bf16")  # fp32 main gradients: 18 bytes, what Korthikanti's memory figures count
+    assert sum(megatron_recipe.state_bytes(psi, 1).values()) == 18 * psi
+    assert sum(Training("fp32").state_bytes(psi, 1).values()) == 16 * psi  # no master copy
+
+
+def test_roofline(graph):
+    spec = nns.cluster("a100-dgx")
+    cm = CostModel(graph, spec)
+    eff = spec.efficiency
+    layer = layer_groups(graph).layers[0]
+    addmm = next(op for op in layer if op.short_name == "addmm")
+    t = cm.op_time(addmm.name, Placement(), Training("bf16"))
+    c = cm.costs.ops[addmm.name]
+    nbytes = sum(u.numel * 2 for u in c.inputs + c.outputs)
+    assert t.fwd == pytest.approx(max(c.flops / (312e12 * eff.matmul), nbytes / (spec.memory_bandwidth * eff.memory))
+                                  + eff.op_overhead_s)
+    half = cm.op_time(addmm.name, Placement((("n", 2),), 1, (), (0, 1)), Training("bf16"))
+    assert half.flops == c.flops / 2
+    gelu = next(op for op in layer if op.short_name == "gelu")
+    g = cm.op_time(gelu.name, Placement(), Training("bf16"))
+    assert g.fwd == pytest.approx(2 * B * S * 4 * H * 2 / (spec.memory_bandwidth * eff.memory) + eff.op_overhead_s)
+    unfused = CostModel(graph, replace(spec, efficiency=replace(eff, fused_elementwise=False)))
+    drop = next(op for op in layer if op.short_name == "dropout")  # after softmax: fused with it on GPUs
+    assert cm.op_time(drop.name, Placement(), Training("bf16")).fwd < unfused.op_time(drop.name, Placement(),
+                                                                                         Training("bf16")).fwd
+
+
+def test_profiling_mode_measures_ops():
+    graph = gpt(layers=1)
+    spec = nns.cluster("local-cpu", devices=2, measure=False)
+    prof = OpProfiler(repeat=2)
+    cm = CostModel(graph, spec, profiler=prof)
+    layer = layer_groups(graph).layers[0]
+    addmm = next(op for op in layer if op.short_name == "addmm")
+    t = cm.op_time(addmm.name, Placement(), Training("fp32"))
+    assert t.fwd > 0 and t.bwd > 0 and prof.measured == 1
+    cm.op_time(addmm.name, Placement(), Training("fp32"))
+    assert prof.measured == 1  # cached per shape
+    plan = nns.plan(graph, strategy="dp", world_size=2)
+    est = nns.simulate(plan, spec, cost_model=cm)
+    assert est.step_time_s > 0 and prof.measured > 5
