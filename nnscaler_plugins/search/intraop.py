@@ -434,8 +434,8 @@ class IntraSolver:
             result.layer_segments = list(segs[1:-1]) if self.groups.layers else [segs[0]]
             if not self.groups.layers:
                 result.pre, result.post = Segment(), Segment()
-        result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(op))
-                         for op in self.graph.ops for ch in [choices.get(op.name)] if ch is not None), default=1)
+        result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(self.graph.op(var)))
+                         for var, ch in assign.items()), default=1)
         return result
 
     # -- the search ---------------------------------------------------------------------------------------------

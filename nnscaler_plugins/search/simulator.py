@@ -125,6 +125,11 @@ def simulate(plan: Plan, cluster: ClusterSpec, graph: Optional[Graph] = None, *,
                         f"use nns.cluster({cluster.name!r}, nodes={-(-plan.world_size // cluster.devices_per_node)})")
     cm = cost_model if cost_model is not None and cost_model.graph is graph and cost_model.cluster == cluster \
         else CostModel(graph, cluster)
+    return replay_plan(plan, cluster, graph, cm, keep_timeline)
+
+
+def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, keep_timeline: bool = False) -> Estimate:
+    """`simulate` without its checks, for callers that made the plan for this graph themselves."""
     training = Training.from_options(plan.options, cluster)
     m = plan.num_micro_batches
     if plan.pipeline is None:

@@ -33,7 +33,6 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from ..errors import PlanError
 from ..graph import Graph
 from ..plan import Plan
-from ..primitives import PlanBuilder
 from .cluster import ClusterSpec, cluster as make_cluster
 from .constraints import (Constraint, HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, MicroBatchSize,
                           parse_bytes)
@@ -43,7 +42,7 @@ from .intraop import IntraResult, IntraSolver
 from .pareto import ParetoSet, frontier
 from .progress import Progress
 from .segments import Segment
-from .simulator import Estimate, simulate
+from .simulator import Estimate, replay_plan
 from .space import RECOMPUTE, Config, divisors, meshes
 from .stages import Part, analytic_step, compose
 
@@ -100,7 +99,7 @@ MODE = {"none": "none", "selective": "selective", "full": "groups"}
 class Search:
     def __init__(self, graphs: dict[int, Graph], world_size: int, cluster: ClusterSpec, constraints: Sequence,
                  global_batch_size: Optional[int], memory_limit: Optional[float], progress: bool,
-                 unit_mode: bool = False, micro_batches: Optional[int] = None, max_simulated: int = 10,
+                 unit_mode: bool = False, micro_batches: Optional[int] = None, max_simulated: int = 8,
                  max_group: Optional[int] = None, schedules: Sequence[str] = ("1f1b", "gpipe", "interleaved",
                                                                                "zero-bubble")):
         self.graphs = graphs
@@ -136,7 +135,9 @@ class Search:
     def group_sizes(self) -> list[int]:
         if self.unit_mode:
             return [self.world // pp for pp in divisors(self.world)]
-        cap = self.max_group or max(self.cluster.devices_per_node * 2, 8)
+        # stages of at most a node by default: tensor parallelism across nodes is slower on every
+        # cluster the presets describe; max_group= widens it
+        cap = self.max_group or self.cluster.devices_per_node
         return [g for g in divisors(self.world) if g <= cap]
 
     def meshes_for(self, g: int) -> list[tuple]:
@@ -185,7 +186,7 @@ class Search:
         plans, estimates = [], []
         for cand in chosen:
             plan = self.materialize(cand)
-            est = simulate(plan, self.cluster, cand.graph, cost_model=self._cost_model(cand.graph))
+            est = replay_plan(plan, self.cluster, cand.graph, self._cost_model(cand.graph))
             plan.estimate = est.to_json()
             plans.append(plan)
             estimates.append(est)
@@ -195,6 +196,9 @@ class Search:
             raise SearchError(self._memory_message(candidates, estimates))
         front = frontier([(estimates[i].step_time_s, estimates[i].max_memory_bytes) for i in keep])
         order = [keep[i] for i in front]
+        from ..validate import validate
+        for i in order:
+            validate(plans[i], chosen[i].graph, world_size=self.world)
         seconds = time.monotonic() - t0
         self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
         return ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
@@ -327,8 +331,15 @@ class Search:
 
     # -- plans ---------------------------------------------------------------------------------------------
     def materialize(self, cand: Candidate) -> Plan:
+        """The candidate as a Plan: each op's split and devices, the pipeline's op-order, recompute groups.
+
+        Written out directly (what op_trans / op_assign / op_order record) rather than through a
+        PlanBuilder, which would re-derive every op's signature for each of the shortlisted plans;
+        the plans returned are validated like any other (`validate`, with the schedule's dry run)."""
         cfg, graph = cand.cfg, cand.graph
         from ..layers import layer_groups
+        from ..plan import OpPlacement, PipelineSpec
+        from ..schedules import SPLITS_BACKWARD
 
         groups = layer_groups(graph)
         S = cfg.stages
@@ -343,39 +354,39 @@ class Search:
                 stage_of[op.name] = 0
             for op in groups.post:
                 stage_of[op.name] = S - 1
-        summary = cand.describe()
-        options = {"zero": cfg.zero, "recompute": cfg.recompute, "micro_batch_size": cfg.micro_batch_size,
-                   "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
-                   "tp": cfg.tp, "pp": cfg.pp, "summary": summary}
-        builder = PlanBuilder(graph, cfg.unit_size, cfg.dp, strategy="search", options=options,
-                              micro_batches=cfg.micro_batches)
-        for handle in builder.ops:
-            ch = cand.intra.choices[handle.name]
-            k = stage_of.get(handle.name, 0)
-            p = ch.placement(stage_devices[k])
-            blocks = dict(p.blocks)
-            subs = None
-            if p.replicate > 1:
-                subs = builder.op_trans(handle, replicate=p.replicate)
-            for label, n in p.splits:
-                subs = builder.op_trans(handle, dim=label, num=n, block=blocks.get(label, 1))
-            if subs is None:
-                builder.replicate(handle, devices=[p.devices[0]])
-                continue
-            for sub, d in zip(subs, p.devices):
-                builder.op_assign(sub, d)
+        recompute_of: dict[str, int] = {}
         if cfg.recompute != "none" and groups.layers:
             costs = self._cost_model(graph).costs
+            gid = 0
             for layer in groups.layers:
                 ops = [op.name for op in layer if cfg.recompute == "full" or costs.ops[op.name].core]
                 if ops:
-                    builder.recompute(ops)
+                    for name in ops:
+                        recompute_of[name] = gid
+                    gid += 1
+        ops: dict[str, OpPlacement] = {}
+        for op in graph.ops:
+            k = stage_of.get(op.name, 0)
+            p = cand.intra.choices[op.name].placement(stage_devices[k])
+            ops[op.name] = OpPlacement([tuple(s) for s in p.splits], p.replicate, list(p.devices), dict(p.blocks),
+                                       k if cfg.pp > 1 else None, recompute_of.get(op.name))
+        pipeline = None
         if cfg.pp > 1:
-            stages = [[] for _ in range(S)]
-            for op in graph.ops:
-                stages[stage_of.get(op.name, 0)].append(op.name)
-            builder.op_order(stages, stage_devices, micro_batches=cfg.micro_batches, schedule=cfg.schedule)
-        return builder.finish()  # the plan keeps its graph (plan.graph) for simulate
+            pipeline = PipelineSpec(stage_devices, cfg.micro_batches, cfg.schedule, [k % cfg.pp for k in range(S)],
+                                    cfg.schedule in SPLITS_BACKWARD)
+        options = {"zero": cfg.zero, "recompute": cfg.recompute, "micro_batch_size": cfg.micro_batch_size,
+                   "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
+                   "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
+        prints = self.__dict__.setdefault("_prints", {})
+        if id(graph) not in prints:
+            prints[id(graph)] = graph.fingerprint()
+        plan = Plan(graph_fingerprint=prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
+                    dp=cfg.dp, ops=ops, strategy="search", options=options, pipeline=pipeline,
+                    micro_batches=cfg.micro_batches)
+        plan.input_shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
+                             list(graph.meta(i.name).shape) for i in graph.inputs if graph.values[i.name].meta is not None}
+        plan.graph = graph
+        return plan
 
     # -- messages ------------------------------------------------------------------------------------------
     def _no_plan_message(self) -> str:
@@ -403,7 +414,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
            constraints: Iterable[Constraint] = (), example_inputs: Any = None,
            global_batch_size: Optional[int] = None, memory_limit: Union[None, float, str] = None,
            progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
-           max_simulated: int = 10, max_group: Optional[int] = None) -> ParetoSet:
+           max_simulated: int = 8, max_group: Optional[int] = None) -> ParetoSet:
     """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
 
     `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one

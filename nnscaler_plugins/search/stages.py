@@ -54,6 +54,21 @@ class Part:
 
 def _param_devices(parts: Sequence[Part], group: Sequence[int]) -> tuple[dict, dict]:
     """Per device of the group: parameter elements held, and gradient-sync groups (members -> elements)."""
+    key = (tuple((id(p.segment), p.times) for p in parts), tuple(group))
+    hit = _PARAM_CACHE.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[2], (p.segment for p in parts))):
+        return hit[0], hit[1]
+    out = _param_devices_uncached(parts, group)
+    if len(_PARAM_CACHE) > 4096:
+        _PARAM_CACHE.clear()
+    _PARAM_CACHE[key] = (out[0], out[1], [p.segment for p in parts])
+    return out
+
+
+_PARAM_CACHE: dict = {}  # the same stage contents priced under many ZeRO / recompute choices
+
+
+def _param_devices_uncached(parts: Sequence[Part], group: Sequence[int]) -> tuple[dict, dict]:
     elems = {d: 0.0 for d in group}
     sync: dict[tuple, float] = {}
     for part in parts:
@@ -144,13 +159,16 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
 
 
 def _states(t: Training, parts: Sequence[Part], device: int, dp: int) -> dict:
-    states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    # parameter elements of the device by the size of their data-parallel (ZeRO) group
+    by_shard: dict[int, float] = {}
     for part in parts:
         for v, (local, devices, partition) in part.segment.params.items():
-            if device not in devices:
-                continue
-            for k, b in t.state_bytes(local, partition * dp).items():
-                states[k] += b * part.times
+            if device in devices:
+                by_shard[partition * dp] = by_shard.get(partition * dp, 0.0) + local * part.times
+    states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for shard, el in by_shard.items():
+        for k, b in t.state_bytes(el, shard).items():
+            states[k] += b
     return states
 
 
