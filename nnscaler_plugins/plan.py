@@ -312,5 +312,31 @@ class Plan:
             lines.append(f"  estimate: {self.estimate}")
         return "\n".join(lines)
 
+    def timeline(self, duration: Any = None, transfer: Any = None, per_device: bool = False):
+        """The pipeline's training step as the executor runs it: the plan's own task lists replayed on
+        a clock (unit task times unless `duration(rank, task)` / `transfer(src, dst)` say otherwise).
+        `per_device` gives one row per device of the unit instead of one per pipeline rank."""
+        from .timeline import Timeline, replay
+
+        if self.pipeline is None:
+            raise PlanError("this plan has no pipeline; only pipeline plans have a task timeline")
+        spec = self.pipeline
+        tl = replay(spec.task_lists(), spec.shape(), duration, transfer)
+        if not per_device:
+            return tl
+        ranks = [spec.rank_of_device(d) for d in range(self.unit_size)]
+        return Timeline(tl.shape, [tl.events[r] for r in ranks], [tl.peak_in_flight[r] for r in ranks])
+
+    def render_timeline(self, path: str | os.PathLike, duration: Any = None, transfer: Any = None) -> str:
+        """Write the pipeline timeline (one row per device, one box per task, gaps are bubbles) as SVG,
+        or as a page when `path` ends in .html; returns the SVG."""
+        from .render import render_timeline
+
+        tl = self.timeline(duration, transfer, per_device=True)
+        title = (f"{self.model_class}: {self.pipeline.schedule}, {self.pipeline.num_stages} stages, "
+                 f"{self.pipeline.micro_batches} micro-batches")
+        return render_timeline(tl, os.fspath(path), title=title, row_label="device",
+                               unit="s" if duration is not None else "task")
+
     def __str__(self) -> str:
         return self.explain()

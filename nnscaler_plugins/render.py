@@ -58,8 +58,10 @@ def _nice(x: float) -> str:
 
 
 # -- pipeline timeline ---------------------------------------------------------------------------------------
-def render_timeline(timeline: Any, path: Optional[str] = None, title: str = "", unit: str = "s") -> str:
-    """Draw a `timeline.Timeline`: one row per pipeline rank, one box per task, bubbles as gaps."""
+def render_timeline(timeline: Any, path: Optional[str] = None, title: str = "", unit: str = "s",
+                    row_label: str = "rank") -> str:
+    """Draw a `timeline.Timeline`: one row per pipeline rank (or per device, with `row_label`
+    "device" for `Plan.timeline(per_device=True)`), one box per task, bubbles as gaps."""
     events = timeline.events
     span = timeline.makespan or 1.0
     left, top, row_h, gap = 70, 40, 26, 6
@@ -74,7 +76,7 @@ def render_timeline(timeline: Any, path: Optional[str] = None, title: str = "", 
     for r, evs in enumerate(events):
         y = top + r * (row_h + gap)
         body.append(f"<rect x='{left}' y='{y}' width='{plot_w:.1f}' height='{row_h}' fill='#f3f3f3'/>")
-        body.append(f"<text x='{left - 8}' y='{y + row_h * 0.65:.1f}' text-anchor='end'>rank {r}</text>")
+        body.append(f"<text x='{left - 8}' y='{y + row_h * 0.65:.1f}' text-anchor='end'>{_esc(row_label)} {r}</text>")
         for e in evs:
             t = e.task
             key = t.kind if t.grad else "F~"

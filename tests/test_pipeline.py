@@ -188,3 +188,22 @@ def test_interlaced_splits_embedding_and_head_over_every_device():
         p = plan.ops[op.name]
         assert p.stage in (0, 3) and p.label_counts() and sorted(p.devices) == [0, 1, 2, 3], p
     assert "stage 0: every rank, devices [0, 1, 2, 3]" in plan.explain()
+
+
+def test_timeline_is_rendered_from_the_executed_task_lists(tmp_path):
+    import re
+
+    import nnscaler_plugins as nns
+
+    model, inputs = _build("gpt2_small", 2)
+    plan = nns.plan(model, strategy="1f1b", world_size=4, pp=2, tp=2, micro_batches=4, example_inputs=inputs)
+    tl = plan.timeline(per_device=True)
+    lists = plan.pipeline.task_lists()
+    assert [[e.task for e in evs] for evs in tl.events] == [lists[0], lists[0], lists[1], lists[1]]
+    assert tl.bubble_fraction() == pytest.approx((2 - 1) / (4 + 2 - 1))
+    svg = plan.render_timeline(tmp_path / "timeline.html")
+    page = (tmp_path / "timeline.html").read_text()
+    assert "<svg" in page and svg in page
+    assert [f"device {d}" for d in range(4)] == re.findall(r">(device \d)<", svg)
+    assert svg.count("<title>") == sum(len(t) for t in lists) * 2  # one box per task per device
+    assert "bubble" in svg
