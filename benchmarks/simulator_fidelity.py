@@ -118,7 +118,12 @@ def main() -> None:
                  f"{eff.network} and launch cost {eff.op_overhead_s * 1e6:g} us are set, not fitted; C3 is not used "
                  "in the fit. Plans: the `megatron` strategy with the published tp/pp/dp, micro-batch size 1 (C2 22B: "
                  "4), interleaving chunks as listed (C1 does not publish them: the smallest v > 1 dividing the layers "
-                 "per pipeline rank), full recomputation for C1 as the paper.")
+                 "per pipeline rank), full recomputation for C1 as the paper. Largest errors: C3 time (Alpa on V100 "
+                 "reaches less of its peak than Megatron-LM on A100, and the two fitted efficiencies come from the A100 "
+                 "rows only) and the C2 selective-recomputation activations of the deepest pipelines (+15 %: the "
+                 "`megatron` strategy's selective recompute groups take every parameter-free op of the attention "
+                 "module, so each checkpoint keeps its layer-norm input and projection output besides what Megatron "
+                 "keeps; the simulator prices the plan as written).")
         record("simulator_fidelity.py: published calibration points vs the simulator", rows,
                ("source", "model", "plan", "quantity", "published", "simulated", "error"), notes)
 

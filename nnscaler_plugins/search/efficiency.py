@@ -1,31 +1,30 @@
-"""The constants the cost model fits: how much of the hardware's nominal numbers real kernels reach.
+"""The constants of the cost model: how much of the hardware's nominal numbers real kernels reach.
 
 Everything else the simulator uses is either read off the graph (FLOPs, bytes, which tensors the
 backward keeps) or a nominal hardware number from the cluster spec (peak FLOP/s, memory bandwidth,
-link bandwidth and latency). Four physical constants are left, and only these are fitted:
+link bandwidth and latency). What is left are these physical constants:
 
-- `matmul`: the fraction of peak FLOP/s that large matrix multiplications reach (cuBLAS on
+- `matmul` (FITTED): the fraction of peak FLOP/s that large matrix multiplications reach (cuBLAS on
   transformer-sized GEMMs, including the tile and wave quantization they lose on average).
-- `memory`: the fraction of memory bandwidth that memory-bound kernels (element-wise ops, norms,
-  softmax, the optimizer update) reach.
-- `network`: the fraction of a link's nominal bandwidth that collectives reach (NCCL's bus
-  bandwidth over the wire speed).
-- `op_overhead_s`: the fixed cost of launching one kernel.
+- `memory` (FITTED): the fraction of memory bandwidth that memory-bound kernels (element-wise ops,
+  norms, softmax, the optimizer update) reach.
+- `network` (set, 0.8): the fraction of a link's nominal bandwidth that collectives reach (NCCL's bus
+  bandwidth over the wire speed is about that on NVSwitch and InfiniBand).
+- `op_overhead_s` (set, 5 us): the fixed cost of launching one kernel.
+- `overlap_slowdown` (from the literature, 1.15): the factor by which compute and communication slow
+  each other down when they overlap (Galvatron's documentation gives 1.1 to 1.3).
 
 Fusion of element-wise chains (`fused_elementwise`) is a property of the software that runs the plan,
-not a constant: on for the GPU presets (the calibration points ran fused kernels), off for the local CPU
-preset (the generated code runs eager PyTorch ops).
+not a constant: on for the GPU presets (the calibration points ran fused kernels), off for the local
+CPU preset (the generated code runs eager PyTorch ops).
 
-One more constant is taken from the literature rather than fitted: `overlap_slowdown`, the factor by
-which compute and communication slow each other down when they overlap (Galvatron's documentation
-gives 1.1 to 1.3; 1.15 is used).
-
-Fitted constants (GPU presets): the values of `GPU_EFFICIENCY` below were fitted once, by a grid search
-minimising the mean absolute percentage error of the step times of calibration points C1 and C2 in
-shared/notes/cost-model.md together (A100 rows); `benchmarks/simulator_fidelity.py --fit` repeats the
-fit. C3 (V100, Alpa) is not used in the fit and serves as a check. The local CPU preset does not fit
-anything: it measures its throughputs directly (`calibrate.py`), so its efficiencies are 1 relative
-to the measured numbers.
+How the two fitted constants were fitted: one grid search (matmul 0.60-0.80, memory 0.5-0.8, step
+0.05 / 0.1) minimising the mean absolute percentage error of the step times of the C1 and C2
+calibration points of shared/notes/cost-model.md together (A100 rows, published configurations
+written with the `megatron` strategy); `benchmarks/simulator_fidelity.py --fit` repeats it. Nothing is
+fitted per row, and C3 (V100, Alpa) is not used in the fit: it is a check. The local CPU preset fits
+nothing: it measures its throughputs directly (`calibrate.py`), so its efficiencies are 1 relative to
+the measured numbers.
 """
 from __future__ import annotations
 
@@ -53,4 +52,4 @@ class Efficiency:
                       if k in cls.__dataclass_fields__})
 
 
-GPU_EFFICIENCY = Efficiency(matmul=0.7, memory=0.7, network=0.8, op_overhead_s=5e-6)
+GPU_EFFICIENCY = Efficiency(matmul=0.75, memory=0.6, network=0.8, op_overhead_s=5e-6)

@@ -212,22 +212,23 @@ class Transfers:
 
 def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: list[StageCost], step: Step,
                 m: int) -> Estimate:
-    """Per-device memory and the step's figures as an `Estimate`."""
-    peaks = [0.0] * plan.unit_size
-    which = [0] * plan.unit_size
+    """Per-device memory and the step's figures as an `Estimate`.
+
+    A device holds the model states of every stage it runs (all chunks of an interleaved rank) and,
+    at its worst moment, the activations its rank holds then (`step.act_peak`, per stage of that rank)."""
+    static = [{"params": 0.0, "grads": 0.0, "optimizer": 0.0, "buffers": 0.0} for _ in range(plan.unit_size)]
+    act = [0.0] * plan.unit_size
+    held = [0.0] * plan.unit_size
     for k, st in enumerate(stages):
-        total = st.static + step.act_peak[k]
         for d in st.devices:
-            if total >= peaks[d]:
-                peaks[d], which[d] = total, k
+            for key in ("params", "grads", "optimizer"):
+                static[d][key] += st.states[key]
+            static[d]["buffers"] += st.buffers
+            if step.act_peak[k] >= act[d]:
+                act[d], held[d] = step.act_peak[k], step.act_held[k]
+    peaks = [sum(static[d].values()) + act[d] for d in range(plan.unit_size)]
     worst = max(range(plan.unit_size), key=lambda d: peaks[d]) if peaks else 0
-    st = stages[which[worst]] if stages else None
-    breakdown = {}
-    if st is not None:
-        k = which[worst]
-        breakdown = {"params": st.states["params"], "grads": st.states["grads"], "optimizer": st.states["optimizer"],
-                     "buffers": st.buffers, "activations": step.act_held[k],
-                     "transient": step.act_peak[k] - step.act_held[k]}
+    breakdown = dict(static[worst], activations=held[worst], transient=act[worst] - held[worst]) if peaks else {}
     flops = max((sum(s.flops for s in stages if s.devices == st_.devices) for st_ in stages), default=0.0) * m
     details = {"stage_fwd_s": [s.F for s in stages], "stage_bwd_s": [s.B for s in stages],
                "stage_wgrad_s": [s.W for s in stages], "exposed_grad_sync_s": step.exposed_sync,

@@ -123,13 +123,13 @@ class Search:
         self.hf = hf
         self.memory_limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
         self.memory_from_user = memory_limit is not None
-        b0 = min(graphs)
         self.global_batch = int(global_batch_size) if global_batch_size is not None else None
         self.progress = Progress("nnscaler search", 1, enabled=progress)
         self.max_group = max_group
         self.searched = 0
         self.rejected: dict[str, int] = {}
-        del b0
+        self._cms: dict[int, CostModel] = {}  # one cost model per graph (its caches are per graph)
+        self._prints: dict[int, str] = {}  # graph fingerprints
 
     # -- configurations ---------------------------------------------------------------------------------
     def group_sizes(self) -> list[int]:
@@ -203,13 +203,10 @@ class Search:
         self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
         return ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
 
-    _cms: dict
-
     def _cost_model(self, graph: Graph) -> CostModel:
-        cache = self.__dict__.setdefault("_cms", {})
-        cm = cache.get(id(graph))
+        cm = self._cms.get(id(graph))
         if cm is None:
-            cm = cache[id(graph)] = CostModel(graph, self.cluster)
+            cm = self._cms[id(graph)] = CostModel(graph, self.cluster)
         return cm
 
     def _m_hint(self, b: int, dp: int) -> int:
@@ -310,7 +307,10 @@ class Search:
 
         step = analytic_step(stages, cfg.schedule, cfg.pp, cfg.virtual, cfg.micro_batches, transfer,
                              self.cluster.efficiency.overlap_slowdown)
-        memory = max(st.static + step.act_peak[k] for k, st in enumerate(stages))
+        per_rank = [0.0] * cfg.pp  # a rank holds the states of all its chunks
+        for k, st in enumerate(stages):
+            per_rank[k % cfg.pp] += st.static
+        memory = max(per_rank[k % cfg.pp] + step.act_peak[k] for k in range(len(stages)))
         return step.time, memory
 
     # -- choosing what to simulate --------------------------------------------------------------------------
@@ -377,10 +377,9 @@ class Search:
         options = {"zero": cfg.zero, "recompute": cfg.recompute, "micro_batch_size": cfg.micro_batch_size,
                    "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
                    "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
-        prints = self.__dict__.setdefault("_prints", {})
-        if id(graph) not in prints:
-            prints[id(graph)] = graph.fingerprint()
-        plan = Plan(graph_fingerprint=prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
+        if id(graph) not in self._prints:
+            self._prints[id(graph)] = graph.fingerprint()
+        plan = Plan(graph_fingerprint=self._prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
                     dp=cfg.dp, ops=ops, strategy="search", options=options, pipeline=pipeline,
                     micro_batches=cfg.micro_batches)
         plan.input_shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):

@@ -1,0 +1,278 @@
+"""Plan quality, measured by the simulator: does the search beat the published and the fixed plans?
+
+Part A: for every configuration of C1 and C2 (shared/notes/cost-model.md) the search runs on the same
+graph (the published micro-batch), world size, global batch and cluster, with the published plan's
+simulated peak memory as its memory limit; the fastest plan it returns must be at least as fast as
+the published plan, simulated the same way.
+
+Part B: on a GPT with a 256k vocabulary, a windowed-attention (Swin-style) vision model and a
+mixture-of-experts model, the search's fastest plan against the best of three fixed recipes (pure
+data parallelism, ZeRO-3, Megatron tensor parallelism within a node with data parallelism across),
+all at the same memory limit. Target: 1.3x, or an explanation of why not (printed in the notes).
+
+    python benchmarks/plan_quality.py [--part A|B] [--quick]   # appended to RESULTS.md
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import calibration as C  # noqa: E402
+from common import record  # noqa: E402
+
+import nnscaler_plugins as nns  # noqa: E402
+from nnscaler_plugins.plugins import get_strategy  # noqa: E402
+from nnscaler_plugins.primitives import PlanBuilder  # noqa: E402
+from nnscaler_plugins.search.costmodel import CostModel  # noqa: E402
+from nnscaler_plugins.search.solver import SearchError  # noqa: E402
+
+GiB = 1024 ** 3
+
+
+# -- part A ---------------------------------------------------------------------------------------------------
+def part_a(quick: bool, save: bool = True) -> None:
+    rows = []
+    cases = [c for c in C.cases() if c.source in ("C1", "C2 full", "C2 selective")]
+    if quick:
+        cases = [c for c in cases if c.world <= 512]
+    for case in cases:
+        t0 = time.time()
+        g = C.graph(case.model, case.micro_batch)
+        spec = nns.cluster(case.cluster, nodes=C.nodes_for(case))
+        cm = CostModel(g, spec)
+        published = nns.simulate(C.published_plan(case, g), spec, cost_model=cm)
+        try:
+            plans = nns.search(g, world_size=case.world, cluster=spec, global_batch_size=case.batch,
+                               memory_limit=published.max_memory_bytes, progress=False)
+            best = plans.estimates[0]
+            found = (f"{best.step_time_s:.3f}", f"{best.peak_memory_gib:.1f}",
+                     f"{published.step_time_s / best.step_time_s:.2f}x",
+                     "yes" if best.step_time_s <= published.step_time_s * (1 + 1e-9)
+                     and best.max_memory_bytes <= published.max_memory_bytes else "NO",
+                     plans.best.options["summary"])
+        except SearchError as e:
+            found = ("-", "-", "-", "NO", str(e)[:120])
+        rows.append((case.source, case.name, f"{case.world}", f"{case.batch}", f"{published.step_time_s:.3f}",
+                     f"{published.peak_memory_gib:.1f}") + found + (f"{time.time() - t0:.0f}",))
+        print(" | ".join(rows[-1]), flush=True)
+    met = sum(1 for r in rows if r[9] == "yes")
+    if save:
+        record("plan_quality.py part A: search vs the published C1/C2 plans (simulated, same memory)", rows,
+               ("source", "model", "GPUs", "batch", "published s", "published GiB", "search s", "search GiB", "speed-up",
+            "at least as fast, within memory", "fastest plan found", "wall s"),
+           f"{met} of {len(rows)} configurations met. Memory limit of each search: the published plan's simulated "
+           "peak. Both sides are priced by the same simulator (benchmarks/simulator_fidelity.py reports how close "
+           "it is to the published measurements).")
+
+
+# -- part B ---------------------------------------------------------------------------------------------------
+def gpt_256k():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=24, n_embd=2048, n_head=16, vocab_size=256000, n_positions=2048, use_cache=False)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+class WindowAttention(torch.nn.Module):
+    def __init__(self, d, heads, window):
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.bias = torch.nn.Parameter(torch.zeros(heads, window * window, window * window))
+
+    def forward(self, x):  # [B, H, W, C]
+        b, h, w, c = x.shape
+        ws, nh = self.window, self.heads
+        win = x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, c)
+        n = win.shape[0]
+        q, k, v = self.qkv(win).view(n, ws * ws, 3, nh, c // nh).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-2, -1) * (c // nh) ** -0.5 + self.bias, dim=-1)
+        y = self.proj((att @ v).transpose(1, 2).reshape(n, ws * ws, c))
+        return y.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+
+
+class SwinBlock(torch.nn.Module):
+    def __init__(self, d, heads, window):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.attn = WindowAttention(d, heads, window)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class Swin(torch.nn.Module):
+    """Windowed attention over a 56 x 56 token grid (224 px, patch 4), uniform width."""
+
+    def __init__(self, d=1024, heads=32, window=7, depth=24, classes=1000):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, d, kernel_size=4, stride=4)
+        self.blocks = torch.nn.ModuleList(SwinBlock(d, heads, window) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, pixels, labels):
+        x = self.patch(pixels).permute(0, 2, 3, 1)
+        for blk in self.blocks:
+            x = blk(x)
+        return torch.nn.functional.cross_entropy(self.head(self.norm(x).mean(dim=(1, 2))), labels)
+
+
+def swin():
+    with torch.device("meta"):
+        model = Swin()
+    return model, {"pixels": torch.zeros(8, 3, 224, 224, device="meta"),
+                   "labels": torch.zeros(8, dtype=torch.long, device="meta")}
+
+
+class MoELayer(torch.nn.Module):
+    """Switch-style top-1 routing with a fixed capacity per expert (static shapes)."""
+
+    def __init__(self, h, f, experts, capacity):
+        super().__init__()
+        self.e, self.cap = experts, capacity
+        self.norm = torch.nn.LayerNorm(h)
+        self.router = torch.nn.Linear(h, experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, h, f) * 0.02)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, f, h) * 0.02)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        t = self.norm(x.reshape(b * s, h))
+        gates = torch.softmax(self.router(t), dim=-1)
+        mask = torch.nn.functional.one_hot(gates.argmax(dim=-1), self.e).to(t.dtype)
+        pos = torch.cumsum(mask, dim=0) * mask
+        slot = torch.nn.functional.one_hot((pos - 1).clamp(min=0).long(), self.cap).to(t.dtype)
+        disp = slot * ((pos > 0) & (pos <= self.cap)).to(t.dtype).unsqueeze(-1)  # tokens x experts x capacity
+        hidden = torch.nn.functional.gelu(torch.bmm(disp.permute(1, 2, 0) @ t, self.w1))
+        out = torch.bmm(hidden, self.w2)  # experts x capacity x h
+        y = (disp * (gates * mask).unsqueeze(-1)).reshape(b * s, -1) @ out.reshape(-1, h)
+        return x + y.reshape(b, s, h)
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, vocab=32000, h=2048, f=8192, experts=32, layers=12, seq=2048, batch=2, cf=1.25):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, h)
+        self.layers = torch.nn.ModuleList(MoELayer(h, f, experts, int(cf * batch * seq / experts))
+                                          for _ in range(layers))
+        self.head = torch.nn.Linear(h, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def moe():
+    with torch.device("meta"):
+        model = MoE()
+    ids = torch.zeros(2, 2048, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def recipe(graph, name: str, world: int, m: int, **opts):
+    """A fixed recipe as a plan (built directly, no lowering)."""
+    strategy = get_strategy("megatron" if name == "megatron" else "dp")
+    if name == "megatron":
+        unit, dp = strategy.degrees(world, tp=8, pp=1)
+        builder = PlanBuilder(graph, unit, dp, strategy="megatron", micro_batches=m)
+        strategy(builder, tp=8, pp=1)
+    else:
+        builder = PlanBuilder(graph, 1, world, strategy="dp", micro_batches=m)
+        strategy(builder)
+    plan = builder.finish()
+    plan.options["zero"] = 3 if name == "zero-3" else 0
+    return plan
+
+
+MODELS = [("GPT, 24 x 2048, vocabulary 256k", gpt_256k, 32, 256),
+          ("Swin-style windowed attention, 24 x 1024, 56x56 tokens", swin, 32, 1024),
+          ("MoE, 12 layers x 32 experts (top-1), 2048 hidden", moe, 32, 256)]
+
+
+def part_b(limits=(80 * GiB, 24 * GiB), save: bool = True) -> None:
+    rows = []
+    for name, build, world, batch in MODELS:
+        model, inputs = build()
+        g = nns.capture(model, kwargs=inputs)
+        b = next(t.shape[0] for t in inputs.values())
+        spec = nns.cluster("a100-dgx", nodes=world // 8)
+        cm = CostModel(g, spec)
+        base = {}
+        for r, dp in (("dp", world), ("zero-3", world), ("megatron", world // 8)):
+            m = batch // (b * dp)
+            base[r] = nns.simulate(recipe(g, r, world, m), spec, cost_model=cm)
+        for limit in limits:
+            fits = {r: e for r, e in base.items() if e.max_memory_bytes <= limit}
+            best_r = min(fits.items(), key=lambda kv: kv[1].step_time_s) if fits else None
+            try:
+                plans = nns.search(g, world_size=world, cluster=spec, global_batch_size=batch, memory_limit=limit,
+                                   progress=False)
+                s = plans.estimates[0]
+                summary = plans.best.options["summary"]
+            except SearchError as e:
+                s, summary = None, str(e)[:100]
+            recipes = "; ".join(f"{r} {e.step_time_s:.3g} s / {e.peak_memory_gib:.1f} GiB"
+                                + ("" if e.max_memory_bytes <= limit else " (over)") for r, e in base.items())
+            speed = (f"{best_r[1].step_time_s / s.step_time_s:.2f}x" if best_r and s else
+                     ("no recipe fits" if s else "-"))
+            bound = base["dp"].compute_s  # compute alone, no communication, no bubble: no plan is faster
+            rows.append((name, f"{world}", f"{batch}", f"{limit / GiB:.0f}", f"{bound:.3g} s", recipes,
+                         f"{best_r[0]} {best_r[1].step_time_s:.3g} s" if best_r else "none fits",
+                         f"{s.step_time_s:.3g} s / {s.peak_memory_gib:.1f} GiB" if s else "-", speed, summary))
+            print(" | ".join(rows[-1]), flush=True)
+    if save:
+        record("plan_quality.py part B: search vs fixed recipes at the same memory limit (simulated, A100 preset)", rows,
+           ("model", "GPUs", "global batch", "memory limit GiB", "compute-only bound", "recipes (time / peak)",
+            "best fitting recipe",
+            "search best", "speed-up (target 1.3x)", "search's plan"),
+           NOTES_B)
+
+
+NOTES_B = """Recipes: pure data parallelism (ZeRO 0), ZeRO-3 (the same with sharded states), and Megatron tensor
+parallelism over the 8 GPUs of a node with data parallelism across nodes; none recomputes. All plans
+use the graph's micro-batch and the same global batch (micro-batches = batch / (micro-batch x data
+parallelism)). "Compute-only bound" is the busiest device's op time of the data-parallel plan with no
+communication and no bubble at all: every plan does at least this much work per device, so no plan
+can be faster, and a 1.3x speed-up over a recipe is only possible where that recipe is more than 1.3x
+the bound. Where the speed-up is below 1.3x, that is why: the GPT with a 256k vocabulary and the
+windowed-attention model are compute-bound under data parallelism (their weights are small next to
+their activations and FLOPs, so data parallelism's gradient all-reduce hides under the backward), the
+best fitting recipe is already within a few percent of the bound, and the search's margin is what is
+left (ZeRO-2 sharding that costs no time, cheaper gradient reduction). The mixture-of-experts model is
+not: its expert weights make data parallelism run out of memory and ZeRO-3 pay for gathering them at
+every micro-batch, and the search's mix of expert splits and pipelining wins by far."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("A", "B", "both"), default="both")
+    ap.add_argument("--quick", action="store_true", help="part A only up to 512 GPUs")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.part in ("B", "both"):
+        part_b(save=not args.no_record)
+    if args.part in ("A", "both"):
+        part_a(args.quick, save=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
