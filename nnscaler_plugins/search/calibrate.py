@@ -177,7 +177,7 @@ def local_cpu(devices: Optional[int] = None, measure: bool = True, cache_dir: Op
         inter_node=Link("gloo-tcp", m["gloo_bandwidth"], m["gloo_latency"]),
         dtype="fp32", efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0,
                                             op_overhead_s=m["op_overhead_s"], overlap_slowdown=1.0,
-                                            fused_elementwise=False),
+                                            fused_elementwise=False, comm_overlap=False),
         notes=("measured on " + str(m.get("host", "this machine")) + " " + str(m.get("date", "")))
         if m.get("measured") else "defaults, not measured (measure=False)")
 

@@ -42,13 +42,16 @@ class Efficiency:
     # Whether chains of element-wise ops run as one kernel (Megatron's hand-fused kernels, torch.compile,
     # XLA) or one kernel per op (eager PyTorch). Not fitted: a property of the software that runs the plan.
     fused_elementwise: bool = True
+    # Whether communication runs beside compute (GPUs: copy engines and NICs) or takes the same cores
+    # (gloo between processes on CPU cores): then gradient reduction adds to the step instead of hiding.
+    comm_overlap: bool = True
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Efficiency":
-        return cls(**{k: (bool(v) if k == "fused_elementwise" else float(v)) for k, v in d.items()
+        return cls(**{k: (bool(v) if k in ("fused_elementwise", "comm_overlap") else float(v)) for k, v in d.items()
                       if k in cls.__dataclass_fields__})
 
 

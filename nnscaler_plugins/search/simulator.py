@@ -31,7 +31,7 @@ from .cluster import ClusterSpec, GiB
 from .costmodel import CostModel, Training
 from .layouts import Placement
 from .segments import Walker
-from .stages import Part, StageCost, Step, compose, replay_step
+from .stages import Part, StageCost, Step, compose, overlap_factor, replay_step
 
 
 @dataclass
@@ -179,7 +179,7 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     else:
         shape = PipelineShape(1, 1, m)
         lists = [[task for mb in range(m) for task in (Task(0, mb, FORWARD), Task(0, mb, BACKWARD))]]
-    step = replay_step(stages, lists, shape, transfer, cluster.efficiency.overlap_slowdown, keep_timeline)
+    step = replay_step(stages, lists, shape, transfer, overlap_factor(cluster), keep_timeline)
     return estimate_of(plan, cluster, training, stages, step, m)
 
 

@@ -44,7 +44,7 @@ from .progress import Progress
 from .segments import Segment
 from .simulator import Estimate, replay_plan
 from .space import RECOMPUTE, Config, divisors, meshes
-from .stages import Part, analytic_step, compose
+from .stages import Part, analytic_step, compose, overlap_factor
 
 GiB = 1024 ** 3
 
@@ -306,7 +306,7 @@ class Search:
             return net.p2p(nbytes / max(1, len(a)), cross) + inner
 
         step = analytic_step(stages, cfg.schedule, cfg.pp, cfg.virtual, cfg.micro_batches, transfer,
-                             self.cluster.efficiency.overlap_slowdown)
+                             overlap_factor(self.cluster))
         per_rank = [0.0] * cfg.pp  # a rank holds the states of all its chunks
         for k, st in enumerate(stages):
             per_rank[k % cfg.pp] += st.static

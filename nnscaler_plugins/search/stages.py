@@ -86,7 +86,7 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
             to_global: Callable[[int], int] = lambda d: d) -> list[StageCost]:
     """Stage costs of a pipeline whose stage k holds `stages[k]` on unit devices `devices[k]`."""
     t = training
-    kappa = cm.cluster.efficiency.overlap_slowdown
+    kappa = overlap_factor(cm.cluster)
     out = []
     for parts, group in zip(stages, devices):
         sc = StageCost(list(group))
@@ -141,8 +141,11 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
         b = bwd_in + bcomm + rec + rec_comm
         w = bwd_w
         if gather:
-            f = max(f, gather) * kappa
-            b = max(b + w, gather_b) * kappa - w
+            if kappa is None:  # communication takes the cores compute would use
+                f, b = f + gather, b + gather_b
+            else:
+                f = max(f, gather) * kappa
+                b = max(b + w, gather_b) * kappa - w
         if not split_backward:
             b, w = b + w, 0.0
         sc.F, sc.B, sc.W = f, b, w
@@ -189,13 +192,20 @@ def _rank_stages(stage_rank: Sequence[int]) -> list[list[int]]:
     return [[k for k, r in enumerate(stage_rank) if r == rank] for rank in range(ranks)]
 
 
-def _finish(stages: list[StageCost], rank_stages: list[list[int]], ends: list[float], kappa: float,
+def overlap_factor(cluster) -> Optional[float]:
+    """Galvatron's kappa for overlapped compute and communication, or None where they cannot overlap
+    (processes on CPU cores run their collectives on the same cores)."""
+    eff = cluster.efficiency
+    return eff.overlap_slowdown if eff.comm_overlap else None
+
+
+def _finish(stages: list[StageCost], rank_stages: list[list[int]], ends: list[float], kappa: Optional[float],
             last_b: list[float], m: int) -> tuple[float, list[float], list[float], list[float]]:
     total, exposed, computes, comms = [], [], [], []
     for rank, ks in enumerate(rank_stages):
         sync = sum(stages[k].sync for k in ks)
         window = last_b[rank]
-        extra = max(0.0, sync - window) + (kappa - 1.0) * min(sync, window)
+        extra = sync if kappa is None else max(0.0, sync - window) + (kappa - 1.0) * min(sync, window)
         opt = max((stages[k].optimizer for k in ks), default=0.0)
         total.append(ends[rank] + extra + opt)
         exposed.append(extra)
@@ -205,7 +215,7 @@ def _finish(stages: list[StageCost], rank_stages: list[list[int]], ends: list[fl
 
 
 def replay_step(stages: list[StageCost], lists: list[list[Task]], shape: PipelineShape,
-                transfer: Callable[[int, int, bool], float], kappa: float, keep: bool = False) -> Step:
+                transfer: Callable[[int, int, bool], float], kappa: Optional[float], keep: bool = False) -> Step:
     """The step through the schedule's own task lists (the simulator)."""
     cache: dict = {}
 
@@ -252,7 +262,7 @@ def replay_step(stages: list[StageCost], lists: list[list[Task]], shape: Pipelin
 
 
 def analytic_step(stages: list[StageCost], schedule: str, ranks: int, virtual: int, m: int,
-                  transfer: Callable[[int, int, bool], float], kappa: float) -> Step:
+                  transfer: Callable[[int, int, bool], float], kappa: Optional[float]) -> Step:
     """Closed forms (Megatron, Alpa, zero-bubble) for the same stages: the search's screening."""
     rank_stages = _rank_stages([k % ranks for k in range(len(stages))]) if len(stages) > 1 else [[0]]
     per_rank = [(sum(stages[k].F for k in ks), sum(stages[k].B for k in ks), sum(stages[k].W for k in ks))
