@@ -44,3 +44,15 @@ def nnscaler_adapt_model_for_capture(model: Any, kwargs: dict) -> Optional[Any]:
 @hookspec(firstresult=True)
 def nnscaler_choose_backend(device_type: str) -> Optional[str]:
     """Return the torch.distributed backend for a device type ("cuda" -> "nccl", "cpu" -> "gloo")."""
+
+
+@hookspec
+def nnscaler_search_options(options: dict) -> None:
+    """See and alter a plan search's options before it runs, in place: `options["constraints"]` (a list
+    a plugin may append to), "world_size", "cluster", "global_batch_size", "memory_limit"."""
+
+
+@hookspec
+def nnscaler_search_result(result: Any, options: dict) -> None:
+    """See a plan search's result (a ParetoSet, fastest plan first) after it ran; a plugin may reorder
+    or drop plans in place (e.g. to prefer plans its runtime supports)."""

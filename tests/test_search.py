@@ -250,3 +250,27 @@ def test_render_timeline_draws_every_task(gpt):
     svg = render_timeline(tl, None, title="1f1b")
     assert svg.count("<rect") == 4 + 64 + 4  # row bands, one box per task, legend
     assert "bubble" in svg
+
+
+def test_search_hooks_see_and_alter_options_and_result(gpt):
+    from nnscaler_plugins.hookspecs import hookimpl
+    from nnscaler_plugins.plugins import register, unregister
+
+    class Plugin:
+        seen = []
+
+        @hookimpl
+        def nnscaler_search_options(self, options):
+            options["constraints"].append(PipelineStages([1]))
+
+        @hookimpl
+        def nnscaler_search_result(self, result, options):
+            self.seen.append(len(result.plans))
+
+    plugin = Plugin()
+    register(plugin, name="search-test-plugin")
+    try:
+        plans = nns.search(gpt, world_size=8, cluster=nns.cluster("a100-dgx"), global_batch_size=16, progress=False)
+    finally:
+        unregister(plugin)
+    assert all(p.pipeline is None for p in plans) and plugin.seen == [len(plans)]

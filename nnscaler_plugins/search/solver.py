@@ -423,16 +423,26 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     (default: the cluster's device memory). `data_parallel="unit"` puts data parallelism inside the
     unit (the graph is then the whole step's batch; used by strategy="auto").
     """
-    constraints = list(constraints)
-    spec = _resolve_cluster(cluster, world_size)
-    graphs = _graphs(model_or_graph, example_inputs, constraints)
-    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    from ..plugins import get_plugin_manager
+
     if world_size < 1:
         raise SearchError(f"world_size must be >= 1 (got {world_size})")
-    s = Search(graphs, world_size, spec, constraints, global_batch_size, limit, progress,
+    options = {"constraints": list(constraints), "world_size": world_size, "cluster": cluster,
+               "global_batch_size": global_batch_size, "memory_limit": memory_limit}
+    hooks = get_plugin_manager().hook
+    hooks.nnscaler_search_options(options=options)
+    constraints, world_size = options["constraints"], int(options["world_size"])
+    spec = _resolve_cluster(options["cluster"], world_size)
+    graphs = _graphs(model_or_graph, example_inputs, constraints)
+    limit = parse_bytes(options["memory_limit"]) if options["memory_limit"] is not None else None
+    s = Search(graphs, world_size, spec, constraints, options["global_batch_size"], limit, progress,
                unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
                max_group=max_group)
-    return s.run()
+    result = s.run()
+    hooks.nnscaler_search_result(result=result, options=options)
+    if not result.plans:
+        raise SearchError("a search plugin removed every plan from the result (nnscaler_search_result hook)")
+    return result
 
 
 def _resolve_cluster(cluster: Union[ClusterSpec, str, None], world_size: int) -> ClusterSpec:
