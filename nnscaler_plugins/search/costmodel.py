@@ -164,6 +164,7 @@ class CostModel:
         self._lay: dict = {}
         self._reshard: dict = {}
         self._reshard_direct: dict = {}
+        self._spans: dict = {}
         self._allreduce: dict = {}
 
     def matmul_rate(self, dtype: str) -> float:
@@ -264,6 +265,14 @@ class CostModel:
 
     def _span(self, devices: Sequence[int]) -> Span:
         return span_of(self.cluster, devices)
+
+    def replica_span(self, members: Sequence[int], unit: int, dp: int, to_global=lambda d: d) -> Span:
+        """Span of unit devices `members` across all `dp` replicas of the unit (a data-parallel group)."""
+        key = (tuple(members), unit, dp)
+        hit = self._spans.get(key)
+        if hit is None:
+            hit = self._spans[key] = span_of(self.cluster, [to_global(m + r * unit) for r in range(dp) for m in members])
+        return hit
 
     def reshard(self, src: Layout, dst: Layout, itemsize: int, to_global: Callable[[int], int]) -> tuple[float, float]:
         """(forward, backward) seconds to turn `src` into `dst`; device ids go through `to_global`."""

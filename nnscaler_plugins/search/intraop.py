@@ -236,8 +236,7 @@ class IntraSolver:
                 out.append(ch)
             for b in self.block_factors:
                 for l in counts:
-                    if sig.blockable(l, call) is None and sig.divides(l, counts[l], call, b) and \
-                            self._is_anchor_n(op, l):
+                    if sig.blockable(l, call) is None and sig.divides(l, counts[l], call, b):
                         blocked = Choice(axes, ((l, b),))
                         if all(con.allows_op(op, axes, blabel) for con in self.constraints):
                             out.append(blocked)
@@ -327,6 +326,18 @@ class IntraSolver:
             if grads[i] > 1 and val.meta.requires_grad and op.grad_enabled:
                 local = math.prod(need.local_shape()) * isz
                 cost += cm.all_reduce(local, list(range(grads[i])))
+        # An op that starts a split (its activations all arrive whole) is charged what a consumer
+        # would pay to have the output whole again: a split is only worth starting when it saves
+        # more than that. Without it the walk splits cheap ops (positions, masks) whose consumers
+        # then gather them; ops whose inputs already arrive split follow them at no charge.
+        starts = all(produced.get(v) is None or produced[v].replicas == produced[v].num_devices
+                     for v in op.inputs if g.values[v].kind not in ("param", "buffer", "constant"))
+        for j, v in enumerate(op.outputs if starts else ()):
+            lay = outs[j] if j < len(outs) else None
+            if v is None or lay is None or lay.replicas == lay.num_devices or g.values[v].meta is None:
+                continue
+            whole = Layout.replicated(lay.shape, lay.group)
+            cost += cm.reshard(lay, whole, itemsize(g.values[v].meta.dtype, t), lambda d: d)[0]
         return cost
 
     def walk(self, fixed: dict[str, Choice], default: Optional[Callable[[OpNode], Optional[Choice]]] = None,
@@ -479,8 +490,66 @@ class IntraSolver:
                 break
         return best
 
+    def _demanded_block(self, op: OpNode, depth: int = 4) -> int:
+        """The block factor a consumer's rule asks of this op's output (a fused QKV cut into q, k, v)."""
+        frontier = [o for o in op.outputs if o is not None]
+        for _ in range(depth):
+            nxt = []
+            for v in frontier:
+                for c in self.consumers.get(v, ()):
+                    blocks = getattr(self.sigs[c.name], "blocks", None) or {}
+                    idx = [i for i, x in enumerate(c.inputs) if x == v]
+                    found = [b for (l, i), b in blocks.items() if i in idx and b > 1]
+                    if found:
+                        return max(found)
+                    if self.cm.costs.ops[c.name].kind == "view":
+                        nxt.extend(o for o in c.outputs if o is not None)
+            frontier = nxt
+        return 1
+
+    def _tensor_parallel_seed(self) -> dict:
+        """Megatron's assignment read off the rules: in each layer the weight matmuls alternate column
+        and row parallel (a column split in the blocks a fused projection's consumers need), embedding
+        tables and the output projection split along the vocabulary, losses along theirs."""
+        seed: dict[str, Choice] = {}
+        outer = lambda op: tuple((self.batch_label(op), n) for n in self.mesh[:-1])  # noqa: E731
+        inner = self.mesh[-1]
+        column_next = True
+        last_layer = None
+        for op in self.window:
+            var = self.var[op.name]
+            if var in seed or var not in self.anchors:
+                continue
+            layer = self.segment[op.name]
+            if layer != last_layer:
+                column_next, last_layer = True, layer
+            sig = self.sigs[op.name]
+            a = matmul_anchor(self.graph, op, sig)
+            want = None
+            if a is not None and a.n is not None:
+                if column_next:
+                    b = self._demanded_block(op)
+                    want = (outer(op) + ((a.n, inner),), ((a.n, b),) if b > 1 else ())
+                else:
+                    want = (outer(op) + ((a.k, inner),), ())
+                column_next = not column_next
+            else:
+                label = vocab_label(self.graph, op, sig) or next(iter(sorted(sig.comm_labels)), None)
+                if label is not None:
+                    want = (outer(op) + ((label, inner),), ())
+            if want is None:
+                continue
+            ch = next((c for c in self.choices(op) if c.axes == want[0] and c.blocks == want[1]), None)
+            if ch is not None:
+                seed[var] = ch
+        return seed
+
     def seeds(self) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = [("greedy", {})]
+        if self.mesh[-1] > 1:
+            tp = self._tensor_parallel_seed()
+            if tp:
+                out.append(("tensor-parallel", tp))
         dp = {}
         for op in self.window:
             var = self.var[op.name]
@@ -514,19 +583,26 @@ class IntraSolver:
         return out
 
     def solve(self, on_step: Optional[Callable[[], None]] = None, passes: int = 2) -> list[IntraResult]:
-        """Non-dominated (time, memory) assignments found from every seed."""
+        """Non-dominated (time, memory) assignments found from every seed.
+
+        The seeds that place the anchors (tensor parallelism, a Transformers plan; the greedy walk when
+        there is no such seed) are improved by coordinate descent; data parallelism and the plain
+        walk are taken as they are, as the other ends of the range."""
         results: list[IntraResult] = []
-        for name, fixed in self.seeds():
+        seeds = self.seeds()
+        improved = {"tensor-parallel", "transformers tp plan"} if any(n == "tensor-parallel" for n, _ in seeds) \
+            else {"greedy", "transformers tp plan"}
+        for name, fixed in seeds:
             if self.group == 1:
                 results.append(self.evaluate(self.walk(fixed) or self.walk({}), name))
                 break
-            if name == "data-parallel":
+            if name in improved:
+                res = self.improve(fixed, name, passes, on_step)
+            else:
                 walked = self.walk(fixed)
                 if walked is None:
                     continue
                 res = self.evaluate(walked, name)
-            else:
-                res = self.improve(fixed, name, passes, on_step)
             results.append(res)
         return pareto_results(results)
 

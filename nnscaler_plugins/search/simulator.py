@@ -232,6 +232,7 @@ def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: li
     flops = max((sum(s.flops for s in stages if s.devices == st_.devices) for st_ in stages), default=0.0) * m
     details = {"stage_fwd_s": [s.F for s in stages], "stage_bwd_s": [s.B for s in stages],
                "stage_wgrad_s": [s.W for s in stages], "exposed_grad_sync_s": step.exposed_sync,
+               "optimizer_s": max((s.optimizer for s in stages), default=0.0),
                "training": training.to_json()}
     return Estimate(step_time_s=step.time, compute_s=step.compute, communication_s=step.comm, bubble_s=step.bubble,
                     peak_memory_bytes=peaks, memory=breakdown, micro_batches=m, world_size=plan.world_size,

@@ -121,8 +121,7 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
             shard = partition * dp
             if shard <= 1:
                 continue
-            glob = [to_global(mm + r * unit) for r in range(dp) for mm in members]
-            span = cm._span(glob)
+            span = cm.replica_span(members, unit, dp, to_global)
             nbytes = el * t.grad_bytes
             buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
             if t.zero >= 3:
