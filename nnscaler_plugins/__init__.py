@@ -14,7 +14,7 @@ from .plan import OpPlacement, Plan
 from .primitives import PlanBuilder, SubOp, op_assign, op_trans
 from .search import constraints
 from .search import ClusterSpec, Estimate, ParetoSet, SearchError, cluster, simulate
-from .search.solver import search
+from . import search  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
 
 __version__ = "0.1.0"
 

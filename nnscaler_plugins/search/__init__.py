@@ -9,6 +9,10 @@ Layers, each usable alone: `cluster` (ClusterSpec, presets, files, the measured 
 `costmodel` and `simulator` (what a plan costs), `constraints` (what plans may be), `intraop` and
 `solver` (the search), `pareto` (its answer). The search never touches torch.distributed.
 """
+import inspect
+import sys
+import types
+
 from .cluster import ClusterError, ClusterSpec, Link, cluster, presets
 from .constraints import (Constraint, HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, MicroBatchSize, NotSplit,
                           PipelineStages, RecomputeModes, Replicated, SameLayerConfig, Schedules, ZeroStages, check)
@@ -22,3 +26,16 @@ __all__ = ["ClusterSpec", "ClusterError", "Link", "cluster", "presets", "CostMod
            "Estimate", "simulate", "ParetoSet", "SearchError", "search", "Constraint", "SameLayerConfig",
            "MaxTensorParallel", "Replicated", "NotSplit", "PipelineStages", "Schedules", "MicroBatchSize",
            "MemoryLimit", "ZeroStages", "RecomputeModes", "HFTensorParallelPlan", "check"]
+
+
+class _CallableModule(types.ModuleType):
+    """`nns.search(...)` is the search; `nns.search.constraints`, `import nnscaler_plugins.search.solver`
+    and the other layers stay reachable as attributes of the same name (a plain function named like
+    its package would hide them)."""
+
+    def __call__(self, *args, **kwargs):
+        return search(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(search)

@@ -104,6 +104,7 @@ class IntraResult:
     pre: Optional[Segment] = None
     post: Optional[Segment] = None
     tp: int = 1
+    sequence_parallel: bool = False  # priced with Megatron's sequence parallelism (a plan option)
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.choices.items()))
@@ -294,7 +295,11 @@ class IntraSolver:
     def _local_cost_uncached(self, op: OpNode, ch: Choice, produced: dict, storage: dict) -> float:
         p = ch.placement(self.devices)
         cm, t = self.cm, self.t
-        ot = cm.op_time(op.name, p, t)
+        # priced as the Walker prices it: with sequence parallelism a layer's op that runs whole on
+        # every device of the group does 1/group of the work
+        sp = (t.sequence_parallel and self.segment.get(op.name) in self.layer_seg and not p.splits
+              and p.replicate > 1 and cm.costs.ops[op.name].kind == "memory")
+        ot = cm.op_time(op.name, p, t, p.replicate if sp else 1)
         cost = ot.fwd + ot.bwd_input + ot.bwd_weight
         ins, outs, grads = cm.layouts(op.name, p)
         g = self.graph
@@ -340,7 +345,7 @@ class IntraSolver:
             cost += cm.reshard(lay, whole, itemsize(g.values[v].meta.dtype, t), lambda d: d)[0]
         return cost
 
-    def walk(self, fixed: dict[str, Choice], default: Optional[Callable[[OpNode], Optional[Choice]]] = None,
+    def walk(self, fixed: dict[str, Choice], default: Optional[Callable[[OpNode, dict], Optional[Choice]]] = None,
              template_passes: int = 2) -> Optional[dict[str, Choice]]:
         """Choices for every variable: `fixed` ones as given, the others greedily in graph order.
 
@@ -364,7 +369,7 @@ class IntraSolver:
                 elif not redo and var in decided:
                     ch = decided[var]
                 else:
-                    pick = default(op) if default is not None else None
+                    pick = default(op, produced) if default is not None else None
                     if pick is not None:
                         ch = pick
                     else:
@@ -419,7 +424,8 @@ class IntraSolver:
 
     def _evaluate(self, assign: dict[str, Choice], seed: str = "") -> IntraResult:
         nseg = len(self.weights)
-        walker = Walker(self.graph, self.cm, self.t, nseg, layer_segments=self.layer_seg,
+        sp_ops = {n for n, k in self.segment.items() if k in self.layer_seg} if self.t.sequence_parallel else None
+        walker = Walker(self.graph, self.cm, self.t, nseg, layer_segments=self.layer_seg, sp_layers=sp_ops,
                         group_of=lambda n: self.segment[n] if self.segment[n] in self.layer_seg else None)
         placements = {op.name: assign[self.var[op.name]].placement(self.devices) for op in self.window}
         segs = walker.run(self.window, placements.__getitem__, self.segment.__getitem__, lambda a, b: False)
@@ -435,7 +441,7 @@ class IntraSolver:
                 if shard > 1:
                     time += w * self.cm.all_reduce(el * t.grad_bytes, list(range(part))) / self.m_hint
         choices = {op.name: assign[self.var[op.name]] for op in self.graph.ops if self.var[op.name] in assign}
-        result = IntraResult(self.mesh, choices, time, memory, seed)
+        result = IntraResult(self.mesh, choices, time, memory, seed, sequence_parallel=self.t.sequence_parallel)
         if self.identical:
             n = len(self.groups.layers)
             result.pre, result.post = segs[0], segs[3]
@@ -463,10 +469,22 @@ class IntraSolver:
         keep |= set(sig.comm_labels)
         return [c for c in self.choices(op) if c.axes[-1][0] in keep]
 
+    def whole_between(self, op: OpNode, produced: dict) -> Optional[Choice]:
+        """Megatron's rule for the ops between the matmuls: follow an input that arrives split (None:
+        let the walk choose), otherwise run whole on every device of the group (data parallelism on
+        the outer axis of a 2-D mesh stays)."""
+        for v in op.inputs:
+            lay = produced.get(v)
+            if lay is not None and self.graph.values[v].kind not in ("param", "buffer", "constant") \
+                    and lay.replicas * lay.partial < lay.num_devices:
+                return None
+        want = tuple((self.batch_label(op), n) for n in self.mesh[:-1]) + ((None, self.mesh[-1]),)
+        return next((c for c in self.choices(op) if c.axes == want and not c.blocks), None)
+
     def improve(self, fixed: dict[str, Choice], seed: str, passes: int = 2,
-                on_step: Optional[Callable[[], None]] = None) -> IntraResult:
+                on_step: Optional[Callable[[], None]] = None, default=None) -> IntraResult:
         """Coordinate descent over the anchors' choices, each move re-walked and evaluated exactly."""
-        assign = self.walk(fixed) or self.walk({})
+        assign = self.walk(fixed, default) or self.walk({}, default)
         fixed = {a: assign[a] for a in self.anchors if a in assign}
         best = self.evaluate(assign, seed)
         for _ in range(passes):
@@ -478,7 +496,7 @@ class IntraSolver:
                         continue
                     trial = dict(fixed)
                     trial[a] = cand
-                    walked = self.walk(trial)
+                    walked = self.walk(trial, default)
                     if walked is None:
                         continue
                     res = self.evaluate(walked, seed)
@@ -581,6 +599,19 @@ class IntraSolver:
             if prior:
                 out.append(("transformers tp plan", prior))
         return out
+
+    def with_sequence_parallel(self, result: IntraResult) -> IntraResult:
+        """The same choices priced with Megatron's sequence parallelism: the ops of the layers that run
+        whole on every device of the group (norms, dropouts, residual adds) take 1/group of the work
+        and keep 1/group of their activations, at the same communication volume."""
+        sp = IntraSolver(self.graph, self.cm, replace(self.t, sequence_parallel=True), self.mesh, self.constraints,
+                         self.hf_plan, self.m_hint, self.dp_hint)
+        anchors = {a: result.choices[a] for a in sp.anchors if a in result.choices}
+        # re-tuned under the new prices, from the anchors as they were, both with the ops in between
+        # free and with them whole (which sequence parallelism makes cheap)
+        free = sp.improve(anchors, result.seed + " + sequence parallel")
+        whole = sp.improve(anchors, result.seed + " + sequence parallel", default=sp.whole_between)
+        return min((free, whole), key=lambda r: (r.time, r.memory))
 
     def solve(self, on_step: Optional[Callable[[], None]] = None, passes: int = 2) -> list[IntraResult]:
         """Non-dominated (time, memory) assignments found from every seed.

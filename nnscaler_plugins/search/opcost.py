@@ -19,7 +19,7 @@ Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes exactly; nothing about tra
 
 Selective recomputation (Korthikanti et al.) drops what the "attention core" keeps: the ops on a
 path from a matmul of two activations (scores = q·kᵀ) to the next such matmul (probabilities·v),
-which hold much memory for few FLOPs. The rule is structural, so attention written any way is
+both included, which hold much memory for few FLOPs. The rule is structural, so attention written any way is
 found, and fused attention (one scaled_dot_product_attention op) has no core to drop.
 """
 from __future__ import annotations
@@ -351,14 +351,14 @@ class OpCosts:
             # on a path to a closing activation matmul
             reach: dict[str, OpNode] = {}
             order: list[OpNode] = []
-            ends = False
+            ends: list[str] = []
             frontier = [o for o in start.outputs if o is not None]
             while frontier and len(reach) < 256:
                 nxt = []
                 for v in frontier:
                     for c in consumers.get(v, ()):
                         if c.name in start_names:
-                            ends = True
+                            ends.append(c.name)
                             continue
                         if c.name in reach or self.ops[c.name].kind == "matmul" \
                                 or any(g.values[i].kind == "param" for i in c.inputs):
@@ -374,8 +374,8 @@ class OpCosts:
                 outs = [o for o in c.outputs if o is not None]
                 if any(x.name in start_names or x.name in leads for o in outs for x in consumers.get(o, ())):
                     leads.add(c.name)
-            self.ops[start.name].core = True
-            for n in leads:
+            # the closing matmul (probabilities @ v) belongs too: it is what keeps the probabilities
+            for n in [start.name] + sorted(leads) + ends:
                 self.ops[n].core = True
 
 

@@ -101,7 +101,8 @@ class Search:
                  global_batch_size: Optional[int], memory_limit: Optional[float], progress: bool,
                  unit_mode: bool = False, micro_batches: Optional[int] = None, max_simulated: int = 8,
                  max_group: Optional[int] = None, schedules: Sequence[str] = ("1f1b", "gpipe", "interleaved",
-                                                                               "zero-bubble")):
+                                                                               "zero-bubble"),
+                 sequence_parallel: bool = False):
         self.graphs = graphs
         self.world = int(world_size)
         self.cluster = cluster
@@ -109,6 +110,7 @@ class Search:
         self.fixed_m = micro_batches
         self.max_simulated = max_simulated
         self.schedules = tuple(schedules)
+        self.sequence_parallel = sequence_parallel
         cons = []
         hf = None
         for c in constraints:
@@ -166,8 +168,8 @@ class Search:
             m_hint = self._m_hint(b, dp_hint)
             solver = IntraSolver(graph, cm, training, mesh, self.constraints, self.hf, m_hint, dp_hint)
             results = solver.solve()
-            for r in results:
-                r.tp = max(r.tp, 1)
+            if self.sequence_parallel:
+                results += [solver.with_sequence_parallel(r) for r in results if r.tp > 1]
             solved.append((b, g, results, cm))
             self.progress.step()
         self.progress.set("pipelines and knobs", len(solved))
@@ -265,7 +267,8 @@ class Search:
                 for zero in zeros:
                     for rec in recomputes:
                         cfg = Config(group=g, mesh=intra.mesh, pp=pp, dp=dp, micro_batch_size=b, micro_batches=m,
-                                     schedule=schedule, virtual=v, zero=zero, recompute=rec, tp=intra.tp)
+                                     schedule=schedule, virtual=v, zero=zero, recompute=rec, tp=intra.tp,
+                                     sequence_parallel=intra.sequence_parallel)
                         if not self._allowed(cfg):
                             continue
                         t, mem = self._price(cm, cfg, intra, bounds, pre, post, layers)
@@ -274,7 +277,8 @@ class Search:
 
     def _price(self, cm: CostModel, cfg: Config, intra: IntraResult, bounds: list[int], pre: Segment, post: Segment,
                layers: list[Segment]) -> tuple[float, float]:
-        training = Training(dtype=self.cluster.dtype, zero=cfg.zero, recompute=cfg.recompute)
+        training = Training(dtype=self.cluster.dtype, zero=cfg.zero, recompute=cfg.recompute,
+                            sequence_parallel=cfg.sequence_parallel)
         S = cfg.stages
         mode = MODE[cfg.recompute]
         parts_per_stage: list[list[Part]] = []
@@ -378,6 +382,8 @@ class Search:
         options = {"zero": cfg.zero, "recompute": cfg.recompute, "micro_batch_size": cfg.micro_batch_size,
                    "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
                    "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
+        if cfg.sequence_parallel:
+            options["sequence_parallel"] = True  # priced by the cost model, like the megatron strategy's option
         if id(graph) not in self._prints:
             self._prints[id(graph)] = graph.fingerprint()
         plan = Plan(graph_fingerprint=self._prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
@@ -414,7 +420,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
            constraints: Iterable[Constraint] = (), example_inputs: Any = None,
            global_batch_size: Optional[int] = None, memory_limit: Union[None, float, str] = None,
            progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
-           max_simulated: int = 8, max_group: Optional[int] = None) -> ParetoSet:
+           max_simulated: int = 8, max_group: Optional[int] = None, sequence_parallel: bool = False) -> ParetoSet:
     """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
 
     `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one
@@ -422,7 +428,10 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     from the first rows of the example inputs). `global_batch_size`: samples per training step over
     all replicas (default: the micro-batch times the world size). `memory_limit`: bytes or "40GiB"
     (default: the cluster's device memory). `data_parallel="unit"` puts data parallelism inside the
-    unit (the graph is then the whole step's batch; used by strategy="auto").
+    unit (the graph is then the whole step's batch; used by strategy="auto"). `sequence_parallel=True`
+    also considers Megatron's sequence parallelism as a plan option; like the `megatron` strategy's
+    option of that name it is priced by the cost model and recorded in the plan, but this runtime does
+    not execute it yet, so it is off by default.
     """
     from ..plugins import get_plugin_manager
 
@@ -438,7 +447,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     limit = parse_bytes(options["memory_limit"]) if options["memory_limit"] is not None else None
     s = Search(graphs, world_size, spec, constraints, options["global_batch_size"], limit, progress,
                unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
-               max_group=max_group)
+               max_group=max_group, sequence_parallel=sequence_parallel)
     result = s.run()
     hooks.nnscaler_search_result(result=result, options=options)
     if not result.plans:

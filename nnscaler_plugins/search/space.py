@@ -39,6 +39,7 @@ class Config:
     zero: int = 0
     recompute: str = "none"
     tp: int = 1  # the largest split of an op that is not along the batch (for constraints)
+    sequence_parallel: bool = False  # Megatron's option: priced by the cost model, recorded in the plan
 
     @property
     def unit_size(self) -> int:
@@ -57,13 +58,14 @@ class Config:
         pipe = f" pp={self.pp} {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "") \
             if self.pp > 1 else ""
         return (f"group {self.group} (mesh {mesh}, tp {self.tp}){pipe} dp={self.dp} micro-batch "
-                f"{self.micro_batch_size} x {self.micro_batches} zero={self.zero} recompute={self.recompute}")
+                f"{self.micro_batch_size} x {self.micro_batches} zero={self.zero} recompute={self.recompute}"
+                + (" sequence-parallel" if self.sequence_parallel else ""))
 
     def to_json(self) -> dict:
         return {"group": self.group, "mesh": list(self.mesh), "pp": self.pp, "dp": self.dp,
                 "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
                 "schedule": self.schedule, "virtual": self.virtual, "zero": self.zero, "recompute": self.recompute,
-                "tp": self.tp}
+                "tp": self.tp, "sequence_parallel": self.sequence_parallel}
 
 
 def divisors(n: int) -> list[int]:
