@@ -56,3 +56,14 @@ def nnscaler_search_options(options: dict) -> None:
 def nnscaler_search_result(result: Any, options: dict) -> None:
     """See a plan search's result (a ParetoSet, fastest plan first) after it ran; a plugin may reorder
     or drop plans in place (e.g. to prefer plans its runtime supports)."""
+
+
+@hookspec(firstresult=True)
+def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
+    """Translate a DeepSpeed JSON config (already loaded into a dict) into this project's settings.
+
+    The DeepSpeed drop-in engine calls this once per `initialize`, so a plugin can support keys the
+    built-in translation refuses (or refuse keys it accepts). Return a dict with the translated
+    settings, or None to leave the config to the next implementation; the first non-None result
+    wins. Keys that cannot be honoured must be refused or warned about by name, never dropped.
+    """
