@@ -15,9 +15,11 @@ from .primitives import PlanBuilder, SubOp, op_assign, op_trans
 from .search import constraints
 from .search import ClusterSpec, Estimate, ParetoSet, SearchError, cluster, simulate
 from . import search  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
+from . import checkpoint  # nns.checkpoint.save / load / export / merge
 
 __version__ = "0.1.0"
 
 __all__ = ["capture", "CaptureError", "plan", "parallelize", "strategies", "Plan", "OpPlacement", "PlanError",
            "PlanBuilder", "SubOp", "op_trans", "op_assign", "Graph", "__version__"]
 __all__ += ["search", "cluster", "simulate", "ClusterSpec", "Estimate", "ParetoSet", "SearchError", "constraints"]
+__all__ += ["checkpoint"]

@@ -1,0 +1,20 @@
+"""Sharded, atomic, reshardable checkpoints.
+
+    nns.checkpoint.save(path, module, optimizer, step=step, scheduler=sched.state_dict())
+    extra = nns.checkpoint.load(path, module, optimizer)     # any plan, any world size
+    nns.checkpoint.export("model.pt", module)                # one ordinary state dict
+    nns.checkpoint.export("hf_dir", module, hf_model=model)  # save_pretrained output
+    nns.checkpoint.merge("ckpt_dir", "model.pt")             # offline, no processes
+
+save, load and export are collective (every rank calls them); merge runs anywhere.
+"""
+from .errors import CheckpointError
+from .export import export
+from .load import load
+from .merge import merge
+from .model_state import full_model_state
+from .optimizer_state import full_optimizer_state, load_optimizer_state
+from .save import save
+
+__all__ = ["save", "load", "export", "merge", "CheckpointError", "full_model_state", "full_optimizer_state",
+           "load_optimizer_state"]

@@ -1,0 +1,62 @@
+"""Collective calls that fail with a message instead of hanging when some rank never arrives.
+
+Every rank posts a value under a key of the default process group's store and waits, with a
+timeout, for every other rank's key. A collective such as a barrier would block forever on a rank
+that skipped the call (the classic "save_checkpoint hangs when only rank 0 calls it"); the store
+wait names the missing ranks instead. Keys are numbered per process: a round that timed out
+withdraws this rank's key and does not advance the number, so a rank that skipped a save and the
+ranks that waited for it still agree on the next round's number.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import CheckpointError
+
+_PREFIX = "nnscaler_plugins/checkpoint"
+_round = {"n": 0}
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def begin_round() -> int:
+    return _round["n"]
+
+
+def exchange(round_no: int, phase: str, value: Any, timeout_s: float, what: str) -> list[Any]:
+    """Every rank's `value` for this round and phase, in rank order; CheckpointError naming the
+    ranks that did not arrive within `timeout_s`."""
+    rank, size = world()
+    if size == 1:
+        return [value]
+    store = _store()
+    keys = [f"{_PREFIX}/{round_no}/{phase}/{r}" for r in range(size)]
+    store.set(keys[rank], pickle.dumps(value))
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - the store reports a timeout as DistStoreError or RuntimeError
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if phase == "begin":
+            store.delete_key(keys[rank])  # withdrawn: a late rank will time out too, not proceed alone
+        raise CheckpointError(
+            f"{what} is collective: rank(s) {missing} did not call it within {timeout_s:g} s (rank {rank} "
+            f"waited). Call it on every rank at the same point of training (not only on rank 0); "
+            f"raise sync_timeout_s if some ranks are just slower.") from None
+    return [pickle.loads(store.get(k)) for k in keys]
+
+
+def finish_round() -> None:
+    _round["n"] += 1

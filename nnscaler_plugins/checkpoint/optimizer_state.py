@@ -1,0 +1,194 @@
+"""Optimizer state as whole tensors under parameter names, and back into any plan's shards.
+
+An optimizer that knows the plan (one with `full_state_dict` / `load_full_state_dict`, such as
+the one `nns.build_optimizer` makes) is asked directly. A plain torch optimizer built over a
+ParallelModule's `parameters()` keeps, for every local parameter shard, state of the shard's own
+shape (Adam's moments) or scalars (the step): the shard-shaped entries are made whole with the
+same layouts the module uses for its parameters, and cut again by the loading plan's layouts, so
+the state follows the parameters across any change of plan or world size.
+
+Whole form: {"state": {param_fqn: {state_key: tensor or value}},
+             "param_groups": [{hyperparameters..., "params": [param_fqn, ...]}, ...]}
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..layout import Layout
+from .errors import CheckpointError
+from .model_state import is_parallel
+
+
+def knows_plan(optimizer: Any) -> bool:
+    return hasattr(optimizer, "full_state_dict") and hasattr(optimizer, "load_full_state_dict")
+
+
+def _param_index(module: torch.nn.Module) -> dict[int, tuple[str, Optional[Layout]]]:
+    """id(local parameter) -> (model name, its layout in the plan, None for a plain module)."""
+    program = getattr(module, "program", None)
+    if not (is_parallel(module) and program is not None):
+        return {id(p): (n, None) for n, p in module.named_parameters()}
+    from ..runtime.parallel_module import _safe
+
+    out: dict[int, tuple[str, Optional[Layout]]] = {}
+    for v in module._held:
+        s = program.shards[v]
+        if s.kind == "param":
+            out.setdefault(id(module.shards[_safe(s.fqn)]), (s.fqn, s.layout))
+    return out
+
+
+def _local(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    index = _param_index(module)
+    sd = optimizer.state_dict()
+    by_index: dict[int, tuple[str, Optional[Layout]]] = {}
+    groups = []
+    for g, sg in zip(optimizer.param_groups, sd["param_groups"]):
+        names = []
+        for p, i in zip(g["params"], sg["params"]):
+            if id(p) not in index:
+                raise CheckpointError("the optimizer holds a tensor that is not a parameter of this module; build "
+                                      "it over module.parameters() of the module being saved")
+            by_index[i] = index[id(p)]
+            names.append(index[id(p)][0])
+        groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": names})
+    state = {by_index[i][0]: (by_index[i][1], dict(st)) for i, st in sd["state"].items()}
+    return state, groups
+
+
+def _shard_shaped(t: Any, lay: Optional[Layout]) -> bool:
+    return isinstance(t, torch.Tensor) and lay is not None and t.dim() > 0 and tuple(t.shape) == lay.local_shape()
+
+
+def full_optimizer_state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Whole optimizer state on every rank (collective for a ParallelModule over several ranks)."""
+    if knows_plan(optimizer):
+        return optimizer.full_state_dict()
+    state, groups = _local(module, optimizer)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1 or not is_parallel(module):
+        return {"state": {f: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                              for k, v in st.items()} for f, (_, st) in state.items()},
+                "param_groups": groups}
+    return _gather(module, state, groups, world)
+
+
+def _describe(state: dict) -> dict:
+    out = {}
+    for fqn, (lay, st) in state.items():
+        out[fqn] = {k: (("shard" if _shard_shaped(v, lay) else "whole"), tuple(v.shape), str(v.dtype))
+                    if isinstance(v, torch.Tensor) else ("object", v) for k, v in st.items()}
+    return out
+
+
+def _merge_groups(all_groups: list[list[dict]]) -> list[dict]:
+    """Pipeline stages each see only their own parameters: a group's names are the union."""
+    counts = {len(g) for g in all_groups}
+    if len(counts) != 1:
+        raise CheckpointError(f"ranks' optimizers have different numbers of parameter groups {sorted(counts)}; "
+                              "build the optimizer the same way on every rank")
+    merged = []
+    for per_rank in zip(*all_groups):
+        names: list[str] = []
+        for g in per_rank:
+            names += [n for n in g["params"] if n not in names]
+        merged.append({**{k: v for k, v in per_rank[0].items() if k != "params"}, "params": names})
+    return merged
+
+
+def _gather(module: Any, state: dict, groups: list[dict], world: int) -> dict[str, Any]:
+    from ..resharding import plan as plan_reshard
+
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (_describe(state), groups))
+    desc: dict[str, dict] = {}
+    for d, _ in everyone:
+        for fqn, keys in d.items():
+            desc.setdefault(fqn, {}).update({k: e for k, e in keys.items() if k not in desc.get(fqn, {})})
+    plan = module.plan
+    unit_groups = module._comm.groups
+    unit = tuple(module.dp_rank * plan.unit_size + d for d in range(plan.unit_size))
+    out: dict[str, dict[str, Any]] = {}
+    for s in module.program.shards.values():
+        if s.kind != "param" or s.fqn in out or s.fqn not in desc:
+            continue  # a tied weight's copies hold the same state
+        lay = s.layout
+        mine = module.unit_device in lay.group
+        local = state.get(s.fqn, (None, {}))[1] if mine else {}
+        entries: dict[str, Any] = {}
+        for key in sorted(desc[s.fqn]):
+            kind, *info = desc[s.fqn][key]
+            if kind == "object":
+                entries[key] = info[0]
+                continue
+            if mine and key not in local:
+                raise CheckpointError(f"optimizer state {s.fqn!r}[{key!r}] exists on another rank but not on rank "
+                                      f"{dist.get_rank()}; step the optimizer on every rank")
+            shape, dtype = (lay.shape if kind == "shard" else info[0]), getattr(torch, info[1].split(".")[-1])
+            if mine and kind == "shard":
+                with torch.no_grad():
+                    whole = plan_reshard(lay, Layout.replicated(lay.shape, lay.group)).apply(
+                        local[key].detach(), module.unit_device, unit_groups)
+            elif mine:
+                whole = local[key].detach()
+            else:
+                whole = torch.empty(shape, dtype=dtype, device=module._device)
+            if len(lay.group) < plan.unit_size:  # held by one stage: it tells the rest of the replica
+                whole = whole.contiguous()
+                dist.broadcast(whole, src=unit_groups.global_rank(lay.group[0]), group=module.groups.get(unit))
+            entries[key] = whole.detach().cpu().clone()
+        out[s.fqn] = entries
+    return {"state": out, "param_groups": _merge_groups([g for _, g in everyone])}
+
+
+def check_optimizer_matches(module: torch.nn.Module, optimizer: Any, saved_groups: list[dict]) -> list[str]:
+    """Problems loading `saved_groups` into this optimizer would hit, found before anything changes."""
+    if knows_plan(optimizer):
+        return []
+    index = _param_index(module)
+    if len(saved_groups) != len(optimizer.param_groups):
+        return [f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this one "
+                f"{len(optimizer.param_groups)}"]
+    problems = []
+    for gi, (g, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        have = set(saved["params"])
+        for p in g["params"]:
+            if id(p) not in index:
+                problems.append(f"group {gi}: the optimizer holds a tensor that is not a parameter of this module")
+            elif index[id(p)][0] not in have:
+                problems.append(f"group {gi}: parameter {index[id(p)][0]!r} is not in the checkpoint's group {gi}")
+    return problems
+
+
+def load_optimizer_state(module: torch.nn.Module, optimizer: Any, full: dict[str, Any]) -> None:
+    """Each rank keeps the pieces of the whole state its own parameter shards need."""
+    if knows_plan(optimizer):
+        optimizer.load_full_state_dict(full)
+        return
+    problems = check_optimizer_matches(module, optimizer, full["param_groups"])
+    if problems:
+        raise CheckpointError("optimizer state does not fit this optimizer: " + "; ".join(problems))
+    index = _param_index(module)
+    device = getattr(module, "unit_device", 0)
+    sd = optimizer.state_dict()
+    new_state: dict[int, dict[str, Any]] = {}
+    for g, sg in zip(optimizer.param_groups, sd["param_groups"]):
+        for p, i in zip(g["params"], sg["params"]):
+            fqn, lay = index[id(p)]
+            saved = full["state"].get(fqn)
+            if saved is not None:
+                new_state[i] = {k: _piece(v, lay, device) for k, v in saved.items()}
+    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": sg["params"]}
+              for saved, sg in zip(full["param_groups"], sd["param_groups"])]
+    optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def _piece(value: Any, lay: Optional[Layout], device: int) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if lay is not None and value.dim() > 0 and tuple(value.shape) == tuple(lay.shape):
+        return lay.slice_full(value, device).clone()
+    return value.clone()

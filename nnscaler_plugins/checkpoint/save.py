@@ -1,0 +1,140 @@
+"""`save`: every rank gathers whole tensors, writes the ones it owns, and rank 0 publishes the
+directory atomically once every rank reports its file written and synced."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from typing import Any, Optional
+
+import torch
+
+from .agreement import begin_round, exchange, finish_round, world
+from .atomic import fsync_dir, fsync_file, remove_stale, swap_into_place, temp_dir
+from .errors import CheckpointError
+from .format import (EXTRA_FILE, FORMAT, OPTIM_GROUPS_KEY, VERSION, file_digest, model_key, object_entry,
+                     optim_key, rank_file, tensor_entry, write_metadata)
+from .model_state import full_model_state
+from .optimizer_state import full_optimizer_state
+from .ownership import assign_owners
+
+WHAT = "nns.checkpoint.save"
+
+
+def plan_summary(module: Any) -> dict[str, Any]:
+    """What the metadata records about the saving plan (for messages and for people, not needed to load)."""
+    plan = getattr(module, "plan", None)
+    if plan is None:
+        return {"strategy": None, "model_class": type(module).__name__}
+    return {"strategy": plan.strategy, "graph_fingerprint": plan.graph_fingerprint, "model_class": plan.model_class,
+            "world_size": plan.world_size, "unit_size": plan.unit_size, "dp": plan.dp,
+            "pipeline_stages": None if plan.pipeline is None else plan.pipeline.num_stages,
+            "options": {k: v for k, v in plan.options.items() if isinstance(v, (int, float, str, bool))}}
+
+
+def _layout_files(model: dict[str, torch.Tensor], optim: Optional[dict[str, Any]], world_size: int
+                  ) -> tuple[dict[str, tuple[Any, int]], dict[str, Any], Optional[dict[str, Any]]]:
+    """Every stored item with its owning rank, and the metadata entries naming where each lives."""
+    items: dict[str, Any] = {}
+    model_meta: dict[str, Any] = {}
+    first_name: dict[int, str] = {}
+    for name, t in model.items():
+        if id(t) in first_name:  # tied names: one tensor, stored once
+            model_meta[name] = {"alias_of": first_name[id(t)]}
+            continue
+        first_name[id(t)] = name
+        items[model_key(name)] = t
+    objects: dict[str, Any] = {}
+    optim_meta = None
+    if optim is not None:
+        for name, keys in optim["state"].items():
+            for key, v in keys.items():
+                (items if isinstance(v, torch.Tensor) else objects)[optim_key(name, key)] = v
+        objects[OPTIM_GROUPS_KEY] = optim["param_groups"]
+    owners = assign_owners({k: t.numel() * t.element_size() for k, t in items.items()}, world_size)
+    placed = {k: (t, owners[k]) for k, t in items.items()}
+    placed.update({k: (v, 0) for k, v in objects.items()})  # small Python values: rank 0
+    for name, t in model.items():
+        if name not in model_meta:
+            model_meta[name] = tensor_entry(t, rank_file(owners[model_key(name)]))
+    if optim is not None:
+        state_meta: dict[str, Any] = {}
+        for name, keys in optim["state"].items():
+            state_meta[name] = {}
+            for key, v in keys.items():
+                k = optim_key(name, key)
+                state_meta[name][key] = tensor_entry(v, rank_file(owners[k])) if isinstance(v, torch.Tensor) \
+                    else object_entry(rank_file(0))
+        optim_meta = {"groups": [list(g["params"]) for g in optim["param_groups"]], "state": state_meta,
+                      "param_groups_file": rank_file(0)}
+    model_meta = {n: model_meta[n] for n in model}
+    return placed, model_meta, optim_meta
+
+
+def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *,
+         sync_timeout_s: float = 600.0, **extra: Any) -> str:
+    """Write a sharded checkpoint directory at `path` (collective: call on every rank, same path).
+
+    Model and optimizer state are stored as whole tensors, each written by one rank, so the
+    checkpoint loads under any plan or world size. `extra` (step counters, RNG and scheduler
+    states, anything picklable) is taken from rank 0 and returned by `load`. The previous
+    checkpoint at `path` stays whole until the new one is complete. A rank that does not call
+    save within `sync_timeout_s` makes the others fail with a message naming it, not hang.
+    Returns the checkpoint directory.
+    """
+    rank, world_size = world()
+    final = os.path.abspath(os.fspath(path))
+    if os.path.isfile(final):
+        raise CheckpointError(f"{WHAT}: {final} is a file; a checkpoint is a directory, choose another path")
+    round_no = begin_round()
+    begun = exchange(round_no, "begin", (final, secrets.token_hex(6)), sync_timeout_s, WHAT)
+    finish_round()
+    paths = sorted({p for p, _ in begun})
+    if len(paths) > 1:
+        raise CheckpointError(f"{WHAT}: ranks passed different paths {paths}; pass the same path on every rank "
+                              "(a directory every rank can reach)")
+    token = begun[0][1]
+    tmp = temp_dir(final, token)
+
+    model_state = full_model_state(module)  # collectives: every rank takes part
+    optim_state = full_optimizer_state(module, optimizer) if optimizer is not None else None
+    status, digest = "ok", None
+    try:
+        placed, model_meta, optim_meta = _layout_files(model_state, optim_state, world_size)
+        os.makedirs(tmp, exist_ok=True)
+        file = os.path.join(tmp, rank_file(rank))
+        torch.save({k: (v.contiguous() if isinstance(v, torch.Tensor) else v)
+                    for k, (v, owner) in placed.items() if owner == rank}, file)
+        fsync_file(file)
+        digest = file_digest(file)
+        if rank == 0:
+            extra_path = os.path.join(tmp, EXTRA_FILE)
+            torch.save(dict(extra), extra_path)
+            fsync_file(extra_path)
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised everywhere
+        status = f"{type(e).__name__}: {e}"
+    written = exchange(round_no, "written", (status, digest), sync_timeout_s, WHAT)
+    failed = {r: s for r, (s, _) in enumerate(written) if s != "ok"}
+    if not failed and rank == 0:
+        try:
+            files = {rank_file(r): d for r, (_, d) in enumerate(written)}
+            files[EXTRA_FILE] = file_digest(os.path.join(tmp, EXTRA_FILE))
+            write_metadata(tmp, {"format": FORMAT, "version": VERSION, "world_size": world_size,
+                                 "plan": plan_summary(module), "model": model_meta, "optimizer": optim_meta,
+                                 "optimizer_class": None if optimizer is None else type(optimizer).__qualname__,
+                                 "files": files, "extra_keys": sorted(extra)})
+            fsync_dir(tmp)
+            swap_into_place(tmp, final, token)
+            remove_stale(final)
+        except Exception as e:  # noqa: BLE001
+            failed[0] = f"{type(e).__name__}: {e}"
+    if failed and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    published = exchange(round_no, "done", failed.get(0, "ok") if rank == 0 else "ok", sync_timeout_s, WHAT)
+    if published[0] != "ok":
+        failed.setdefault(0, published[0])
+    if failed:
+        detail = "; ".join(f"rank {r}: {s}" for r, s in sorted(failed.items()))
+        raise CheckpointError(f"{WHAT} to {final} failed ({detail}); the previous checkpoint there, if any, is "
+                              "untouched")
+    return final
