@@ -304,8 +304,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--format", choices=("svg", "html"), default="svg")
     sub.add_parser("strategies", help="registered strategy names")
+    p = sub.add_parser("merge-checkpoint", help="merge a sharded checkpoint into one state dict file (offline)")
+    p.add_argument("checkpoint", help="directory written by nns.checkpoint.save")
+    p.add_argument("out", help="the .pt file to write (model.load_state_dict takes it)")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help='write {"model", "optimizer", "extra"} instead of the model alone')
     a = ap.parse_args(argv)
     from .capture import CaptureError
+    from .checkpoint import CheckpointError
     from .search.cluster import ClusterError
 
     try:
@@ -313,9 +319,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             from .plugins import strategies
             print("\n".join(strategies()))
             return 0
+        if a.cmd == "merge-checkpoint":
+            from .checkpoint import merge
+            print(merge(a.checkpoint, a.out, with_optimizer=a.with_optimizer))
+            return 0
         return {"search": cmd_search, "explain": cmd_explain, "simulate": cmd_simulate, "show": cmd_show,
                 "render": cmd_render}[a.cmd](a)
-    except (OSError, PlanError, ClusterError, CaptureError, UsageError, ValueError, ImportError) as e:
+    except (OSError, PlanError, ClusterError, CaptureError, UsageError, ValueError, ImportError, CheckpointError) as e:
         print(f"nnscaler-plan {a.cmd}: {e}", file=sys.stderr)
         return 2
 
