@@ -16,6 +16,9 @@ from .search import constraints
 from .search import ClusterSpec, Estimate, ParetoSet, SearchError, cluster, simulate
 from . import search  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
 from . import checkpoint  # nns.checkpoint.save / load / export / merge
+from .framework_imports import watch as _watch_frameworks
+
+_watch_frameworks()  # Trainer(strategy="nnscaler") once Lightning is imported, without importing it now
 
 __version__ = "0.1.0"
 

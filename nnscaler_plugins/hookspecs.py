@@ -67,3 +67,32 @@ def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
     settings, or None to leave the config to the next implementation; the first non-None result
     wins. Keys that cannot be honoured must be refused or warned about by name, never dropped.
     """
+
+
+@hookspec(firstresult=True)
+def nnscaler_example_inputs(model: Any, batch: Any) -> Optional[Any]:
+    """Return the example inputs to capture `model` with, built from one real training batch, or None.
+
+    Framework adapters see batches shaped for the framework's loop (a Hugging Face dict with extra
+    keys the forward does not take, a Lightning `(x, y)` tuple) while capture needs exactly what the
+    model's forward takes (DESIGN section 5: dict = keyword arguments, tuple = positional, tensor =
+    the single argument). The first non-None result wins; the core falls back to the batch itself.
+    """
+
+
+@hookspec
+def nnscaler_register_lightning_strategies(registry: Any, namespace: str) -> None:
+    """Register strategy names into a Lightning `StrategyRegistry` (`registry.register(name, cls, ...)`).
+
+    Called once per Lightning namespace ("lightning.pytorch" or "pytorch_lightning") the first time
+    that namespace's `strategies` module is imported after `import nnscaler_plugins` (or at once when
+    it already was), so `Trainer(strategy="nnscaler")` works without importing Lightning eagerly.
+    The two namespaces are separate copies of Lightning: a class must subclass the `Strategy` of the
+    `namespace` it registers into.
+    """
+
+
+@hookspec
+def nnscaler_on_parallelized(module: Any, plan: Any, framework: str) -> None:
+    """Observe a model a framework adapter has just parallelized (`framework`: "lightning", "hf",
+    "deepspeed" or "core"): log the plan, attach metrics. Return values are ignored."""

@@ -1,8 +1,28 @@
-"""The plugin manager: built-ins and third-party plugins are loaded the same way, by entry point."""
+"""The plugin manager: built-ins and third-party plugins are loaded the same way, by entry point.
+
+Environment switches (read once, when the manager is first made):
+
+    NNSCALER_PLUGINS_DISABLE_AUTOLOAD=1   load no third-party entry points; the entry points this
+                                          distribution declares itself (built-in strategies and
+                                          adapters) are still registered
+    NNSCALER_PLUGINS_BLOCK=name1,name2    never register the plugins with these entry-point names
+                                          (built-ins included, e.g. "builtin_lightning")
+    NNSCALER_PLUGINS_TRACE=1              print every hook call, its arguments and its result to
+                                          stderr (pluggy's tracing)
+
+A plugin is a module or object with `@hookimpl` functions (see `hookspecs`), declared in its
+package's pyproject:
+
+    [project.entry-points.nnscaler_plugins]
+    my_plugin = "my_package.nnscaler_hooks"
+"""
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
+import os
+import sys
 from typing import Any, Callable, Optional
 
 import pluggy
@@ -10,6 +30,23 @@ import pluggy
 from . import hookspecs
 
 ENTRY_POINT_GROUP = "nnscaler_plugins"
+DISTRIBUTION = "nnscaler-plugins"
+ENV_DISABLE_AUTOLOAD = "NNSCALER_PLUGINS_DISABLE_AUTOLOAD"
+ENV_BLOCK = "NNSCALER_PLUGINS_BLOCK"
+ENV_TRACE = "NNSCALER_PLUGINS_TRACE"
+
+# The entries pyproject.toml declares, for a source tree without installed metadata or with metadata
+# older than the source (an editable install made before an entry was added): built-ins are always present.
+_BUILTIN_FALLBACK = (
+    ("builtin_strategies", "nnscaler_plugins.strategies"),
+    ("builtin_lightning", "nnscaler_plugins.adapters.lightning"),
+    ("builtin_hf", "nnscaler_plugins.adapters.hf_hooks"),
+    ("builtin_deepspeed", "nnscaler_plugins.adapters.deepspeed"),
+)
+
+
+class PluginLoadError(ImportError):
+    """An entry point in the `nnscaler_plugins` group could not be imported."""
 
 
 class _CoreDefaults:
@@ -39,25 +76,96 @@ def _temporarily(obj: Any, attr: str, value: Any):
         setattr(obj, attr, old)
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _blocked_names() -> list[str]:
+    return [n.strip() for n in os.environ.get(ENV_BLOCK, "").split(",") if n.strip()]
+
+
+def _entry_points() -> list[tuple[str, str, str]]:
+    """(name, module:object value, distribution name) of every entry point in our group; the
+    built-ins (declared by this distribution) first, so a third-party plugin cannot take their names."""
+    out = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        out.append((ep.name, ep.value, dist.metadata["Name"] if dist is not None else "?"))
+    own = [e for e in out if _normalize(e[2]) == _normalize(DISTRIBUTION)]
+    seen = {n for n, _, _ in own}
+    own += [(n, v, DISTRIBUTION) for n, v in _BUILTIN_FALLBACK if n not in seen]  # stale or missing metadata
+    seen = {n for n, _, _ in own}
+    return own + [e for e in out if _normalize(e[2]) != _normalize(DISTRIBUTION) and e[0] not in seen]
+
+
+def _normalize(dist_name: str) -> str:
+    return dist_name.lower().replace("_", "-")
+
+
+def _load(name: str, value: str, dist: str) -> Any:
+    module_name, _, attr = value.partition(":")
+    try:
+        obj = importlib.import_module(module_name.strip())
+        for part in attr.strip().split(".") if attr.strip() else ():
+            obj = getattr(obj, part)
+    except Exception as e:  # noqa: BLE001 - any failure of third-party code gets the same guidance
+        raise PluginLoadError(
+            f"nnscaler_plugins: plugin {name!r} (entry point {value!r} of distribution {dist!r}) failed to load: "
+            f"{type(e).__name__}: {e}. Fix or uninstall {dist!r}, or skip it with {ENV_BLOCK}={name}") from e
+    return obj
+
+
 @functools.lru_cache(maxsize=1)
 def get_plugin_manager() -> pluggy.PluginManager:
+    """The one plugin manager: core defaults, then built-in and third-party entry points (see the
+    module docstring for the environment switches)."""
     pm = pluggy.PluginManager("nnscaler_plugins")
     pm.add_hookspecs(hookspecs)
+    if _env_flag(ENV_TRACE):
+        pm.trace.root.setwriter(sys.stderr.write)
+        pm.enable_tracing()
+    for name in _blocked_names():
+        pm.set_blocked(name)
     pm.register(_CoreDefaults(), name="nnscaler_plugins.core")
-    pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    autoload = not _env_flag(ENV_DISABLE_AUTOLOAD)
+    for name, value, dist in _entry_points():
+        builtin = _normalize(dist) == _normalize(DISTRIBUTION)
+        if pm.is_blocked(name) or pm.has_plugin(name) or not (builtin or autoload):
+            continue
+        pm.register(_load(name, value, dist), name=name)
+    pm.check_pending()  # a misspelt hook name in any plugin fails here, naming the plugin
     return pm
+
+
+def plugin_names() -> list[str]:
+    """Names of the registered plugins (entry-point names; "nnscaler_plugins.core" for the defaults)."""
+    return sorted(name for name, plugin in get_plugin_manager().list_name_plugin() if plugin is not None)
 
 
 def register(plugin: Any, name: Optional[str] = None) -> None:
     """Register a plugin object or module at run time (tests, notebooks)."""
     pm = get_plugin_manager()
     pm.register(plugin, name=name)
-    _strategy_table.cache_clear()
+    _forget_tables()
 
 
 def unregister(plugin: Any) -> None:
     get_plugin_manager().unregister(plugin)
+    _forget_tables()
+
+
+def _forget_tables() -> None:
+    """Strategies and op rules are read from the hooks once; a plugin added later must be seen."""
     _strategy_table.cache_clear()
+    from .rules.table import refresh
+    refresh()
+
+
+def example_inputs(model: Any, batch: Any) -> Any:
+    """What `model`'s forward takes, built from one real batch by the `nnscaler_example_inputs`
+    hook; the batch itself when no plugin knows better."""
+    found = get_plugin_manager().hook.nnscaler_example_inputs(model=model, batch=batch)
+    return batch if found is None else found
 
 
 @functools.lru_cache(maxsize=1)
