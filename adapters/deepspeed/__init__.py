@@ -1,0 +1,158 @@
+"""A drop-in for `import deepspeed` in training scripts: the same `initialize`, config and engine
+methods, run by this project's plans instead of DeepSpeed.
+
+    from nnscaler_plugins.adapters import deepspeed
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config="ds_config.json",
+                                                                model_parameters=model.parameters())
+
+The config is read with DeepSpeed's meaning; keys this engine cannot honour are refused or warned
+about by name (the table is `keys.py`). An optional "nnscaler" section picks the plan:
+`{"nnscaler": {"plan": "tp"}}`, `{"plan": "1f1b", "pp": 2}`, `{"plan": "auto"}`; data parallel
+otherwise. Importing this module never imports DeepSpeed itself.
+
+The built-in config translation is a plugin: it implements the `nnscaler_translate_deepspeed_config`
+hook and is registered through the `nnscaler_plugins` entry point like any third-party plugin.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from nnscaler_plugins.hookspecs import hookimpl
+from nnscaler_plugins.plugins import get_plugin_manager
+
+from .config import DeepSpeedConfigError, Settings, load_config, resolve_batch, translate
+from .engine import DeepSpeedEngine
+from .launch import add_config_arguments, init_distributed
+from .optimizers import build_optimizer
+from .schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
+           "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+
+PLUGIN_NAME = "builtin_deepspeed"
+
+
+@hookimpl(trylast=True)
+def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
+    """The built-in translation: every key checked against `keys.py`, DeepSpeed's semantics."""
+    return translate(config).to_dict()
+
+
+def _settings_of(config: dict) -> Settings:
+    pm = get_plugin_manager()
+    this = sys.modules[__name__]
+    # Imported directly while entry points are switched off: the built-in still applies, unless
+    # it was blocked by name.
+    if not pm.is_registered(this) and not pm.has_plugin(PLUGIN_NAME) and not pm.is_blocked(PLUGIN_NAME):
+        pm.register(this, name=PLUGIN_NAME)
+    result = pm.hook.nnscaler_translate_deepspeed_config(config=config)
+    if result is None:
+        raise DeepSpeedConfigError(f"no plugin translated the DeepSpeed config (the built-in {PLUGIN_NAME!r} is "
+                                   "blocked); unblock it or install a plugin implementing "
+                                   "nnscaler_translate_deepspeed_config")
+    return result if isinstance(result, Settings) else Settings(**result)
+
+
+def _degrees(plan: Any, options: dict, world_size: int) -> tuple[int, int]:
+    """(ranks per model replica, data-parallel size) of the plan the config names, before it exists:
+    the batch sizes and the data loader need the data-parallel size at initialize."""
+    from nnscaler_plugins.errors import PlanError
+    from nnscaler_plugins.plan import Plan
+    from nnscaler_plugins.plugins import get_strategy
+
+    if isinstance(plan, str) and plan.endswith(".json"):
+        p = Plan.load(plan)
+        if p.world_size != world_size:
+            raise DeepSpeedConfigError(f"plan file {plan!r} is for {p.world_size} ranks, this job has {world_size}")
+        return p.unit_size, p.dp
+    if not isinstance(plan, str):
+        raise DeepSpeedConfigError(f"nnscaler.plan must be a strategy name or a plan file, got {plan!r}")
+    try:
+        fn = get_strategy(plan)
+    except KeyError as e:
+        raise DeepSpeedConfigError(f"nnscaler.plan: {e.args[0]}") from None
+    degrees = getattr(fn, "degrees", None)
+    try:
+        unit, dp = degrees(world_size, **options) if degrees is not None else (world_size, 1)
+    except PlanError as e:
+        raise DeepSpeedConfigError(f"nnscaler section {dict(plan=plan, **options)}: {e}") from None
+    if unit * dp != world_size:
+        raise DeepSpeedConfigError(f"nnscaler plan {plan!r} with {options} uses {unit} x {dp} ranks, the job has "
+                                   f"{world_size}")
+    return unit, dp
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Optional[Callable] = None, config: Union[str, os.PathLike, dict, None] = None,
+               mesh_param: Any = None, config_params: Optional[dict] = None
+               ) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """DeepSpeed's `initialize`: returns (engine, optimizer, training_dataloader, lr_scheduler).
+
+    `optimizer` and `lr_scheduler` may be objects or callables (params -> optimizer, optimizer ->
+    scheduler) and take precedence over the config's sections, as in DeepSpeed. The config is
+    checked whole before the process group is touched.
+    """
+    raw = load_config(config, config_params, args)
+    settings = _settings_of(raw)
+    if model is None:
+        raise DeepSpeedConfigError("deepspeed.initialize needs model=")
+    if not isinstance(model, torch.nn.Module):
+        raise DeepSpeedConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if mpu is not None:
+        raise DeepSpeedConfigError("mpu= (Megatron's model-parallel unit) is not supported: the plan decides model "
+                                   "parallelism; use the config's nnscaler section, e.g. {'plan': 'tp'}")
+    if mesh_param is not None:
+        raise DeepSpeedConfigError("mesh_param= is not supported: the plan decides the device mesh")
+    if optimizer is not None and settings.optimizer is not None:
+        warnings.warn(f"an optimizer was passed to initialize, so the config's optimizer section "
+                      f"({settings.optimizer['type']}) is not used (DeepSpeed does the same)", stacklevel=2)
+    if lr_scheduler is not None and settings.scheduler is not None:
+        warnings.warn(f"an lr_scheduler was passed to initialize, so the config's scheduler section "
+                      f"({settings.scheduler['type']}) is not used (DeepSpeed does the same)", stacklevel=2)
+
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    unit, dp = _degrees(settings.plan, settings.plan_options, world)
+    resolve_batch(settings, dp)
+
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    opt = _make_optimizer(optimizer, settings, params)
+    sched = _make_scheduler(lr_scheduler, settings, opt)
+    engine = DeepSpeedEngine(model, settings, raw, optimizer=opt, lr_scheduler=sched, rank=rank, world_size=world,
+                             unit_size=unit, dp_size=dp)
+    if training_data is not None:
+        engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _make_optimizer(given: Any, settings: Settings, params: list) -> Any:
+    if given is not None:
+        if isinstance(given, torch.optim.Optimizer):
+            return given
+        if callable(given):
+            return given(params)
+        raise DeepSpeedConfigError(f"optimizer must be a torch optimizer or a callable making one, got "
+                                   f"{type(given).__name__}")
+    if settings.optimizer is None:
+        return None
+    return build_optimizer(settings.optimizer["type"], settings.optimizer["params"], params)
+
+
+def _make_scheduler(given: Any, settings: Settings, optimizer: Any) -> Any:
+    if given is not None:
+        return given(optimizer) if callable(given) and not hasattr(given, "step") else given
+    if settings.scheduler is None:
+        return None
+    if optimizer is None:
+        raise DeepSpeedConfigError(f"the config has a scheduler ({settings.scheduler['type']}) but no optimizer; add "
+                                   "an optimizer section or pass optimizer=")
+    return build_scheduler(settings.scheduler["type"], settings.scheduler["params"], optimizer)

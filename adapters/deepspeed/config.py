@@ -1,0 +1,302 @@
+"""Reading a DeepSpeed JSON config into this engine's settings, with DeepSpeed's meaning.
+
+Everything that can be checked without processes is checked here, so a bad config fails in
+`initialize` with a message naming the key, before any model is captured or any rank waits on another.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+from . import keys as K
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed config this engine cannot run as DeepSpeed would."""
+
+
+AUTO = "auto"
+
+
+@dataclass
+class Settings:
+    """What the engine needs from a config. Batch sizes may still be None: the triple is completed
+    by `resolve_batch` once the data-parallel size is known."""
+
+    train_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    gradient_accumulation_steps: Optional[int] = None
+    optimizer: Optional[dict] = None          # {"type": str, "params": dict}
+    scheduler: Optional[dict] = None          # {"type": str, "params": dict}
+    precision: str = "fp32"                   # "fp32" | "bf16" | "fp16"
+    loss_scale: dict = field(default_factory=dict)  # the fp16 section's scaling keys
+    zero_stage: int = 0
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    dataloader_drop_last: bool = False
+    managed_gradient_accumulation: bool = True
+    plan: Any = "dp"
+    plan_options: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_config(config: Union[str, os.PathLike, dict, None], config_params: Optional[dict] = None,
+                args: Any = None) -> dict:
+    """The config dict from `config`, the legacy `config_params`, or `args.deepspeed_config`, in
+    DeepSpeed's order of precedence."""
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is None and args is not None:
+        from_args = getattr(args, "deepscale_config", None)
+    if config is not None and from_args is not None:
+        raise DeepSpeedConfigError("a config was given both as config= and as args.deepspeed_config; give one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise DeepSpeedConfigError("no DeepSpeed config: pass config= (a dict or a JSON file) or "
+                                   "args.deepspeed_config (see add_config_arguments)")
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))  # a private deep copy; the caller's dict stays as it is
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} does not exist")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+
+
+def translate(config: dict) -> Settings:
+    """Check every key against the tables in `keys` and read what is accepted."""
+    if not isinstance(config, dict):
+        raise DeepSpeedConfigError(f"a DeepSpeed config is a JSON object, got {type(config).__name__}")
+    _check_keys(config)
+    s = Settings()
+    s.train_batch_size = _batch_value(config, "train_batch_size")
+    s.micro_batch_size = _batch_value(config, "train_micro_batch_size_per_gpu")
+    s.gradient_accumulation_steps = _batch_value(config, "gradient_accumulation_steps")
+    s.optimizer = _optimizer_section(config.get("optimizer"))
+    s.scheduler = _scheduler_section(config.get("scheduler"))
+    s.precision, s.loss_scale = _precision(config)
+    s.zero_stage = _zero_stage(config.get("zero_optimization") or {})
+    s.gradient_clipping = _number(config, "gradient_clipping", 0.0,
+                                  auto_hint="the HF Trainer fills it from max_grad_norm; give a number (0 = off)")
+    s.steps_per_print = int(_number(config, "steps_per_print", 10, auto_hint="give a number"))
+    s.wall_clock_breakdown = bool(config.get("wall_clock_breakdown", False))
+    s.dataloader_drop_last = bool(config.get("dataloader_drop_last", False))
+    s.managed_gradient_accumulation = bool(config.get("managed_gradient_accumulation", True))
+    _check_reduction_keys(config)
+    s.plan, s.plan_options = _nnscaler_section(config.get("nnscaler"))
+    return s
+
+
+def _check_keys(config: dict) -> None:
+    removed = [k for k in config if k in K.REMOVED_TOP_LEVEL]
+    if removed:
+        raise DeepSpeedConfigError(f"config keys {removed} were removed from DeepSpeed in 0.19 (DeepSpeed refuses "
+                                   "them too); delete them")
+    _check_table(config, K.TOP_LEVEL, "")
+    for name, table in K.SECTIONS.items():
+        section = config.get(name)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise DeepSpeedConfigError(f"config key {name!r} must be an object, got {section!r}")
+        _check_table(section, table, name + ".")
+
+
+def _check_table(section: dict, table: dict, prefix: str) -> None:
+    unknown = [prefix + k for k in section if k not in table]
+    if unknown:
+        raise DeepSpeedConfigError(f"unknown DeepSpeed config key(s) {unknown}: this engine does not know them, so "
+                                   "it will not guess; remove them or check their spelling")
+    refused = [(prefix + k, table[k][1]) for k in section if table[k][0] == K.REFUSE]
+    if refused:
+        raise DeepSpeedConfigError("unsupported DeepSpeed config key(s): "
+                                   + "; ".join(f"{k} ({why})" for k, why in refused))
+    warned = [(prefix + k, table[k][1]) for k in section if table[k][0] == K.WARN]
+    if warned:
+        warnings.warn("DeepSpeed config key(s) accepted without effect in this engine: "
+                      + "; ".join(f"{k} ({why})" for k, why in warned), stacklevel=4)
+
+
+def _batch_value(config: dict, key: str) -> Optional[int]:
+    v = config.get(key)
+    if v is None or v == AUTO:  # "auto": derived from the other two, as the HF Trainer would
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise DeepSpeedConfigError(f"{key} must be a positive integer, got {v!r}")
+    return v
+
+
+def resolve_batch(s: Settings, dp_size: int) -> None:
+    """Complete the batch triple as DeepSpeed does and check train = micro x accumulation x dp."""
+    train, micro, acc = s.train_batch_size, s.micro_batch_size, s.gradient_accumulation_steps
+    if train is not None and micro is not None and acc is not None:
+        pass
+    elif train is not None and micro is not None:
+        acc = train // micro // dp_size
+    elif train is not None and acc is not None:
+        micro = train // dp_size // acc
+    elif micro is not None and acc is not None:
+        train = micro * acc * dp_size
+    elif train is not None:
+        acc, micro = 1, train // dp_size
+    elif micro is not None:
+        acc, train = 1, micro * dp_size
+    else:
+        raise DeepSpeedConfigError("the config needs train_batch_size or train_micro_batch_size_per_gpu (a number; "
+                                   "'auto' only works where a trainer fills it in)")
+    if micro < 1 or acc < 1 or train != micro * acc * dp_size:
+        raise DeepSpeedConfigError(
+            f"inconsistent batch sizes: train_batch_size={train} must equal train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={acc} x data-parallel size {dp_size} (= {micro * acc * dp_size}); fix one "
+            "of them or leave one out to have it derived")
+    s.train_batch_size, s.micro_batch_size, s.gradient_accumulation_steps = train, micro, acc
+
+
+def _number(config: dict, key: str, default: float, auto_hint: str) -> float:
+    v = config.get(key, default)
+    if v == AUTO:
+        raise DeepSpeedConfigError(f"{key}: 'auto' cannot be resolved outside a trainer; {auto_hint}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise DeepSpeedConfigError(f"{key} must be a non-negative number, got {v!r}")
+    return v
+
+
+# Values the HF Trainer writes for "auto" optimizer parameters when its own arguments keep their
+# defaults; they are also DeepSpeed's Adam defaults. The learning rate has no such default.
+_AUTO_OPTIMIZER_PARAMS = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _optimizer_section(section: Any) -> Optional[dict]:
+    if section is None:
+        return None
+    if not isinstance(section, dict) or "type" not in section:
+        raise DeepSpeedConfigError(f"optimizer must be {{'type': ..., 'params': {{...}}}}, got {section!r}")
+    extra = [k for k in section if k not in ("type", "params")]
+    if extra:
+        raise DeepSpeedConfigError(f"unknown key(s) {['optimizer.' + k for k in extra]}; an optimizer section holds "
+                                   "'type' and 'params'")
+    params = dict(section.get("params") or {})
+    for k, v in list(params.items()):
+        if v == AUTO:
+            if k not in _AUTO_OPTIMIZER_PARAMS:
+                raise DeepSpeedConfigError(f"optimizer.params.{k}: 'auto' cannot be resolved outside a trainer; "
+                                           "give a value")
+            params[k] = _AUTO_OPTIMIZER_PARAMS[k]
+    from .optimizers import check_optimizer_section  # noqa: PLC0415 - keeps the optimizer table in one place
+    check_optimizer_section(section["type"], params)
+    return {"type": section["type"], "params": params}
+
+
+def _scheduler_section(section: Any) -> Optional[dict]:
+    if section is None:
+        return None
+    if not isinstance(section, dict) or "type" not in section:
+        raise DeepSpeedConfigError(f"scheduler must be {{'type': ..., 'params': {{...}}}}, got {section!r}")
+    extra = [k for k in section if k not in ("type", "params")]
+    if extra:
+        raise DeepSpeedConfigError(f"unknown key(s) {['scheduler.' + k for k in extra]}; a scheduler section holds "
+                                   "'type' and 'params'")
+    params = dict(section.get("params") or {})
+    for k, v in list(params.items()):
+        if v != AUTO:
+            continue
+        if k == "warmup_min_lr":
+            params[k] = 0.0  # what the HF Trainer writes
+        elif k == "warmup_max_lr":
+            params[k] = None  # the optimizer's lr, which the HF Trainer writes too
+        else:
+            raise DeepSpeedConfigError(f"scheduler.params.{k}: 'auto' cannot be resolved outside a trainer (it needs "
+                                       "the number of training steps); give a number")
+    from .schedulers import check_scheduler_section  # noqa: PLC0415
+    check_scheduler_section(section["type"], params)
+    return {"type": section["type"], "params": params}
+
+
+def _enabled(config: dict, name: str) -> bool:
+    section = config.get(name) or {}
+    v = section.get("enabled", False)
+    if v == AUTO:
+        raise DeepSpeedConfigError(f"{name}.enabled: 'auto' cannot be resolved outside a trainer; give true or false")
+    return bool(v)
+
+
+def _precision(config: dict) -> tuple[str, dict]:
+    fp16 = _enabled(config, "fp16")
+    bf16 = _enabled(config, "bf16") or _enabled(config, "bfloat16")
+    if fp16 and bf16:
+        raise DeepSpeedConfigError("fp16.enabled and bf16.enabled are both true; enable one")
+    for name, key in (("fp16", "auto_cast"), ("fp16", "fp16_master_weights_and_grads"),
+                      ("bf16", "bf16_master_weights_and_grads"), ("bf16", "bf16_optimizer_states"),
+                      ("bfloat16", "bf16_master_weights_and_grads"), ("bfloat16", "bf16_optimizer_states")):
+        if (config.get(name) or {}).get(key):
+            raise DeepSpeedConfigError(f"{name}.{key}=true is not supported: master weights and optimizer states "
+                                       "are kept in fp32 here; set it to false")
+    scale = {}
+    if fp16:
+        section = config["fp16"]
+        scale = {"loss_scale": float(section.get("loss_scale", 0.0)),
+                 "initial_scale_power": int(section.get("initial_scale_power", 16)),
+                 "loss_scale_window": int(section.get("loss_scale_window", 1000)),
+                 "hysteresis": int(section.get("hysteresis", 2)),
+                 "consecutive_hysteresis": bool(section.get("consecutive_hysteresis", False)),
+                 "min_loss_scale": float(section.get("min_loss_scale", 1.0))}
+    return ("fp16" if fp16 else "bf16" if bf16 else "fp32"), scale
+
+
+def _zero_stage(section: dict) -> int:
+    stage = section.get("stage", 0)
+    if stage == AUTO:  # DeepSpeed drops "auto" zero values and keeps the default
+        stage = 0
+    if stage not in (0, 1, 2, 3):
+        raise DeepSpeedConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    for key in ("offload_param", "offload_optimizer"):
+        dev = (section.get(key) or {}).get("device", "none")
+        if dev not in (None, "none"):
+            raise DeepSpeedConfigError(f"zero_optimization.{key}.device={dev!r}: offloading is not supported; "
+                                       "remove the section or set device to 'none'")
+    for key in ("cpu_offload", "cpu_offload_param", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                "zero_quantized_gradients"):
+        if section.get(key):
+            raise DeepSpeedConfigError(f"zero_optimization.{key}=true is not supported; set it to false")
+    if section.get("zero_hpz_partition_size", 1) not in (1, AUTO):
+        raise DeepSpeedConfigError("zero_optimization.zero_hpz_partition_size > 1 (hierarchical partitioning) is not "
+                                   "supported; set it to 1")
+    return int(stage)
+
+
+def _check_reduction_keys(config: dict) -> None:
+    if config.get("prescale_gradients"):
+        raise DeepSpeedConfigError("prescale_gradients=true is not supported; set it to false")
+    if config.get("gradient_predivide_factor", 1.0) != 1.0:
+        raise DeepSpeedConfigError("gradient_predivide_factor other than 1.0 is not supported")
+    if config.get("gradient_allreduce_op", "mean") != "mean":
+        raise DeepSpeedConfigError("gradient_allreduce_op other than 'mean' is not supported")
+    dtype = config.get("communication_data_type")
+    if dtype not in (None, "fp32", "float32"):
+        raise DeepSpeedConfigError(f"communication_data_type={dtype!r} is not supported; gradients are reduced in "
+                                   "their own dtype (leave it out or use 'fp32')")
+
+
+def _nnscaler_section(section: Any) -> tuple[Any, dict]:
+    if section is None:
+        return "dp", {}
+    if isinstance(section, str):
+        return section, {}
+    if not isinstance(section, dict):
+        raise DeepSpeedConfigError(f"'nnscaler' must be an object such as {{'plan': 'tp'}}, got {section!r}")
+    options = dict(section)
+    plan = options.pop("plan", "dp")
+    if "micro_batches" in options or "micro_batch_size" in options:
+        raise DeepSpeedConfigError("nnscaler.micro_batches: a pipeline's micro-batches are the config's "
+                                   "gradient_accumulation_steps; remove it")
+    return plan, options

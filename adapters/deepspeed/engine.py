@@ -1,0 +1,461 @@
+"""The engine a DeepSpeed script drives: forward, backward, step, with DeepSpeed's accumulation rules.
+
+The model is parallelized on the first forward (or `train_batch`), with that micro-batch as the
+example inputs, under the plan the config's "nnscaler" section names (data parallel by default).
+The optimizer the script holds stays the same object: it is made over the model's own parameters
+and, when the model is parallelized, its param groups are pointed at this rank's shards (nothing
+has stepped yet, so there is no state to move). Schedulers made on it keep working.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+import nnscaler_plugins as nns
+from nnscaler_plugins.runtime.loss import extract_loss
+
+from . import checkpoint as ckpt
+from .config import DeepSpeedConfigError, Settings
+from .grad_norm import clip_gradients, global_grad_norm
+
+log = logging.getLogger("nnscaler_plugins.deepspeed")
+
+
+def _safe(fqn: str) -> str:
+    return fqn.replace(".", "__")
+
+
+def _concat(batches: list) -> Any:
+    """Micro-batches joined along the batch dim (what a pipeline plan's train_step cuts again)."""
+    if len(batches) == 1:
+        return batches[0]
+    flat = [pytree.tree_flatten(b) for b in batches]
+    spec = flat[0][1]
+    leaves = []
+    for parts in zip(*(f[0] for f in flat)):
+        first = parts[0]
+        leaves.append(torch.cat(parts) if isinstance(first, torch.Tensor) and first.ndim > 0 else first)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """DeepSpeed's engine surface over a ParallelModule. Build it with `initialize`."""
+
+    def __init__(self, model: torch.nn.Module, settings: Settings, config: dict, *, optimizer: Any,
+                 lr_scheduler: Any, rank: int, world_size: int, unit_size: int, dp_size: int,
+                 cache_dir: str = ".nnscaler_cache"):
+        super().__init__()
+        # Kept out of nn.Module's registry: `parameters()` must be the weights that train, which
+        # are the model's until it is parallelized and the ParallelModule's after.
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_pmodule", None)
+        self._settings = settings
+        self._config = config
+        self._cache_dir = cache_dir
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader: Any = None
+        self.global_rank = rank
+        self.world_size = world_size
+        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+        self.mp_world_size = unit_size
+        self.dp_world_size = dp_size
+        self.dp_rank = rank // unit_size
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: Optional[bool] = None
+        self._in_no_sync = False
+        self._grad_norm: Optional[float] = None
+        self._step_applied = False
+        self._pending_module_state: Optional[tuple[dict, bool]] = None
+        self._pending_optim_state: Optional[dict] = None
+        self._data_iter: Optional[Iterator] = None
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+    # -- the module ---------------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The parallelized module once built (it holds the weights that train), the model before."""
+        return self._pmodule if self._pmodule is not None else self._model
+
+    def _build(self, example_inputs: Any, micro_batches: int = 1) -> None:
+        s = self._settings
+        options = dict(s.plan_options)
+        if micro_batches > 1:
+            options["micro_batches"] = micro_batches
+        object.__setattr__(self, "_pmodule", nns.parallelize(self._model, example_inputs, plan=s.plan,
+                                                             cache_dir=self._cache_dir, **options))
+        pm = self._pmodule
+        if pm.dp_size != self.dp_world_size:
+            raise DeepSpeedConfigError(f"the plan has data-parallel size {pm.dp_size}, the batch sizes were resolved for "
+                                       f"{self.dp_world_size}; give nnscaler.dp explicitly")
+        pm.train(self._model.training)
+        if self._pending_module_state is not None:
+            state, _strict = self._pending_module_state
+            pm.load_full_state_dict(state)
+            self._pending_module_state = None
+        if self.optimizer is not None:
+            self._rebind_optimizer()
+        if self._pending_optim_state is not None:
+            self.optimizer.load_state_dict(self._pending_optim_state)
+            self._pending_optim_state = None
+
+    def _rebind_optimizer(self) -> None:
+        """Point the optimizer's param groups at this rank's shards of the same parameters."""
+        opt = self.optimizer
+        if any(len(st) for st in opt.state.values()):
+            raise RuntimeError("the optimizer has state before the model was parallelized (it stepped on the original "
+                               "parameters); create it fresh, or load a checkpoint through engine.load_checkpoint")
+        shards = self._pmodule.shards
+        for group in opt.param_groups:
+            mine = []
+            for p in group["params"]:
+                name = self._model_param_names.get(id(p))
+                if name is None:
+                    raise DeepSpeedConfigError("the optimizer holds a tensor that is not a parameter of the model; "
+                                               "build it over model.parameters() (or param groups of them)")
+                key = _safe(name)
+                if key in shards and all(q is not shards[key] for q in mine):
+                    mine.append(shards[key])
+            group["params"] = mine
+        opt.state.clear()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        if self._pmodule is None:
+            if args and kwargs:
+                raise TypeError("the first forward takes either positional or keyword inputs to parallelize the model "
+                                "on, not both")
+            example = kwargs if kwargs else (args[0] if len(args) == 1 and not isinstance(args[0], dict) else args)
+            if len(args) == 1 and isinstance(args[0], dict):
+                example = args[0]
+            self._build(example)
+        if self._pmodule.plan.pipeline is not None:
+            raise RuntimeError("the config's nnscaler plan is a pipeline: it runs whole steps, so call "
+                               "engine.train_batch(data_iter) instead of engine(...), backward and step "
+                               "(DeepSpeed's PipelineEngine has the same rule)")
+        out = self._pmodule(*args, **kwargs)
+        self._times["forward"] += time.perf_counter() - t0
+        return out
+
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        super().train(mode)
+        self._model.train(mode)
+        if self._pmodule is not None:
+            self._pmodule.train(mode)
+        return self
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    # -- accumulation -------------------------------------------------------------------------------
+    def gradient_accumulation_steps(self) -> int:
+        return self._settings.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._settings.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self._settings.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        if not self._settings.managed_gradient_accumulation:
+            return True
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Let the caller say where the boundary is (accelerate does), instead of counting micro-steps."""
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction for the backwards inside (DeepSpeed refuses it with ZeRO 2 and 3,
+        whose gradients are partitioned; so does this engine, to run the same scripts the same way)."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                               f"stage {self.zero_optimization_stage()}")
+        old, self._in_no_sync = self._in_no_sync, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = old
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """loss / gradient_accumulation_steps (unless scale_wrt_gas=False) backward; gradients are
+        reduced across data-parallel ranks only at the accumulation boundary. Returns the scaled loss."""
+        if self._pmodule is None:
+            raise RuntimeError("engine.backward before any forward: run engine(batch) first")
+        t0 = time.perf_counter()
+        acc = self.gradient_accumulation_steps()
+        if scale_wrt_gas and acc > 1:
+            loss = loss / acc
+        sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        with contextlib.nullcontext() if sync else self._pmodule.no_sync():
+            loss.backward(retain_graph=retain_graph)
+        self._times["backward"] += time.perf_counter() - t0
+        return loss
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """At the boundary: clip, step the optimizer and the scheduler, zero the gradients, count
+        the step. Off the boundary it only counts the micro-step."""
+        if self._in_no_sync:
+            raise RuntimeError("It is illegal to call Engine.step() inside no_sync context manager")
+        t0 = time.perf_counter()
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+        self._times["step"] += time.perf_counter() - t0
+
+    def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        if self._pmodule is None:
+            raise RuntimeError("engine.step before any forward: run engine(batch) and engine.backward(loss) first")
+        self._grad_norm = global_grad_norm(self._pmodule)
+        if self._settings.gradient_clipping > 0:
+            clip_gradients(self._pmodule, self._settings.gradient_clipping, self._grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._step_applied = True
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._report()
+
+    def _report(self) -> None:
+        every = self._settings.steps_per_print
+        if not every or self.global_steps % every or self.global_rank != 0:
+            return
+        log.info("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps, self.get_lr(),
+                 self.get_mom())
+        if self._settings.wall_clock_breakdown:
+            log.info("time (ms) | forward: %.2f | backward: %.2f | step: %.2f",
+                     *(1000 * self._times[k] for k in ("forward", "backward", "step")))
+            self._times = dict.fromkeys(self._times, 0.0)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- pipelines ----------------------------------------------------------------------------------
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches from `data_iter` (or
+        the training_data given to initialize). Returns the mean loss over the micro-batches and the
+        data-parallel ranks, as DeepSpeed's PipelineEngine does. Each micro-batch is what the model's
+        forward takes, and the model computes its loss."""
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise ValueError("train_batch needs data_iter= or training_data= given to initialize")
+            if self._data_iter is None:
+                self._data_iter = _repeat(self.training_dataloader)
+            data_iter = self._data_iter
+        acc = self.gradient_accumulation_steps()
+        micro = [next(data_iter) for _ in range(acc)]
+        if self._pmodule is None:
+            self._build(_concat(micro), micro_batches=acc)
+        pm = self._pmodule
+        if pm.plan.num_micro_batches == acc and (acc > 1 or pm.plan.pipeline is not None):
+            loss = pm.train_step(_concat(micro))
+            self.micro_steps += acc - 1
+            self._boundary_override, old = True, self._boundary_override
+            try:
+                self.step()
+            finally:
+                self._boundary_override = old
+        else:
+            total = None
+            for mb in micro:
+                out = self(mb) if not isinstance(mb, dict) else self(**mb)
+                raw = extract_loss(out)
+                self.backward(raw)
+                self.step()
+                total = raw.detach() if total is None else total + raw.detach()
+            loss = total / acc
+        loss = loss.detach().clone()
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(loss)
+            loss /= self.world_size
+        return loss
+
+    # -- what scripts read --------------------------------------------------------------------------
+    def get_lr(self) -> list:
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_mom(self) -> list:
+        if self.optimizer is None:
+            return []
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The 2-norm of all gradients at the last optimizer step, before clipping (None before it)."""
+        return self._grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def zero_optimization_stage(self) -> int:
+        return self._settings.zero_stage
+
+    def zero_optimization(self) -> bool:
+        return self._settings.zero_stage > 0
+
+    def gradient_clipping(self) -> float:
+        return self._settings.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        return self._settings.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self._settings.precision == "bf16"
+
+    def steps_per_print(self) -> int:
+        return self._settings.steps_per_print
+
+    @property
+    def config(self) -> dict:
+        return self._config
+
+    def deepspeed_io(self, dataset: Any, batch_size: Optional[int] = None, route: str = "train",
+                     pin_memory: bool = False, data_sampler: Any = None, collate_fn: Optional[Callable] = None,
+                     num_local_io_workers: Optional[int] = None) -> torch.utils.data.DataLoader:
+        """A loader of micro-batches for this data-parallel rank, sampled as DeepSpeed's is
+        (a DistributedSampler over the data-parallel ranks, shuffled with seed 0)."""
+        if data_sampler is None:
+            data_sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=self.dp_world_size,
+                                                               rank=self.dp_rank, shuffle=route == "train")
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                           sampler=data_sampler, collate_fn=collate_fn, pin_memory=pin_memory,
+                                           num_workers=num_local_io_workers or 0,
+                                           drop_last=self._settings.dataloader_drop_last)
+
+    # -- state --------------------------------------------------------------------------------------
+    def module_state_dict(self) -> dict:
+        """Whole weights under the model's own names (collective once parallelized)."""
+        return self._pmodule.full_state_dict() if self._pmodule is not None else self._model.state_dict()
+
+    def load_module_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        if self._pmodule is not None:
+            self._pmodule.load_full_state_dict(state_dict)
+        else:
+            self._model.load_state_dict(state_dict, strict=strict)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Whole weights in one file, written by rank 0 (every rank must call it). Kept in the
+        training dtype: fp32 stays fp32."""
+        import os
+
+        state = self.module_state_dict()
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+        return True
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's layout (`latest`, `<tag>/`); every rank must call it."""
+        if self._pmodule is None:
+            raise RuntimeError("save_checkpoint before the first forward: the model is parallelized on the first "
+                               "batch, so there is nothing of this engine's to save yet")
+        tag = f"global_step{self.global_steps}" if tag is None else tag
+        state = dict(client_state or {})
+        clash = sorted(set(state) & set(ckpt.ENGINE_KEYS))
+        if clash:
+            raise ValueError(f"client_state keys {clash} are the engine's own; rename them")
+        state.update({
+            "module": self._pmodule.full_state_dict(),
+            "global_steps": self.global_steps, "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "ds_config": self._config, "ds_version": "nnscaler-plugins " + nns.__version__,
+            "nnscaler_plan": self._plan_signature(),
+            "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size,
+        })
+        optim = None
+        if self.optimizer is not None:
+            optim = {"optimizer_state_dict": self.optimizer.state_dict(), "nnscaler_plan": self._plan_signature()}
+        ckpt.save(save_dir, tag, state, optim, self.dp_rank, self._pmodule.unit_device, save_latest)
+        return True
+
+    def _plan_signature(self) -> dict:
+        p = self._pmodule.plan
+        return {"strategy": p.strategy, "world_size": p.world_size, "unit_size": p.unit_size, "dp": p.dp}
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Optional[Callable] = None
+                        ) -> tuple[Optional[str], Optional[dict]]:
+        """Returns (path, client_state), or (None, None) when `load_dir` has no `latest` and no tag was
+        given. Before the first forward the weights go into the model and the optimizer state waits
+        for the parallelization."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("custom_load_fn is not supported; load the state yourself from "
+                                      "engine.load_checkpoint's returned path")
+        import os
+
+        tag = ckpt.resolve_tag(load_dir, tag)
+        if tag is None:
+            log.warning("unable to find latest file at %s, if trying to load latest checkpoint please pass an "
+                        "explicit tag or make sure 'latest' exists", os.path.join(load_dir, ckpt.LATEST))
+            return None, None
+        path = os.path.join(load_dir, tag)
+        states = ckpt.read_model_states(path)
+        self.load_module_state_dict(states["module"], strict=load_module_strict) if self._pmodule is not None \
+            else self._model.load_state_dict(states["module"], strict=load_module_strict)
+        if not load_module_only:
+            if load_optimizer_states and self.optimizer is not None:
+                optim = ckpt.read_optim_states(path, self.dp_rank, self.global_rank % self.mp_world_size)
+                saved = optim.get("nnscaler_plan", {})
+                if saved.get("world_size") != self.world_size or saved.get("unit_size") != self.mp_world_size:
+                    raise RuntimeError(f"optimizer state in {path} was saved under plan {saved}; this job has world size "
+                                       f"{self.world_size} with units of {self.mp_world_size}: load with "
+                                       "load_optimizer_states=False (weights only) or under the same plan")
+                if self._pmodule is not None:
+                    self.optimizer.load_state_dict(optim["optimizer_state_dict"])
+                else:
+                    self._pending_optim_state = optim["optimizer_state_dict"]
+            if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+            self.global_steps = states["global_steps"]
+            self.global_samples = states["global_samples"]
+            self.micro_steps = states["micro_steps"]
+            self.skipped_steps = states["skipped_steps"]
+        return path, ckpt.client_state_of(states)
+
+    def destroy(self) -> None:
+        """Nothing to release beyond what garbage collection does; kept for DeepSpeed's API."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            inner = self.__dict__.get("_pmodule") or self.__dict__.get("_model")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
+def _repeat(loader: Any) -> Iterator:
+    """DeepSpeed's RepeatingLoader: start over at the end of the data."""
+    while True:
+        yield from loader

@@ -1,0 +1,121 @@
+"""Every DeepSpeed config key this engine knows, and what it does with it.
+
+A key is ACCEPT-ed (honoured with DeepSpeed's meaning), WARN-ed (accepted, but it only tunes how
+DeepSpeed itself runs -- buckets, monitors, profilers -- and has no effect on what is computed here;
+the warning names it), or REFUSE-d (it would change the results or needs a feature this engine does
+not have: running on would be a silent wrong answer). A key in none of the tables is refused as
+unknown, so a misspelt key never passes unnoticed.
+"""
+from __future__ import annotations
+
+ACCEPT, WARN, REFUSE = "accept", "warn", "refuse"
+
+# Top-level keys. The reason is what the user reads in the warning or error.
+TOP_LEVEL: dict[str, tuple[str, str]] = {
+    "train_batch_size": (ACCEPT, "global batch = micro x accumulation x data-parallel size"),
+    "train_micro_batch_size_per_gpu": (ACCEPT, "batch of one forward on one data-parallel rank"),
+    "gradient_accumulation_steps": (ACCEPT, "micro-batches per optimizer step"),
+    "optimizer": (ACCEPT, "built from {type, params}"),
+    "scheduler": (ACCEPT, "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
+    "fp16": (ACCEPT, "fp16 with loss scaling"),
+    "bf16": (ACCEPT, "bf16"),
+    "bfloat16": (ACCEPT, "old name of bf16"),
+    "zero_optimization": (ACCEPT, "ZeRO stage"),
+    "gradient_clipping": (ACCEPT, "clip the global gradient norm at each optimizer step"),
+    "steps_per_print": (ACCEPT, "log lr and step every N optimizer steps"),
+    "wall_clock_breakdown": (ACCEPT, "log forward/backward/step times at steps_per_print"),
+    "dataloader_drop_last": (ACCEPT, "drop_last of the data loader built from training_data"),
+    "nnscaler": (ACCEPT, "this engine's plan: {'plan': name | plan file, options...}"),
+    "managed_gradient_accumulation": (ACCEPT, "false: every step() is a boundary, the caller accumulates"),
+    "prescale_gradients": (ACCEPT, "only false: gradients are averaged after the sum here"),
+    "gradient_predivide_factor": (ACCEPT, "only 1.0"),
+    "gradient_allreduce_op": (ACCEPT, "only 'mean': gradients are averaged over data-parallel ranks"),
+    "communication_data_type": (ACCEPT, "only fp32 (or unset): gradients are reduced in their own dtype"),
+    "zero_allow_untested_optimizer": (WARN, "every torch optimizer runs here; the flag has no effect"),
+    "zero_force_ds_cpu_optimizer": (WARN, "there is no DeepSpeed CPU optimizer here"),
+    "memory_breakdown": (WARN, "DeepSpeed's memory logging is not reproduced"),
+    "dump_state": (WARN, "DeepSpeed's state dump is not reproduced"),
+    "log_level": (WARN, "use Python logging for 'nnscaler_plugins'"),
+    "flops_profiler": (WARN, "no flops profiler here; see nnscaler-plan simulate"),
+    "tensorboard": (WARN, "monitors are not reproduced; log from your script"),
+    "wandb": (WARN, "monitors are not reproduced; log from your script"),
+    "csv_monitor": (WARN, "monitors are not reproduced; log from your script"),
+    "comet": (WARN, "monitors are not reproduced; log from your script"),
+    "comms_logger": (WARN, "communication logging is not reproduced"),
+    "timers": (WARN, "DeepSpeed's timers are not reproduced (wall_clock_breakdown works)"),
+    "compile": (WARN, "the generated per-rank code runs eagerly"),
+    "autotuning": (WARN, "DeepSpeed's autotuner is not run; use 'nnscaler': {'plan': 'auto'}"),
+    "aio": (WARN, "no NVMe offload here"),
+    "checkpoint": (WARN, "tag validation and node-local storage options are not reproduced"),
+    "activation_checkpointing": (WARN, "deepspeed.checkpointing is not reproduced; use the plan's recompute= option"),
+    "disable_allgather": (WARN, "a communication tuning knob with no effect here"),
+    "pipeline": (WARN, "choose a pipeline with 'nnscaler': {'plan': '1f1b', 'pp': N} instead"),
+    "seq_parallel_communication_data_type": (WARN, "no DeepSpeed sequence parallelism here"),
+    "torch_autocast": (REFUSE, "autocast changes the numerics; use bf16 or fp16"),
+    "data_types": (REFUSE, "grad_accum_dtype is not supported; gradients accumulate in the parameter dtype"),
+    "hybrid_engine": (REFUSE, "the RLHF hybrid engine is not reproduced"),
+    "tensor_parallel": (REFUSE, "AutoTP is not reproduced; use 'nnscaler': {'plan': 'tp'}"),
+    "expert_parallel": (REFUSE, "expert parallelism is not supported"),
+    "sequence_parallel_size": (REFUSE, "DeepSpeed-Ulysses is not supported"),
+    "data_parallel_size": (REFUSE, "the data-parallel size comes from the plan; use 'nnscaler': {'dp': N}"),
+    "weight_quantization": (REFUSE, "weight quantization is not supported"),
+    "data_efficiency": (REFUSE, "data efficiency (curriculum, random-LTD) is not supported"),
+    "zenflow": (REFUSE, "ZenFlow is not supported"),
+}
+
+# Removed from DeepSpeed in 0.19; DeepSpeed itself refuses them (DeepSpeedConfigError).
+REMOVED_TOP_LEVEL = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients",
+                     "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning",
+                     "progressive_layer_drop")
+
+ZERO: dict[str, tuple[str, str]] = {
+    "stage": (ACCEPT, "0, 1, 2 or 3"),
+    "offload_param": (ACCEPT, "only device 'none': offloading is not supported"),
+    "offload_optimizer": (ACCEPT, "only device 'none': offloading is not supported"),
+    "cpu_offload": (ACCEPT, "only false: offloading is not supported"),
+    "cpu_offload_param": (ACCEPT, "only false: offloading is not supported"),
+    "cpu_offload_use_pin_memory": (WARN, "no offloading here"),
+    "stage3_gather_16bit_weights_on_model_save": (WARN, "checkpoints here always hold whole weights"),
+    "stage3_gather_fp16_weights_on_model_save": (WARN, "checkpoints here always hold whole weights"),
+    "zero_hpz_partition_size": (ACCEPT, "only 1: hierarchical partitioning (ZeRO++) is not supported"),
+    "zero_quantized_weights": (ACCEPT, "only false: ZeRO++ quantization is not supported"),
+    "zero_quantized_nontrainable_weights": (ACCEPT, "only false: ZeRO++ quantization is not supported"),
+    "zero_quantized_gradients": (ACCEPT, "only false: ZeRO++ quantization is not supported"),
+    "mics_shard_size": (REFUSE, "removed from DeepSpeed 0.19"),
+    "mics_hierarchical_params_gather": (REFUSE, "removed from DeepSpeed 0.19"),
+    "zeropp_loco_param": (REFUSE, "removed from DeepSpeed 0.19"),
+}
+# Buckets, prefetching and overlap: how DeepSpeed schedules its communication. They change no
+# result, so they are accepted with one warning naming them.
+for _k in ("contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+           "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights",
+           "elastic_checkpoint", "sub_group_size", "round_robin_gradients", "ignore_unused_parameters",
+           "memory_efficient_linear", "leaf_module", "compute_grad_norm", "stage3_prefetch_bucket_size",
+           "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+           "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_module_granularity_threshold",
+           "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "log_trace_cache_warnings",
+           "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+           "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save"):
+    ZERO.setdefault(_k, (WARN, "a DeepSpeed communication/memory tuning knob with no effect on results here"))
+
+FP16: dict[str, tuple[str, str]] = {
+    "enabled": (ACCEPT, ""),
+    "loss_scale": (ACCEPT, "0 = dynamic"),
+    "initial_scale_power": (ACCEPT, "dynamic scale starts at 2**power"),
+    "loss_scale_window": (ACCEPT, "steps without overflow before the scale doubles"),
+    "hysteresis": (ACCEPT, "overflows tolerated before the scale halves"),
+    "consecutive_hysteresis": (ACCEPT, "refill hysteresis after a good step"),
+    "min_loss_scale": (ACCEPT, "floor of the dynamic scale"),
+    "auto_cast": (ACCEPT, "only false: inputs are not cast"),
+    "fp16_master_weights_and_grads": (ACCEPT, "only false: master weights are fp32"),
+}
+
+BF16: dict[str, tuple[str, str]] = {
+    "enabled": (ACCEPT, ""),
+    "immediate_grad_update": (WARN, "a DeepSpeed gradient-accumulation detail with no effect here"),
+    "check_overflow": (WARN, "bf16 steps here never skip"),
+    "bf16_master_weights_and_grads": (ACCEPT, "only false: master weights are fp32"),
+    "bf16_optimizer_states": (ACCEPT, "only false: optimizer states are fp32"),
+}
+
+SECTIONS = {"zero_optimization": ZERO, "fp16": FP16, "bf16": BF16, "bfloat16": BF16}
