@@ -75,8 +75,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._in_no_sync = False
         self._grad_norm: Optional[float] = None
         self._step_applied = False
-        self._pending_module_state: Optional[tuple[dict, bool]] = None
-        self._pending_optim_state: Optional[dict] = None
+        self._pending_load: Optional[tuple[str, bool, bool]] = None  # a checkpoint to load once parallelized
         self._data_iter: Optional[Iterator] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -100,15 +99,12 @@ class DeepSpeedEngine(torch.nn.Module):
             raise DeepSpeedConfigError(f"the plan has data-parallel size {pm.dp_size}, the batch sizes were resolved for "
                                        f"{self.dp_world_size}; give nnscaler.dp explicitly")
         pm.train(self._model.training)
-        if self._pending_module_state is not None:
-            state, _strict = self._pending_module_state
-            pm.load_full_state_dict(state)
-            self._pending_module_state = None
         if self.optimizer is not None:
             self._rebind_optimizer()
-        if self._pending_optim_state is not None:
-            self.optimizer.load_state_dict(self._pending_optim_state)
-            self._pending_optim_state = None
+        if self._pending_load is not None:
+            path, with_optimizer, strict = self._pending_load
+            self._pending_load = None
+            ckpt.load(path, pm, self.optimizer if with_optimizer else None, strict)
 
     def _rebind_optimizer(self) -> None:
         """Point the optimizer's param groups at this rank's shards of the same parameters."""
@@ -371,44 +367,33 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's layout (`latest`, `<tag>/`); every rank must call it."""
+        """DeepSpeed's layout (`latest`, `<tag>/`) around a sharded checkpoint; every rank must call it."""
         if self._pmodule is None:
             raise RuntimeError("save_checkpoint before the first forward: the model is parallelized on the first "
                                "batch, so there is nothing of this engine's to save yet")
+        if exclude_frozen_parameters:
+            raise NotImplementedError("exclude_frozen_parameters=True is not supported; checkpoints hold every tensor")
         tag = f"global_step{self.global_steps}" if tag is None else tag
-        state = dict(client_state or {})
-        clash = sorted(set(state) & set(ckpt.ENGINE_KEYS))
-        if clash:
-            raise ValueError(f"client_state keys {clash} are the engine's own; rename them")
-        state.update({
-            "module": self._pmodule.full_state_dict(),
-            "global_steps": self.global_steps, "global_samples": self.global_samples,
-            "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "ds_config": self._config, "ds_version": "nnscaler-plugins " + nns.__version__,
-            "nnscaler_plan": self._plan_signature(),
-            "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size,
-        })
-        optim = None
-        if self.optimizer is not None:
-            optim = {"optimizer_state_dict": self.optimizer.state_dict(), "nnscaler_plan": self._plan_signature()}
-        ckpt.save(save_dir, tag, state, optim, self.dp_rank, self._pmodule.unit_device, save_latest)
+        extra = {"client_state": dict(client_state or {}), "engine": self._counters(),
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                 "ds_config": self._config}
+        ckpt.save(save_dir, tag, self._pmodule, self.optimizer, extra, save_latest)
         return True
 
-    def _plan_signature(self) -> dict:
-        p = self._pmodule.plan
-        return {"strategy": p.strategy, "world_size": p.world_size, "unit_size": p.unit_size, "dp": p.dp}
+    def _counters(self) -> dict:
+        return {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Optional[Callable] = None
                         ) -> tuple[Optional[str], Optional[dict]]:
         """Returns (path, client_state), or (None, None) when `load_dir` has no `latest` and no tag was
-        given. Before the first forward the weights go into the model and the optimizer state waits
-        for the parallelization."""
+        given. Before the first forward, the tensors are loaded right after the model is parallelized
+        (under whatever plan and world size this job has); counters, scheduler and client_state at once."""
         if custom_load_fn is not None:
-            raise NotImplementedError("custom_load_fn is not supported; load the state yourself from "
-                                      "engine.load_checkpoint's returned path")
+            raise NotImplementedError("custom_load_fn is not supported; load the state yourself from the path "
+                                      "engine.load_checkpoint returns")
         import os
 
         tag = ckpt.resolve_tag(load_dir, tag)
@@ -417,28 +402,18 @@ class DeepSpeedEngine(torch.nn.Module):
                         "explicit tag or make sure 'latest' exists", os.path.join(load_dir, ckpt.LATEST))
             return None, None
         path = os.path.join(load_dir, tag)
-        states = ckpt.read_model_states(path)
-        self.load_module_state_dict(states["module"], strict=load_module_strict) if self._pmodule is not None \
-            else self._model.load_state_dict(states["module"], strict=load_module_strict)
+        extra = ckpt.read_extras(path)
+        with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
+        if self._pmodule is not None:
+            ckpt.load(path, self._pmodule, self.optimizer if with_optimizer else None, load_module_strict)
+        else:
+            self._pending_load = (path, with_optimizer, load_module_strict)
         if not load_module_only:
-            if load_optimizer_states and self.optimizer is not None:
-                optim = ckpt.read_optim_states(path, self.dp_rank, self.global_rank % self.mp_world_size)
-                saved = optim.get("nnscaler_plan", {})
-                if saved.get("world_size") != self.world_size or saved.get("unit_size") != self.mp_world_size:
-                    raise RuntimeError(f"optimizer state in {path} was saved under plan {saved}; this job has world size "
-                                       f"{self.world_size} with units of {self.mp_world_size}: load with "
-                                       "load_optimizer_states=False (weights only) or under the same plan")
-                if self._pmodule is not None:
-                    self.optimizer.load_state_dict(optim["optimizer_state_dict"])
-                else:
-                    self._pending_optim_state = optim["optimizer_state_dict"]
-            if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
-                self.lr_scheduler.load_state_dict(states["lr_scheduler"])
-            self.global_steps = states["global_steps"]
-            self.global_samples = states["global_samples"]
-            self.micro_steps = states["micro_steps"]
-            self.skipped_steps = states["skipped_steps"]
-        return path, ckpt.client_state_of(states)
+            if load_lr_scheduler_states and self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            for k, v in (extra.get("engine") or {}).items():
+                setattr(self, k, v)
+        return path, extra.get("client_state", {})
 
     def destroy(self) -> None:
         """Nothing to release beyond what garbage collection does; kept for DeepSpeed's API."""
