@@ -7,6 +7,7 @@ op-assign and op-order, turned into per-rank code over torch.distributed.
     module = nns.parallelize(model, batch, plan=plan)   # on every rank
 """
 from .api import parallelize, plan, strategies
+from .optimizer import build_optimizer
 from .capture import CaptureError, capture
 from .errors import PlanError
 from .graph import Graph
@@ -26,3 +27,4 @@ __all__ = ["capture", "CaptureError", "plan", "parallelize", "strategies", "Plan
            "PlanBuilder", "SubOp", "op_trans", "op_assign", "Graph", "__version__"]
 __all__ += ["search", "cluster", "simulate", "ClusterSpec", "Estimate", "ParetoSet", "SearchError", "constraints"]
 __all__ += ["checkpoint"]
+__all__ += ["build_optimizer"]

@@ -1,6 +1,7 @@
 """The user-facing entry points: plan a model, and parallelize it on every rank."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from typing import Any, Callable, Optional, Union
@@ -56,6 +57,8 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
     micro = resolve_micro_batches(None if isinstance(model_or_graph, Graph) else example_inputs,
                                   options.pop("micro_batches", None), options.pop("micro_batch_size", None))
     graph = _graph_of(model_or_graph, example_inputs, micro)
+    # Training knobs every strategy takes: set on the plan, not handed to the strategy function.
+    zero, precision = options.pop("zero", None), options.pop("precision", None)
     if isinstance(strategy, Plan):
         p = strategy
     elif isinstance(strategy, (os.PathLike,)) or (isinstance(strategy, str) and strategy.endswith(".json")):
@@ -77,7 +80,8 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
                             f"{world_size}; choose degrees whose product is {world_size}")
         builder = PlanBuilder(graph, unit, dp, strategy=name, options={k: v for k, v in options.items()
                                                                        if isinstance(v, (int, float, str, bool))},
-                              micro_batches=micro)
+                              micro_batches=micro, zero=0 if zero is None else zero,
+                              precision="fp32" if precision is None else precision)
         if cluster is not None:  # for strategies that plan for a cluster ("auto" searches on it)
             options.setdefault("cluster", cluster)
         if constraints:
@@ -86,6 +90,10 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
         accepts_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
         fn(builder, **(options if accepts_kw else {k: v for k, v in options.items() if k in params}))
         p = builder.finish(validate=False)
+    if (zero is not None and zero != p.zero) or (precision is not None and precision != p.precision):
+        p = dataclasses.replace(p, zero=p.zero if zero is None else zero,
+                                precision=p.precision if precision is None else precision)
+    p.check_runnable()
     validate(p, graph, world_size=world_size)
     if p.unit_size <= _LOWER_CHECK_MAX_UNIT:
         lower(graph, p)  # cross-device problems surface now, before any process starts

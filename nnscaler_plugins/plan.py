@@ -19,6 +19,7 @@ from .errors import PlanError
 from .graph import Graph, OpNode
 
 PLAN_FORMAT_VERSION = 1
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -194,6 +195,35 @@ class Plan:
     # The graph the plan was made for, when it was made in this process (not saved): lets
     # `nns.simulate(plan, cluster)` price it without being handed the graph again.
     graph: Optional[Graph] = field(default=None, repr=False, compare=False)
+    # Training knobs the runtime honours: ZeRO stage (0-3: optimizer state, + gradients, + parameters
+    # sharded across data-parallel replicas) and compute precision (fp32 | bf16 | fp16, the last two
+    # with fp32 master weights in the optimizer).
+    zero: int = 0
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        # Plans written before `zero` was a field (the search's) carry it in options.
+        if not self.zero and self.options.get("zero"):
+            self.zero = int(self.options["zero"])
+        self.check_training_knobs()
+
+    def check_training_knobs(self) -> None:
+        """ZeRO stage and precision are checked before any process starts, not deep in a step."""
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero={self.zero!r}: the ZeRO stage must be 0 (off), 1 (optimizer state sharded), "
+                            "2 (+ gradients) or 3 (+ parameters)")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+
+    def check_runnable(self) -> None:
+        """What the runtime cannot execute yet (the search may still price such plans)."""
+        self.check_training_knobs()
+        if self.zero == 3 and self.pipeline is not None:
+            raise PlanError("zero=3 with a pipeline plan is not supported: stages gather parameters at different "
+                            "times; use zero=1 or zero=2 with pipelines, or a plan without pipeline stages")
+        if self.precision != "fp32" and self.pipeline is not None:
+            raise PlanError(f"precision={self.precision!r} with a pipeline plan is not supported yet: pipeline stages "
+                            "run in fp32; use precision='fp32' with pipelines, or a plan without pipeline stages")
 
     @property
     def world_size(self) -> int:
@@ -224,6 +254,8 @@ class Plan:
             "dp": self.dp,
             "estimate": self.estimate,
             "micro_batches": self.micro_batches,
+            "zero": self.zero,
+            "precision": self.precision,
             "input_shapes": self.input_shapes,
             "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
             "ops": {name: p.to_json() for name, p in self.ops.items()},
@@ -260,6 +292,7 @@ class Plan:
                    estimate=d.get("estimate"), version=v,
                    pipeline=None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"]),
                    micro_batches=int(d.get("micro_batches", 1)),
+                   zero=int(d.get("zero", 0) or 0), precision=str(d.get("precision", "fp32")),
                    input_shapes={k: list(v) for k, v in d.get("input_shapes", {}).items()})
 
     @classmethod
@@ -293,6 +326,8 @@ class Plan:
                 lines.append(f"    stage {k}: {rank}, devices {devs}, {n} ops")
         elif self.micro_batches > 1:
             lines.append(f"  {self.micro_batches} micro-batches per step (gradients accumulated)")
+        if self.zero or self.precision != "fp32":
+            lines.append(f"  training: ZeRO stage {self.zero}, precision {self.precision}")
         groups = {p.recompute for p in self.ops.values() if p.recompute is not None}
         if groups:
             n = sum(1 for p in self.ops.values() if p.recompute is not None)

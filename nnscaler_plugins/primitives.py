@@ -107,7 +107,7 @@ class PlanBuilder:
     """Records primitive calls for one graph and one unit of `unit_size` devices."""
 
     def __init__(self, graph: Graph, unit_size: int, dp: int = 1, strategy: str = "custom",
-                 options: Optional[dict] = None, micro_batches: int = 1):
+                 options: Optional[dict] = None, micro_batches: int = 1, zero: int = 0, precision: str = "fp32"):
         if unit_size < 1 or dp < 1:
             raise PlanError(f"unit size and data-parallel degree must be >= 1 (got {unit_size}, {dp})")
         self.graph = graph
@@ -121,6 +121,16 @@ class PlanBuilder:
         self._subop_splits: dict[str, dict[int, list[tuple[str, int]]]] = {}
         self.micro_batches = int(micro_batches)
         self.pipeline: Optional[PipelineSpec] = None
+        self.zero_stage = zero
+        self.precision_name = precision
+
+    def zero(self, stage: int) -> None:
+        """Shard optimizer state (1), + gradients (2), + parameters (3) across data-parallel replicas."""
+        self.zero_stage = stage
+
+    def precision(self, name: str) -> None:
+        """Compute precision: "fp32", or "bf16" / "fp16" with fp32 master weights in the optimizer."""
+        self.precision_name = name
 
     @property
     def world_size(self) -> int:
@@ -296,6 +306,7 @@ class PlanBuilder:
                     ops={h.name: self._placements.get(h.name, OpPlacement()) for h in self.ops},
                     strategy=self.strategy, options=self.options, pipeline=self.pipeline,
                     micro_batches=self.pipeline.micro_batches if self.pipeline else self.micro_batches,
+                    zero=self.zero_stage, precision=self.precision_name,
                     input_shapes={i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
                                   list(self.graph.meta(i.name).shape)
                                   for i in self.graph.inputs if self.graph.values[i.name].meta is not None})

@@ -18,6 +18,8 @@ and a one-line description travel with the strategy (for `nns.strategies()`-styl
     pipeline     the same with schedule= any built-in name or a function of your own
     interlaced   layers pipelined, embedding and LM head tensor-parallel over all devices
     megatron     tp x pp x dp with Megatron's options
+    zero1, zero2, zero3
+                 dp with that ZeRO stage (every strategy also takes zero= and precision=)
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any, Callable
 from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.primitives import PlanBuilder
 
-from . import data_parallel, hybrid, pipeline, tensor_parallel
+from . import data_parallel, hybrid, pipeline, tensor_parallel, zero
 from . import auto as auto_search
 
 
@@ -82,7 +84,15 @@ MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.megatron_degrees,
                     "virtual_stages, sequence_parallel, recompute")
 AUTO = Strategy("auto", auto_search.auto, auto_search.degrees,
                 "the fastest plan the search finds for the cluster (default: this machine) within its memory")
-BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO)
+ZERO1 = Strategy("zero1", zero.zero_stage(1), zero.degrees,
+                 "data parallel with ZeRO stage 1: optimizer state sharded across the replicas")
+ZERO2 = Strategy("zero2", zero.zero_stage(2), zero.degrees,
+                 "data parallel with ZeRO stage 2: optimizer state and gradients sharded across the replicas")
+ZERO3 = Strategy("zero3", zero.zero_stage(3), zero.degrees,
+                 "data parallel with ZeRO stage 3: optimizer state, gradients and parameters sharded, parameters "
+                 "gathered for forward and backward and freed in between")
+BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO,
+           ZERO1, ZERO2, ZERO3)
 
 
 @hookimpl
@@ -91,7 +101,7 @@ def nnscaler_register_strategies() -> dict[str, Strategy]:
 
 
 __all__ = ["Strategy", "DP", "TP", "HYBRID", "COSHARD", "GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE", "PIPELINE", "INTERLACED",
-           "MEGATRON",
+           "MEGATRON", "ZERO1", "ZERO2", "ZERO3",
            "nnscaler_register_strategies"]
 
 

@@ -1,6 +1,10 @@
 """Gradient reducers: sum (and average across data-parallel replicas) the gradients of parameters
 that several devices hold whole, like DDP: bucketed, launched asynchronously from the autograd
 hooks as soon as a bucket's gradients are ready, so communication overlaps the rest of backward.
+
+With ZeRO stage 2 (`shards=`), a bucket is reduce-scattered instead: each data-parallel replica
+receives only its chunk of every gradient in the bucket (see runtime/zero.py for the layout),
+kept in `shard_grads`, and the whole gradient is dropped.
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from .zero import FlatShard, reduce_scatter_layout
+
 
 @dataclass
 class _Bucket:
@@ -20,23 +26,27 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     work: Optional[object] = None
     buffer: Optional[torch.Tensor] = None
+    shards: Optional[list[FlatShard]] = None  # ZeRO-2: reduce-scatter, keep the owned chunks
 
 
 class GradReducer:
     """One reducer per ParallelModule. `entries` are (parameter, process group, scale)."""
 
     def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = 2**20):
+                 first_bucket_bytes: int = 2**20, shards: Optional[dict[int, FlatShard]] = None):
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._queued = False
         self.launched = 0  # bucket reductions started so far (tests read it to see no_sync work)
+        self._shards = shards or {}
+        # ZeRO-2: id(parameter) -> its reduced chunk (summed over the backward passes since zero_grad).
+        self.shard_grads: dict[int, torch.Tensor] = {}
         # Reverse order approximates the order gradients become ready in backward.
         by_group: dict[tuple[int, float], list[torch.nn.Parameter]] = {}
         groups: dict[tuple[int, float], object] = {}
         for p, g, s in reversed(entries):
-            k = (id(g), s, p.dtype, p.device)
+            k = (id(g), s, p.dtype, p.device, id(p) in self._shards)
             by_group.setdefault(k, []).append(p)
             groups[k] = g
         for k, ps in by_group.items():
@@ -59,7 +69,8 @@ class GradReducer:
         b = len(self.buckets)
         for i, p in enumerate(params):
             self._where[id(p)] = (b, i)
-        self.buckets.append(_Bucket(params, group, scale))
+        shards = [self._shards[id(p)] for p in params] if id(params[0]) in self._shards else None
+        self.buckets.append(_Bucket(params, group, scale, shards=shards))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -92,6 +103,14 @@ class GradReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        if bucket.shards is not None:
+            send = reduce_scatter_layout(bucket.shards, grads, bucket.scale)
+            bucket.buffer = send.new_empty(sum(s.chunk for s in bucket.shards))
+            bucket.work = dist.reduce_scatter_tensor(bucket.buffer, send, group=bucket.group, async_op=True)
+            for p in bucket.params:  # the whole gradient is not kept: only the chunk this replica owns
+                p.grad = None
+            self.launched += 1
+            return
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
         if bucket.scale != 1.0:  # averaging before the sum, as DDP does: one op per bucket
             bucket.buffer.mul_(bucket.scale)
@@ -105,7 +124,13 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.work.wait()
             off = 0
-            for p in bucket.params:
+            if bucket.shards is not None:
+                for p, s in zip(bucket.params, bucket.shards):
+                    mine = bucket.buffer[off:off + s.hi - s.lo]
+                    have = self.shard_grads.get(id(p))
+                    self.shard_grads[id(p)] = mine.clone() if have is None else have.add_(mine)
+                    off += s.chunk
+            for p in (bucket.params if bucket.shards is None else ()):
                 n = p.numel()
                 g = bucket.buffer[off:off + n].view_as(p)
                 if p.grad is None:

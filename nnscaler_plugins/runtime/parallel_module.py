@@ -23,7 +23,9 @@ from .collectives import identity_fwd_allreduce_bwd
 from .grad_reducer import GradReducer
 from .pipeline_executor import PipelineExecutor
 from .loss import extract_loss
+from .precision import autocast, compute_dtype
 from .process_groups import ProcessGroups
+from .zero import FlatShard, Zero3Params
 
 
 class _UnitGroups:
@@ -89,6 +91,7 @@ class ParallelModule(torch.nn.Module):
         plan = program.plan
         if world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} processes, this job has {world_size}")
+        plan.check_runnable()
         self.program = program
         self.plan: Plan = plan
         self.graph: Graph = program.graph
@@ -109,6 +112,7 @@ class ParallelModule(torch.nn.Module):
         self.shards = torch.nn.ParameterDict()
         self._buffers_by_value: dict[str, torch.Tensor] = {}
         state = _full_tensors(model) if model is not None else {}
+        dtype = compute_dtype(plan.precision)
         for v in self._held:
             s = program.shards[v]
             full = state.get(s.fqn) if s.kind != "constant" else self.graph.constants.get(s.fqn)
@@ -118,10 +122,17 @@ class ParallelModule(torch.nn.Module):
             else:
                 local = lay.slice_full(full.detach(), self.unit_device).to(self._device).clone()
             if s.kind == "param":
+                if local.is_floating_point():  # bf16 / fp16: the module holds the compute-dtype copy
+                    local = local.to(dtype)
                 self.shards[_safe(s.fqn)] = torch.nn.Parameter(local,
                                                                requires_grad=self.graph.meta(s.value).requires_grad)
             else:
                 self.register_buffer(_safe(s.fqn), local, persistent=s.in_state_dict)
+        # The loss is multiplied by this before backward (fp16 loss scaling; the optimizer sets it).
+        self.loss_scale = 1.0
+        self._ensure_reduce_groups()
+        self.zero_shards = self._build_zero_shards()
+        self.zero3 = self._shard_parameters() if plan.zero >= 3 and plan.dp > 1 else None
         self._reducer = self._build_reducer()
         self._executor = PipelineExecutor(self) if plan.pipeline is not None else None
 
@@ -145,19 +156,52 @@ class ParallelModule(torch.nn.Module):
         plan = self.plan
         return tuple(sorted(dp * plan.unit_size + d for dp in range(plan.dp) for d in unit_group))
 
-    def _build_reducer(self) -> Optional[GradReducer]:
-        entries, tied = [], []
-        for v in self._held:
+    def _trainable(self) -> list[str]:
+        """Shard keys of the trainable parameters this device holds, in a fixed order."""
+        return [v for v in self._held if self.program.shards[v].kind == "param"
+                and self.graph.meta(self.program.shards[v].value).requires_grad]
+
+    def _counts_in_norm(self, key: str) -> bool:
+        """Whether this device's copy counts in a global gradient norm: of the unit devices (and
+        tied copies) holding the same piece, only the first does."""
+        s = self.program.shards[key]
+        if s.tied and key != min(k for k, o in self.program.shards.items() if o.fqn == s.fqn):
+            return False
+        lay = s.layout
+        mine = lay.digits(lay.position_of(self.unit_device))[1:]
+        same = [d for d in lay.group if lay.digits(lay.position_of(d))[1:] == mine]
+        return self.unit_device == min(same)
+
+    def _build_zero_shards(self) -> dict[str, FlatShard]:
+        """Per trainable parameter (by fqn), the chunk of it this data-parallel replica owns under
+        ZeRO (the whole parameter, size 1, without ZeRO or with one replica)."""
+        plan = self.plan
+        out = {}
+        replicas = tuple(dp * plan.unit_size + self.unit_device for dp in range(plan.dp))
+        sharded = plan.zero >= 1 and plan.dp > 1
+        for v in self._trainable():
             s = self.program.shards[v]
-            if s.kind != "param" or not self.graph.meta(s.value).requires_grad:
-                continue
-            ranks = self._replicas_of(s.reduce_group(self.unit_device))
-            if len(ranks) > 1:
-                (tied if s.tied else entries).append((s.fqn, self.shards[_safe(s.fqn)], ranks))
-        # Copies of a tied weight sit among different parameters on each stage: order them by name
-        # so every member of their group reduces them in the same order.
-        entries = [(p, r) for _, p, r in entries + sorted(tied, key=lambda e: e[0])]
-        # Reducer groups are created by every rank, members or not, in one order.
+            p = self.shards[_safe(s.fqn)]
+            summed = self._replicas_of(s.reduce_group(self.unit_device))
+            out[s.fqn] = FlatShard(s.fqn, tuple(p.shape), self.groups.get(replicas) if sharded else None,
+                                   plan.dp if sharded else 1, self.dp_rank if sharded else 0,
+                                   sum_group=self.groups.get(summed) if summed != replicas and len(summed) > 1 else None,
+                                   count_in_norm=self._counts_in_norm(v))
+        return out
+
+    def _shard_parameters(self) -> Zero3Params:
+        """ZeRO-3: each trainable parameter becomes the chunk this replica owns."""
+        chunks = []
+        for fqn, fs in self.zero_shards.items():
+            whole = self.shards[_safe(fqn)]
+            chunk = torch.nn.Parameter(fs.owned(whole.detach().reshape(-1)).clone(), requires_grad=True)
+            self.shards[_safe(fqn)] = chunk
+            chunks.append(chunk)
+        self._zero3_key = {fqn: i for i, fqn in enumerate(self.zero_shards)}
+        return Zero3Params(list(self.zero_shards.values()), chunks, self.plan.dp)
+
+    def _ensure_reduce_groups(self) -> None:
+        """Reducer groups are created by every rank, members or not, in one order."""
         all_sets = set()
         for s in self.program.shards.values():
             for d in s.layout.group:
@@ -165,10 +209,29 @@ class ParallelModule(torch.nn.Module):
                 if len(ranks) > 1:
                     all_sets.add(ranks)
         self.groups.ensure(sorted(all_sets, key=lambda g: (len(g), g)))
+
+    def _build_reducer(self) -> Optional[GradReducer]:
+        entries, tied = [], []
+        zero2 = {}
+        for v in self._held:
+            s = self.program.shards[v]
+            if s.kind != "param" or not self.graph.meta(s.value).requires_grad:
+                continue
+            if self.zero3 is not None:  # stage 3 reduces its gradients from the gather's backward
+                continue
+            ranks = self._replicas_of(s.reduce_group(self.unit_device))
+            if len(ranks) > 1:
+                (tied if s.tied else entries).append((s.fqn, self.shards[_safe(s.fqn)], ranks))
+                fs = self.zero_shards[s.fqn]
+                if self.plan.zero == 2 and fs.size > 1 and fs.sum_group is None:
+                    zero2[id(self.shards[_safe(s.fqn)])] = fs
+        # Copies of a tied weight sit among different parameters on each stage: order them by name
+        # so every member of their group reduces them in the same order.
+        entries = [(p, r) for _, p, r in entries + sorted(tied, key=lambda e: e[0])]
         if not entries:
             return None
         scale = 1.0 / self.plan.dp
-        return GradReducer([(p, self.groups.get(r), scale) for p, r in entries])
+        return GradReducer([(p, self.groups.get(r), scale) for p, r in entries], shards=zero2)
 
     # -- running ----------------------------------------------------------------------------------
     def _local(self, key: str) -> torch.Tensor:
@@ -176,8 +239,26 @@ class ParallelModule(torch.nn.Module):
         return self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
 
     def _params_in_order(self, stage: int = 0) -> list[torch.Tensor]:
-        """What the stage function unpacks as `_P`: its parameters and buffers, in Program order."""
-        return [self._local(key) for key in self.program.ranks[self.unit_device].stages[stage].params]
+        """What the stage function unpacks as `_P`: its parameters and buffers, in Program order.
+
+        ZeRO-3 parameters are gathered whole here; in bf16/fp16, 1-D parameters (norm weights,
+        biases) are handed over in fp32, which is what CPU norm kernels take next to a
+        half-precision input (matmuls under autocast cast them back)."""
+        keys = self.program.ranks[self.unit_device].stages[stage].params
+        out = [self._local(key) for key in keys]
+        if self.zero3 is not None:
+            want = {}
+            for i, key in enumerate(keys):
+                s = self.program.shards[key]
+                if s.kind == "param" and s.fqn in self._zero3_key:
+                    want[self._zero3_key[s.fqn]] = i
+            whole = self.zero3.gather(sorted(want))
+            for k, i in want.items():
+                out[i] = whole[k]
+        if self.plan.precision != "fp32":
+            out = [t.float() if t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32 else t
+                   for t in out]
+        return out
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         vals = []
@@ -204,7 +285,9 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
         fn = self._gen.forward_loss if loss_only else self._gen.forward
-        flat = fn(self._comm, self._device, self._params_in_order(), *self._flat_inputs(args, kwargs))
+        scope = self.zero3.forward_scope() if self.zero3 is not None else contextlib.nullcontext()
+        with scope, autocast(self.plan.precision, self._device):
+            flat = fn(self._comm, self._device, self._params_in_order(), *self._flat_inputs(args, kwargs))
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -229,7 +312,8 @@ class ParallelModule(torch.nn.Module):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._loss_of(mb)
-                (loss / len(micro) if len(micro) > 1 else loss).backward()
+                scale = self.loss_scale / len(micro)
+                (loss * scale if scale != 1.0 else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         return total / len(micro)
 
@@ -266,10 +350,10 @@ class ParallelModule(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        if self._reducer is None:
-            yield
-            return
-        with self._reducer.no_sync():
+        """Backward passes inside accumulate gradients locally; nothing is communicated until the
+        next backward outside it."""
+        with self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext(), \
+                self.zero3.no_sync() if self.zero3 is not None else contextlib.nullcontext():
             yield
 
     def generated_source(self) -> str:
@@ -280,29 +364,39 @@ class ParallelModule(torch.nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors under the model's own names (collective: call on every rank)."""
         out: dict[str, torch.Tensor] = {}
-        unit_groups = self._comm.groups
-        from ..resharding import plan as plan_reshard
         for v, s in self.program.shards.items():
             if not s.in_state_dict or s.fqn in out:  # a tied weight's copies hold the same values
                 continue
-            lay = s.layout
-            full_lay = Layout.replicated(lay.shape, lay.group)
             local = (self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))) \
                 if v in self._held else None
-            if local is not None:
+            dtype = self.graph.meta(s.value).dtype
+            if local is not None and self.zero3 is not None and s.fqn in self._zero3_key:
                 with torch.no_grad():
-                    whole = plan_reshard(lay, full_lay).apply(local.detach(), self.unit_device, unit_groups)
-            else:
-                whole = torch.empty(lay.shape, dtype=self.graph.meta(s.value).dtype, device=self._device)
-            if len(lay.group) < self.plan.unit_size:  # held by some devices (a stage): they tell the rest
-                src = self._comm.groups.global_rank(lay.group[0])
-                dist.broadcast(whole, src=src, group=self.groups.get(tuple(
-                    self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size))))
+                    local = self.zero3.gather([self._zero3_key[s.fqn]])[self._zero3_key[s.fqn]]
+            whole = self.whole_tensor(v, None if local is None else local.detach().to(dtype), dtype)
             t = whole.detach().cpu().clone()
             out[s.fqn] = t
             for a in s.aliases:
                 out[a] = t
         return out
+
+    def whole_tensor(self, key: str, local: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The whole tensor of shard `key` from this device's piece (`local`, None where the device
+        holds none of it). Collective over the replica's unit: every device calls it, in one order."""
+        from ..resharding import plan as plan_reshard
+
+        lay = self.program.shards[key].layout
+        if local is not None:
+            with torch.no_grad():
+                whole = plan_reshard(lay, Layout.replicated(lay.shape, lay.group)).apply(
+                    local, self.unit_device, self._comm.groups)
+        else:
+            whole = torch.empty(lay.shape, dtype=dtype, device=self._device)
+        if len(lay.group) < self.plan.unit_size:  # held by some devices (a stage): they tell the rest
+            src = self._comm.groups.global_rank(lay.group[0])
+            dist.broadcast(whole, src=src, group=self.groups.get(tuple(
+                self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size))))
+        return whole
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Each rank keeps its own pieces of a whole state dict (no communication)."""
@@ -319,6 +413,8 @@ class ParallelModule(torch.nn.Module):
                 if tuple(full.shape) != tuple(s.layout.shape):
                     raise ValueError(f"{s.fqn}: shape {tuple(full.shape)} in the state dict, model has {s.layout.shape}")
                 local = s.layout.slice_full(full, self.unit_device)
+                if self.zero3 is not None and s.fqn in self._zero3_key:
+                    local = self.zero_shards[s.fqn].owned(local.reshape(-1))
                 dst = self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
                 dst.copy_(local)
 

@@ -1,0 +1,332 @@
+"""`nns.build_optimizer(module, torch.optim.AdamW, **kwargs)`: the optimizer of a ParallelModule.
+
+It is a `torch.optim.Optimizer` (learning-rate schedulers take it as one: its `param_groups` are
+the inner optimizer's own list) that steps *master* tensors, one per trainable parameter this rank
+holds:
+
+- ZeRO 0 in fp32: the parameter itself (nothing is copied);
+- ZeRO 1/2 (data-parallel size > 1): an fp32 copy of this replica's chunk of the parameter
+  (runtime/zero.py); after the step every replica's updated chunks are all-gathered into the
+  parameters, one collective per group;
+- ZeRO 3: the parameter is the chunk already (its fp32 copy in bf16/fp16);
+- bf16/fp16: fp32 copies, written back rounded to the compute dtype after each step.
+
+The inner optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...) once state is
+sharded: a chunk's update may not depend on the other chunks.
+
+Loss scaling (fp16): `module.train_step(batch)` multiplies the loss by `optimizer.loss_scale`
+before backward; code that calls backward itself uses `optimizer.backward(loss)`, which does the
+same. `step()` unscales, skips the step when a gradient overflowed (`last_step_skipped`) and moves
+the scale (DeepSpeed's defaults: 2**16 initially, halved on overflow, doubled after 1000 clean
+steps, at least 1). Clipping: `clip_grad_norm_(max_norm)` between backward and `step()`.
+
+State: `state_dict()`/`load_state_dict()` are this rank's pieces (the inner optimizer's state
+dict plus the loss scaler and, in bf16/fp16, the master copies); `full_state_dict()` is the
+whole state under parameter names, `{"state": {fqn: {key: tensor}}, "param_groups": [{...,
+"params": [fqn, ...]}]}` (collective), and `load_full_state_dict(sd)` takes each rank's pieces
+of one. In bf16/fp16 the whole state has the fp32 master weights under "master_param"; load the
+module's state before the optimizer's, since the optimizer re-reads masters from parameters
+changed after it last wrote them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .runtime.grad_clip import clip_, global_norm
+from .runtime.precision import LossScaler
+from .runtime.zero import FlatShard, all_gather_chunks
+
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
+
+
+class _Entry:
+    """One trainable parameter: the module's tensor, its ZeRO chunk and the master it steps."""
+
+    def __init__(self, fqn: str, param: torch.nn.Parameter, shard: FlatShard, master: torch.Tensor, mode: str):
+        self.fqn = fqn
+        self.param = param
+        self.shard = shard
+        self.master = master
+        self.mode = mode  # "self" | "whole" | "chunk" | "zero3"
+        self.version = param._version
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """See the module docstring. Build it with `nns.build_optimizer`."""
+
+    def __init__(self, module: Any, optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: Any):
+        from .runtime.parallel_module import _safe
+
+        plan = module.plan
+        if getattr(optimizer_cls, "__name__", "") in _NOT_ELEMENTWISE and plan.zero and plan.dp > 1:
+            raise ValueError(f"{optimizer_cls.__name__} is not elementwise, so its state cannot be sharded by ZeRO; "
+                             "use zero=0 or an elementwise optimizer (SGD, Adam, AdamW, ...)")
+        self.module = module
+        self.precision = plan.precision
+        self.zero = plan.zero if plan.dp > 1 else 0
+        self.entries: list[_Entry] = []
+        for fqn, fs in module.zero_shards.items():
+            p = module.shards[_safe(fqn)]
+            if module.zero3 is not None:
+                mode = "zero3"
+            elif fs.size > 1:
+                mode = "chunk"
+            else:
+                mode = "whole"
+            if mode != "chunk" and p.dtype == torch.float32:
+                master, mode = p, ("self" if mode == "whole" else mode)
+            elif mode == "chunk":
+                master = fs.owned(p.detach().reshape(-1)).float().clone()
+            else:
+                master = p.detach().float().clone()
+            self.entries.append(_Entry(fqn, p, fs, master, mode))
+        self.inner = optimizer_cls([e.master for e in self.entries], **kwargs)
+        super().__init__([e.master for e in self.entries], self.inner.defaults)
+        # One list and one state: schedulers that change an lr change what the inner step reads.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.scaler = LossScaler() if self.precision == "fp16" else None
+        module.loss_scale = self.loss_scale
+        self.last_step_skipped = False
+        self._prepared = False
+        self._overflow = False
+
+    # -- loss scale ---------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """loss.backward() with the loss scale applied (needed in fp16, harmless otherwise)."""
+        (loss * self.loss_scale if self.scaler is not None else loss).backward(**kwargs)
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def _grad_of(self, e: _Entry) -> Optional[torch.Tensor]:
+        """This rank's gradient for the entry's master (same shape), still scaled."""
+        reducer = self.module._reducer
+        if e.mode == "chunk":
+            if reducer is not None and id(e.param) in reducer.shard_grads:
+                return reducer.shard_grads[id(e.param)]
+            g = e.param.grad
+            return None if g is None else e.shard.owned(g.reshape(-1))
+        return e.param.grad
+
+    def _prepare(self) -> None:
+        """Master gradients in fp32, unscaled; overflow found (once per step)."""
+        if self._prepared:
+            return
+        self._prepared = True
+        for e in self.entries:
+            if e.param._version != e.version and e.mode != "self":  # parameters changed under us: re-read
+                with torch.no_grad():
+                    src = e.param.detach().reshape(-1)
+                    e.master.copy_(e.shard.owned(src) if e.mode == "chunk" else src.view_as(e.master))
+                e.version = e.param._version
+            if e.mode == "self":
+                continue
+            g = self._grad_of(e)
+            e.master.grad = None if g is None else g.detach().to(torch.float32).reshape(e.master.shape)
+            if e.master.grad is not None and e.master.grad.data_ptr() == g.data_ptr() and self.scaler is not None:
+                e.master.grad = e.master.grad.clone()
+        self._overflow = False
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            bad = torch.zeros((), dtype=torch.float32)
+            for e in self.entries:
+                g = e.master.grad
+                if g is not None:
+                    g.mul_(inv)
+                    if g.numel():
+                        bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self._overflow = bool(bad.item())
+
+    def _counted(self) -> list[torch.Tensor]:
+        """The gradients this rank counts in the global norm."""
+        out = []
+        for e in self.entries:
+            g = e.master.grad
+            if g is None or not e.shard.count_in_norm:
+                continue
+            if e.shard.size == 1 and self.module.dp_rank != 0 and e.mode != "zero3":
+                continue  # a whole gradient every replica holds: the first replica counts it
+            out.append(g)
+        return out
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient by the global norm (each parameter counted once); returns the norm
+        before clipping, as torch.nn.utils.clip_grad_norm_ does. Collective: call on every rank."""
+        self._prepare()
+        if self._overflow:
+            return torch.tensor(float("inf"))
+        total = global_norm(self._counted(), norm_type, torch.device("cpu"))
+        clip_([e.master.grad for e in self.entries if e.master.grad is not None], total, float(max_norm))
+        return total
+
+    # -- step ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = closure() if closure is not None else None
+        self._prepare()
+        self._prepared = False
+        self.last_step_skipped = self._overflow
+        if self.scaler is not None:
+            self.scaler.update(self._overflow)
+            self.module.loss_scale = self.scaler.scale
+        if self._overflow:
+            return loss
+        self.inner.step()
+        chunked = [e for e in self.entries if e.mode == "chunk"]
+        if chunked:
+            all_gather_chunks([e.shard for e in chunked], [e.master for e in chunked],
+                              [e.param.detach().view(-1) for e in chunked])
+        for e in self.entries:
+            if e.mode in ("whole", "zero3") and e.master is not e.param:
+                e.param.copy_(e.master.view_as(e.param))
+            e.version = e.param._version
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        reducer = self.module._reducer
+        if reducer is not None:
+            reducer.shard_grads.clear()
+        for e in self.entries:
+            for t in (e.param, e.master):
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_().zero_()
+        self._prepared = False
+
+    # -- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's pieces: the inner optimizer's state dict, the loss scaler, the masters that
+        are copies (bf16/fp16, ZeRO chunks)."""
+        sd = self.inner.state_dict()
+        sd["nnscaler"] = {"zero": self.zero, "precision": self.precision, "dp_rank": self.module.dp_rank,
+                          "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
+                          "masters": {e.fqn: e.master.detach().clone() for e in self.entries
+                                      if e.master is not e.param}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        extra = sd.pop("nnscaler", None) or {}
+        self.inner.load_state_dict(sd)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        if self.scaler is not None and extra.get("loss_scaler"):
+            self.scaler.load_state_dict(extra["loss_scaler"])
+            self.module.loss_scale = self.scaler.scale
+        masters = extra.get("masters", {})
+        with torch.no_grad():
+            for e in self.entries:
+                if e.fqn in masters and e.master is not e.param:
+                    e.master.copy_(masters[e.fqn])
+                e.version = e.param._version
+
+    def _elementwise_keys(self) -> tuple[list[str], dict[str, Any]]:
+        """State keys shaped like the master (sharded with it) and the per-parameter scalars."""
+        for e in self.entries:
+            st = self.state.get(e.master)
+            if st:
+                per = [k for k, v in st.items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape == e.master.shape]
+                scalars = {k: v for k, v in st.items() if k not in per}
+                return per, scalars
+        return [], {}
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Whole optimizer state under parameter names (collective: call on every rank)."""
+        m = self.module
+        per, scalars = self._elementwise_keys()
+        keys = per + (["master_param"] if self.precision != "fp32" else [])
+        mine = {e.fqn: e for e in self.entries}
+        state: dict[str, dict[str, Any]] = {}
+        for v, s in m.program.shards.items():
+            if s.kind != "param" or not m.graph.meta(s.value).requires_grad or s.fqn in state:
+                continue
+            e = mine.get(s.fqn) if v in m._held else None
+            out: dict[str, Any] = {}
+            for k in keys:
+                local = None
+                if e is not None:
+                    src = e.master if k == "master_param" else self.state[e.master][k]
+                    local = self._whole_local(e, src)
+                whole = m.whole_tensor(v, local, torch.float32)
+                out[k] = whole.detach().cpu().clone()
+            if e is not None:
+                out.update({k: (val.clone() if torch.is_tensor(val) else val)
+                            for k, val in self.state.get(e.master, {}).items() if k in scalars})
+            else:
+                out.update({k: (val.clone() if torch.is_tensor(val) else val) for k, val in scalars.items()})
+            if out:
+                state[s.fqn] = out
+        groups = []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = [e.fqn for e in self.entries]
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
+
+    def _whole_local(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
+        """The device's whole (tensor-parallel) piece of a master-shaped tensor: chunks gathered."""
+        if e.mode in ("chunk", "zero3") and e.shard.size > 1:
+            out = torch.empty(e.shard.numel, dtype=t.dtype, device=t.device)
+            all_gather_chunks([e.shard], [t.detach()], [out])
+            return out.view(e.shard.shape)
+        return t.detach().reshape(e.shard.shape)
+
+    def load_full_state_dict(self, sd: dict[str, Any]) -> None:
+        """Keep this rank's pieces of a whole optimizer state (as `full_state_dict` writes it)."""
+        m = self.module
+        states = sd.get("state", {})
+        missing = [e.fqn for e in self.entries if e.fqn not in states]
+        if states and missing:
+            raise KeyError(f"optimizer state lacks {len(missing)} parameter(s) this rank holds: {missing[:8]}")
+        by_fqn = {}
+        for v in m._held:
+            by_fqn.setdefault(m.program.shards[v].fqn, v)
+        with torch.no_grad():
+            for e in self.entries:
+                if e.fqn not in states:
+                    continue
+                s = m.program.shards[by_fqn[e.fqn]]
+                st = {}
+                for k, val in states[e.fqn].items():
+                    if torch.is_tensor(val) and tuple(val.shape) == tuple(s.layout.shape) and val.dim() >= 1:
+                        piece = s.layout.slice_full(val, m.unit_device).reshape(-1)
+                        if e.mode in ("chunk", "zero3") and e.shard.size > 1:
+                            piece = e.shard.owned(piece)
+                        piece = piece.reshape(e.master.shape).to(e.master.dtype).clone()
+                        if k == "master_param":
+                            if e.master is not e.param:
+                                e.master.copy_(piece)
+                            continue
+                        st[k] = piece
+                    else:
+                        st[k] = val.clone() if torch.is_tensor(val) else val
+                self.state[e.master] = st
+                e.version = e.param._version
+        for g, saved in zip(self.param_groups, sd.get("param_groups", [])):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def build_optimizer(module: Any, optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+                    **kwargs: Any) -> ParallelOptimizer:
+    """The optimizer for a ParallelModule, sharded per its plan's ZeRO stage, stepping fp32 masters
+    in bf16/fp16 (see this module's docstring). Call on every rank."""
+    from .runtime.parallel_module import ParallelModule
+
+    if not isinstance(module, ParallelModule):
+        raise TypeError(f"build_optimizer takes the module nns.parallelize returned, got {type(module).__name__}; "
+                        "for a plain model use the optimizer class directly")
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
+                        f"got {optimizer_cls!r}")
+    return ParallelOptimizer(module, optimizer_cls, **kwargs)

@@ -1,0 +1,283 @@
+"""ZeRO: how each parameter's training state is cut across the data-parallel replicas.
+
+Every trainable parameter shard a device holds (its tensor-parallel piece, or the whole weight) is
+flattened and cut into `size` equal chunks, one per data-parallel replica of that device (the
+last chunks may be short or empty); replica `index` owns chunk `index`. Cutting each parameter on
+its own (rather than one flat buffer across parameters) keeps the optimizer's state per parameter,
+so state dicts, learning-rate groups and checkpoints keep parameter names, while communication is
+still bucketed: the chunks of all parameters in one group travel in one collective, laid out
+replica-major so that the gathered buffer is every parameter's flat tensor back to back.
+
+Stage 1 keeps whole gradients (all-reduced as in DDP) and steps only the owned chunk; stage 2
+reduce-scatters gradients so each replica keeps its chunk only (GradReducer in "shard" mode);
+stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gathers the whole
+parameters for the forward, lets saved-tensor hooks drop them from what autograd keeps for
+backward (they are gathered again when backward needs them), and reduce-scatters their gradients
+asynchronously from the backward, overlapped with the rest of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class FlatShard:
+    """This rank's chunk of one parameter's flattened elements, across `size` replicas."""
+
+    fqn: str
+    shape: tuple[int, ...]  # the device's (tensor-parallel) shard of the parameter
+    group: Any  # process group of the data-parallel replicas (None when size == 1)
+    size: int
+    index: int
+    # Process group the gradient is summed over when it is larger than the replicas (a weight a
+    # tensor-parallel unit keeps whole on several devices and sums their gradients of); else None.
+    sum_group: Any = None
+    count_in_norm: bool = True  # False on all but one holder of identical copies
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.numel // self.size) if self.numel else 0
+
+    @property
+    def lo(self) -> int:
+        return min(self.index * self.chunk, self.numel)
+
+    @property
+    def hi(self) -> int:
+        return min(self.lo + self.chunk, self.numel)
+
+    def owned(self, flat: torch.Tensor) -> torch.Tensor:
+        """The owned chunk of a flat tensor of the whole shard (a view)."""
+        return flat[self.lo:self.hi]
+
+    def padded(self, t: torch.Tensor) -> torch.Tensor:
+        """The flat tensor padded to size * chunk elements, shaped (size, chunk)."""
+        flat = t.reshape(-1)
+        pad = self.size * self.chunk - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(self.size, self.chunk)
+
+    def chunk_padded(self, c: torch.Tensor) -> torch.Tensor:
+        """An owned chunk padded to `chunk` elements."""
+        pad = self.chunk - c.numel()
+        return torch.cat([c.reshape(-1), c.new_zeros(pad)]) if pad else c.reshape(-1)
+
+
+def _buckets(shards: list[FlatShard]) -> list[tuple[Any, list[int]]]:
+    """Indices of the shards of each process group, groups in a deterministic order."""
+    by: dict[int, tuple[Any, list[int]]] = {}
+    for i, s in enumerate(shards):
+        if s.size > 1 and s.numel:
+            by.setdefault(id(s.group), (s.group, []))[1].append(i)
+    return sorted(by.values(), key=lambda g: sorted(dist.get_process_group_ranks(g[0])))
+
+
+def all_gather_chunks(shards: list[FlatShard], chunks: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """Every replica's owned chunks into `outs` (flat views of whole shards), one collective per
+    group; shards of size 1 are copied locally."""
+    pending = []
+    for i, s in enumerate(shards):
+        if s.size == 1 and s.numel:
+            outs[i].copy_(chunks[i].reshape(-1))
+    for group, idx in _buckets(shards):
+        dtype = outs[idx[0]].dtype
+        local = torch.cat([shards[i].chunk_padded(chunks[i].to(dtype)) for i in idx])
+        buf = local.new_empty(shards[idx[0]].size * local.numel())
+        work = dist.all_gather_into_tensor(buf, local, group=group, async_op=True)
+        pending.append((work, buf, local.numel(), idx))
+    for work, buf, width, idx in pending:
+        work.wait()
+        table = buf.view(-1, width)
+        off = 0
+        for i in idx:
+            s = shards[i]
+            outs[i].copy_(table[:, off:off + s.chunk].reshape(-1)[:s.numel])
+            off += s.chunk
+
+
+def reduce_scatter_layout(shards: list[FlatShard], grads: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """The (size, sum of chunks) buffer a reduce-scatter of these shards' gradients sends."""
+    parts = [shards[i].padded(g) for i, g in enumerate(grads)]
+    buf = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
+    if scale != 1.0:
+        buf.mul_(scale)
+    return buf.reshape(-1)
+
+
+class _Box:
+    """Carries a tensor into an autograd Function without making it a tracked input."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+class _Gathered(torch.autograd.Function):
+    """Forward: the whole parameter (gathered beforehand); backward: its gradient goes to the
+    owner, which reduce-scatters it to the chunk parameter."""
+
+    @staticmethod
+    def forward(ctx: Any, chunk: torch.Tensor, box: _Box, owner: "Zero3Params", key: int) -> torch.Tensor:
+        ctx.owner, ctx.key = owner, key
+        return box.t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        ctx.owner.grad_ready(ctx.key, grad)
+        return None, None, None, None
+
+
+@dataclass
+class _SavedRef:
+    """What autograd keeps instead of a gathered parameter (or a view of it)."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass
+class _PendingReduce:
+    work: Any
+    out: torch.Tensor
+    key: int
+
+
+class Zero3Params:
+    """Stage-3 parameters: chunk Parameters on this rank, whole tensors only around their use."""
+
+    def __init__(self, shards: list[FlatShard], chunks: list[torch.nn.Parameter], dp: int):
+        self.shards = shards
+        self.chunks = chunks
+        self.scale = 1.0 / dp
+        self._sync = True
+        self._live: dict[int, int] = {}  # storage pointer of a gathered parameter -> its key
+        self._in_forward = False
+        self._regathered: dict[int, weakref.ref] = {}
+        self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
+        self._pending: list[_PendingReduce] = []
+        self._queued = False
+        self.launched = 0  # gradient reductions started (tests read it to see no_sync work)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def gather(self, keys: list[int]) -> dict[int, torch.Tensor]:
+        """The whole parameters `keys` (autograd-connected to their chunks), one collective per group."""
+        shards = [self.shards[k] for k in keys]
+        outs = [torch.empty(s.numel, dtype=self.chunks[k].dtype, device=self.chunks[k].device)
+                for k, s in zip(keys, shards)]
+        with torch.no_grad():
+            all_gather_chunks(shards, [self.chunks[k].detach() for k in keys], outs)
+        result = {}
+        for k, s, flat in zip(keys, shards, outs):
+            whole = flat.view(s.shape)
+            if self._in_forward:
+                self._live[whole.untyped_storage().data_ptr()] = k
+            result[k] = _Gathered.apply(self.chunks[k], _Box(whole), self, k) if torch.is_grad_enabled() else whole
+        return result
+
+    @contextlib.contextmanager
+    def forward_scope(self) -> Iterator[None]:
+        """Around a forward: what autograd saves of gathered parameters is a reference, not the tensor."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            self._in_forward = True
+            try:
+                yield
+            finally:
+                self._in_forward = False
+                self._live.clear()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if key is None:
+            return t
+        return _SavedRef(key, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedRef):
+            return saved
+        ref = self._regathered.get(saved.key)
+        whole = ref() if ref is not None else None
+        if whole is None:  # gathered again; kept only while some backward node still holds it
+            s = self.shards[saved.key]
+            flat = torch.empty(s.numel, dtype=self.chunks[saved.key].dtype, device=self.chunks[saved.key].device)
+            all_gather_chunks([s], [self.chunks[saved.key].detach()], [flat])
+            whole = flat
+            self._regathered[saved.key] = weakref.ref(whole)
+        return whole.as_strided(saved.size, saved.stride, saved.offset)
+
+    # -- backward --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def grad_ready(self, key: int, grad: torch.Tensor) -> None:
+        if not self._sync:
+            acc = self._accumulated.get(key)
+            self._accumulated[key] = grad.detach().clone() if acc is None else acc.add_(grad)
+            return
+        acc = self._accumulated.pop(key, None)
+        if acc is not None:
+            grad = acc.add_(grad)
+        self._reduce(key, grad)
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _reduce(self, key: int, grad: torch.Tensor) -> None:
+        s = self.shards[key]
+        if s.sum_group is not None:  # summed over more devices than the replicas: whole, then our chunk
+            buf = grad.detach().reshape(-1) * self.scale
+            work = dist.all_reduce(buf, group=s.sum_group, async_op=True)
+            self._pending.append(_PendingReduce(work, buf, key))
+        elif s.size > 1:
+            buf = reduce_scatter_layout([s], [grad.detach()], self.scale)
+            out = buf.new_empty(s.chunk)
+            work = dist.reduce_scatter_tensor(out, buf, group=s.group, async_op=True)
+            self._pending.append(_PendingReduce(work, out, -key - 1))
+        else:
+            self._pending.append(_PendingReduce(None, grad.detach().reshape(-1).clone(), key))
+        self.launched += 1
+
+    def reduce_accumulated(self) -> None:
+        """Reduce the gradients kept under no_sync (after a step whose backward ran without sync)."""
+        for key in sorted(self._accumulated):
+            self._reduce(key, self._accumulated.pop(key))
+        self.finish()
+
+    def finish(self) -> None:
+        for p in self._pending:
+            if p.work is not None:
+                p.work.wait()
+            if p.key >= 0:  # a whole gradient: keep our chunk
+                key = p.key
+                g = self.shards[key].owned(p.out)
+            else:
+                key = -p.key - 1
+                g = p.out[:self.shards[key].hi - self.shards[key].lo]
+            c = self.chunks[key]
+            g = g.view_as(c).to(c.dtype)
+            if c.grad is None:
+                c.grad = g.clone()
+            else:
+                c.grad.add_(g)
+        self._pending.clear()
+        self._regathered.clear()
+        self._queued = False
