@@ -92,7 +92,8 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     paths = sorted({p for p, _ in begun})
     if len(paths) > 1:
         raise CheckpointError(f"{WHAT}: ranks passed different paths {paths}; pass the same path on every rank "
-                              "(a directory every rank can reach)")
+                              "(a directory every rank can reach), and call save on every rank each time (a rank that "
+                              "skipped an earlier save meets the others at the next one)")
     token = begun[0][1]
     tmp = temp_dir(final, token)
 

@@ -1,0 +1,334 @@
+"""Checkpoints on real gloo processes: resharding across plans and world sizes, bit-exact resume,
+atomic replacement under SIGKILL, export and offline merge, and bad input that loses nothing.
+
+One 2-layer GPT-2 (n_embd 64, vocab 128, seq 16) throughout; the saving runs write every
+checkpoint the other tests read, so the expensive parts (capture, planning) happen few times.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import models
+from harness import Workers
+
+PLANS = {  # name: (strategy, options, data-parallel degree)
+    "tp4": ("tp", {}, 1),
+    "pp2tp2": ("1f1b", {"pp": 2, "tp": 2, "micro_batches": 2}, 1),
+    "dp2": ("dp", {}, 2),
+    "tp2": ("tp", {}, 1),
+    "single": ("dp", {}, 1),
+}
+
+
+def _batch(step: int) -> dict:
+    """The global batch of a step: the same in every run, so a resumed run sees what the original saw."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, models.VOCAB, (models.BATCH, models.SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _replica(batch: dict, replica: int, dp: int) -> dict:
+    n = models.BATCH // dp
+    return {k: v[replica * n:(replica + 1) * n] for k, v in batch.items()}
+
+
+def _build(rank: int, world: int, plan_name: str, seed: int = 0):
+    """A ParallelModule of the test GPT-2 under a named plan, with AdamW and a step LR schedule."""
+    import nnscaler_plugins as nns
+
+    strategy, options, dp = PLANS[plan_name]
+    torch.manual_seed(seed)
+    model, _ = models.gpt2_small(2)
+    model.eval()  # no dropout: the trajectory depends on the weights and batches alone
+    example = _replica(_batch(0), 0, dp)
+    pm = nns.parallelize(model, example, plan=strategy, world_size=world, cache_dir="/tmp/nns_test_cache", **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    return model, pm, opt, sched
+
+
+def _train(pm, opt, sched, steps: range) -> list[torch.Tensor]:
+    losses = []
+    for step in steps:
+        loss = pm.train_step(_replica(_batch(step), pm.dp_rank, pm.dp_size)).detach().clone()
+        if pm.dp_size > 1:
+            torch.distributed.all_reduce(loss)
+            loss /= pm.dp_size * pm.plan.unit_size
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss)
+    return losses
+
+
+def _states(pm, opt) -> tuple[dict, dict]:
+    from nnscaler_plugins.checkpoint import full_model_state, full_optimizer_state
+
+    return full_model_state(pm), full_optimizer_state(pm, opt)
+
+
+def _differences(got: tuple[dict, dict], want: tuple[dict, dict], what: str) -> list[str]:
+    """Every model tensor and optimizer state entry compared exactly (torch.equal)."""
+    problems = []
+    (gm, go), (wm, wo) = got, want
+    if set(gm) != set(wm):
+        problems.append(f"{what}: model names differ: {sorted(set(gm) ^ set(wm))[:6]}")
+    problems += [f"{what}: model {k} differs" for k in wm if k in gm and not torch.equal(gm[k], wm[k])]
+    if set(go["state"]) != set(wo["state"]):
+        problems.append(f"{what}: optimizer names differ: {sorted(set(go['state']) ^ set(wo['state']))[:6]}")
+    for name, keys in wo["state"].items():
+        for key, v in keys.items():
+            g = go["state"].get(name, {}).get(key)
+            same = torch.equal(g, v) if isinstance(v, torch.Tensor) and isinstance(g, torch.Tensor) else g == v
+            if not same:
+                problems.append(f"{what}: optimizer {name}[{key}] differs")
+    strip = lambda groups: [{k: v for k, v in g.items() if k != "params"} for g in groups]  # noqa: E731
+    if strip(go["param_groups"]) != strip(wo["param_groups"]):
+        problems.append(f"{what}: optimizer hyperparameters differ")
+    if [sorted(g["params"]) for g in go["param_groups"]] != [sorted(g["params"]) for g in wo["param_groups"]]:
+        problems.append(f"{what}: optimizer parameter groups differ")
+    return problems
+
+
+# -- worker tasks ------------------------------------------------------------------------------
+def save_under_tp4_and_pipeline(rank: int, world: int, root: str):
+    """Train 2 steps under tp 4 and under pipeline 2 x tp 2, save each; also export the tp 4 model."""
+    import nnscaler_plugins as nns
+
+    out = {}
+    for name in ("tp4", "pp2tp2"):
+        model, pm, opt, sched = _build(rank, world, name)
+        _train(pm, opt, sched, range(2))
+        nns.checkpoint.save(os.path.join(root, name), pm, opt, step=2, scheduler=sched.state_dict(), plan=name)
+        out[name] = _states(pm, opt)
+        if name == "tp4":
+            nns.checkpoint.export(os.path.join(root, "tp4.pt"), pm)
+            nns.checkpoint.export(os.path.join(root, "tp4_hf"), pm, hf_model=model)
+    return out if rank == 0 else None
+
+
+def load_tp4_into_dp2(rank: int, world: int, root: str, want: tuple) -> list[str]:
+    """A different plan on a different world size, from other initial weights: the loaded state is
+    the saved one exactly, and extra comes back."""
+    import nnscaler_plugins as nns
+
+    _, pm, opt, sched = _build(rank, world, "dp2", seed=1)
+    extra = nns.checkpoint.load(os.path.join(root, "tp4"), pm, opt)
+    sched.load_state_dict(extra["scheduler"])
+    problems = _differences(_states(pm, opt), want, "tp4 -> dp2")
+    if extra["step"] != 2 or extra["plan"] != "tp4" or sched.last_epoch != 2:
+        problems.append(f"extra came back as {extra}")
+    losses = _train(pm, opt, sched, range(2, 3))  # and it trains on from there
+    if not torch.isfinite(losses[0]):
+        problems.append(f"loss after loading {losses[0]}")
+    return problems
+
+
+def train_save_train(rank: int, world: int, root: str, plan_name: str, n: int, m: int):
+    """N steps, save, M more: the losses and state of the run that never stopped."""
+    import nnscaler_plugins as nns
+
+    _, pm, opt, sched = _build(rank, world, plan_name)
+    _train(pm, opt, sched, range(n))
+    nns.checkpoint.save(os.path.join(root, "resume"), pm, opt, step=n, scheduler=sched.state_dict(),
+                        rng=torch.get_rng_state())
+    losses = _train(pm, opt, sched, range(n, n + m))
+    return losses, _states(pm, opt)
+
+
+def resume_and_train(rank: int, world: int, root: str, plan_name: str, m: int):
+    import nnscaler_plugins as nns
+
+    _, pm, opt, sched = _build(rank, world, plan_name, seed=7)
+    extra = nns.checkpoint.load(os.path.join(root, "resume"), pm, opt)
+    sched.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"])
+    losses = _train(pm, opt, sched, range(extra["step"], extra["step"] + m))
+    return losses, _states(pm, opt)
+
+
+def bad_input(rank: int, world: int, root: str) -> dict:
+    """Save called on rank 0 only; a checkpoint of another model; then a save on both ranks still works."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.checkpoint import CheckpointError
+
+    out = {}
+    small = torch.nn.Linear(4, 4)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            nns.checkpoint.save(os.path.join(root, "partial"), small, sync_timeout_s=3)
+            out["partial"] = "no error"
+        except CheckpointError as e:
+            out["partial"] = str(e)
+        out["partial_s"] = time.monotonic() - start
+    torch.distributed.barrier()  # rank 1 meanwhile does other work, and never calls that save
+    torch.manual_seed(0)
+    mlp, inputs = models.mlp()
+    pm = nns.parallelize(mlp, _replica(inputs, rank, world), plan="dp", cache_dir="/tmp/nns_test_cache")
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    try:
+        nns.checkpoint.load(os.path.join(root, "tp4"), pm)
+        out["mismatch"] = "no error"
+    except CheckpointError as e:
+        out["mismatch"] = str(e)
+    out["untouched"] = all(torch.equal(v, pm.state_dict()[k]) for k, v in before.items())
+    nns.checkpoint.save(os.path.join(root, "after_partial"), pm)  # the ranks still agree on later saves
+    out["after_partial"] = os.path.exists(os.path.join(root, "after_partial", "metadata.json"))
+    return out
+
+
+# -- tests ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(workers4, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return root, workers4.run(save_under_tp4_and_pipeline, root)[0]
+
+
+def test_tp4_loads_into_dp2_with_identical_state(saved, workers2):
+    root, want = saved
+    problems = [p for r in workers2.run(load_tp4_into_dp2, root, want["tp4"]) for p in r]
+    assert not problems, "\n".join(problems)
+
+
+def test_pipeline_2x_tp2_loads_into_one_process(saved):
+    import nnscaler_plugins as nns
+
+    root, want = saved
+    _, pm, opt, _ = _build(0, 1, "single", seed=3)
+    extra = nns.checkpoint.load(os.path.join(root, "pp2tp2"), pm, opt)
+    assert extra["plan"] == "pp2tp2"
+    problems = _differences(_states(pm, opt), want["pp2tp2"], "pp2 x tp2 -> one process")
+    assert not problems, "\n".join(problems)
+
+
+def test_export_and_offline_merge(saved, tmp_path):
+    from nnscaler_plugins.cli import main
+
+    root, want = saved
+    model_state = want["tp4"][0]
+    merged = str(tmp_path / "merged.pt")
+    assert main(["merge-checkpoint", os.path.join(root, "tp4"), merged]) == 0
+    exported = torch.load(os.path.join(root, "tp4.pt"), weights_only=True)
+    for name, sd in (("merged", torch.load(merged, weights_only=True)), ("exported", exported)):
+        assert set(sd) == set(model_state), name
+        assert all(torch.equal(sd[k], v) for k, v in model_state.items()), name
+    with_opt = str(tmp_path / "with_opt.pt")
+    assert main(["merge-checkpoint", os.path.join(root, "tp4"), with_opt, "--with-optimizer"]) == 0
+    full = torch.load(with_opt, weights_only=False)
+    assert full["extra"]["step"] == 2
+    assert all(torch.equal(full["optimizer"]["state"][n][k], v)
+               for n, keys in want["tp4"][1]["state"].items() for k, v in keys.items())
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "tp4_hf"))
+    loaded = hf.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model_state.items() if k in loaded)
+    assert {k for k in model_state} <= set(loaded)
+
+
+def test_resume_is_bit_exact(workers2, tmp_path):
+    root = str(tmp_path)
+    with Workers(2) as first:  # the run that never stops, in its own processes
+        (losses, state), _ = first.run(train_save_train, root, "tp2", 2, 3)
+    resumed, resumed_state = workers2.run(resume_and_train, root, "tp2", 3)[0]
+    assert all(torch.equal(a, b) for a, b in zip(losses, resumed)), (losses, resumed)
+    problems = _differences(resumed_state, state, "resumed vs uninterrupted")
+    assert not problems, "\n".join(problems)
+
+
+def test_bad_input_loses_nothing(saved, workers2):
+    root, _ = saved
+    results = workers2.run(bad_input, root)
+    r0 = results[0]
+    assert "rank(s) [1] did not call it within 3 s" in r0["partial"], r0["partial"]
+    assert r0["partial_s"] < 30
+    assert not os.path.exists(os.path.join(root, "partial"))
+    for r in results:
+        msg = r["mismatch"]
+        assert "nothing was loaded" in msg and "fc1.weight [64, 16]" in msg and "lm_head.weight [128, 64]" in msg, msg
+        assert r["untouched"] and r["after_partial"]
+
+
+def test_corrupt_or_wrong_paths_give_clear_errors(saved, tmp_path):
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.checkpoint import CheckpointError
+
+    root, _ = saved
+    target = torch.nn.Linear(4, 4)
+    bad = str(tmp_path / "bad")
+    shutil.copytree(os.path.join(root, "after_partial"), bad)
+    from nnscaler_plugins.checkpoint.format import read_metadata
+
+    # a file inside the checkpoint names the checkpoint (a common mistake on resume)
+    assert read_metadata(os.path.join(bad, "metadata.json"))[0] == bad
+    with open(os.path.join(bad, "rank-00001.pt"), "r+b") as f:
+        f.truncate(100)
+    mlp, _ = models.mlp()
+    with pytest.raises(CheckpointError, match="rank-00001.pt has 100 bytes.*truncated"):
+        nns.checkpoint.load(bad, mlp)
+    with open(os.path.join(bad, "metadata.json"), "w") as f:
+        f.write('{"format": "nnscaler-checkp')
+    with pytest.raises(CheckpointError, match="metadata.json is corrupt"):
+        nns.checkpoint.load(bad, mlp)
+    os.remove(os.path.join(bad, "metadata.json"))
+    with pytest.raises(CheckpointError, match="metadata.json is missing"):
+        nns.checkpoint.load(bad, mlp)
+    with pytest.raises(CheckpointError, match="is a file, not an nnscaler checkpoint directory"):
+        nns.checkpoint.load(os.path.join(root, "tp4.pt"), target)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        nns.checkpoint.load(str(tmp_path / "nowhere"), target)
+
+
+SAVER = textwrap.dedent("""
+    import sys, torch
+    import nnscaler_plugins as nns
+    path = sys.argv[1]
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])  # 25 MB a save
+    i = 0
+    while True:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(i))
+        nns.checkpoint.save(path, model, iteration=i)
+        print(i, flush=True)
+        i += 1
+""")
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+    import nnscaler_plugins as nns
+
+    path = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, path], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        completed = int(proc.stdout.readline())  # the first checkpoint is complete
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kill while a later save is half written
+            if any(".saving-" in n for n in os.listdir(tmp_path)):
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.001)
+        else:
+            pytest.fail("never saw a save in progress")
+    finally:
+        proc.kill()
+        proc.wait()
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
+    extra = nns.checkpoint.load(path, model)
+    assert extra["iteration"] >= completed
+    assert all(torch.all(p == extra["iteration"]) for p in model.parameters())
+    # the next save clears what the killed one left behind
+    nns.checkpoint.save(path, model, iteration=-1)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
