@@ -1,0 +1,309 @@
+"""The behaviour of the Lightning strategy "nnscaler", written once for both Lightning namespaces.
+
+`lightning.pytorch` and `pytorch_lightning` are separate copies of Lightning and a Trainer accepts
+only a subclass of its own namespace's `Strategy`, so `adapters.lightning` combines this mixin with
+each namespace's `ParallelStrategy`. Everything namespace-specific is imported through `self._ns`
+inside methods, which is also why this module imports no Lightning at all.
+
+How a LightningModule is run: the strategy parallelizes one submodule of it (the model whose forward
+`training_step` calls, found automatically or named by `module_attr=`), captured on the inputs
+`training_step` passes it for the first training batch. That attribute is replaced by a
+`PlannedModel`, so `training_step`, `configure_optimizers`, logging and Lightning's loops keep
+working unchanged. Plans that run whole steps (pipelines, micro-batches) run forward and backward
+inside the model call and hand back the loss; Lightning's own backward on it is then a no-op.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import os
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .lightning_model import PlannedModel, Recorded, Recorder
+
+PlanLike = Union[str, os.PathLike, Callable, Any]
+
+_OPT_KEY = "nnscaler_per_rank"
+
+
+class NNScalerStrategyMixin:
+    """Shared implementation; see `nnscaler_plugins.adapters.lightning.NNScalerStrategy`."""
+
+    strategy_name = "nnscaler"
+    _ns = "lightning.pytorch"  # set on each generated class
+
+    def __init__(self, plan: PlanLike = "dp", *, module_attr: Optional[str] = None, example_inputs: Any = None,
+                 loss_fn: Optional[Callable] = None, start_method: str = "popen",
+                 process_group_backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                 cache_dir: str = ".nnscaler_cache", accelerator: Any = None, parallel_devices: Any = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
+                 **plan_options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        _check_plan(plan)
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"NNScalerStrategy: start_method={start_method!r}; use 'popen', 'spawn', 'fork' or "
+                             "'forkserver'")
+        self.plan = plan
+        self.plan_options = plan_options
+        self.module_attr = module_attr
+        self.example_inputs = example_inputs
+        self.loss_fn = loss_fn
+        self.cache_dir = cache_dir
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self.pmodule: Any = None  # the ParallelModule, once set up
+        self._attr: Optional[str] = None
+
+    # -- namespace access ---------------------------------------------------------------------------
+    def _imp(self, suffix: str) -> Any:
+        """Import `<namespace>.<suffix>`; "fabric." suffixes go to the matching fabric package."""
+        if suffix.startswith("fabric."):
+            base = "lightning.fabric" if self._ns == "lightning.pytorch" else "lightning_fabric"
+            return importlib.import_module(f"{base}.{suffix[len('fabric.'):]}")
+        return importlib.import_module(f"{self._ns}.{suffix}")
+
+    # -- processes ----------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Ranks of one model replica (its tensor-parallel and pipeline devices) read the same batch."""
+        if self.pmodule is None:
+            raise RuntimeError("NNScalerStrategy: the data-parallel degree is known once the model is set up")
+        return {"num_replicas": self.pmodule.dp_size, "rank": self.pmodule.dp_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the weights go into the shards, which exist only after setup
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero = self._imp("utilities.rank_zero").rank_zero_only
+        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+        rank_zero.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        launchers = self._imp("strategies.launchers")
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                                 self.num_nodes)
+        else:
+            self._launcher = launchers._MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._imp("fabric.utilities.seed").reset_seed()
+        self.set_world_ranks()
+        from nnscaler_plugins.plugins import get_plugin_manager
+
+        backend = self._process_group_backend or get_plugin_manager().hook.nnscaler_choose_backend(
+            device_type=self.root_device.type)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        self._imp("fabric.utilities.distributed")._init_dist_connection(self.cluster_environment, backend,
+                                                                        timeout=self._timeout)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return self._imp("fabric.utilities.distributed")._sync_ddp_if_available(tensor, group,
+                                                                                     reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this on batches that only accumulate gradients."""
+        with self.pmodule.no_sync() if self.pmodule is not None else contextlib.nullcontext():
+            yield None
+
+    # -- the model ----------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        self._trainer = trainer
+        super().setup(trainer)
+        # Lightning's norm clipping sees only this rank's shards; value clipping is elementwise and
+        # correct on shards as it is.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _setup_model(self, model: Any) -> Any:
+        import nnscaler_plugins as nns
+        from nnscaler_plugins.plugins import get_plugin_manager
+
+        attr = self._attr = self.module_attr or _find_inner_module(model)
+        inner = getattr(model, attr, None)
+        if not isinstance(inner, torch.nn.Module):
+            raise AttributeError(f"NNScalerStrategy(module_attr={attr!r}): {type(model).__name__}.{attr} is not an "
+                                 "nn.Module; name the submodule training_step calls")
+        example = self.example_inputs if self.example_inputs is not None else self._record_inputs(model, attr)
+        self.pmodule = nns.parallelize(inner, example, plan=self.plan, device=self.root_device,
+                                       cache_dir=self.cache_dir, loss_fn=self.loss_fn, **self.plan_options)
+        whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
+        setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole,
+                                          grad_divisor=lambda: getattr(self._trainer, "accumulate_grad_batches", 1)))
+        get_plugin_manager().hook.nnscaler_on_parallelized(module=self.pmodule, plan=self.pmodule.plan,
+                                                           framework="lightning")
+        return model
+
+    def _record_inputs(self, model: Any, attr: str) -> Any:
+        """Run `training_step` on the first training batch up to the call of the inner model, and keep
+        what it was called with: exactly the example inputs the plan must be made for."""
+        batch = self._first_train_batch()
+        original = getattr(model, attr)
+        setattr(model, attr, Recorder())
+        try:
+            model.training_step(batch, 0)
+        except Recorded as r:
+            args, kwargs = r.args, r.kwargs
+        else:
+            raise RuntimeError(f"NNScalerStrategy: training_step did not call self.{attr}; pass module_attr= (the "
+                               "submodule it calls) or example_inputs=")
+        finally:
+            setattr(model, attr, original)
+        if args and kwargs:
+            raise TypeError(f"NNScalerStrategy: training_step calls self.{attr} with both positional and keyword "
+                            "arguments; call it with one kind, or pass example_inputs=")
+        if kwargs:
+            return kwargs
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def _first_train_batch(self) -> Any:
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != "fit":
+            raise RuntimeError("NNScalerStrategy captures the model on a training batch; pass example_inputs= to "
+                               "validate, test or predict without fitting")
+        source = trainer.fit_loop._data_source
+        loader = source.dataloader()
+        # Drawing a batch consumes random numbers (sampler seeds); the real run must not notice.
+        state = torch.random.get_rng_state()
+        try:
+            batch = next(iter(loader))
+        finally:
+            torch.random.set_rng_state(state)
+        return self.batch_to_device(batch, self.root_device)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        from .grad_norm import clip_grad_norm_
+
+        clip_grad_norm_(self.pmodule, float(clip_val))
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """An ordinary (whole-tensor) state dict of the LightningModule, loadable without this strategy
+        (collective: Lightning calls it on every rank)."""
+        lm = self.lightning_module
+        prefix = self._attr + "."
+        out = {k: v for k, v in lm.state_dict().items() if not k.startswith(prefix)}
+        out.update({prefix + k: v for k, v in self.pmodule.full_state_dict().items()})
+        return out
+
+    def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
+        prefix = self._attr + "."
+        state = checkpoint["state_dict"]
+        self.pmodule.load_full_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        rest = {k: v for k, v in state.items() if not k.startswith(prefix)}
+        result = self.lightning_module.load_state_dict(rest, strict=False)
+        if strict and result.unexpected_keys:
+            raise KeyError(f"checkpoint has keys the LightningModule lacks: {result.unexpected_keys[:8]}")
+
+    def optimizer_state(self, optimizer: Any) -> dict:
+        """Every rank's optimizer state (for its own shards), gathered into rank 0's checkpoint."""
+        opt = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
+        local = opt.state_dict()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return {_OPT_KEY: gathered, "world_size": dist.get_world_size()}
+
+    def load_optimizer_state_dict(self, checkpoint: dict) -> None:
+        states = checkpoint.get("optimizer_states")
+        if not states:
+            return
+        for optimizer, saved in zip(self.optimizers, states):
+            if _OPT_KEY not in saved:
+                raise ValueError("NNScalerStrategy: this checkpoint's optimizer state was not saved by NNScalerStrategy "
+                                 "(it is not per rank); resume it with the strategy that wrote it, or load only the "
+                                 "weights (LightningModule.load_from_checkpoint)")
+            if saved["world_size"] != dist.get_world_size():
+                raise ValueError(f"NNScalerStrategy: the checkpoint's optimizer state is for {saved['world_size']} "
+                                 f"processes, this run has {dist.get_world_size()}; resume with the same devices and "
+                                 "plan, or load only the weights")
+            optimizer.load_state_dict(saved[_OPT_KEY][dist.get_rank()])
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        if os.path.isdir(checkpoint_path):
+            raise IsADirectoryError(f"NNScalerStrategy checkpoints are single files (the .ckpt ModelCheckpoint "
+                                    f"writes); {checkpoint_path} is a directory")
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("nnscaler", cls, description="nnscaler-plugins plans (dp, tp, pipelines, auto)",
+                                   override=True)
+        strategy_registry.register("nnscaler_spawn", cls, description="nnscaler-plugins plans, spawned processes",
+                                   start_method="spawn", override=True)
+
+
+def _check_plan(plan: PlanLike) -> None:
+    """Refuse a bad plan now, in the launching process, with the names that would work."""
+    from nnscaler_plugins.plan import Plan
+
+    if isinstance(plan, Plan) or callable(plan):
+        return
+    if isinstance(plan, (str, os.PathLike)):
+        text = os.fspath(plan)
+        if text.endswith(".json"):
+            if not os.path.exists(text):
+                raise FileNotFoundError(f"NNScalerStrategy(plan={text!r}): no such plan file")
+            return
+        from nnscaler_plugins.plugins import strategies
+
+        names = strategies()
+        if text not in names:
+            raise ValueError(f"NNScalerStrategy(plan={text!r}): unknown strategy; registered: {', '.join(names)} "
+                             "(or pass a Plan, a plan .json file or a callable)")
+        return
+    raise TypeError(f"NNScalerStrategy(plan=...) takes a strategy name, a Plan, a plan file or a callable; got "
+                    f"{type(plan).__name__}")
+
+
+def _find_inner_module(model: torch.nn.Module) -> str:
+    names = [n for n, m in model.named_children() if any(p.requires_grad for p in m.parameters())]
+    if len(names) != 1:
+        raise AttributeError(f"NNScalerStrategy parallelizes one submodule of the LightningModule (the model "
+                             f"training_step calls); {type(model).__name__} has {len(names)} with trainable "
+                             f"parameters ({', '.join(names) or 'none'}): pass module_attr='<name>'")
+    return names[0]
