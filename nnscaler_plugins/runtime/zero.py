@@ -167,6 +167,7 @@ class Zero3Params:
         self._sync = True
         self._live: dict[int, int] = {}  # storage pointer of a gathered parameter -> its key
         self._in_forward = False
+        self._gathered: list[torch.Tensor] = []
         self._regathered: dict[int, weakref.ref] = {}
         self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
         self._pending: list[_PendingReduce] = []
@@ -184,8 +185,9 @@ class Zero3Params:
         result = {}
         for k, s, flat in zip(keys, shards, outs):
             whole = flat.view(s.shape)
-            if self._in_forward:
+            if self._in_forward:  # kept alive until the forward ends, so no other tensor reuses its memory
                 self._live[whole.untyped_storage().data_ptr()] = k
+                self._gathered.append(whole)
             result[k] = _Gathered.apply(self.chunks[k], _Box(whole), self, k) if torch.is_grad_enabled() else whole
         return result
 
@@ -199,6 +201,7 @@ class Zero3Params:
             finally:
                 self._in_forward = False
                 self._live.clear()
+                self._gathered.clear()
 
     def _pack(self, t: torch.Tensor) -> Any:
         key = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
