@@ -23,8 +23,9 @@ from harness import Workers
 PLANS = {  # name: (strategy, options, data-parallel degree)
     "tp4": ("tp", {}, 1),
     "pp2tp2": ("1f1b", {"pp": 2, "tp": 2, "micro_batches": 2}, 1),
+    "zero3": ("zero3", {}, 4),
     "dp2": ("dp", {}, 2),
-    "tp2": ("tp", {}, 1),
+    "zero1": ("zero1", {}, 2),
     "single": ("dp", {}, 1),
 }
 
@@ -51,7 +52,10 @@ def _build(rank: int, world: int, plan_name: str, seed: int = 0):
     model.eval()  # no dropout: the trajectory depends on the weights and batches alone
     example = _replica(_batch(0), 0, dp)
     pm = nns.parallelize(model, example, plan=strategy, world_size=world, cache_dir="/tmp/nns_test_cache", **options)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    if plan_name.startswith("zero"):  # the plan-aware optimizer shards its state per the ZeRO stage
+        opt = nns.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+    else:  # a plain torch optimizer over the local shards
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     return model, pm, opt, sched
 
@@ -101,11 +105,11 @@ def _differences(got: tuple[dict, dict], want: tuple[dict, dict], what: str) -> 
 
 # -- worker tasks ------------------------------------------------------------------------------
 def save_under_tp4_and_pipeline(rank: int, world: int, root: str):
-    """Train 2 steps under tp 4 and under pipeline 2 x tp 2, save each; also export the tp 4 model."""
+    """Train 2 steps under tp 4, pipeline 2 x tp 2 and ZeRO-3, save each; also export the tp 4 model."""
     import nnscaler_plugins as nns
 
     out = {}
-    for name in ("tp4", "pp2tp2"):
+    for name in ("tp4", "pp2tp2", "zero3"):
         model, pm, opt, sched = _build(rank, world, name)
         _train(pm, opt, sched, range(2))
         nns.checkpoint.save(os.path.join(root, name), pm, opt, step=2, scheduler=sched.state_dict(), plan=name)
@@ -116,33 +120,26 @@ def save_under_tp4_and_pipeline(rank: int, world: int, root: str):
     return out if rank == 0 else None
 
 
-def load_tp4_into_dp2(rank: int, world: int, root: str, want: tuple) -> list[str]:
-    """A different plan on a different world size, from other initial weights: the loaded state is
-    the saved one exactly, and extra comes back."""
+def load_on_two(rank: int, world: int, root: str, want: dict, m: int) -> tuple[list[str], list, tuple]:
+    """Under other plans on another world size, from other initial weights, the loaded state is the
+    saved one exactly and extra comes back: tp 4 into dp 2 (plain AdamW), ZeRO-3 on 4 into ZeRO-1
+    on 2 (nns.build_optimizer). The dp 2 run then trains a step, saves, and trains `m` more: the
+    run a resumed one must match."""
     import nnscaler_plugins as nns
 
-    _, pm, opt, sched = _build(rank, world, "dp2", seed=1)
-    extra = nns.checkpoint.load(os.path.join(root, "tp4"), pm, opt)
-    sched.load_state_dict(extra["scheduler"])
-    problems = _differences(_states(pm, opt), want, "tp4 -> dp2")
-    if extra["step"] != 2 or extra["plan"] != "tp4" or sched.last_epoch != 2:
-        problems.append(f"extra came back as {extra}")
-    losses = _train(pm, opt, sched, range(2, 3))  # and it trains on from there
-    if not torch.isfinite(losses[0]):
-        problems.append(f"loss after loading {losses[0]}")
-    return problems
-
-
-def train_save_train(rank: int, world: int, root: str, plan_name: str, n: int, m: int):
-    """N steps, save, M more: the losses and state of the run that never stopped."""
-    import nnscaler_plugins as nns
-
-    _, pm, opt, sched = _build(rank, world, plan_name)
-    _train(pm, opt, sched, range(n))
-    nns.checkpoint.save(os.path.join(root, "resume"), pm, opt, step=n, scheduler=sched.state_dict(),
+    problems = []
+    for saved, name in (("zero3", "zero1"), ("tp4", "dp2")):
+        _, pm, opt, sched = _build(rank, world, name, seed=1)
+        extra = nns.checkpoint.load(os.path.join(root, saved), pm, opt)
+        sched.load_state_dict(extra["scheduler"])
+        problems += _differences(_states(pm, opt), want[saved], f"{saved} -> {name}")
+        if extra["step"] != 2 or extra["plan"] != saved or sched.last_epoch != 2:
+            problems.append(f"extra came back as {extra}")
+    _train(pm, opt, sched, range(2, 3))
+    nns.checkpoint.save(os.path.join(root, "resume"), pm, opt, step=3, scheduler=sched.state_dict(),
                         rng=torch.get_rng_state())
-    losses = _train(pm, opt, sched, range(n, n + m))
-    return losses, _states(pm, opt)
+    losses = _train(pm, opt, sched, range(3, 3 + m))
+    return problems, losses, _states(pm, opt)
 
 
 def resume_and_train(rank: int, world: int, root: str, plan_name: str, m: int):
@@ -194,9 +191,14 @@ def saved(workers4, tmp_path_factory):
     return root, workers4.run(save_under_tp4_and_pipeline, root)[0]
 
 
-def test_tp4_loads_into_dp2_with_identical_state(saved, workers2):
+@pytest.fixture(scope="module")
+def loaded_on_two(saved, workers2):
     root, want = saved
-    problems = [p for r in workers2.run(load_tp4_into_dp2, root, want["tp4"]) for p in r]
+    return workers2.run(load_on_two, root, want, 2)[0]
+
+
+def test_tp4_into_dp2_and_zero3_into_zero1_with_identical_state(loaded_on_two):
+    problems = loaded_on_two[0]
     assert not problems, "\n".join(problems)
 
 
@@ -237,11 +239,12 @@ def test_export_and_offline_merge(saved, tmp_path):
     assert {k for k in model_state} <= set(loaded)
 
 
-def test_resume_is_bit_exact(workers2, tmp_path):
-    root = str(tmp_path)
-    with Workers(2) as first:  # the run that never stops, in its own processes
-        (losses, state), _ = first.run(train_save_train, root, "tp2", 2, 3)
-    resumed, resumed_state = workers2.run(resume_and_train, root, "tp2", 3)[0]
+def test_resume_is_bit_exact(saved, loaded_on_two):
+    """Losses and final state of a run resumed in fresh processes equal the run that never stopped."""
+    root, _ = saved
+    _, losses, state = loaded_on_two
+    with Workers(2) as fresh:
+        resumed, resumed_state = fresh.run(resume_and_train, root, "dp2", 2)[0]
     assert all(torch.equal(a, b) for a, b in zip(losses, resumed)), (losses, resumed)
     problems = _differences(resumed_state, state, "resumed vs uninterrupted")
     assert not problems, "\n".join(problems)

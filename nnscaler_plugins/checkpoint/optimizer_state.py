@@ -100,23 +100,18 @@ def _merge_groups(all_groups: list[list[dict]]) -> list[dict]:
 
 
 def _gather(module: Any, state: dict, groups: list[dict], world: int) -> dict[str, Any]:
-    from ..resharding import plan as plan_reshard
-
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (_describe(state), groups))
     desc: dict[str, dict] = {}
     for d, _ in everyone:
         for fqn, keys in d.items():
             desc.setdefault(fqn, {}).update({k: e for k, e in keys.items() if k not in desc.get(fqn, {})})
-    plan = module.plan
-    unit_groups = module._comm.groups
-    unit = tuple(module.dp_rank * plan.unit_size + d for d in range(plan.unit_size))
     out: dict[str, dict[str, Any]] = {}
-    for s in module.program.shards.values():
+    for v, s in module.program.shards.items():
         if s.kind != "param" or s.fqn in out or s.fqn not in desc:
             continue  # a tied weight's copies hold the same state
         lay = s.layout
-        mine = module.unit_device in lay.group
+        mine = v in module._held
         local = state.get(s.fqn, (None, {}))[1] if mine else {}
         entries: dict[str, Any] = {}
         for key in sorted(desc[s.fqn]):
@@ -127,18 +122,15 @@ def _gather(module: Any, state: dict, groups: list[dict], world: int) -> dict[st
             if mine and key not in local:
                 raise CheckpointError(f"optimizer state {s.fqn!r}[{key!r}] exists on another rank but not on rank "
                                       f"{dist.get_rank()}; step the optimizer on every rank")
-            shape, dtype = (lay.shape if kind == "shard" else info[0]), getattr(torch, info[1].split(".")[-1])
-            if mine and kind == "shard":
-                with torch.no_grad():
-                    whole = plan_reshard(lay, Layout.replicated(lay.shape, lay.group)).apply(
-                        local[key].detach(), module.unit_device, unit_groups)
-            elif mine:
-                whole = local[key].detach()
-            else:
-                whole = torch.empty(shape, dtype=dtype, device=module._device)
-            if len(lay.group) < plan.unit_size:  # held by one stage: it tells the rest of the replica
-                whole = whole.contiguous()
-                dist.broadcast(whole, src=unit_groups.global_rank(lay.group[0]), group=module.groups.get(unit))
+            dtype = getattr(torch, info[1].split(".")[-1])
+            if kind == "shard":  # the module's own path from a piece to the whole (collective over the unit)
+                whole = module.whole_tensor(v, local[key].detach() if mine else None, dtype)
+            else:  # scalars (Adam's step): the same on every holder; a stage that lacks them is told
+                whole = local[key].detach().clone() if mine else torch.empty(info[0], dtype=dtype, device=module._device)
+                if len(lay.group) < module.plan.unit_size:
+                    unit = tuple(module.dp_rank * module.plan.unit_size + d for d in range(module.plan.unit_size))
+                    dist.broadcast(whole, src=module._comm.groups.global_rank(lay.group[0]),
+                                   group=module.groups.get(unit))
             entries[key] = whole.detach().cpu().clone()
         out[s.fqn] = entries
     return {"state": out, "param_groups": _merge_groups([g for _, g in everyone])}

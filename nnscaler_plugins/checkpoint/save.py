@@ -2,6 +2,7 @@
 directory atomically once every rank reports its file written and synced."""
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import shutil
@@ -114,11 +115,18 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
             fsync_file(extra_path)
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised everywhere
         status = f"{type(e).__name__}: {e}"
-    written = exchange(round_no, "written", (status, digest), sync_timeout_s, WHAT)
-    failed = {r: s for r, (s, _) in enumerate(written) if s != "ok"}
+    # Every rank must have placed the same tensors on the same owners, or files and metadata disagree.
+    listing = hashlib.sha256(repr(sorted((k, owner, tuple(v.shape) if isinstance(v, torch.Tensor) else None)
+                                         for k, (v, owner) in placed.items())).encode()).hexdigest() \
+        if status == "ok" else None
+    written = exchange(round_no, "written", (status, digest, listing), sync_timeout_s, WHAT)
+    failed = {r: s for r, (s, _, _) in enumerate(written) if s != "ok"}
+    if not failed and len({lst for _, _, lst in written}) > 1:
+        failed = {r: "ranks gathered different tensors to save (a full_state_dict that is not the whole state on "
+                     "every rank?)" for r in range(world_size)}
     if not failed and rank == 0:
         try:
-            files = {rank_file(r): d for r, (_, d) in enumerate(written)}
+            files = {rank_file(r): d for r, (_, d, _) in enumerate(written)}
             files[EXTRA_FILE] = file_digest(os.path.join(tmp, EXTRA_FILE))
             write_metadata(tmp, {"format": FORMAT, "version": VERSION, "world_size": world_size,
                                  "plan": plan_summary(module), "model": model_meta, "optimizer": optim_meta,
