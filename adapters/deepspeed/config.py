@@ -34,7 +34,7 @@ class Settings:
     precision: str = "fp32"                   # "fp32" | "bf16" | "fp16"
     loss_scale: dict = field(default_factory=dict)  # the fp16 section's scaling keys
     zero_stage: int = 0
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0            # DeepSpeed's default (runtime/constants.py), not 0
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False
@@ -86,7 +86,7 @@ def translate(config: dict) -> Settings:
     s.scheduler = _scheduler_section(config.get("scheduler"))
     s.precision, s.loss_scale = _precision(config)
     s.zero_stage = _zero_stage(config.get("zero_optimization") or {})
-    s.gradient_clipping = _number(config, "gradient_clipping", 0.0,
+    s.gradient_clipping = _number(config, "gradient_clipping", 1.0,
                                   auto_hint="the HF Trainer fills it from max_grad_norm; give a number (0 = off)")
     s.steps_per_print = int(_number(config, "steps_per_print", 10, auto_hint="give a number"))
     s.wall_clock_breakdown = bool(config.get("wall_clock_breakdown", False))
