@@ -25,6 +25,8 @@ in the plan's replicas (`Plan.dp`; the graph is one micro-batch of one replica).
 """
 from __future__ import annotations
 
+import bisect
+
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -67,19 +69,53 @@ class Candidate:
 
 
 def _stage_bounds(weights: Sequence[float], stages: int) -> Optional[list[int]]:
-    """Cut len(weights) layers into `stages` contiguous runs of about equal weight."""
-    n = len(weights)
+    """Cut len(weights) layers into `stages` contiguous runs whose heaviest run is as light as possible.
+
+    The pipeline's step is paced by its slowest stage, so the cut minimizes the largest stage weight
+    (the first and last layers carry the embedding and the head); a proportional cut can leave one
+    stage a whole layer heavier than needed, which at two layers per stage costs half the step."""
+    key = (tuple(weights), stages)
+    hit = _BOUNDS_CACHE.get(key)
+    if hit is None and key not in _BOUNDS_CACHE:
+        hit = _BOUNDS_CACHE[key] = _minimax_cut(list(weights), stages)
+    return None if hit is None else list(hit)
+
+
+_BOUNDS_CACHE: dict[tuple, Optional[list[int]]] = {}
+
+
+def _minimax_cut(w: list[float], stages: int) -> Optional[list[int]]:
+    n = len(w)
     if stages > n or stages < 1:
         return None
-    total = sum(weights)
-    cuts, acc, k = [0], 0.0, 1
-    for i, x in enumerate(weights):
-        acc += x
-        if k < stages and (acc >= total * k / stages or n - i - 1 == stages - k):
-            cuts.append(i + 1)
-            k += 1
-    cuts.append(n)
-    return cuts if len(cuts) == stages + 1 else None
+    prefix = [0.0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+
+    def cut(limit: float) -> Optional[list[int]]:
+        cuts, pos = [0], 0
+        for k in range(stages):
+            left = stages - k - 1  # stages after this one, each needs a layer
+            j = bisect.bisect_right(prefix, prefix[pos] + limit, lo=pos + 1) - 1
+            j = min(j, n - left)
+            if j <= pos:
+                return None
+            pos = j
+            cuts.append(pos)
+        return cuts if pos == n else None
+
+    lo, hi = max(w), prefix[-1]
+    best = cut(hi)
+    for _ in range(40):
+        if hi - lo <= 1e-9 * max(1.0, hi):
+            break
+        mid = (lo + hi) / 2
+        c = cut(mid)
+        if c is None:
+            lo = mid
+        else:
+            hi, best = mid, c
+    return best
 
 
 def _runs(segments: Sequence[Segment], mode: str) -> list[Part]:
@@ -254,6 +290,8 @@ class Search:
                         schedules.append((s, 1))
             shard_groups = dp * max((p for s in layers[:1] for _, (_, _, p) in s.params.items()), default=1)
             zeros = [0, 1, 2, 3] if shard_groups > 1 else [0]
+            if pp > 1:  # the runtime (like DeepSpeed) gathers ZeRO-3 parameters only outside pipelines
+                zeros = [z for z in zeros if z < 3]
             recomputes = [r for r in RECOMPUTE if r != "selective" or has_core]
             for schedule, v in schedules:
                 stages = pp * v
