@@ -70,7 +70,10 @@ def machine() -> str:
 
 
 def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], notes: str = "") -> str:
-    """Append a dated table to RESULTS.md and return it as text."""
+    """Write a dated table into RESULTS.md under `## title` and return it as text.
+
+    A section with the same title is replaced (the file holds each benchmark's latest run; git
+    keeps the history), any other section is left as it is."""
     date = datetime.date.today().isoformat()
     lines = [f"## {title}", "", f"{date}, {machine()}", "", "| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
@@ -78,11 +81,20 @@ def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], not
     if notes:
         lines += ["", notes]
     text = "\n".join(lines) + "\n\n"
-    new = not os.path.exists(RESULTS)
-    with open(RESULTS, "a") as f:
-        if new:
-            f.write("# Benchmark results\n\nEach section is appended by the script named in its title.\n\n")
-        f.write(text)
+    old = open(RESULTS).read() if os.path.exists(RESULTS) else \
+        "# Benchmark results\n\nEach section is written by the script named in its title.\n\n"
+    head = f"## {title}\n"
+    start = old.find(head) if old.startswith(head) else old.find("\n" + head)
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        start += 0 if old.startswith(head) and start == 0 else 1
+        end = old.find("\n## ", start + len(head))
+        new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
+    tmp = RESULTS + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(new.rstrip("\n") + "\n")
+    os.replace(tmp, RESULTS)
     return text
 
 
