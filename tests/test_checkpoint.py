@@ -335,3 +335,28 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     # the next save clears what the killed one left behind
     nns.checkpoint.save(path, model, iteration=-1)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_failed_save_keeps_previous_and_other_directories_are_never_replaced(tmp_path):
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.checkpoint import CheckpointError
+
+    model = torch.nn.Linear(4, 4)
+    path = str(tmp_path / "ckpt")
+    nns.checkpoint.save(path, model, step=1)
+    first = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.raises(CheckpointError, match="previous checkpoint there, if any, is untouched"):
+        nns.checkpoint.save(path, model, step=2, callback=lambda: None)  # extra that cannot be pickled
+    again = torch.nn.Linear(4, 4)
+    assert nns.checkpoint.load(path, again) == {"step": 1}
+    assert torch.equal(again.weight, first)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the failed save's directory is gone
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('keep me')")
+    with pytest.raises(CheckpointError, match="not an nnscaler checkpoint; refusing to replace it"):
+        nns.checkpoint.save(str(project), model)
+    assert (project / "train.py").read_text() == "print('keep me')"

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .agreement import begin_round, exchange, finish_round, world
-from .atomic import fsync_dir, fsync_file, remove_stale, swap_into_place, temp_dir
+from .atomic import METADATA, fsync_dir, fsync_file, remove_stale, swap_into_place, temp_dir
 from .errors import CheckpointError
 from .format import (EXTRA_FILE, FORMAT, OPTIM_GROUPS_KEY, VERSION, file_digest, model_key, object_entry,
                      optim_key, rank_file, tensor_entry, write_metadata)
@@ -72,6 +72,17 @@ def _layout_files(model: dict[str, torch.Tensor], optim: Optional[dict[str, Any]
     return placed, model_meta, optim_meta
 
 
+def _refusal(final: str) -> str:
+    """Why `final` must not be replaced by a checkpoint ("" when it may): only an earlier checkpoint
+    or an empty directory is ever swapped out, never a file or a directory of other things."""
+    if os.path.isfile(final):
+        return f"{final} is a file; a checkpoint is a directory, choose another path"
+    if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, METADATA)):
+        return (f"{final} is a directory that is not an nnscaler checkpoint; refusing to replace it, "
+                "choose a new path (or an earlier checkpoint's)")
+    return ""
+
+
 def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *,
          sync_timeout_s: float = 600.0, **extra: Any) -> str:
     """Write a sharded checkpoint directory at `path` (collective: call on every rank, same path).
@@ -85,12 +96,13 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     """
     rank, world_size = world()
     final = os.path.abspath(os.fspath(path))
-    if os.path.isfile(final):
-        raise CheckpointError(f"{WHAT}: {final} is a file; a checkpoint is a directory, choose another path")
     round_no = begin_round()
-    begun = exchange(round_no, "begin", (final, secrets.token_hex(6)), sync_timeout_s, WHAT)
+    begun = exchange(round_no, "begin", (final, secrets.token_hex(6), _refusal(final)), sync_timeout_s, WHAT)
     finish_round()
-    paths = sorted({p for p, _ in begun})
+    refusals = sorted({r for _, _, r in begun if r})
+    if refusals:
+        raise CheckpointError(f"{WHAT}: {refusals[0]}")
+    paths = sorted({p for p, _, _ in begun})
     if len(paths) > 1:
         raise CheckpointError(f"{WHAT}: ranks passed different paths {paths}; pass the same path on every rank "
                               "(a directory every rank can reach), and call save on every rank each time (a rank that "
