@@ -9,8 +9,11 @@
 Tensors are stored whole, under the model's own names, rather than as each rank's local shards
 with slice metadata: loading under any plan or world size (or in one process, or offline by the
 merge tool) then needs no knowledge of the saving plan, and every tensor is written exactly once
-whatever replication the plan had. Keys inside the files are "model/NAME" and "optim/NAME/KEY"; the optimizer's parameter groups
-and any non-tensor state sit in rank 0's file as plain Python values (still `weights_only`-safe).
+whatever replication the plan had. The price is paid at save time: whole tensors are gathered
+(through the module's own `full_state_dict`) before they are written.
+
+Keys inside the files are "model/NAME" and "optim/NAME/KEY"; the optimizer's parameter groups and
+any non-tensor state sit in rank 0's file as plain Python values (still `weights_only`-safe).
 """
 from __future__ import annotations
 
@@ -149,7 +152,8 @@ def read_extra(directory: str, meta: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
-def model_tensors(directory: str, meta: dict[str, Any], reader: Optional[TensorReader] = None) -> dict[str, torch.Tensor]:
+def model_tensors(directory: str, meta: dict[str, Any],
+                  reader: Optional[TensorReader] = None) -> dict[str, torch.Tensor]:
     """The whole model state dict; tied names share one tensor, as in the saved module."""
     reader = reader or TensorReader(directory)
     out: dict[str, torch.Tensor] = {}

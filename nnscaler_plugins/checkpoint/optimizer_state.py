@@ -126,7 +126,8 @@ def _gather(module: Any, state: dict, groups: list[dict], world: int) -> dict[st
             if kind == "shard":  # the module's own path from a piece to the whole (collective over the unit)
                 whole = module.whole_tensor(v, local[key].detach() if mine else None, dtype)
             else:  # scalars (Adam's step): the same on every holder; a stage that lacks them is told
-                whole = local[key].detach().clone() if mine else torch.empty(info[0], dtype=dtype, device=module._device)
+                whole = local[key].detach().clone() if mine else \
+                    torch.empty(info[0], dtype=dtype, device=module._device)
                 if len(lay.group) < module.plan.unit_size:
                     unit = tuple(module.dp_rank * module.plan.unit_size + d for d in range(module.plan.unit_size))
                     dist.broadcast(whole, src=module._comm.groups.global_rank(lay.group[0]),
