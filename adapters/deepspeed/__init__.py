@@ -31,6 +31,7 @@ from .config import DeepSpeedConfigError, Settings, load_config, resolve_batch, 
 from .engine import DeepSpeedEngine
 from .launch import add_config_arguments, init_distributed
 from .optimizers import build_optimizer
+from .zero_optimizer import ZeroOptimizer
 from .schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
@@ -126,6 +127,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _make_optimizer(optimizer, settings, params)
+    if opt is not None and (settings.zero_stage > 0 or settings.precision != "fp32"):
+        opt = ZeroOptimizer(opt)  # DeepSpeed hands back its ZeRO / mixed-precision wrapper here too
     sched = _make_scheduler(lr_scheduler, settings, opt)
     engine = DeepSpeedEngine(model, settings, raw, optimizer=opt, lr_scheduler=sched, rank=rank, world_size=world,
                              unit_size=unit, dp_size=dp)

@@ -23,6 +23,7 @@ from nnscaler_plugins.runtime.loss import extract_loss
 from . import checkpoint as ckpt
 from .config import DeepSpeedConfigError, Settings
 from .grad_norm import clip_gradients, global_grad_norm
+from .zero_optimizer import ZeroOptimizer
 
 log = logging.getLogger("nnscaler_plugins.deepspeed")
 
@@ -89,7 +90,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _build(self, example_inputs: Any, micro_batches: int = 1) -> None:
         s = self._settings
-        options = dict(s.plan_options)
+        options = dict(s.plan_options, zero=s.zero_stage, precision=s.precision)
         if micro_batches > 1:
             options["micro_batches"] = micro_batches
         object.__setattr__(self, "_pmodule", nns.parallelize(self._model, example_inputs, plan=s.plan,
@@ -99,12 +100,18 @@ class DeepSpeedEngine(torch.nn.Module):
             raise DeepSpeedConfigError(f"the plan has data-parallel size {pm.dp_size}, the batch sizes were resolved for "
                                        f"{self.dp_world_size}; give nnscaler.dp explicitly")
         pm.train(self._model.training)
-        if self.optimizer is not None:
+        if isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.adopt(pm, s.loss_scale)
+        elif self.optimizer is not None:
             self._rebind_optimizer()
         if self._pending_load is not None:
             path, with_optimizer, strict = self._pending_load
             self._pending_load = None
-            ckpt.load(path, pm, self.optimizer if with_optimizer else None, strict)
+            ckpt.load(path, pm, self._stepping_optimizer() if with_optimizer else None, strict)
+
+    def _stepping_optimizer(self) -> Any:
+        """The optimizer whose state is saved: the plan's one under the ZeRO wrapper."""
+        return self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
 
     def _rebind_optimizer(self) -> None:
         """Point the optimizer's param groups at this rank's shards of the same parameters."""
@@ -201,8 +208,9 @@ class DeepSpeedEngine(torch.nn.Module):
         if scale_wrt_gas and acc > 1:
             loss = loss / acc
         sync = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        scale = self.optimizer.loss_scale if isinstance(self.optimizer, ZeroOptimizer) else 1.0
         with contextlib.nullcontext() if sync else self._pmodule.no_sync():
-            loss.backward(retain_graph=retain_graph)
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._times["backward"] += time.perf_counter() - t0
         return loss
 
@@ -221,15 +229,22 @@ class DeepSpeedEngine(torch.nn.Module):
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         if self._pmodule is None:
             raise RuntimeError("engine.step before any forward: run engine(batch) and engine.backward(loss) first")
-        self._grad_norm = global_grad_norm(self._pmodule)
-        if self._settings.gradient_clipping > 0:
-            clip_gradients(self._pmodule, self._settings.gradient_clipping, self._grad_norm)
+        clip = self._settings.gradient_clipping
+        if isinstance(self.optimizer, ZeroOptimizer):  # the plan's optimizer unscales fp16 gradients first
+            self._grad_norm = float(self.optimizer.clip_grad_norm_(clip if clip > 0 else float("inf")))
+        else:
+            self._grad_norm = global_grad_norm(self._pmodule)
+            if clip > 0:
+                clip_gradients(self._pmodule, clip, self._grad_norm)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
+        skipped = isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.last_step_skipped
+        if skipped:  # fp16 overflow: DeepSpeed skips the step and holds the schedule
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
-        self._step_applied = True
+        self._step_applied = not skipped
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._report()
@@ -377,7 +392,7 @@ class DeepSpeedEngine(torch.nn.Module):
         extra = {"client_state": dict(client_state or {}), "engine": self._counters(),
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "ds_config": self._config}
-        ckpt.save(save_dir, tag, self._pmodule, self.optimizer, extra, save_latest)
+        ckpt.save(save_dir, tag, self._pmodule, self._stepping_optimizer(), extra, save_latest)
         return True
 
     def _counters(self) -> dict:
@@ -405,7 +420,8 @@ class DeepSpeedEngine(torch.nn.Module):
         extra = ckpt.read_extras(path)
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
         if self._pmodule is not None:
-            ckpt.load(path, self._pmodule, self.optimizer if with_optimizer else None, load_module_strict)
+            ckpt.load(path, self._pmodule, self._stepping_optimizer() if with_optimizer else None,
+                      load_module_strict)
         else:
             self._pending_load = (path, with_optimizer, load_module_strict)
         if not load_module_only:

@@ -1,0 +1,109 @@
+"""The optimizer `initialize` hands back under ZeRO or bf16/fp16, like DeepSpeed's wrappers.
+
+DeepSpeed returns a wrapper (its ZeRO or mixed-precision optimizer) in these modes, not the torch
+optimizer; so does this engine. Until the model is parallelized (first forward) the wrapper holds
+the optimizer made over the model's parameters, so a scheduler can be built on it at once; then
+it switches to `nns.build_optimizer(module, same class, same hyperparameters)`, which shards the
+state per the plan's ZeRO stage and keeps fp32 masters, carrying over every value a scheduler
+may already have set in the param group (lr, initial_lr, betas).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+
+import nnscaler_plugins as nns
+
+from .loss_scaler import DeepSpeedLossScaler
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A torch optimizer in every way schedulers and scripts use one; the stepping is delegated."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):  # noqa: D107 - torch's __init__ is not called on purpose
+        if len(optimizer.param_groups) != 1:
+            raise ValueError(f"ZeRO and bf16/fp16 step one param group here, the optimizer has "
+                             f"{len(optimizer.param_groups)}: give every parameter the same hyperparameters, or use "
+                             "zero_optimization.stage 0 in fp32, where param groups are kept")
+        self.__dict__["_inner"] = optimizer
+        self.__dict__["_parallel"] = False
+
+    # What LR schedulers and scripts read and write.
+    @property
+    def param_groups(self) -> list:
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list) -> None:
+        self._inner.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self._inner.state
+
+    @property
+    def defaults(self) -> dict:
+        return self._inner.defaults
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The optimizer that steps: the model-parameter one before parallelization, then the
+        plan's ParallelOptimizer."""
+        return self._inner
+
+    @property
+    def loss_scale(self) -> float:
+        return getattr(self._inner, "loss_scale", 1.0) if self._parallel else 1.0
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return bool(getattr(self._inner, "last_step_skipped", False))
+
+    def adopt(self, module: Any, loss_scale: Optional[dict] = None) -> None:
+        """Switch to the plan's optimizer for the parallelized `module` (before any step)."""
+        old = self._inner
+        if any(len(s) for s in old.state.values()):
+            raise RuntimeError("the optimizer stepped before the model was parallelized; it must not (the first "
+                               "forward parallelizes the model)")
+        cls = type(old)
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in old.defaults.items() if k in accepted}
+        new = nns.build_optimizer(module, cls, **kwargs)
+        for key, value in old.param_groups[0].items():
+            if key != "params":
+                new.param_groups[0][key] = value
+        if loss_scale and getattr(new, "scaler", None) is not None:  # fp16: DeepSpeed's scaling rules
+            new.scaler = DeepSpeedLossScaler(**loss_scale)
+            module.loss_scale = new.scaler.scale
+        self.__dict__["_inner"] = new
+        self.__dict__["_parallel"] = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self._inner.clip_grad_norm_(max_norm)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        return self._inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_inner"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # LR schedulers patch `step` and add bookkeeping attributes on the instance: keep them here.
+        if name in ("param_groups",):
+            object.__setattr__(self, name, value)
+        else:
+            self.__dict__[name] = value
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self._inner!r})"
