@@ -360,3 +360,21 @@ def test_failed_save_keeps_previous_and_other_directories_are_never_replaced(tmp
     with pytest.raises(CheckpointError, match="not an nnscaler checkpoint; refusing to replace it"):
         nns.checkpoint.save(str(project), model)
     assert (project / "train.py").read_text() == "print('keep me')"
+
+
+def test_fallback_swap_survives_a_crash_between_its_renames(tmp_path, monkeypatch):
+    """Where renameat2(RENAME_EXCHANGE) is missing, the old checkpoint is set aside before the new
+    one moves in; a crash in between leaves it loadable, and the next save clears it away."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.checkpoint import atomic
+
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    path = str(tmp_path / "ckpt")
+    model = torch.nn.Linear(2, 2)
+    nns.checkpoint.save(path, model, step=1)
+    nns.checkpoint.save(path, model, step=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    os.rename(path, atomic.sibling(path, "previous", "0"))  # the state right after the first rename
+    assert nns.checkpoint.load(path, model) == {"step": 2}
+    nns.checkpoint.save(path, model, step=3)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and nns.checkpoint.load(path, model) == {"step": 3}

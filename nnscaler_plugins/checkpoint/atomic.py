@@ -15,7 +15,6 @@ import ctypes.util
 import glob
 import os
 import shutil
-from typing import Optional
 
 METADATA = "metadata.json"
 _SAVING = "saving"
@@ -94,11 +93,12 @@ def swap_into_place(tmp: str, final: str, token: str) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def remove_stale(final: str, keep_token: Optional[str] = None) -> None:
-    """Delete half-written siblings left by saves that were killed (never a complete final)."""
+def remove_stale(final: str) -> None:
+    """Once a complete checkpoint is at `final`: delete what killed saves left beside it (half-written
+    directories, and previous checkpoints a fallback swap had set aside)."""
     parent, name = os.path.split(os.path.abspath(final))
-    for path in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.{_SAVING}-*")):
-        if keep_token is None or not path.endswith(f"-{keep_token}"):
+    for kind in (_SAVING, _PREVIOUS):
+        for path in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.{kind}-*")):
             shutil.rmtree(path, ignore_errors=True)
 
 
