@@ -1,8 +1,11 @@
-"""Train a small GPT-2 on N CPU processes (gloo) under several plans and check the losses.
+"""Search plans for a small GPT-2, then train it on N CPU processes (gloo) under several plans and
+check the losses.
 
-    python recipes/train_gpt2.py                      # tp and hybrid on 4 processes, 3 steps
-    python recipes/train_gpt2.py --nproc 2 --strategies dp,tp --steps 5
+    python recipes/train_gpt2.py                      # search, then tp, hybrid and auto on 4 processes
+    python recipes/train_gpt2.py --nproc 2 --strategies dp,tp --steps 5 --no-search
 
+The search prices plans for this machine (the `local-cpu` cluster, N processes) and writes its
+Pareto curve, the fastest plan's device map and, for pipeline plans, its timeline into --out.
 Every plan must reproduce, step by step, the loss of one process training on the same global
 batch; the script exits non-zero if any differs by more than the tolerance. Under torchrun it runs
 only the distributed part for the first strategy (RANK/WORLD_SIZE come from the launcher).
@@ -96,6 +99,28 @@ def train(strategy: str, steps: int, batch: int, seq: int, lr: float, rank: int,
     return losses
 
 
+def search(nproc: int, batch: int, seq: int, out: str) -> None:
+    """The search alone: no processes, just the cost model and the simulator on this machine's numbers."""
+    from nnscaler_plugins.render import render_device_map, render_pareto
+
+    model = build_model()
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    graph = nns.capture(model, kwargs={"input_ids": ids, "labels": ids})
+    spec = nns.cluster("local-cpu", devices=nproc)
+    t0 = time.time()
+    plans = nns.search(graph, world_size=nproc, cluster=spec)
+    print(f"search on {spec.describe()}: {len(plans)} plan(s) on the "
+          f"frontier, {plans.searched} priced, {time.time() - t0:.1f}s")
+    print(plans.table(), flush=True)
+    os.makedirs(out, exist_ok=True)
+    render_pareto(plans, os.path.join(out, "pareto.svg"), title=f"GPT-2 small on {nproc} CPU processes")
+    render_device_map(plans.best, os.path.join(out, "best_devices.svg"), graph, title="fastest plan")
+    if plans.best.pipeline is not None:
+        plans.best.render_timeline(os.path.join(out, "best_timeline.svg"))
+    plans.best.save(os.path.join(out, "best_plan.json"))
+    print(f"renderings and the fastest plan written to {out}/", flush=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,7 +130,9 @@ def free_port() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--strategies", default="tp,hybrid")
+    ap.add_argument("--strategies", default="tp,hybrid,auto")
+    ap.add_argument("--no-search", action="store_true", help="skip the plan search before training")
+    ap.add_argument("--out", default="nnscaler_out", help="where the search writes its renderings")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
@@ -121,6 +148,8 @@ def main() -> int:
             print("losses:", losses)
         return 0
 
+    if not a.no_search:
+        search(a.nproc, a.batch, a.seq, a.out)
     t0 = time.time()
     ref = reference_losses(a.steps, a.batch, a.seq, a.lr)
     print(f"single process, global batch {a.batch}: losses {[round(x, 6) for x in ref]} ({time.time() - t0:.1f}s)")
