@@ -75,7 +75,8 @@ def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], not
     A section with the same title is replaced (the file holds each benchmark's latest run; git
     keeps the history), any other section is left as it is."""
     date = datetime.date.today().isoformat()
-    lines = [f"## {title}", "", f"{date}, {machine()}", "", "| " + " | ".join(header) + " |",
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [f"## {title}", "", f"{date}, {machine()}, load average {load:.1f} when written", "", "| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     if notes:
