@@ -10,9 +10,11 @@ along a model dim, or both (a 2-D mesh), and the micro-batches are those `nns.pl
 cluster defaults to `local-cpu` with one device per rank, measured once and cached (every rank reads
 the same numbers, so every rank finds the same plan). The plan's estimate is kept in its options.
 
-The runtime does not shard optimizer states or recompute activations yet, so unless the caller's
-constraints say otherwise the search is held to ZeRO stage 0 and no recomputation: the plan it
-picks is then priced as it will run. With a single micro-batch a pipeline's stages run one after
+Unless the caller's constraints say otherwise the search is held to ZeRO stage 0 and no
+recomputation. ZeRO shards states across data-parallel replicas, and a plan made here is one unit
+(its data parallelism is a split of the batch dim inside the unit), so there is nothing to shard
+across; recomputation only pays where memory binds, and passing `RecomputeModes([...])` lets the
+search use it (the runtime runs the plan's recompute groups under checkpoint). With a single micro-batch a pipeline's stages run one after
 another (and its plan cannot run DDP-style `forward`), so pipelines are only considered then when no
 plan without one fits in memory.
 """
