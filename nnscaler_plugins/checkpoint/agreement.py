@@ -9,8 +9,8 @@ ranks that waited for it still agree on the next round's number.
 """
 from __future__ import annotations
 
-import datetime
 import pickle
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -45,9 +45,7 @@ def exchange(round_no: int, phase: str, value: Any, timeout_s: float, what: str)
     store = _store()
     keys = [f"{_PREFIX}/{round_no}/{phase}/{r}" for r in range(size)]
     store.set(keys[rank], pickle.dumps(value))
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception:  # noqa: BLE001 - the store reports a timeout as DistStoreError or RuntimeError
+    if not _arrived(store, keys, timeout_s):
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if phase == "begin":
             store.delete_key(keys[rank])  # withdrawn: a late rank will time out too, not proceed alone
@@ -56,6 +54,19 @@ def exchange(round_no: int, phase: str, value: Any, timeout_s: float, what: str)
             f"waited). Call it on every rank at the same point of training (not only on rank 0); "
             f"raise sync_timeout_s if some ranks are just slower.") from None
     return [pickle.loads(store.get(k)) for k in keys]
+
+
+def _arrived(store: Any, keys: list[str], timeout_s: float) -> bool:
+    """Whether every key is set within the timeout. Polled with `check` rather than a timed
+    `store.wait`, which logs socket warnings on every timeout."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return True
 
 
 def finish_round() -> None:
