@@ -103,6 +103,22 @@ def test_schedules_match_deepspeed(name: str, params: dict) -> None:
     assert runs[0] == pytest.approx(runs[1], rel=1e-12)
 
 
+def test_fp16_loss_scale_follows_deepspeed_hysteresis_and_window() -> None:
+    from nnscaler_plugins.adapters.deepspeed.loss_scaler import DeepSpeedLossScaler
+
+    s = DeepSpeedLossScaler(initial_scale_power=4, loss_scale_window=2, hysteresis=2)
+    seen = []
+    for overflow in (True, True, False, False, False, True, False, False, False):
+        s.update(overflow)
+        seen.append(s.scale)
+    # 1st overflow: hysteresis 2 -> 1, scale kept; 2nd: halved; it grows after 2 clean steps past the one
+    # following the last overflow, and growing refills the hysteresis, so the next overflow only uses it up
+    assert seen == [16, 8, 8, 8, 16, 16, 16, 16, 32]
+    static = DeepSpeedLossScaler(loss_scale=128)
+    static.update(True)
+    assert static.scale == 128
+
+
 def test_translation_is_a_hook_a_plugin_can_take_over() -> None:
     from nnscaler_plugins.hookspecs import hookimpl
     from nnscaler_plugins.plugins import get_plugin_manager, register, unregister
@@ -238,10 +254,11 @@ def _data_parallel_engine(rank: int, world: int, ckpt_dir: str) -> dict:
 
 def _zero_and_bf16(rank: int, world: int) -> dict:
     results = {}
-    for stage, precision in ((0, "fp32"), (2, "fp32"), (3, "bf16")):
+    for stage, precision in ((0, "fp32"), (2, "fp32"), (3, "bf16"), (1, "fp16")):
         cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "zero_optimization": {"stage": stage},
-               "bf16": {"enabled": precision == "bf16"}}
+               "scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}},  # torch's, by name
+               "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"}}
         torch.manual_seed(0)
         model = models.MLP()
         engine, opt, _, _ = deepspeed.initialize(model=model, config=cfg)
@@ -251,7 +268,7 @@ def _zero_and_bf16(rank: int, world: int) -> dict:
                 loss = engine(**_micro(step, m, rank)[0])
                 engine.backward(loss)
                 engine.step()
-                losses.append(float(loss))
+                losses.append(loss.item())
         refused = False
         if stage >= 2:
             try:
@@ -260,7 +277,8 @@ def _zero_and_bf16(rank: int, world: int) -> dict:
             except RuntimeError:
                 refused = True
         results[(stage, precision)] = {"losses": losses, "optimizer": type(opt).__name__, "no_sync_refused": refused,
-                                       "stage": engine.zero_optimization_stage()}
+                                       "stage": engine.zero_optimization_stage(), "lr": engine.get_lr(),
+                                       "skipped": engine.skipped_steps, "scale": getattr(opt, "loss_scale", 1.0)}
     return results
 
 
@@ -329,6 +347,14 @@ def test_zero_stages_and_bf16(workers2) -> None:
         fp32 = r[(0, "fp32")]["losses"]
         assert r[(2, "fp32")]["losses"] == pytest.approx(fp32, rel=1e-5)
         assert r[(3, "bf16")]["losses"] == pytest.approx(fp32, rel=3e-2)
+        # fp16: DeepSpeed's scaler starts at 2**16; an overflow skips the step (and holds the schedule)
+        fp16 = r[(1, "fp16")]
+        steps_taken = 3 - fp16["skipped"]
+        assert fp16["lr"] == [pytest.approx(0.01 * 0.5 ** steps_taken)] and fp16["scale"] <= 2.0 ** 16
+        assert fp16["losses"][:2] == pytest.approx(fp32[:2], rel=3e-2)
+        for case in r.values():
+            if case["skipped"] == 0:
+                assert case["lr"] == [pytest.approx(0.01 * 0.5 ** 3)]
         assert r[(0, "fp32")]["optimizer"] == "AdamW" and r[(2, "fp32")]["optimizer"] == "ZeroOptimizer"
         assert r[(2, "fp32")]["no_sync_refused"] and r[(3, "bf16")]["stage"] == 3
 
