@@ -70,6 +70,21 @@ def test_keys_are_accepted_warned_or_refused_by_name() -> None:
     assert s.zero_stage == 2 and s.gradient_clipping == 1.0  # DeepSpeed's default clipping
 
 
+def test_nnscaler_section_sets_the_data_parallel_size_before_launch() -> None:
+    from nnscaler_plugins.adapters.deepspeed import _degrees
+
+    assert _degrees("dp", {}, 4) == (1, 4)
+    assert _degrees("tp", {"tp": 2}, 4) == (2, 2)
+    assert _degrees("1f1b", {"pp": 2}, 4) == (2, 2)
+    assert _degrees("auto", {}, 4) == (4, 1)  # the search decides inside one replica of the whole world
+    with pytest.raises(DeepSpeedConfigError, match="unknown strategy 'tensor'"):
+        _degrees("tensor", {}, 2)
+    with pytest.raises(DeepSpeedConfigError, match="nnscaler section"):
+        _degrees("hybrid", {"tp": 3}, 4)
+    with pytest.raises(DeepSpeedConfigError, match="micro-batches are the config's gradient_accumulation_steps"):
+        translate({"train_batch_size": 4, "nnscaler": {"plan": "1f1b", "micro_batches": 4}})
+
+
 def test_optimizer_names_follow_deepspeed() -> None:
     ps = [torch.nn.Parameter(torch.ones(2))]
     adam = build_optimizer("Adam", {"lr": 0.1}, ps)  # adam_w_mode defaults to true; fused Adam's weight_decay 0
