@@ -12,7 +12,8 @@ Whole form: {"state": {param_fqn: {state_key: tensor or value}},
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,15 @@ def _shard_shaped(t: Any, lay: Optional[Layout]) -> bool:
     return isinstance(t, torch.Tensor) and lay is not None and t.dim() > 0 and tuple(t.shape) == lay.local_shape()
 
 
-def full_optimizer_state(module: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Whole optimizer state on every rank (collective for a ParallelModule over several ranks)."""
+# Given the bytes of every optimizer state tensor by (parameter name, state key), the ones this
+# rank keeps whole; the others come back as meta tensors (shape and dtype, no memory).
+Keep = Callable[[dict[tuple[str, str], int]], set[tuple[str, str]]]
+
+
+def full_optimizer_state(module: torch.nn.Module, optimizer: Any, keep: Optional[Keep] = None) -> dict[str, Any]:
+    """Whole optimizer state (collective for a ParallelModule over several ranks): on every rank,
+    or with `keep` (for a plain torch optimizer over several ranks) only the entries it selects,
+    the rest as meta placeholders."""
     if knows_plan(optimizer):
         return optimizer.full_state_dict()
     state, groups = _local(module, optimizer)
@@ -73,7 +81,7 @@ def full_optimizer_state(module: torch.nn.Module, optimizer: Any) -> dict[str, A
         return {"state": {f: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in st.items()} for f, (_, st) in state.items()},
                 "param_groups": groups}
-    return _gather(module, state, groups, world)
+    return _gather(module, state, groups, world, keep)
 
 
 def _describe(state: dict) -> dict:
@@ -99,13 +107,24 @@ def _merge_groups(all_groups: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def _gather(module: Any, state: dict, groups: list[dict], world: int) -> dict[str, Any]:
+def _gather(module: Any, state: dict, groups: list[dict], world: int, keep: Optional[Keep]) -> dict[str, Any]:
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (_describe(state), groups))
     desc: dict[str, dict] = {}
     for d, _ in everyone:
         for fqn, keys in d.items():
             desc.setdefault(fqn, {}).update({k: e for k, e in keys.items() if k not in desc.get(fqn, {})})
+    firsts = {}
+    for v, s in module.program.shards.items():
+        if s.kind == "param" and s.fqn in desc and s.fqn not in firsts:
+            firsts[s.fqn] = v
+    sizes = {}
+    for fqn, keys in desc.items():
+        for key, (kind, *info) in keys.items():
+            if kind != "object" and fqn in firsts:
+                shape = module.program.shards[firsts[fqn]].layout.shape if kind == "shard" else info[0]
+                sizes[(fqn, key)] = math.prod(shape) * getattr(torch, info[1].split(".")[-1]).itemsize
+    kept = set(sizes) if keep is None else keep(sizes)
     out: dict[str, dict[str, Any]] = {}
     for v, s in module.program.shards.items():
         if s.kind != "param" or s.fqn in out or s.fqn not in desc:
@@ -132,7 +151,9 @@ def _gather(module: Any, state: dict, groups: list[dict], world: int) -> dict[st
                     unit = tuple(module.dp_rank * module.plan.unit_size + d for d in range(module.plan.unit_size))
                     dist.broadcast(whole, src=module._comm.groups.global_rank(lay.group[0]),
                                    group=module.groups.get(unit))
-            entries[key] = whole.detach().cpu().clone()
+            entries[key] = whole.detach().cpu().clone() if (s.fqn, key) in kept else \
+                torch.empty(whole.shape, dtype=whole.dtype, device="meta")
+            del whole
         out[s.fqn] = entries
     return {"state": out, "param_groups": _merge_groups([g for _, g in everyone])}
 

@@ -17,7 +17,7 @@ from .format import (EXTRA_FILE, FORMAT, OPTIM_GROUPS_KEY, VERSION, file_digest,
                      optim_key, rank_file, tensor_entry, write_metadata)
 from .model_state import full_model_state
 from .optimizer_state import full_optimizer_state
-from .ownership import assign_owners
+from .ownership import assign_owners, loads
 
 WHAT = "nns.checkpoint.save"
 
@@ -33,43 +33,72 @@ def plan_summary(module: Any) -> dict[str, Any]:
             "options": {k: v for k, v in plan.options.items() if isinstance(v, (int, float, str, bool))}}
 
 
+def _model_items(model: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Stored model tensors by file key, and tied names (stored once) -> the name that is stored."""
+    items: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, t in model.items():
+        if id(t) in first_name:
+            aliases[name] = first_name[id(t)]
+        else:
+            first_name[id(t)] = name
+            items[model_key(name)] = t
+    return items, aliases
+
+
+def _nbytes(items: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {k: t.numel() * t.element_size() for k, t in items.items()}
+
+
+def _optimizer_keep(model_items: dict[str, torch.Tensor], rank: int, world_size: int):
+    """What this rank keeps of the optimizer state: what it will write (see ownership.py)."""
+    start = loads(assign_owners(_nbytes(model_items), world_size), _nbytes(model_items), world_size)
+
+    def keep(sizes: dict[tuple[str, str], int]) -> set[tuple[str, str]]:
+        owners = assign_owners({optim_key(n, k): b for (n, k), b in sizes.items()}, world_size, start)
+        return {(n, k) for (n, k) in sizes if owners[optim_key(n, k)] == rank}
+    return keep
+
+
 def _layout_files(model: dict[str, torch.Tensor], optim: Optional[dict[str, Any]], world_size: int
                   ) -> tuple[dict[str, tuple[Any, int]], dict[str, Any], Optional[dict[str, Any]]]:
     """Every stored item with its owning rank, and the metadata entries naming where each lives."""
-    items: dict[str, Any] = {}
-    model_meta: dict[str, Any] = {}
-    first_name: dict[int, str] = {}
-    for name, t in model.items():
-        if id(t) in first_name:  # tied names: one tensor, stored once
-            model_meta[name] = {"alias_of": first_name[id(t)]}
-            continue
-        first_name[id(t)] = name
-        items[model_key(name)] = t
-    objects: dict[str, Any] = {}
-    optim_meta = None
-    if optim is not None:
-        for name, keys in optim["state"].items():
-            for key, v in keys.items():
-                (items if isinstance(v, torch.Tensor) else objects)[optim_key(name, key)] = v
-        objects[OPTIM_GROUPS_KEY] = optim["param_groups"]
-    owners = assign_owners({k: t.numel() * t.element_size() for k, t in items.items()}, world_size)
-    placed = {k: (t, owners[k]) for k, t in items.items()}
-    placed.update({k: (v, 0) for k, v in objects.items()})  # small Python values: rank 0
-    for name, t in model.items():
-        if name not in model_meta:
-            model_meta[name] = tensor_entry(t, rank_file(owners[model_key(name)]))
-    if optim is not None:
-        state_meta: dict[str, Any] = {}
-        for name, keys in optim["state"].items():
-            state_meta[name] = {}
-            for key, v in keys.items():
-                k = optim_key(name, key)
-                state_meta[name][key] = tensor_entry(v, rank_file(owners[k])) if isinstance(v, torch.Tensor) \
-                    else object_entry(rank_file(0))
-        optim_meta = {"groups": [list(g["params"]) for g in optim["param_groups"]], "state": state_meta,
-                      "param_groups_file": rank_file(0)}
-    model_meta = {n: model_meta[n] for n in model}
+    items, aliases = _model_items(model)
+    owners = assign_owners(_nbytes(items), world_size)
+    placed: dict[str, tuple[Any, int]] = {k: (t, owners[k]) for k, t in items.items()}
+    model_meta = {name: {"alias_of": aliases[name]} if name in aliases else
+                  tensor_entry(t, rank_file(owners[model_key(name)])) for name, t in model.items()}
+    if optim is None:
+        return placed, model_meta, None
+    tensors = {optim_key(n, k): v for n, keys in optim["state"].items() for k, v in keys.items()
+               if isinstance(v, torch.Tensor)}
+    owners.update(assign_owners(_nbytes(tensors), world_size, loads(owners, _nbytes(items), world_size)))
+    state_meta: dict[str, Any] = {}
+    for name, keys in optim["state"].items():
+        state_meta[name] = {}
+        for key, v in keys.items():
+            k = optim_key(name, key)
+            if isinstance(v, torch.Tensor):
+                placed[k] = (v, owners[k])
+                state_meta[name][key] = tensor_entry(v, rank_file(owners[k]))
+            else:  # small Python values: rank 0
+                placed[k] = (v, 0)
+                state_meta[name][key] = object_entry(rank_file(0))
+    placed[OPTIM_GROUPS_KEY] = (optim["param_groups"], 0)
+    optim_meta = {"groups": [list(g["params"]) for g in optim["param_groups"]], "state": state_meta,
+                  "param_groups_file": rank_file(0)}
     return placed, model_meta, optim_meta
+
+
+def _mine(placed: dict[str, tuple[Any, int]], rank: int) -> dict[str, Any]:
+    out = {}
+    for k, (v, owner) in placed.items():
+        if owner == rank:
+            if isinstance(v, torch.Tensor) and v.is_meta:
+                raise RuntimeError(f"{k} is owned by rank {rank} but was not kept when gathered")
+            out[k] = v.contiguous() if isinstance(v, torch.Tensor) else v
+    return out
 
 
 def _refusal(final: str) -> str:
@@ -111,14 +140,14 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     tmp = temp_dir(final, token)
 
     model_state = full_model_state(module)  # collectives: every rank takes part
-    optim_state = full_optimizer_state(module, optimizer) if optimizer is not None else None
+    optim_state = None if optimizer is None else full_optimizer_state(
+        module, optimizer, keep=_optimizer_keep(_model_items(model_state)[0], rank, world_size))
     status, digest = "ok", None
     try:
         placed, model_meta, optim_meta = _layout_files(model_state, optim_state, world_size)
         os.makedirs(tmp, exist_ok=True)
         file = os.path.join(tmp, rank_file(rank))
-        torch.save({k: (v.contiguous() if isinstance(v, torch.Tensor) else v)
-                    for k, (v, owner) in placed.items() if owner == rank}, file)
+        torch.save(_mine(placed, rank), file)
         fsync_file(file)
         digest = file_digest(file)
         if rank == 0:
