@@ -253,6 +253,11 @@ class DeepSpeedEngine(torch.nn.Module):
         every = self._settings.steps_per_print
         if not every or self.global_steps % every or self.global_rank != 0:
             return
+        if not log.hasHandlers():  # DeepSpeed's progress lines show without logging set up; so do these
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
         log.info("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps, self.get_lr(),
                  self.get_mom())
         if self._settings.wall_clock_breakdown:
