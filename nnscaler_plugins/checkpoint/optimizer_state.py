@@ -73,10 +73,16 @@ def full_optimizer_state(module: torch.nn.Module, optimizer: Any, keep: Optional
     """Whole optimizer state (collective for a ParallelModule over several ranks): on every rank,
     or with `keep` (for a plain torch optimizer over several ranks) only the entries it selects,
     the rest as meta placeholders."""
-    if knows_plan(optimizer):
-        return optimizer.full_state_dict()
-    state, groups = _local(module, optimizer)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if knows_plan(optimizer):
+        full = optimizer.full_state_dict()
+        if world > 1:  # pipeline stages list only their own parameters in their groups
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, [{"params": list(g["params"])} for g in full["param_groups"]])
+            names = _merge_groups(everyone)
+            full["param_groups"] = [{**g, "params": n["params"]} for g, n in zip(full["param_groups"], names)]
+        return full
+    state, groups = _local(module, optimizer)
     if world == 1 or not is_parallel(module):
         return {"state": {f: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in st.items()} for f, (_, st) in state.items()},
