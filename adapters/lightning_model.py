@@ -6,7 +6,7 @@ once, before planning, to learn what `training_step` passes it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -51,12 +51,36 @@ class StepOutput(dict):
                              "the model call returns only the loss; compute the loss inside the model")
 
 
+class _DeferredGradients(torch.autograd.Function):
+    """The loss of a step whose gradients were already computed: its backward adds them, scaled by
+    the incoming gradient (Lightning divides the loss by the accumulation count, a precision plugin
+    may scale it), to the parameters' `.grad`. Lightning zeroes gradients between `training_step`
+    and backward, so gradients made inside the model call must wait for that backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, loss: torch.Tensor, pending: Any) -> torch.Tensor:
+        ctx.pending = pending
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        scale = grad.detach()
+        with torch.no_grad():
+            for p, g in ctx.pending:
+                g = g * scale.to(g.dtype)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+        ctx.pending = None
+        return None, None, None
+
+
 class PlannedModel(torch.nn.Module):
-    def __init__(self, pmodule: torch.nn.Module, *, whole_steps: bool, grad_divisor: Callable[[], int]):
+    def __init__(self, pmodule: torch.nn.Module, *, whole_steps: bool):
         super().__init__()
         self.pmodule = pmodule
         self.whole_steps = whole_steps
-        self._grad_divisor = grad_divisor
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.whole_steps:
@@ -71,21 +95,15 @@ class PlannedModel(torch.nn.Module):
         return StepOutput(self._step(batch))
 
     def _step(self, batch: Any) -> torch.Tensor:
-        """Forward and backward now; the gradients are scaled as Lightning scales a loss it accumulates."""
-        k = max(1, int(self._grad_divisor()))
+        """Forward and backward now (gradients already averaged over replicas), kept aside until the
+        returned loss is back-propagated."""
         params = [p for p in self.pmodule.parameters() if p.requires_grad]
         before = [p.grad for p in params]
-        if k > 1:
-            for p in params:
-                p.grad = None
+        for p in params:
+            p.grad = None
         loss = self.pmodule.train_step(batch)
-        if k > 1:
-            with torch.no_grad():
-                for p, old in zip(params, before):
-                    if p.grad is not None:
-                        p.grad.div_(k)
-                        if old is not None:
-                            p.grad.add_(old)
-                    else:
-                        p.grad = old
-        return loss.detach().clone().requires_grad_(True)
+        pending = [(p, p.grad) for p in params if p.grad is not None]
+        for p, old in zip(params, before):
+            p.grad = old
+        anchor = torch.zeros((), device=loss.device, requires_grad=True)
+        return _DeferredGradients.apply(anchor, loss, pending)

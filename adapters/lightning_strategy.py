@@ -10,7 +10,8 @@ How a LightningModule is run: the strategy parallelizes one submodule of it (the
 `training_step` passes it for the first training batch. That attribute is replaced by a
 `PlannedModel`, so `training_step`, `configure_optimizers`, logging and Lightning's loops keep
 working unchanged. Plans that run whole steps (pipelines, micro-batches) run forward and backward
-inside the model call and hand back the loss; Lightning's own backward on it is then a no-op.
+inside the model call and hand back the loss; Lightning's own backward on it then adds the gradients
+the step made (see `lightning_model`).
 """
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ import contextlib
 import datetime
 import importlib
 import os
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .lightning_model import PlannedModel, Recorded, Recorder
-
-PlanLike = Union[str, os.PathLike, Callable, Any]
+from .plan_choice import PlanLike, check_plan
 
 _OPT_KEY = "nnscaler_per_rank"
 
@@ -45,7 +45,7 @@ class NNScalerStrategyMixin:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        _check_plan(plan)
+        check_plan(plan, "NNScalerStrategy(plan=...)")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"NNScalerStrategy: start_method={start_method!r}; use 'popen', 'spawn', 'fork' or "
                              "'forkserver'")
@@ -60,6 +60,8 @@ class NNScalerStrategyMixin:
         self._timeout = timeout
         self.num_nodes = 1
         self.pmodule: Any = None  # the ParallelModule, once set up
+        self._whole_steps = False
+        self._trainer: Any = None
         self._attr: Optional[str] = None
 
     # -- namespace access ---------------------------------------------------------------------------
@@ -148,8 +150,10 @@ class NNScalerStrategyMixin:
 
     @contextlib.contextmanager
     def block_backward_sync(self):
-        """Lightning enters this on batches that only accumulate gradients."""
-        with self.pmodule.no_sync() if self.pmodule is not None else contextlib.nullcontext():
+        """Lightning enters this on batches that only accumulate gradients. Whole-step plans average
+        each step's gradients before they are set aside, so they never skip the reduction."""
+        skip = self.pmodule is not None and not getattr(self, "_whole_steps", False)
+        with self.pmodule.no_sync() if skip else contextlib.nullcontext():
             yield None
 
     # -- the model ----------------------------------------------------------------------------------
@@ -173,8 +177,8 @@ class NNScalerStrategyMixin:
         self.pmodule = nns.parallelize(inner, example, plan=self.plan, device=self.root_device,
                                        cache_dir=self.cache_dir, loss_fn=self.loss_fn, **self.plan_options)
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
-        setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole,
-                                          grad_divisor=lambda: getattr(self._trainer, "accumulate_grad_batches", 1)))
+        self._whole_steps = whole
+        setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole))
         get_plugin_manager().hook.nnscaler_on_parallelized(module=self.pmodule, plan=self.pmodule.plan,
                                                            framework="lightning")
         return model
@@ -275,29 +279,6 @@ class NNScalerStrategyMixin:
                                    override=True)
         strategy_registry.register("nnscaler_spawn", cls, description="nnscaler-plugins plans, spawned processes",
                                    start_method="spawn", override=True)
-
-
-def _check_plan(plan: PlanLike) -> None:
-    """Refuse a bad plan now, in the launching process, with the names that would work."""
-    from nnscaler_plugins.plan import Plan
-
-    if isinstance(plan, Plan) or callable(plan):
-        return
-    if isinstance(plan, (str, os.PathLike)):
-        text = os.fspath(plan)
-        if text.endswith(".json"):
-            if not os.path.exists(text):
-                raise FileNotFoundError(f"NNScalerStrategy(plan={text!r}): no such plan file")
-            return
-        from nnscaler_plugins.plugins import strategies
-
-        names = strategies()
-        if text not in names:
-            raise ValueError(f"NNScalerStrategy(plan={text!r}): unknown strategy; registered: {', '.join(names)} "
-                             "(or pass a Plan, a plan .json file or a callable)")
-        return
-    raise TypeError(f"NNScalerStrategy(plan=...) takes a strategy name, a Plan, a plan file or a callable; got "
-                    f"{type(plan).__name__}")
 
 
 def _find_inner_module(model: torch.nn.Module) -> str:

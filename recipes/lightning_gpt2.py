@@ -4,12 +4,14 @@
     python recipes/lightning_gpt2.py --devices 4 --plans tp,hybrid
     python recipes/lightning_gpt2.py --plans dp --precision bf16-mixed --accumulate 2 --clip 1.0
     python recipes/lightning_gpt2.py --plans dp --resume-check         # ModelCheckpoint + fit(ckpt_path=...)
+    python recipes/lightning_gpt2.py --namespace=pytorch_lightning     # the same under `import pytorch_lightning`
 
 The only change from an ordinary Lightning script is `strategy=NNScalerStrategy(plan=...)` (or the
 string "nnscaler" for data parallelism). Lightning's launcher re-runs this script once per extra
 process. Before launching, the first process trains the same model on one device with the global
 batch (the per-process batch times the data-parallel degree) for every degree a plan may use; each
-plan's losses must match that run's (fp32: relative 1e-4 after AdamW steps; bf16-mixed: 3e-2). The
+plan's losses must match that run's (fp32: relative 1e-4 after AdamW steps, whose learning rate of
+1e-2 moves the loss by far more than that each step; bf16-mixed: 3e-2). The
 script prints one JSON line per plan and exits non-zero on a mismatch.
 """
 from __future__ import annotations
@@ -24,10 +26,10 @@ import torch
 
 import nnscaler_plugins  # noqa: F401  (registers strategy="nnscaler" in Lightning)
 
-try:
-    import lightning.pytorch as pl
-except ImportError:  # the older package name works the same
+if "--namespace=pytorch_lightning" in sys.argv:  # the same Lightning under its older package name
     import pytorch_lightning as pl
+else:
+    import lightning.pytorch as pl
 
 SEQ, VOCAB = 16, 128
 
@@ -46,7 +48,7 @@ def build_gpt2(seed: int = 0) -> torch.nn.Module:
 class GPT2Module(pl.LightningModule):
     """An ordinary LightningModule: nothing in it knows about plans."""
 
-    def __init__(self, lr: float = 1e-3):
+    def __init__(self, lr: float = 1e-2):
         super().__init__()
         self.model = build_gpt2()
         self.lr = lr
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--namespace", choices=["lightning.pytorch", "pytorch_lightning"], default="lightning.pytorch",
+                    help="which Lightning package to use (pass as --namespace=NAME)")
     ap.add_argument("--resume-check", action="store_true",
                     help="also save a checkpoint per epoch and resume from the first (first plan only)")
     args = ap.parse_args(argv)
@@ -134,13 +138,17 @@ def main(argv: list[str] | None = None) -> int:
             reference[dp] = fit("auto", 1, args.batch_size * dp, args.steps, **kw)[1]
 
     ok = True
-    from nnscaler_plugins.adapters.lightning import NNScalerStrategy
+    from nnscaler_plugins.adapters.lightning import strategy_class
+
+    NNScalerStrategy = strategy_class(pl.__name__)  # the class made for this Lightning package
 
     for name in args.plans.split(","):
-        trainer, losses = fit(NNScalerStrategy(plan=name), args.devices, args.batch_size, args.steps, **kw)
+        # "nnscaler" alone is data parallelism; any other plan is given to the strategy object
+        chosen = "nnscaler" if name == "dp" else NNScalerStrategy(plan=name)
+        trainer, losses = fit(chosen, args.devices, args.batch_size, args.steps, **kw)
         strategy = trainer.strategy
         sampler = trainer.train_dataloader.sampler
-        row = {"plan": name, "devices": args.devices, "dp": strategy.pmodule.dp_size,
+        row = {"plan": name, "devices": args.devices, "namespace": pl.__name__, "strategy": type(strategy).__qualname__, "dp": strategy.pmodule.dp_size,
                "sampler": [sampler.num_replicas, sampler.rank], "dp_rank": strategy.pmodule.dp_rank,
                "losses": losses, **{k: v for k, v in kw.items() if k != "samples"}}
         if launcher:
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain = GPT2Module()  # the checkpoint is an ordinary one: a plain module loads it strictly
                 plain.load_state_dict(torch.load(first, weights_only=True)["state_dict"])
                 row = {"resume": name, "full": full, "resumed": resumed,
-                       "match": _close(resumed, full[args.steps:], 1e-5)}
+                       "match": _close(resumed, full[args.steps * args.accumulate:], 1e-5)}
                 ok &= row["match"]
                 print(json.dumps(row), flush=True)
     return 0 if ok else 1

@@ -1,0 +1,34 @@
+"""What a framework adapter accepts as `plan=`, checked where the user passes it.
+
+Lightning and the Hugging Face Trainer start processes (or torchrun already did); a misspelt strategy
+name found after that costs a launch and a traceback per rank, so both adapters check here first.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Union
+
+PlanLike = Union[str, os.PathLike, Callable, Any]
+
+
+def check_plan(plan: PlanLike, where: str) -> None:
+    """Raise with the registered names unless `plan` is a strategy name, a Plan, an existing plan
+    file or a callable. `where` names the argument in messages (e.g. "NNScalerStrategy(plan=...)")."""
+    from nnscaler_plugins.plan import Plan
+
+    if isinstance(plan, Plan) or callable(plan):
+        return
+    if isinstance(plan, (str, os.PathLike)):
+        text = os.fspath(plan)
+        if text.endswith(".json"):
+            if not os.path.exists(text):
+                raise FileNotFoundError(f"{where}: {text!r}: no such plan file")
+            return
+        from nnscaler_plugins.plugins import strategies
+
+        names = strategies()
+        if text not in names:
+            raise ValueError(f"{where}: {text!r} is an unknown strategy; registered: {', '.join(names)} "
+                             "(or pass a Plan, a plan .json file or a callable)")
+        return
+    raise TypeError(f"{where} takes a strategy name, a Plan, a plan file or a callable; got {type(plan).__name__}")

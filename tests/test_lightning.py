@@ -1,0 +1,88 @@
+"""The Lightning strategy "nnscaler": registration in both Lightning packages, argument checking, and
+real training runs (Lightning's own launcher, gloo processes) against one-device Lightning runs.
+
+The training checks run `recipes/lightning_gpt2.py`, which compares every plan's losses with a
+single-device run of the same global batch and exits non-zero on a mismatch; launches are few and
+each checks several things (the budget is one devices=2 and one devices=4 launch).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("pytorch_lightning")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "lightning_gpt2.py")
+
+
+def _run_recipe(tmp_path, *args: str, timeout: int = 600) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, RECIPE, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0, f"recipe failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return rows
+
+
+def test_registered_in_both_namespaces_without_importing_lightning_eagerly():
+    code = ("import sys, nnscaler_plugins\n"
+            "assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules\n"
+            "import lightning.pytorch as L, pytorch_lightning as PL\n"
+            "for ns in (L, PL):\n"
+            "    t = ns.Trainer(strategy='nnscaler', accelerator='cpu', devices=2, logger=False)\n"
+            "    assert isinstance(t.strategy, ns.strategies.ParallelStrategy), type(t.strategy)\n"
+            "    assert t.strategy.plan == 'dp'\n"
+            "    assert 'nnscaler_spawn' in ns.strategies.StrategyRegistry\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_plan_arguments_checked_before_launch(tmp_path):
+    import torch
+
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.adapters.lightning import NNScalerStrategy
+
+    assert NNScalerStrategy(plan="tp", tp=2).plan_options == {"tp": 2}
+    assert NNScalerStrategy(plan=lambda builder: None).plan is not None
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    plan = nns.plan(model, strategy="dp", world_size=2, example_inputs=torch.randn(2, 4))
+    assert NNScalerStrategy(plan=plan).plan is plan
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert NNScalerStrategy(plan=str(path)).plan == str(path)
+    with pytest.raises(ValueError, match="is an unknown strategy; registered: .*tp"):
+        NNScalerStrategy(plan="tensor-parallel")
+    with pytest.raises(FileNotFoundError, match="no such plan file"):
+        NNScalerStrategy(plan=str(tmp_path / "missing.json"))
+    with pytest.raises(TypeError, match="strategy name, a Plan, a plan file or a callable"):
+        NNScalerStrategy(plan=3)
+
+
+def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path):
+    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "dp,tp,1f1b,auto", "--steps", "2",
+                       "--accumulate", "2", "--clip", "0.5", "--resume-check")
+    plans = {r["plan"]: r for r in rows if "plan" in r}
+    assert set(plans) == {"dp", "tp", "1f1b", "auto"}
+    for r in plans.values():
+        assert r["match"], r
+        # the sampler splits data by data-parallel replica, not by process
+        assert r["sampler"] == [r["dp"], r["dp_rank"]]
+    assert plans["dp"]["dp"] == 2 and plans["tp"]["dp"] == 1
+    resume = [r for r in rows if "resume" in r]
+    assert resume and resume[0]["match"], resume
+
+
+def test_four_processes_bf16_mixed_in_the_pytorch_lightning_package(tmp_path):
+    rows = _run_recipe(tmp_path, "--devices", "4", "--plans", "dp,tp,1f1b,auto", "--steps", "2",
+                       "--precision", "bf16-mixed", "--namespace=pytorch_lightning")
+    assert {r["plan"] for r in rows} == {"dp", "tp", "1f1b", "auto"}
+    for r in rows:
+        assert r["match"] and r["namespace"] == "pytorch_lightning", r
