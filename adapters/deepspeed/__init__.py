@@ -15,7 +15,6 @@ hook and is registered through the `nnscaler_plugins` entry point like any third
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -64,7 +65,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.training_dataloader: Any = None
         self.global_rank = rank
         self.world_size = world_size
-        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # set by the launcher (torchrun, deepspeed)
         self.mp_world_size = unit_size
         self.dp_world_size = dp_size
         self.dp_rank = rank // unit_size
@@ -139,9 +140,14 @@ class DeepSpeedEngine(torch.nn.Module):
             if args and kwargs:
                 raise TypeError("the first forward takes either positional or keyword inputs to parallelize the model "
                                 "on, not both")
-            example = kwargs if kwargs else (args[0] if len(args) == 1 and not isinstance(args[0], dict) else args)
-            if len(args) == 1 and isinstance(args[0], dict):
+            # The project's convention for example inputs: a dict is keyword arguments, a tensor the
+            # single argument, a tuple the positional arguments.
+            if kwargs:
+                example = kwargs
+            elif len(args) == 1 and isinstance(args[0], (torch.Tensor, dict)):
                 example = args[0]
+            else:
+                example = tuple(args)
             self._build(example)
         if self._pmodule.plan.pipeline is not None:
             raise RuntimeError("the config's nnscaler plan is a pipeline: it runs whole steps, so call "
@@ -375,8 +381,6 @@ class DeepSpeedEngine(torch.nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """Whole weights in one file, written by rank 0 (every rank must call it). Kept in the
         training dtype: fp32 stays fp32."""
-        import os
-
         state = self.module_state_dict()
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
@@ -387,7 +391,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's layout (`latest`, `<tag>/`) around a sharded checkpoint; every rank must call it."""
+        """DeepSpeed's layout (`latest`, `<tag>/`) around a sharded checkpoint; every rank must call it
+        (a rank that does not is named in the others' error instead of hanging them)."""
         if self._pmodule is None:
             raise RuntimeError("save_checkpoint before the first forward: the model is parallelized on the first "
                                "batch, so there is nothing of this engine's to save yet")
@@ -414,8 +419,6 @@ class DeepSpeedEngine(torch.nn.Module):
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported; load the state yourself from the path "
                                       "engine.load_checkpoint returns")
-        import os
-
         tag = ckpt.resolve_tag(load_dir, tag)
         if tag is None:
             log.warning("unable to find latest file at %s, if trying to load latest checkpoint please pass an "
