@@ -168,6 +168,10 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     if not failed and rank == 0:
         try:
             files = {rank_file(r): d for r, (_, d, _) in enumerate(written)}
+            unseen = [f for f in files if not os.path.exists(os.path.join(tmp, f))]
+            if unseen:
+                raise CheckpointError(f"rank 0 cannot see {unseen[:4]} that other ranks wrote under {tmp}: the path "
+                                      "must be on a file system every rank shares")
             files[EXTRA_FILE] = file_digest(os.path.join(tmp, EXTRA_FILE))
             write_metadata(tmp, {"format": FORMAT, "version": VERSION, "world_size": world_size,
                                  "plan": plan_summary(module), "model": model_meta, "optimizer": optim_meta,
