@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .zero import FlatShard, reduce_scatter_layout
+from .zero import FlatShard, reduce_scatter_flat, reduce_scatter_layout
 
 
 @dataclass
@@ -106,7 +106,7 @@ class GradReducer:
         if bucket.shards is not None:
             send = reduce_scatter_layout(bucket.shards, grads, bucket.scale)
             bucket.buffer = send.new_empty(sum(s.chunk for s in bucket.shards))
-            bucket.work = dist.reduce_scatter_tensor(bucket.buffer, send, group=bucket.group, async_op=True)
+            bucket.work = reduce_scatter_flat(bucket.buffer, send, group=bucket.group, async_op=True)
             for p in bucket.params:  # the whole gradient is not kept: only the chunk this replica owns
                 p.grad = None
             self.launched += 1

@@ -26,6 +26,10 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class FlatShard:
@@ -95,7 +99,7 @@ def all_gather_chunks(shards: list[FlatShard], chunks: list[torch.Tensor], outs:
         dtype = outs[idx[0]].dtype
         local = torch.cat([shards[i].chunk_padded(chunks[i].to(dtype)) for i in idx])
         buf = local.new_empty(shards[idx[0]].size * local.numel())
-        work = dist.all_gather_into_tensor(buf, local, group=group, async_op=True)
+        work = all_gather_flat(buf, local, group=group, async_op=True)
         pending.append((work, buf, local.numel(), idx))
     for work, buf, width, idx in pending:
         work.wait()
@@ -253,7 +257,7 @@ class Zero3Params:
         elif s.size > 1:
             buf = reduce_scatter_layout([s], [grad.detach()], self.scale)
             out = buf.new_empty(s.chunk)
-            work = dist.reduce_scatter_tensor(out, buf, group=s.group, async_op=True)
+            work = reduce_scatter_flat(out, buf, group=s.group, async_op=True)
             self._pending.append(_PendingReduce(work, out, -key - 1))
         else:
             self._pending.append(_PendingReduce(None, grad.detach().reshape(-1).clone(), key))
