@@ -191,3 +191,40 @@ def test_zero_strategies_and_errors():
     with pytest.raises(PlanError, match="zero=3 with a pipeline"):
         nns.plan(models.gpt2_small()[0], strategy="1f1b", world_size=2, pp=2, micro_batches=2,
                  example_inputs=models.gpt2_small()[1], zero=3)
+
+
+def test_optimizer_is_a_torch_optimizer_for_schedulers():
+    """One process (no process group): LR schedulers drive build_optimizer's result like a torch
+    optimizer, its step honours their learning rates, and local state round-trips."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model, inputs = models.mlp()
+    ref = copy.deepcopy(model)
+    pm = nns.parallelize(copy.deepcopy(model), inputs, plan="dp", world_size=1, cache_dir="/tmp/nns_test_cache")
+    opt = nns.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    assert isinstance(opt, torch.optim.Optimizer)
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+              torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))]
+    ref_scheds = [torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5),
+                  torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (s + 1))]
+    for _ in range(3):
+        pm.train_step(inputs)
+        ref(**inputs).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for s in scheds + ref_scheds:
+            s.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    full = pm.full_state_dict()
+    for k, t in ref.state_dict().items():
+        assert torch.allclose(full[k], t, rtol=1e-6, atol=1e-7), k
+    sd = opt.state_dict()
+    opt2 = nns.build_optimizer(pm, torch.optim.SGD, lr=1.0)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+    with pytest.raises(TypeError, match="build_optimizer takes the module"):
+        nns.build_optimizer(model, torch.optim.SGD, lr=0.1)
