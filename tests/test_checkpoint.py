@@ -274,23 +274,32 @@ def test_corrupt_or_wrong_paths_give_clear_errors(saved, tmp_path):
     root, _ = saved
     target = torch.nn.Linear(4, 4)
     bad = str(tmp_path / "bad")
-    shutil.copytree(os.path.join(root, "after_partial"), bad)
+    shutil.copytree(os.path.join(root, "tp4"), bad)
     from nnscaler_plugins.checkpoint.format import read_metadata
 
     # a file inside the checkpoint names the checkpoint (a common mistake on resume)
     assert read_metadata(os.path.join(bad, "metadata.json"))[0] == bad
+    with open(os.path.join(bad, "rank-00002.pt"), "r+b") as f:  # one byte changed, same size
+        f.seek(2000)
+        byte = f.read(1)
+        f.seek(2000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="rank-00002.pt is corrupt"):
+        nns.checkpoint.load(bad, models.gpt2_small(2)[0])
     with open(os.path.join(bad, "rank-00001.pt"), "r+b") as f:
         f.truncate(100)
-    mlp, _ = models.mlp()
+    gpt2, _ = models.gpt2_small(2)  # the same names as the saved module: only the damage is in the way
+    before = {k: v.clone() for k, v in gpt2.state_dict().items()}
     with pytest.raises(CheckpointError, match="rank-00001.pt has 100 bytes.*truncated"):
-        nns.checkpoint.load(bad, mlp)
+        nns.checkpoint.load(bad, gpt2)
+    assert all(torch.equal(v, gpt2.state_dict()[k]) for k, v in before.items())
     with open(os.path.join(bad, "metadata.json"), "w") as f:
         f.write('{"format": "nnscaler-checkp')
     with pytest.raises(CheckpointError, match="metadata.json is corrupt"):
-        nns.checkpoint.load(bad, mlp)
+        nns.checkpoint.load(bad, gpt2)
     os.remove(os.path.join(bad, "metadata.json"))
     with pytest.raises(CheckpointError, match="metadata.json is missing"):
-        nns.checkpoint.load(bad, mlp)
+        nns.checkpoint.load(bad, gpt2)
     with pytest.raises(CheckpointError, match="is a file, not an nnscaler checkpoint directory"):
         nns.checkpoint.load(os.path.join(root, "tp4.pt"), target)
     with pytest.raises(CheckpointError, match="no checkpoint at"):
