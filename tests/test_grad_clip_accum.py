@@ -1,10 +1,12 @@
 """Gradient accumulation and clipping.
 
 - N ranks x k accumulation steps under `no_sync()` give exactly the update of one device on the
-  N*k batch (fp32), also under ZeRO 2 and 3 and with fp16 loss scaling (looser: fp16's error), and
+  N*k batch (fp32) under ZeRO 2 and 3, and with fp16 loss scaling under ZeRO 1 (looser: 2e-3
+  absolute, fp16's rounding at these weights' scale, where one step moves a weight by up to 0.1), and
   `no_sync()` really communicates nothing (the reducers' `launched` counters do not move).
 - `optimizer.clip_grad_norm_` returns and applies what `torch.nn.utils.clip_grad_norm_` does on one
-  device, each parameter counted once: dp, ZeRO-3, tp x dp and a pipeline with ZeRO-1.
+  device, each parameter counted once: ZeRO-3, tp x dp with ZeRO-2 and a pipeline (tied embedding
+  on two stages) with ZeRO-1.
 """
 from __future__ import annotations
 
@@ -88,7 +90,6 @@ def run_clip(rank: int, world: int, strategy: str, options: dict, max_norm: floa
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         if not torch.allclose(norm, want, rtol=1e-5):
             problems.append(f"{strategy} {options} step {step}: norm {norm.item()} vs {want.item()}")
-        inf_norm = None
         opt.step()
         opt.zero_grad()
         ref_opt.step()
@@ -108,13 +109,14 @@ def run_clip(rank: int, world: int, strategy: str, options: dict, max_norm: floa
 
 
 def test_accumulation_equals_one_device_on_the_whole_batch(workers2):
-    cases = [(0, "fp32", None), (2, "fp32", None), (3, "fp32", None), (1, "fp16", 2e-3)]
+    # (ZeRO 0's no_sync is the plain reducer's, covered by test_equivalence)
+    cases = [(2, "fp32", None), (3, "fp32", None), (1, "fp16", 2e-3)]
     problems = workers2.run(run_accumulation, cases)
     assert not any(problems), problems
 
 
-def test_clip_dp_and_zero3(workers2):
-    problems = workers2.run(run_clip, "dp", {}) + workers2.run(run_clip, "zero3", {})
+def test_clip_zero3(workers2):
+    problems = workers2.run(run_clip, "zero3", {})
     assert not any(problems), problems
 
 

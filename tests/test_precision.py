@@ -49,7 +49,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b if k in a)
 
 
-def run_precision(rank: int, world: int, precision: str, stages=(0, 2, 3), steps: int = 3) -> list[str]:
+def run_precision(rank: int, world: int, precision: str, stages=(1, 3), steps: int = 3) -> list[str]:
     import nnscaler_plugins as nns
 
     torch.manual_seed(0)
@@ -125,12 +125,12 @@ def run_overflow(rank: int, world: int) -> list[str]:
 
 
 def test_bf16_matches_single_process_bf16(workers2):
-    problems = workers2.run(run_precision, "bf16")
+    problems = workers2.run(run_precision, "bf16", stages=(1, 3))
     assert not any(problems), problems
 
 
 def test_fp16_matches_single_process_fp16(workers2):
-    problems = workers2.run(run_precision, "fp16", stages=(1, 3))
+    problems = workers2.run(run_precision, "fp16", stages=(2,))
     assert not any(problems), problems
 
 
