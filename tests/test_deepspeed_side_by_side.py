@@ -3,8 +3,9 @@
 The recipe `recipes/deepspeed_gpt2/train.py` is run twice with `torchrun --nproc_per_node 2` (gloo):
 once as it is, once with its import line swapped for `import deepspeed` -- the only change a user
 makes. One launch per engine loops over ZeRO stages 0-3, each with and without gradient
-accumulation (2 micro-batches, gradient clipping 0.5) and with DeepSpeed's WarmupLR, 10 optimizer
-steps each; every micro-batch's loss must agree (fp32), as must the final lr and step count.
+accumulation (2 micro-batches, gradient clipping 0.5) and with DeepSpeed's WarmupLR, plus SGD with
+momentum without a scheduler; 10 optimizer steps each. Every micro-batch's loss must agree (fp32),
+as must the final lr, the step count and (where DeepSpeed reports it) the gradient norm.
 
 DeepSpeed is only a reference here (skipped when it is not installed). Its shared-memory comm
 kernel would be JIT-compiled on first use (minutes on a small CPU); the DeepSpeed side switches it
@@ -62,6 +63,11 @@ def _configs() -> dict:
             if acc == 2:
                 cfg["gradient_clipping"] = 0.5  # without it DeepSpeed's default of 1.0 applies: both are compared
             out[f"zero{stage}_accum{acc}"] = cfg
+    # a torch optimizer by name, no scheduler, DeepSpeed's default clipping (1.0)
+    out["zero1_accum2_sgd"] = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+                               "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
+                               "zero_optimization": {"stage": 1},
+                               "zero_allow_untested_optimizer": True}  # DeepSpeed's ZeRO wants it for SGD
     return out
 
 
