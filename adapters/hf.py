@@ -1,0 +1,276 @@
+"""Hugging Face Trainer with a plan: `NNScalerTrainer` and `NNScalerTrainingArguments(plan=...)`.
+
+    from nnscaler_plugins.adapters.hf import NNScalerTrainer, NNScalerTrainingArguments
+    args = NNScalerTrainingArguments(output_dir="out", plan="tp", use_cpu=True, ddp_backend="gloo", ...)
+    NNScalerTrainer(model=model, args=args, train_dataset=data).train()      # under torchrun
+
+    class MyTrainer(NNScalerTrainerMixin, SomeTrainerSubclass): ...           # any other Trainer
+    MyTrainer(..., args=SomeArguments(...), plan="1f1b", plan_options={"micro_batches": 2})
+
+What changes against a plain Trainer, and why:
+- The model is captured and parallelized on the first training batch (the per-replica batch shape)
+  when the training dataloader is first asked for; accelerate never wraps it (`_wrap_model`).
+- Batches are sharded by data-parallel replica, not by process: ranks of one replica (its tensor-
+  parallel and pipeline devices) read the same batch. The order is accelerate's seedable sampler, so
+  the global batch of every step is the one a single process would read.
+- A training step runs the plan's `train_step` (forward and backward, micro-batches and pipeline
+  schedules included); gradient accumulation scales it as the Trainer scales its loss.
+- Norm clipping uses the norm of the whole model, not of this rank's shards.
+- `save_model` gathers whole tensors (every rank calls it, as the Trainer does) and writes an ordinary
+  `save_pretrained` directory; the original model object is kept up to date with the trained weights.
+- Checkpoints keep the Trainer's layout; the optimizer state is one file per rank
+  (`optimizer.rank{r}-of-{n}.pt`), so resuming needs the same plan and process count.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
+
+from .plan_choice import PlanLike, check_plan
+
+
+def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
+    if plan is None:
+        return
+    if deepspeed:
+        raise ValueError("NNScaler Trainer: plan= and deepspeed= cannot be combined: the plan already decides how "
+                         "the model is split and its gradients reduced. Drop deepspeed= (our DeepSpeed drop-in, "
+                         "nnscaler_plugins.adapters.deepspeed, reads DeepSpeed configs), or drop plan=")
+    if fsdp:
+        raise ValueError(f"NNScaler Trainer: plan= and fsdp={fsdp!r} cannot be combined: the plan already decides "
+                         "how parameters are sharded. Drop fsdp= (ZeRO stages are plans: plan='zero3'), or drop plan=")
+
+
+@dataclass
+class NNScalerTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the plan: a strategy name ("dp", "tp", "1f1b", "auto", ...), a Plan, a
+    plan .json file or a callable `fn(builder, **options)`; `plan_options` go to the strategy."""
+
+    plan: Any = field(default="dp", metadata={"help": "strategy name, Plan, plan .json file or callable"})
+    plan_options: dict = field(default_factory=dict, metadata={"help": "options for the strategy (tp=, pp=, ...)"})
+
+    def __post_init__(self) -> None:
+        # Before the parent's checks, which would start setting DeepSpeed or FSDP up.
+        _refuse_other_engines(self.plan, self.deepspeed, self.fsdp)
+        if self.plan is not None:
+            check_plan(self.plan, "NNScalerTrainingArguments(plan=...)")
+        super().__post_init__()
+
+
+class _PlannedModel(torch.nn.Module):
+    """What the Trainer sees as its wrapped model: the ParallelModule and the original model's
+    attributes (config, name_or_path) for the parts of the Trainer that read them."""
+
+    def __init__(self, pmodule: torch.nn.Module, original: torch.nn.Module):
+        super().__init__()
+        self.pmodule = pmodule
+        object.__setattr__(self, "_original", original)  # not a submodule: its weights are stale copies
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pmodule(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_original"), name)
+
+
+class NNScalerTrainerMixin:
+    """Put before a `Trainer` subclass in the bases. The plan comes from `args.plan` (with
+    `NNScalerTrainingArguments`) or from `plan=`/`plan_options=` here (any other arguments class)."""
+
+    def __init__(self, *args: Any, plan: Optional[PlanLike] = None, plan_options: Optional[dict] = None,
+                 **kwargs: Any) -> None:
+        targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        if plan is None:
+            plan = getattr(targs, "plan", None)
+        if plan is None:
+            raise TypeError(f"{type(self).__name__} needs a plan: use NNScalerTrainingArguments(plan=...) or pass "
+                            "plan=... to the trainer")
+        check_plan(plan, f"{type(self).__name__}(plan=...)")
+        if targs is not None:
+            _refuse_other_engines(plan, getattr(targs, "deepspeed", None), getattr(targs, "fsdp", None))
+        self.nns_plan = plan
+        self.nns_plan_options = dict(plan_options if plan_options is not None else getattr(targs, "plan_options", {}) or {})
+        self.nns_module: Any = None  # the ParallelModule, once training starts
+        self._nns_wrapped: Optional[_PlannedModel] = None
+        super().__init__(*args, **kwargs)
+
+    # -- planning ---------------------------------------------------------------------------------------
+    def _nns_parallelize(self) -> None:
+        import nnscaler_plugins as nns
+        from nnscaler_plugins.plugins import example_inputs, get_plugin_manager
+
+        model = self.model
+        example = example_inputs(model, self._nns_first_batch())
+        model.train()
+        self.nns_module = nns.parallelize(model, example, plan=self.nns_plan, device=self.args.device,
+                                          cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"),
+                                          **self.nns_plan_options)
+        self._nns_wrapped = _PlannedModel(self.nns_module, model)
+        get_plugin_manager().hook.nnscaler_on_parallelized(module=self.nns_module, plan=self.nns_module.plan,
+                                                           framework="hf")
+
+    def _nns_first_batch(self) -> Any:
+        """One per-device batch, read in order (no sampler, no random numbers): only its shapes matter."""
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+                collator = self.data_collator
+        except ImportError:
+            pass
+        loader = torch.utils.data.DataLoader(dataset, batch_size=self._train_batch_size, collate_fn=collator)
+        return self._prepare_inputs(next(iter(loader)))
+
+    # -- Trainer overrides --------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> Any:
+        if self.nns_module is None:
+            self._nns_parallelize()
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        num_processes, process_index = acc.state.num_processes, acc.state.process_index
+        pm = self.nns_module
+        # Let the Trainer build its loader as usual, with accelerate seeing replicas instead of processes.
+        original = acc.prepare
+
+        def by_replica(loader: Any, *rest: Any, **kw: Any) -> Any:
+            cfg = acc.dataloader_config
+            return prepare_data_loader(loader, acc.device, num_processes=pm.dp_size, process_index=pm.dp_rank,
+                                       split_batches=cfg.split_batches, put_on_device=acc.device_placement,
+                                       rng_types=acc.rng_types.copy(), dispatch_batches=cfg.dispatch_batches,
+                                       even_batches=cfg.even_batches, use_seedable_sampler=cfg.use_seedable_sampler,
+                                       data_seed=cfg.data_seed, non_blocking=cfg.non_blocking,
+                                       use_stateful_dataloader=cfg.use_stateful_dataloader)
+
+        acc.prepare = by_replica
+        try:
+            loader = super().get_train_dataloader()
+        finally:
+            acc.prepare = original
+        acc._dataloaders.append(loader)
+        assert (num_processes, process_index) == (acc.state.num_processes, acc.state.process_index)
+        return loader
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer choice and weight-decay grouping (read off the original model's
+        names), over this rank's shards."""
+        if self.nns_module is None:
+            self._nns_parallelize()
+        if self.optimizer is not None:
+            return self.optimizer
+        pm = self.nns_module
+        decay = set(self.get_decay_parameter_names(self.model))
+        groups: dict[bool, list] = {True: [], False: []}
+        for key in pm._held:
+            s = pm.program.shards[key]
+            if s.kind == "param":
+                p = pm._local(key)
+                if p.requires_grad:
+                    groups[s.fqn in decay].append(p)
+        params = [{"params": groups[True], "weight_decay": self.args.weight_decay},
+                  {"params": groups[False], "weight_decay": 0.0}]
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        self.optimizer = cls([g for g in params if g["params"]], **kwargs)
+        return self.optimizer
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        if self._nns_wrapped is None:
+            self._nns_parallelize()
+        return self._nns_wrapped
+
+    def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The plan's whole step; returns the loss divided by the accumulation count, which is what
+        the Trainer adds up for its logs."""
+        from nnscaler_plugins.plugins import example_inputs
+
+        self._nns_wrapped.train()
+        inputs = self._prepare_inputs(inputs)
+        k = max(1, int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)))
+        pm = self.nns_module
+        params = [p for p in pm.parameters() if p.requires_grad]
+        before = [p.grad for p in params] if k > 1 else None
+        if k > 1:
+            for p in params:
+                p.grad = None
+        with self.compute_loss_context_manager():
+            loss = pm.train_step(example_inputs(self.model, inputs))
+        if k > 1:
+            with torch.no_grad():
+                for p, old in zip(params, before):
+                    if p.grad is not None:
+                        p.grad.div_(k)
+                        if old is not None:
+                            p.grad.add_(old)
+                    else:
+                        p.grad = old
+        return loss.detach() / k
+
+    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+        from .grad_norm import clip_grad_norm_
+
+        return clip_grad_norm_(self.nns_module, self.args.max_grad_norm)
+
+    def get_tp_size(self) -> int:
+        return 1  # batches are sharded by replica here, not by the Trainer's tensor-parallel size
+
+    # -- saving and resuming --------------------------------------------------------------------------------
+    def _nns_sync_original(self) -> None:
+        """Copy the trained weights into the original model (collective)."""
+        full = self.nns_module.full_state_dict()
+        with torch.no_grad():
+            self.model.load_state_dict(full, strict=False)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.nns_module is not None:  # already planned (a second train()): the shards take the weights
+            self.nns_module.load_full_state_dict(self.model.state_dict())
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        if self.nns_module is not None:
+            self._nns_sync_original()
+        super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        world, rank = self._nns_world()
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, f"optimizer.rank{rank}-of-{world}.pt"))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        world, rank = self._nns_world()
+        path = os.path.join(checkpoint, f"optimizer.rank{rank}-of-{world}.pt")
+        if not os.path.isfile(path):
+            found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
+            raise FileNotFoundError(f"{checkpoint} has no optimizer state for rank {rank} of {world} ({path}); found "
+                                    f"{found or 'none'}. Resume with the plan and process count that wrote it")
+        self.optimizer.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _nns_world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+
+
+class NNScalerTrainer(NNScalerTrainerMixin, Trainer):
+    """`transformers.Trainer` that trains under a plan (see the module docstring)."""
+
+
+__all__ = ["NNScalerTrainer", "NNScalerTrainerMixin", "NNScalerTrainingArguments"]
