@@ -222,6 +222,8 @@ def test_export_and_offline_merge(saved, tmp_path):
 
     root, want = saved
     model_state = want["tp4"][0]
+    sizes = [os.path.getsize(os.path.join(root, "tp4", f"rank-{r:05d}.pt")) for r in range(4)]
+    assert max(sizes) < 1.1 * min(sizes), sizes  # every rank writes about a quarter of the bytes
     merged = str(tmp_path / "merged.pt")
     assert main(["merge-checkpoint", os.path.join(root, "tp4"), merged]) == 0
     exported = torch.load(os.path.join(root, "tp4.pt"), weights_only=True)
