@@ -50,8 +50,8 @@ def part_a(quick: bool, save: bool = True) -> None:
         cm = CostModel(g, spec)
         published = nns.simulate(C.published_plan(case, g), spec, cost_model=cm)
         try:
-            # the published plans with sequence parallelism have it as a priced (not executed) option;
-            # the search may use the same option for those rows
+            # the published plans with sequence parallelism: the search may use the same option for those
+            # rows (its plans are priced with it; the megatron strategy's plans also execute it)
             plans = nns.search(g, world_size=case.world, cluster=spec, global_batch_size=case.batch,
                                memory_limit=published.max_memory_bytes, progress=False,
                                sequence_parallel=bool(case.options.get("sequence_parallel")))
@@ -74,8 +74,9 @@ def part_a(quick: bool, save: bool = True) -> None:
            f"{met} of {len(rows)} configurations met. Memory limit of each search: the published plan's simulated "
                "peak. Both sides are priced by the same simulator (benchmarks/simulator_fidelity.py reports how close "
                "it is to the published measurements). For the C2 rows with sequence parallelism the search may use "
-               "that option too (`nns.search(..., sequence_parallel=True)`): like the `megatron` strategy's option it "
-               "is priced by the cost model but not executed by this runtime yet.")
+               "that option too (`nns.search(..., sequence_parallel=True)`), which prices the norms and residual adds "
+               "as sequence-split; the `megatron` strategy executes sequence parallelism, the search's own plans "
+               "price it but still run those ops whole.")
 
 
 # -- part B ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from nnscaler_plugins.primitives import OpHandle, PlanBuilder
 
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
+from .sequence_parallel import apply_sequence_parallel
 
 DEFAULT_SCHEDULE = "1f1b"
 
@@ -49,7 +50,8 @@ def degrees(world_size: int, pp: Optional[int] = None, tp: Optional[int] = None,
 
 
 def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Optional[int] = None,
-             tp: Optional[int] = None, virtual_stages: int = 1, recompute: Any = None, **_: Any) -> None:
+             tp: Optional[int] = None, virtual_stages: int = 1, recompute: Any = None,
+             sequence_parallel: bool = False, **_: Any) -> None:
     """Stages of equal layer counts on pp device groups of tp devices each, ordered by `schedule`."""
     tp = 1 if tp is None else int(tp)
     pp = builder.unit_size // tp if pp is None else int(pp)
@@ -66,19 +68,23 @@ def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Opti
         raise PlanError(f"cannot cut {builder.graph.model_class} into {num_stages} pipeline stages: {e}") from None
     rank_devices = [list(range(r * tp, (r + 1) * tp)) for r in range(pp)]
     stage_devices = [rank_devices[k % pp] for k in range(num_stages)]
-    _tensor_parallel_stages(builder, stages, stage_devices)
+    _tensor_parallel_stages(builder, stages, stage_devices, sequence_parallel=bool(sequence_parallel))
     apply_recompute(builder, recompute)
     builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule=schedule)
 
 
-def _tensor_parallel_stages(builder: PlanBuilder, stages: list[list[Any]], stage_devices: list[list[int]]) -> None:
+def _tensor_parallel_stages(builder: PlanBuilder, stages: list[list[Any]], stage_devices: list[list[int]],
+                            sequence_parallel: bool = False) -> None:
     """Megatron tensor parallelism inside each stage, over that stage's own devices; values enter
     and leave a stage whole, as the executor moves them."""
     handles = {op.name: op for op in builder.ops}
     for ops, devices in zip(stages, stage_devices):
         segment = [handles[op.name] for op in ops]
-        TensorParallelPropagation(builder, degree=len(devices), devices_of=lambda op, d=devices: d,
-                                  ops=segment).apply()
+        prop = TensorParallelPropagation(builder, degree=len(devices), devices_of=lambda op, d=devices: d,
+                                         ops=segment)
+        if sequence_parallel:
+            apply_sequence_parallel(prop)
+        prop.apply()
 
 
 def interlaced_pipeline(builder: PlanBuilder, *, pp: Optional[int] = None, tp: Optional[int] = None,
@@ -141,8 +147,9 @@ def megatron(builder: PlanBuilder, *, tp: Optional[int] = None, pp: Optional[int
              recompute: Optional[str] = None, **_: Any) -> None:
     """A Megatron-LM configuration written down: tp x pp x dp, the schedule (1F1B, or interleaved
     with `virtual_stages` > 1), micro-batches (`micro_batches` or `micro_batch_size`, resolved by
-    `nns.plan`), and the `sequence_parallel` and `recompute` ("full" | "selective") choices, which
-    are recorded in the plan's options for the cost model."""
+    `nns.plan`), `sequence_parallel` (the layer norms, dropouts and residual adds split along the
+    sequence dim, see `sequence_parallel.py`) and `recompute` ("full" | "selective"); the choices
+    are also recorded in the plan's options for the cost model."""
     if recompute not in (None, "none", "full", "selective"):
         raise PlanError(f"megatron: recompute must be 'full', 'selective' or None (got {recompute!r})")
     schedule = schedule or ("interleaved" if int(virtual_stages) > 1 else DEFAULT_SCHEDULE)
@@ -151,8 +158,12 @@ def megatron(builder: PlanBuilder, *, tp: Optional[int] = None, pp: Optional[int
     if pp == 1:
         if int(virtual_stages) > 1:
             raise PlanError("megatron: virtual_stages needs pp > 1")
-        TensorParallelPropagation(builder, degree=tp).apply()
+        prop = TensorParallelPropagation(builder, degree=tp)
+        if sequence_parallel:
+            apply_sequence_parallel(prop)
+        prop.apply()
         apply_recompute(builder, recompute)
     else:
-        pipeline(builder, schedule=schedule, pp=pp, tp=tp, virtual_stages=virtual_stages, recompute=recompute)
+        pipeline(builder, schedule=schedule, pp=pp, tp=tp, virtual_stages=virtual_stages, recompute=recompute,
+                 sequence_parallel=sequence_parallel)
     builder.options.update({"sequence_parallel": bool(sequence_parallel), "recompute": recompute or "none"})

@@ -33,3 +33,19 @@ def test_dp_plan_has_no_activation_collectives():
     program = lower(g, nns.plan(g, strategy="dp", world_size=4))
     assert not program.collective_counts(0)
     assert program.unit_size == 1 and program.plan.dp == 4
+
+
+def test_sequence_parallel_swaps_each_allreduce_for_reduce_scatter_and_all_gather():
+    """Megatron's sequence parallelism: the norms and residual adds split along the sequence, so
+    each all-reduce after a row-parallel matmul becomes a reduce-scatter, and the next column-
+    parallel matmul all-gathers its input (Llama's RMS norm runs split, statistics included)."""
+    model, inputs = models.llama_small()
+    g = nns.capture(model, kwargs=inputs)
+    program = lower(g, nns.plan(g, strategy="megatron", world_size=2, tp=2, sequence_parallel=True))
+    layers = model.config.num_hidden_layers
+    for device in range(2):
+        counts = program.collective_counts(device)
+        assert not counts.get("all-reduce"), counts
+        assert counts.get("reduce-scatter", 0) == 2 * layers + 1, counts  # + the vocabulary-parallel embedding
+        # before each attention and MLP block, before the LM head, and the logits returned to the caller
+        assert counts.get("all-gather", 0) == 2 * layers + 2, counts

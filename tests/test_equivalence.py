@@ -209,6 +209,12 @@ def test_equivalence_hybrid_4(workers4, name, strategy):
     assert not any(problems), problems
 
 
+@pytest.mark.parametrize("name", ["gpt2_small", "llama_small"])
+def test_equivalence_sequence_parallel_2(workers2, name):
+    problems = workers2.run(run_case, name, "megatron", {"tp": 2, "sequence_parallel": True})
+    assert not any(problems), problems
+
+
 @pytest.mark.parametrize("name", UNSEEN)
 def test_equivalence_tp_on_other_models_2(workers2, name):
     problems = workers2.run(run_case, name, "tp", {})

@@ -113,7 +113,7 @@ CASES_4 = [  # (model, layers, strategy, options, dp)
     ("llama_small", 4, "1f1b", {"pp": 4, "micro_batches": 4}, 1),
     ("gpt2_small", 4, "gpipe", {"pp": 4, "micro_batches": 2}, 1),
     ("gpt2_small", 2, "megatron", {"pp": 2, "dp": 2, "micro_batches": 2}, 2),
-    ("llama_small", 2, "megatron", {"tp": 2, "pp": 2, "micro_batch_size": 2}, 1),
+    ("llama_small", 2, "megatron", {"tp": 2, "pp": 2, "micro_batch_size": 2, "sequence_parallel": True}, 1),
     ("llama_small", 2, "interlaced", {"pp": 2, "tp": 2, "micro_batches": 2}, 1),
 ]
 CASES_8 = [

@@ -421,7 +421,7 @@ class Search:
                    "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
                    "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
         if cfg.sequence_parallel:
-            options["sequence_parallel"] = True  # priced by the cost model, like the megatron strategy's option
+            options["sequence_parallel"] = True  # priced by the cost model; these plans still run those ops whole
         if id(graph) not in self._prints:
             self._prints[id(graph)] = graph.fingerprint()
         plan = Plan(graph_fingerprint=self._prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
