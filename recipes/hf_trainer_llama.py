@@ -1,7 +1,7 @@
 """Train small Llama and GPT-2 models with the Hugging Face Trainer under nnscaler-plugins plans.
 
-    python recipes/hf_trainer_llama.py                       # llama, plans dp,tp,1f1b on 2 gloo processes
-    python recipes/hf_trainer_llama.py --nproc 4 --model gpt2 --plans tp,1f1b,auto
+    python recipes/hf_trainer_llama.py                       # llama, plans dp, tp, 1f1b on 2 gloo processes
+    python recipes/hf_trainer_llama.py --nproc 4 --model gpt2 --plans "tp;1f1b:pp=2;auto"
     python recipes/hf_trainer_llama.py --resume-check        # save_model + resume_from_checkpoint checks
 
 The only change from an ordinary Trainer script is `NNScalerTrainer` and
@@ -49,7 +49,11 @@ class Tokens(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        # The first position is never predicted (labels shift by one); marking it -100 makes the Trainer's
+        # token count (num_items_in_batch) equal the tokens the loss averages over, for every model class.
+        labels = self.ids[i].clone()
+        labels[0] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
 
 
 def train(model_name: str, out: str, batch: int, steps: int, samples: int, plan=None, resume: str | None = None,
@@ -67,7 +71,8 @@ def train(model_name: str, out: str, batch: int, steps: int, samples: int, plan=
     else:
         from nnscaler_plugins.adapters.hf import NNScalerTrainer, NNScalerTrainingArguments
 
-        args = NNScalerTrainingArguments(**common, ddp_backend="gloo", plan=plan)
+        name, options = parse_plan(plan)
+        args = NNScalerTrainingArguments(**common, ddp_backend="gloo", plan=name, plan_options=options)
         trainer = NNScalerTrainer(model=model, args=args, train_dataset=Tokens(samples))
     trainer.train(resume_from_checkpoint=resume)
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -78,23 +83,23 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
-    for plan in args.plans.split(","):
-        trainer, losses = train(args.model, os.path.join(args.out, plan), args.batch_size, args.steps, args.samples,
+    for plan in args.plans.split(";"):
+        trainer, losses = train(args.model, os.path.join(args.out, plan.replace(":", "_").replace("=", "")), args.batch_size, args.steps, args.samples,
                                 plan=plan)
         pm = trainer.nns_module
         row = {"plan": plan, "model": args.model, "nproc": dist.get_world_size(), "dp": pm.dp_size, "losses": losses}
-        if args.resume_check and plan == args.plans.split(",")[0]:
-            ckpt_out = os.path.join(args.out, plan + "-ckpt")
+        if args.resume_check and plan == args.plans.split(";")[0]:
+            ckpt_out = os.path.join(args.out, "resume-ckpt")
             _, full = train(args.model, ckpt_out, args.batch_size, args.steps, args.samples, plan=plan,
                             save_steps=args.steps // 2)
             trainer2, resumed = train(args.model, ckpt_out, args.batch_size, args.steps, args.samples, plan=plan,
                                       resume=os.path.join(ckpt_out, f"checkpoint-{args.steps // 2}"))
-            final = os.path.join(args.out, plan + "-final")
+            final = os.path.join(args.out, "resume-final")
             trainer2.save_model(final)
             row.update(full=full, resumed=resumed, saved=final)
             state = trainer2.nns_module.full_state_dict()  # collective: every rank
             if rank == 0:
-                torch.save(state, os.path.join(args.out, plan + "-state.pt"))
+                torch.save(state, os.path.join(args.out, "resume-state.pt"))
         if rank == 0:
             print(_MARK + json.dumps(row), flush=True)
 
@@ -107,6 +112,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_plan(spec: str) -> tuple[str, dict]:
+    """"1f1b:pp=2,micro_batches=2" -> ("1f1b", {"pp": 2, "micro_batches": 2}); plain names have no options."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, options
+
+
 def _close(a: list, b: list, rtol: float) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(y), 1e-8) for x, y in zip(a, b))
 
@@ -114,7 +129,8 @@ def _close(a: list, b: list, rtol: float) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["llama", "gpt2"], default="llama")
-    ap.add_argument("--plans", default="dp,tp,1f1b")
+    ap.add_argument("--plans", default="dp;tp;1f1b",
+                    help="';'-separated strategy names, each with options after ':' (e.g. '1f1b:pp=2;tp')")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4, help="per data-parallel replica")
     ap.add_argument("--steps", type=int, default=4)
@@ -155,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 from transformers import AutoModelForCausalLM
 
                 loaded = AutoModelForCausalLM.from_pretrained(row["saved"]).state_dict()
-                state = torch.load(os.path.join(out, row["plan"] + "-state.pt"), weights_only=True)
+                state = torch.load(os.path.join(out, "resume-state.pt"), weights_only=True)
                 row["saved_identical"] = all(torch.equal(loaded[k], v) for k, v in state.items() if k in loaded) \
                     and set(loaded) <= set(state)
                 ok &= row["resume_match"] and row["saved_identical"]

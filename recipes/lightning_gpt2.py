@@ -1,7 +1,7 @@
 """Train a small GPT-2 with Lightning under nnscaler-plugins plans, and check it against one device.
 
     python recipes/lightning_gpt2.py                                   # dp, tp, 1f1b, auto on 2 CPU processes
-    python recipes/lightning_gpt2.py --devices 4 --plans tp,hybrid
+    python recipes/lightning_gpt2.py --devices 4 --plans "tp;1f1b:pp=2;hybrid:tp=2,dp=2"
     python recipes/lightning_gpt2.py --plans dp --precision bf16-mixed --accumulate 2 --clip 1.0
     python recipes/lightning_gpt2.py --plans dp --resume-check         # ModelCheckpoint + fit(ckpt_path=...)
     python recipes/lightning_gpt2.py --namespace=pytorch_lightning     # the same under `import pytorch_lightning`
@@ -108,6 +108,16 @@ def fit(strategy, devices: int, batch_size: int, steps: int, *, samples: int, pr
     return trainer, log.losses
 
 
+def parse_plan(spec: str) -> tuple[str, dict]:
+    """"1f1b:pp=2,micro_batches=2" -> ("1f1b", {"pp": 2, "micro_batches": 2}); plain names have no options."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, options
+
+
 def _close(a: list[float], b: list[float], rtol: float) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(y), 1e-8) for x, y in zip(a, b))
 
@@ -115,7 +125,8 @@ def _close(a: list[float], b: list[float], rtol: float) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--plans", default="dp,tp,1f1b,auto", help="comma-separated strategy names")
+    ap.add_argument("--plans", default="dp;tp;1f1b;auto",
+                    help="';'-separated strategy names, each with options after ':' (e.g. '1f1b:pp=2;tp')")
     ap.add_argument("--batch-size", type=int, default=4, help="per data-parallel replica")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--precision", default="32-true")
@@ -142,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
 
     NNScalerStrategy = strategy_class(pl.__name__)  # the class made for this Lightning package
 
-    for name in args.plans.split(","):
+    for name in args.plans.split(";"):
         # "nnscaler" alone is data parallelism; any other plan is given to the strategy object
-        chosen = "nnscaler" if name == "dp" else NNScalerStrategy(plan=name)
+        plan, options = parse_plan(name)
+        chosen = "nnscaler" if name == "dp" else NNScalerStrategy(plan=plan, **options)
         trainer, losses = fit(chosen, args.devices, args.batch_size, args.steps, **kw)
         strategy = trainer.strategy
         sampler = trainer.train_dataloader.sampler
@@ -161,18 +173,18 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
 
     if args.resume_check:
-        name = args.plans.split(",")[0]
+        plan, options = parse_plan(args.plans.split(";")[0])
         with tempfile.TemporaryDirectory() as tmp:
             tmp = strategy.broadcast(tmp)  # one directory for all processes
-            _, full = fit(NNScalerStrategy(plan=name), args.devices, args.batch_size, args.steps, epochs=2,
+            _, full = fit(NNScalerStrategy(plan=plan, **options), args.devices, args.batch_size, args.steps, epochs=2,
                           ckpt_dir=tmp, **kw)
             first = os.path.join(tmp, sorted(f for f in os.listdir(tmp) if f.startswith("epoch=0"))[0])
-            _, resumed = fit(NNScalerStrategy(plan=name), args.devices, args.batch_size, args.steps, epochs=2,
+            _, resumed = fit(NNScalerStrategy(plan=plan, **options), args.devices, args.batch_size, args.steps, epochs=2,
                              ckpt_path=first, **kw)
             if launcher:
                 plain = GPT2Module()  # the checkpoint is an ordinary one: a plain module loads it strictly
                 plain.load_state_dict(torch.load(first, weights_only=True)["state_dict"])
-                row = {"resume": name, "full": full, "resumed": resumed,
+                row = {"resume": plan, "full": full, "resumed": resumed,
                        "match": _close(resumed, full[args.steps * args.accumulate:], 1e-5)}
                 ok &= row["match"]
                 print(json.dumps(row), flush=True)

@@ -67,7 +67,7 @@ def test_plan_arguments_checked_before_launch(tmp_path):
 
 
 def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path):
-    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "dp,tp,1f1b,auto", "--steps", "2",
+    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "dp;tp;1f1b;auto", "--steps", "2",
                        "--accumulate", "2", "--clip", "0.5", "--resume-check")
     plans = {r["plan"]: r for r in rows if "plan" in r}
     assert set(plans) == {"dp", "tp", "1f1b", "auto"}
@@ -81,8 +81,8 @@ def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path)
 
 
 def test_four_processes_bf16_mixed_in_the_pytorch_lightning_package(tmp_path):
-    rows = _run_recipe(tmp_path, "--devices", "4", "--plans", "dp,tp,1f1b,auto", "--steps", "2",
+    rows = _run_recipe(tmp_path, "--devices", "4", "--plans", "dp;tp;1f1b:pp=2;auto", "--steps", "2",
                        "--precision", "bf16-mixed", "--namespace=pytorch_lightning")
-    assert {r["plan"] for r in rows} == {"dp", "tp", "1f1b", "auto"}
+    assert {r["plan"] for r in rows} == {"dp", "tp", "1f1b:pp=2", "auto"}
     for r in rows:
         assert r["match"] and r["namespace"] == "pytorch_lightning", r
