@@ -12,7 +12,8 @@ Stage 1 keeps whole gradients (all-reduced as in DDP) and steps only the owned c
 reduce-scatters gradients so each replica keeps its chunk only (GradReducer in "shard" mode);
 stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gathers the whole
 parameters for the forward, lets saved-tensor hooks drop them from what autograd keeps for
-backward (they are gathered again when backward needs them), and reduce-scatters their gradients
+backward (they are gathered again when backward needs them, the next one prefetched while the
+current node computes), and reduce-scatters their gradients
 asynchronously from the backward, overlapped with the rest of it.
 """
 from __future__ import annotations
@@ -173,6 +174,9 @@ class Zero3Params:
         self._in_forward = False
         self._gathered: list[torch.Tensor] = []
         self._regathered: dict[int, weakref.ref] = {}
+        self._saved_order: list[int] = []  # keys in the order the forward saved them
+        self._saved_at: dict[int, int] = {}
+        self._prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
         self._pending: list[_PendingReduce] = []
         self._queued = False
@@ -198,6 +202,11 @@ class Zero3Params:
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
         """Around a forward: what autograd saves of gathered parameters is a reference, not the tensor."""
+        for work, _ in self._prefetched.values():  # meant for a backward that never came
+            work.wait()
+        self._prefetched.clear()
+        self._saved_order.clear()
+        self._saved_at.clear()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             self._in_forward = True
             try:
@@ -211,19 +220,37 @@ class Zero3Params:
         key = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
         if key is None:
             return t
+        if key not in self._saved_at:
+            self._saved_at[key] = len(self._saved_order)
+            self._saved_order.append(key)
         return _SavedRef(key, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
+    def _launch_gather(self, key: int) -> tuple[Any, torch.Tensor]:
+        """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done."""
+        s, c = self.shards[key], self.chunks[key].detach()
+        buf = c.new_empty(s.size * s.chunk)
+        return all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True), buf
+
     def _unpack(self, saved: Any) -> torch.Tensor:
+        """Backward needs a gathered parameter: reuse it while some node still holds it, else take
+        the prefetched one or gather it now; then start gathering the one backward needs next (the
+        one saved before it in the forward), so that gather overlaps this node's compute."""
         if not isinstance(saved, _SavedRef):
             return saved
-        ref = self._regathered.get(saved.key)
+        key = saved.key
+        ref = self._regathered.get(key)
         whole = ref() if ref is not None else None
-        if whole is None:  # gathered again; kept only while some backward node still holds it
-            s = self.shards[saved.key]
-            flat = torch.empty(s.numel, dtype=self.chunks[saved.key].dtype, device=self.chunks[saved.key].device)
-            all_gather_chunks([s], [self.chunks[saved.key].detach()], [flat])
-            whole = flat
-            self._regathered[saved.key] = weakref.ref(whole)
+        if whole is None:
+            work, buf = self._prefetched.pop(key, None) or self._launch_gather(key)
+            work.wait()
+            whole = buf[:self.shards[key].numel]
+            self._regathered[key] = weakref.ref(whole)
+        at = self._saved_at.get(key)
+        if at:
+            nxt = self._saved_order[at - 1]
+            held = self._regathered.get(nxt)
+            if nxt not in self._prefetched and (held is None or held() is None):
+                self._prefetched[nxt] = self._launch_gather(nxt)
         return whole.as_strided(saved.size, saved.stride, saved.offset)
 
     # -- backward --------------------------------------------------------------------------------
@@ -287,4 +314,9 @@ class Zero3Params:
                 c.grad.add_(g)
         self._pending.clear()
         self._regathered.clear()
+        for work, _ in self._prefetched.values():  # gathered for a backward that did not need it
+            work.wait()
+        self._prefetched.clear()
+        self._saved_order.clear()
+        self._saved_at.clear()
         self._queued = False
