@@ -32,7 +32,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
-from .plan_choice import PlanLike, check_plan
+from .plan_choice import PlanLike, check_plan, check_training_state
 
 
 def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
@@ -114,6 +114,7 @@ class NNScalerTrainerMixin:
         self.nns_module = nns.parallelize(model, example, plan=self.nns_plan, device=self.args.device,
                                           cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"),
                                           **self.nns_plan_options)
+        check_training_state(self.nns_module.plan, type(self).__name__)
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
         get_plugin_manager().hook.nnscaler_on_parallelized(module=self.nns_module, plan=self.nns_module.plan,
                                                            framework="hf")

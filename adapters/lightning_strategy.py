@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .lightning_model import PlannedModel, Recorded, Recorder
-from .plan_choice import PlanLike, check_plan
+from .plan_choice import PlanLike, check_plan, check_training_state
 
 _OPT_KEY = "nnscaler_per_rank"
 
@@ -176,6 +176,7 @@ class NNScalerStrategyMixin:
         example = self.example_inputs if self.example_inputs is not None else self._record_inputs(model, attr)
         self.pmodule = nns.parallelize(inner, example, plan=self.plan, device=self.root_device,
                                        cache_dir=self.cache_dir, loss_fn=self.loss_fn, **self.plan_options)
+        check_training_state(self.pmodule.plan, "NNScalerStrategy")
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole
         setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole))

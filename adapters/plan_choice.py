@@ -32,3 +32,16 @@ def check_plan(plan: PlanLike, where: str) -> None:
                              "(or pass a Plan, a plan .json file or a callable)")
         return
     raise TypeError(f"{where} takes a strategy name, a Plan, a plan file or a callable; got {type(plan).__name__}")
+
+
+def check_training_state(plan: Any, framework: str) -> None:
+    """Refuse what the adapters do not run yet: they build the framework's own optimizer over this
+    rank's shards, which is right for plain plans but not for ZeRO-sharded optimizer state or a
+    plan's own precision (those need `nns.build_optimizer`)."""
+    if getattr(plan, "zero", 0) and plan.dp > 1:
+        raise NotImplementedError(f"{framework}: plans with zero={plan.zero} are not supported by this adapter yet; "
+                                  "use the plan without zero=, or train with nns.parallelize + nns.build_optimizer")
+    if getattr(plan, "precision", "fp32") != "fp32":
+        raise NotImplementedError(f"{framework}: a plan with precision={plan.precision!r} is not supported by this "
+                                  "adapter; use the framework's own mixed precision (Lightning precision=, "
+                                  "Trainer bf16=) with an fp32 plan")
