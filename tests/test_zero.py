@@ -82,6 +82,34 @@ def train_and_compare(rank: int, world: int, pm, opt, ref, ref_opt, inputs: dict
     return problems
 
 
+def check_full_optimizer_state(pm, opt, ref, ref_opt, what: str) -> list[str]:
+    """full_state_dict() holds torch's own AdamW state under parameter names (whole tensors), and
+    load_full_state_dict() of it into a fresh optimizer gives back this rank's exact pieces."""
+    import nnscaler_plugins as nns
+
+    problems = []
+    full = opt.full_state_dict()
+    named = dict(ref.named_parameters())
+    for fqn, st in full["state"].items():
+        want = ref_opt.state[named[fqn]] if fqn in named else None
+        if want is None:
+            continue
+        for k in ("exp_avg", "exp_avg_sq"):
+            if not torch.allclose(st[k], want[k], rtol=1e-4, atol=1e-7):
+                problems.append(f"{what}: full_state_dict {fqn}.{k} differs from torch's AdamW state")
+        if float(st["step"]) != float(want["step"]):
+            problems.append(f"{what}: step {st['step']} vs {want['step']}")
+    if sorted(full["param_groups"][0]["params"]) != sorted(e.fqn for e in opt.entries):
+        problems.append(f"{what}: param_groups do not name this rank's parameters")
+    fresh = nns.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    fresh.load_full_state_dict(full)
+    for e, f in zip(opt.entries, fresh.entries):
+        for k, v in opt.state[e.master].items():
+            if not torch.equal(torch.as_tensor(v), torch.as_tensor(fresh.state[f.master][k])):
+                problems.append(f"{what}: load_full_state_dict gave another {e.fqn}.{k}")
+    return problems
+
+
 def model_state_bytes(pm, opt) -> dict[str, int]:
     """Measured bytes this rank holds: parameters, gradients, optimizer state (masters that are
     copies plus every state tensor)."""
@@ -150,6 +178,7 @@ def run_stages(rank: int, world: int, strategy: str, options: dict, stages=STAGE
         # of one step. 5e-5 absolute is 5% of one step at lr 1e-3, far below any real divergence.
         problems += train_and_compare(rank, world, pm, opt, ref, ref_opt, inputs, f"zero{stage} AdamW", 3,
                                       rtol=1e-5, atol=5e-5, check_grads=False)
+        problems += check_full_optimizer_state(pm, opt, ref, ref_opt, f"zero{stage}")
         pm.train_step(slice_batch(inputs, pm.dp_rank, pm.dp_size))
         psi = sum(fs.numel for fs in pm.zero_shards.values())
         problems += memory_check(pm, opt, psi, stage, "fp32", f"zero{stage} memory")
