@@ -67,9 +67,9 @@ def test_llama_two_processes_dp_tp_pipeline_resume_and_save(tmp_path):
     assert resumed and resumed[0]["resume_match"] and resumed[0]["saved_identical"], resumed
 
 
-def test_gpt2_four_processes_tp_pipeline_auto(tmp_path):
-    rows = _run_recipe(tmp_path, "--nproc", "4", "--model", "gpt2", "--plans", "tp;1f1b:pp=2;auto", "--steps", "2")
-    assert {r["plan"] for r in rows} == {"tp", "1f1b:pp=2", "auto"}
+def test_gpt2_four_processes_tp_and_pipeline_with_data_parallel(tmp_path):
+    rows = _run_recipe(tmp_path, "--nproc", "4", "--model", "gpt2", "--plans", "tp;1f1b:pp=2", "--steps", "2")
+    assert {r["plan"]: r["dp"] for r in rows} == {"tp": 1, "1f1b:pp=2": 2}
     for r in rows:
         assert r["match"] and r["nproc"] == 4, r
 
