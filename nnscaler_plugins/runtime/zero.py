@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
