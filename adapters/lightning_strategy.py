@@ -173,7 +173,12 @@ class NNScalerStrategyMixin:
         if not isinstance(inner, torch.nn.Module):
             raise AttributeError(f"NNScalerStrategy(module_attr={attr!r}): {type(model).__name__}.{attr} is not an "
                                  "nn.Module; name the submodule training_step calls")
-        example = self.example_inputs if self.example_inputs is not None else self._record_inputs(model, attr)
+        if self.example_inputs is not None:
+            example = self.example_inputs
+        else:  # what training_step passes, less what the forward does not take (nnscaler_example_inputs hook)
+            from nnscaler_plugins.plugins import example_inputs
+
+            example = example_inputs(inner, self._record_inputs(model, attr))
         self.pmodule = nns.parallelize(inner, example, plan=self.plan, device=self.root_device,
                                        cache_dir=self.cache_dir, loss_fn=self.loss_fn, **self.plan_options)
         check_training_state(self.pmodule.plan, "NNScalerStrategy")
