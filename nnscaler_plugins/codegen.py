@@ -256,11 +256,24 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
     items = _regions(stmts)
     _finish_regions(items, outputs)
     frees = _last_uses(items, outputs)
+    # Parameters are bound where they are first used and dropped after their last use, so a
+    # `_P` that materializes them on access (ZeRO-3 gathers) holds each whole only around its use.
+    first: dict[int, list[tuple[int, str]]] = {}
+    seen: set[str] = set()
+    index = {p: j for j, p in enumerate(params)}
+    for i, item in enumerate(items):
+        for n in (item.uses() if isinstance(item, _Region) else _stmt_uses(item)):
+            if n in index and n not in seen:
+                seen.add(n)
+                first.setdefault(i, []).append((index[n], n))
     no_grad_open = False
     defined = set(sp.inputs) | set(params)
     regions = 0
     for i, s in enumerate(items):
         ind = "    "
+        if i in first:
+            no_grad_open = False  # bound outside any no_grad block: a gathered weight keeps its autograd link
+            body += [f"    {n} = _P[{j}]" for j, n in sorted(first[i])]
         if isinstance(s, _Region):
             no_grad_open = False
             body += _region_lines(s, regions, em, ind)
@@ -276,15 +289,15 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
                 no_grad_open = False
             body += _stmt_lines(s, ind, em)
             defined.update(o for o in s.out if o)
-        dead = [n for n in frees.get(i, []) if n in defined and n not in params and n not in sp.inputs]
+        dead = [n for n in frees.get(i, []) if n in defined and n not in sp.inputs]
         if dead:
             body.append(f"{ind}del {', '.join(sorted(dead))}")
+    body += [f"    {o} = _P[{index[o]}]" for o in dict.fromkeys(o for o in outputs if o) if o in index and o not in seen]
     outs = ", ".join(o if o is not None else "None" for o in outputs)
     inputs = ", ".join(sp.inputs)
     sig_args = ", ".join(x for x in ["_groups", "_device", "_P", inputs] if x)
-    unpack = f"    {', '.join(params)}{',' if len(params) == 1 else ''} = _P\n" if params else ""
     return (f"\n\ndef {name}({sig_args}):\n"
-            f"    # parameters and buffers held on this device, in Program order\n{unpack}"
+            f"    # _P: parameters and buffers held on this device, in Program order, each bound at its first use\n"
             + "\n".join(body) + f"\n    return ({outs}{',' if len(outputs) == 1 else ''})\n")
 
 

@@ -260,6 +260,13 @@ class ParallelModule(torch.nn.Module):
                    for t in out]
         return out
 
+    def _params_on_use(self, stage: int = 0) -> Any:
+        """`_P` for a forward without pipeline stages: under ZeRO-3 each parameter is gathered when
+        the generated code first reads it (see `Zero3Params.fetch`), not all of them up front."""
+        if self.zero3 is None:
+            return self._params_in_order(stage)
+        return _GatheredOnUse(self, self.program.ranks[self.unit_device].stages[stage].params)
+
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         vals = []
         for spec in self.graph.inputs:
@@ -287,7 +294,7 @@ class ParallelModule(torch.nn.Module):
         fn = self._gen.forward_loss if loss_only else self._gen.forward
         scope = self.zero3.forward_scope() if self.zero3 is not None else contextlib.nullcontext()
         with scope, autocast(self.plan.precision, self._device):
-            flat = fn(self._comm, self._device, self._params_in_order(), *self._flat_inputs(args, kwargs))
+            flat = fn(self._comm, self._device, self._params_on_use(), *self._flat_inputs(args, kwargs))
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -417,6 +424,33 @@ class ParallelModule(torch.nn.Module):
                     local = self.zero_shards[s.fqn].owned(local.reshape(-1))
                 dst = self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
                 dst.copy_(local)
+
+
+class _GatheredOnUse:
+    """The generated code's `_P` under ZeRO-3: item i is this device's parameter or buffer i, a
+    ZeRO-3 parameter gathered whole at the moment it is read, with the next one's gather started."""
+
+    def __init__(self, module: "ParallelModule", keys: list[str]):
+        self._m = module
+        self._keys = keys
+        self._zkey: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            s = module.program.shards[key]
+            if s.kind == "param" and s.fqn in module._zero3_key:
+                self._zkey[i] = module._zero3_key[s.fqn]
+        order = sorted(self._zkey)
+        self._next = {i: self._zkey[j] for i, j in zip(order, order[1:])}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        m = self._m
+        z = self._zkey.get(i)
+        t = m._local(self._keys[i]) if z is None else m.zero3.fetch(z, self._next.get(i))
+        if m.plan.precision != "fp32" and t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32:
+            t = t.float()  # as in _params_in_order: CPU norm kernels take fp32 weights next to half inputs
+        return t
 
 
 def _full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -10,9 +10,9 @@ replica-major so that the gathered buffer is every parameter's flat tensor back 
 
 Stage 1 keeps whole gradients (all-reduced as in DDP) and steps only the owned chunk; stage 2
 reduce-scatters gradients so each replica keeps its chunk only (GradReducer in "shard" mode);
-stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gathers the whole
-parameters for the forward, lets saved-tensor hooks drop them from what autograd keeps for
-backward (they are gathered again when backward needs them, the next one prefetched while the
+stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gathers each whole
+parameter just before the forward's first use of it (prefetching the next) and lets it go after
+the last, lets saved-tensor hooks drop them from what autograd keeps for backward (they are gathered again when backward needs them, the next one prefetched while the
 current node computes), and reduce-scatters their gradients
 asynchronously from the backward, overlapped with the rest of it.
 """
@@ -22,7 +22,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -179,10 +179,39 @@ class Zero3Params:
         self._prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
         self._pending: list[_PendingReduce] = []
+        self._fwd_prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
         self._queued = False
         self.launched = 0  # gradient reductions started (tests read it to see no_sync work)
 
     # -- forward ---------------------------------------------------------------------------------
+    def fetch(self, key: int, prefetch: Optional[int] = None) -> torch.Tensor:
+        """One whole parameter for the forward, just before its first use (the generated code binds
+        `_P[i]` there and deletes it after the last use); the next one's gather is started now so
+        it overlaps the ops in between. Nothing else keeps it: autograd saves a reference (see
+        `_pack`), so the memory returns once the code drops it."""
+        work, buf = self._fwd_prefetched.pop(key, None) or self._launch_gather(key)
+        work.wait()
+        if prefetch is not None and prefetch not in self._fwd_prefetched:
+            self._fwd_prefetched[prefetch] = self._launch_gather(prefetch)
+        s = self.shards[key]
+        whole = buf[:s.numel].view(s.shape)
+        self._track(buf)
+        if self._in_forward:
+            self._live[buf.untyped_storage().data_ptr()] = (key, weakref.ref(buf))
+        return _Gathered.apply(self.chunks[key], _Box(whole), self, key) if torch.is_grad_enabled() else whole
+
+    def _track(self, buf: torch.Tensor) -> None:
+        """Count the bytes of whole parameters alive now (a test reads the forward's peak)."""
+        n = buf.numel() * buf.element_size()
+        self.gathered_bytes += n
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        weakref.finalize(buf, self._untrack, n)
+
+    def _untrack(self, n: int) -> None:
+        self.gathered_bytes -= n
+
     def gather(self, keys: list[int]) -> dict[int, torch.Tensor]:
         """The whole parameters `keys` (autograd-connected to their chunks), one collective per group."""
         shards = [self.shards[k] for k in keys]
@@ -194,7 +223,7 @@ class Zero3Params:
         for k, s, flat in zip(keys, shards, outs):
             whole = flat.view(s.shape)
             if self._in_forward:  # kept alive until the forward ends, so no other tensor reuses its memory
-                self._live[whole.untyped_storage().data_ptr()] = k
+                self._live[whole.untyped_storage().data_ptr()] = (k, None)
                 self._gathered.append(whole)
             result[k] = _Gathered.apply(self.chunks[k], _Box(whole), self, k) if torch.is_grad_enabled() else whole
         return result
@@ -215,10 +244,16 @@ class Zero3Params:
                 self._in_forward = False
                 self._live.clear()
                 self._gathered.clear()
+                for work, _ in self._fwd_prefetched.values():  # started for a use that never came
+                    work.wait()
+                self._fwd_prefetched.clear()
 
     def _pack(self, t: torch.Tensor) -> Any:
-        key = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if key is None:
+        entry = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if entry is None:
+            return t
+        key, alive = entry
+        if alive is not None and alive() is None:  # that parameter is gone; its memory is another tensor's now
             return t
         if key not in self._saved_at:
             self._saved_at[key] = len(self._saved_order)
