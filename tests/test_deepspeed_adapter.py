@@ -20,6 +20,16 @@ from nnscaler_plugins.adapters.deepspeed.optimizers import build_optimizer
 
 
 # -- config, without processes --------------------------------------------------------------------
+
+# Importing DeepSpeed in a worker patches torch functions for the rest of that process: these
+# workers are this module's own, not the session's shared ones.
+@pytest.fixture(scope="module")
+def workers2():
+    from harness import Workers
+
+    with Workers(2) as w:
+        yield w
+
 def _batch(cfg: dict, dp: int):
     s = translate(cfg)
     resolve_batch(s, dp)

@@ -1,6 +1,6 @@
 """The same DeepSpeed script and configs under real DeepSpeed and under this project's engine.
 
-The recipe `recipes/deepspeed_gpt2/train.py` is run twice with `torchrun --nproc_per_node 2` (gloo):
+The recipe `recipes/deepspeed_swap/train.py` is run twice with `torchrun --nproc_per_node 2` (gloo):
 once as it is, once with its import line swapped for `import deepspeed` -- the only change a user
 makes. One launch per engine loops over ZeRO stages 0-3, each with and without gradient
 accumulation (2 micro-batches, gradient clipping 0.5) and with DeepSpeed's WarmupLR, plus SGD with
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "deepspeed_gpt2" / "train.py"
+RECIPE = ROOT / "recipes" / "deepspeed_swap" / "train.py"
 OUR_IMPORT = "from nnscaler_plugins.adapters import deepspeed"
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

@@ -1,7 +1,7 @@
 """The Lightning strategy "nnscaler": registration in both Lightning packages, argument checking, and
 real training runs (Lightning's own launcher, gloo processes) against one-device Lightning runs.
 
-The training checks run `recipes/lightning_gpt2.py`, which compares every plan's losses with a
+The training checks run `recipes/lightning_gpt.py`, which compares every plan's losses with a
 single-device run of the same global batch and exits non-zero on a mismatch; launches are few and
 each checks several things (the budget is one devices=2 and one devices=4 launch).
 """
@@ -18,7 +18,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("pytorch_lightning")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(ROOT, "recipes", "lightning_gpt2.py")
+RECIPE = os.path.join(ROOT, "recipes", "lightning_gpt.py")
 
 
 def _run_recipe(tmp_path, *args: str, timeout: int = 600) -> list[dict]:

@@ -15,6 +15,16 @@ from test_zero import slice_batch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is a test extra (pip install nnscaler-plugins[dev])")
 
+
+# Importing DeepSpeed in a worker patches torch functions for the rest of that process: these
+# workers are this module's own, not the session's shared ones.
+@pytest.fixture(scope="module")
+def workers2():
+    from harness import Workers
+
+    with Workers(2) as w:
+        yield w
+
 STEPS = 10
 LR, WEIGHT_DECAY = 1e-3, 0.01
 CLIP = 1.0  # stated explicitly: DeepSpeed clips by the global norm (1.0) unless told otherwise

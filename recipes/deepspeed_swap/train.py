@@ -1,8 +1,8 @@
 """A DeepSpeed training script for a small GPT-2; only its import line is this project's.
 
-    python recipes/deepspeed_gpt2/train.py --deepspeed_config recipes/deepspeed_gpt2/ds_config.json
-    torchrun --nproc_per_node 2 recipes/deepspeed_gpt2/train.py --deepspeed_config recipes/deepspeed_gpt2/ds_config.json
-    deepspeed --num_accelerators 2 recipes/deepspeed_gpt2/train.py --deepspeed_config ...
+    python recipes/deepspeed_swap/train.py --deepspeed_config recipes/deepspeed_swap/ds_config.json
+    torchrun --nproc_per_node 2 recipes/deepspeed_swap/train.py --deepspeed_config recipes/deepspeed_swap/ds_config.json
+    deepspeed --num_accelerators 2 recipes/deepspeed_swap/train.py --deepspeed_config ...
 
 Swap the import for `import deepspeed` and the same file runs under DeepSpeed with the same losses
 (tests/test_deepspeed_side_by_side.py does exactly that). Add `"nnscaler": {"plan": "tp"}` to the

@@ -1,10 +1,10 @@
 """Train a small GPT-2 with Lightning under nnscaler-plugins plans, and check it against one device.
 
-    python recipes/lightning_gpt2.py                                   # dp, tp, 1f1b, auto on 2 CPU processes
-    python recipes/lightning_gpt2.py --devices 4 --plans "tp;1f1b:pp=2;hybrid:tp=2,dp=2"
-    python recipes/lightning_gpt2.py --plans dp --precision bf16-mixed --accumulate 2 --clip 1.0
-    python recipes/lightning_gpt2.py --plans dp --resume-check         # ModelCheckpoint + fit(ckpt_path=...)
-    python recipes/lightning_gpt2.py --namespace=pytorch_lightning     # the same under `import pytorch_lightning`
+    python recipes/lightning_gpt.py                                   # dp, tp, 1f1b, auto on 2 CPU processes
+    python recipes/lightning_gpt.py --devices 4 --plans "tp;1f1b:pp=2;hybrid:tp=2,dp=2"
+    python recipes/lightning_gpt.py --plans dp --precision bf16-mixed --accumulate 2 --clip 1.0
+    python recipes/lightning_gpt.py --plans dp --resume-check         # ModelCheckpoint + fit(ckpt_path=...)
+    python recipes/lightning_gpt.py --namespace=pytorch_lightning     # the same under `import pytorch_lightning`
 
 The only change from an ordinary Lightning script is `strategy=NNScalerStrategy(plan=...)` (or the
 string "nnscaler" for data parallelism). Lightning's launcher re-runs this script once per extra
