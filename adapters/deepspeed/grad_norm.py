@@ -1,39 +1,21 @@
 """The global gradient norm of a ParallelModule, as DeepSpeed's `gradient_clipping` needs it.
 
-Each rank holds pieces of some parameters and whole copies of others. The norm of the model's
-gradient counts every element once: a piece's squares are summed over the devices that split the
-parameter, a copy replicated on r devices of the unit (or a tied weight's k copies) contributes 1/r
-(1/k) from each, and the sums meet in one all-reduce over the unit's devices. Data-parallel replicas
-hold the same reduced gradients, so they need no communication.
+The norm itself is the adapters' shared plan-aware one (`adapters/grad_norm.py`: every element of
+the logical model counted once, whatever the plan splits, replicates or ties); DeepSpeed reports it
+as a float and clips with its own rule.
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from ..grad_norm import global_grad_norm as _plan_norm
 
 
 def global_grad_norm(module: Any) -> float:
-    """The 2-norm of all gradients of the whole model (collective over the module's unit)."""
-    program = module.program
-    copies = Counter(s.fqn for s in program.shards.values() if s.kind == "param")
-    total = torch.zeros((), dtype=torch.float64)
-    for v in module._held:
-        s = program.shards[v]
-        if s.kind != "param":
-            continue
-        p = module._local(v)
-        if p.grad is None:
-            continue
-        weight = 1.0 / (s.layout.replicas * s.layout.partial * copies[s.fqn])
-        total += p.grad.detach().double().pow(2).sum().cpu() * weight
-    unit = module.plan.unit_size
-    if unit > 1:
-        group = module.groups.get(tuple(module.dp_rank * unit + d for d in range(unit)))
-        dist.all_reduce(total, group=group)
-    return float(total.sqrt())
+    """The 2-norm of all gradients of the whole model (collective: every rank calls it)."""
+    return float(_plan_norm(module))
 
 
 def clip_gradients(module: Any, max_norm: float, norm: float) -> None:
