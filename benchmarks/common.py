@@ -14,21 +14,22 @@ import torch
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 
-def gpt2(n_layer: int = 4, n_embd: int = 256, n_head: int = 8, vocab: int = 2048, seed: int = 0):
+def gpt2(n_layer: int = 4, n_embd: int = 256, n_head: int = 8, vocab: int = 2048, seed: int = 0, positions: int = 256):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=256,
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=positions,
                      use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     return GPT2LMHeadModel(cfg)
 
 
-def llama(n_layer: int = 4, hidden: int = 256, heads: int = 8, kv_heads: int = 4, vocab: int = 2048, seed: int = 0):
+def llama(n_layer: int = 4, hidden: int = 256, heads: int = 8, kv_heads: int = 4, vocab: int = 2048, seed: int = 0,
+          positions: int = 256):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, intermediate_size=hidden * 4, vocab_size=vocab,
-                      max_position_embeddings=256, use_cache=False)
+                      max_position_embeddings=positions, use_cache=False)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .causal_mask import fold_causal_masks
 from .graph import Graph, InputSpec, OpNode, Ref, TensorMeta, Value
 from .plugins import get_plugin_manager
 
@@ -56,6 +57,7 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
                 "Data-dependent Python control flow and untraceable custom kernels are the usual causes; "
                 "register a custom op (torch.library) for such code or simplify the forward."
             ) from e
+    fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
     return _to_graph(ep, model, args, kwargs)
 
 
