@@ -119,6 +119,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if self._prepared:
             return
         self._prepared = True
+        convert_src: list[torch.Tensor] = []
+        convert_dst: list[_Entry] = []
         for e in self.entries:
             if e.param._version != e.version and e.mode != "self":  # parameters changed under us: re-read
                 with torch.no_grad():
@@ -128,9 +130,18 @@ class ParallelOptimizer(torch.optim.Optimizer):
             if e.mode == "self":
                 continue
             g = self._grad_of(e)
-            e.master.grad = None if g is None else g.detach().to(torch.float32).reshape(e.master.shape)
-            if e.master.grad is not None and e.master.grad.data_ptr() == g.data_ptr() and self.scaler is not None:
+            if g is not None and g.dtype != torch.float32:  # converted below, all in one foreach copy
+                convert_src.append(g.detach().reshape(e.master.shape))
+                convert_dst.append(e)
+                continue
+            e.master.grad = None if g is None else g.detach().reshape(e.master.shape)
+            if e.master.grad is not None and self.scaler is not None:  # unscaled in place below: not the reducer's
                 e.master.grad = e.master.grad.clone()
+        if convert_src:
+            bufs = [torch.empty_like(src, dtype=torch.float32) for src in convert_src]
+            torch._foreach_copy_(bufs, convert_src)
+            for e, buf in zip(convert_dst, bufs):
+                e.master.grad = buf
         self._overflow = False
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
@@ -184,9 +195,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if chunked:
             all_gather_chunks([e.shard for e in chunked], [e.master for e in chunked],
                               [e.param.detach().view(-1) for e in chunked])
+        copies = [e for e in self.entries if e.mode in ("whole", "zero3") and e.master is not e.param]
+        if copies:  # rounded back to the compute dtype, one foreach copy rather than a kernel per tensor
+            torch._foreach_copy_([e.param for e in copies], [e.master.view_as(e.param) for e in copies])
         for e in self.entries:
-            if e.mode in ("whole", "zero3") and e.master is not e.param:
-                e.param.copy_(e.master.view_as(e.param))
             e.version = e.param._version
         return loss
 
