@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: whole AdamW steps, plain autocast vs our precision='bf16' with build_optimizer")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -41,15 +43,25 @@ def main() -> None:
     example = common.batch(b, s, vocab=vocab)
     inputs = {k: v.to(device) for k, v in example.items()}
     eager = build().to(device)
-    ours = nns.parallelize(build(), example, plan="dp", device=device, cache_dir="/tmp/nns_profile_cache")
+    ours = nns.parallelize(build(), example, plan="dp", device=device, cache_dir="/tmp/nns_profile_cache",
+                           precision=args.precision)
     print("generated code:", ours.source_path)
+    bf16 = args.precision == "bf16"
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-4) if bf16 else None
+    ours_opt = nns.build_optimizer(ours, torch.optim.AdamW, lr=1e-4) if bf16 else None
 
     def eager_step():
-        eager(**inputs).loss.backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = eager(**inputs).loss
+        loss.backward()
+        if eager_opt is not None:
+            eager_opt.step()
         eager.zero_grad(set_to_none=True)
 
     def ours_step():
         ours.train_step(inputs)
+        if ours_opt is not None:
+            ours_opt.step()
         ours.zero_grad(set_to_none=True)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
