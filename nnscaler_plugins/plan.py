@@ -218,12 +218,11 @@ class Plan:
     def check_runnable(self) -> None:
         """What the runtime cannot execute yet (the search may still price such plans)."""
         self.check_training_knobs()
-        if self.zero == 3 and self.pipeline is not None:
-            raise PlanError("zero=3 with a pipeline plan is not supported: stages gather parameters at different "
-                            "times; use zero=1 or zero=2 with pipelines, or a plan without pipeline stages")
-        if self.precision != "fp32" and self.pipeline is not None:
-            raise PlanError(f"precision={self.precision!r} with a pipeline plan is not supported yet: pipeline stages "
-                            "run in fp32; use precision='fp32' with pipelines, or a plan without pipeline stages")
+        if self.zero == 3 and self.pipeline is not None and self.pipeline.split_backward and self.dp > 1:
+            raise PlanError(f"zero=3 with schedule {self.pipeline.schedule!r}, which splits the backward into input "
+                            "and weight parts, is not supported: ZeRO-3 gathers each parameter inside the backward "
+                            "it belongs to. Use zero=3 with gpipe, 1f1b or interleaved, or zero=1/2 with "
+                            f"{self.pipeline.schedule!r}")
 
     @property
     def world_size(self) -> int:

@@ -4,7 +4,9 @@ hooks as soon as a bucket's gradients are ready, so communication overlaps the r
 
 With ZeRO stage 2 (`shards=`), a bucket is reduce-scattered instead: each data-parallel replica
 receives only its chunk of every gradient in the bucket (see runtime/zero.py for the layout),
-kept in `shard_grads`, and the whole gradient is dropped.
+kept in `shard_grads`, and the whole gradient is dropped. A gradient summed over more devices than
+the replicas (the two copies of a tied embedding on the first and last pipeline stage) cannot be
+reduce-scattered with the rest: it is all-reduced, then only its chunk is kept (`chunk_after=`).
 """
 from __future__ import annotations
 
@@ -33,13 +35,15 @@ class GradReducer:
     """One reducer per ParallelModule. `entries` are (parameter, process group, scale)."""
 
     def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20,
-                 first_bucket_bytes: int = 2**20, shards: Optional[dict[int, FlatShard]] = None):
+                 first_bucket_bytes: int = 2**20, shards: Optional[dict[int, FlatShard]] = None,
+                 chunk_after: Optional[dict[int, FlatShard]] = None):
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._queued = False
         self.launched = 0  # bucket reductions started so far (tests read it to see no_sync work)
         self._shards = shards or {}
+        self._chunk_after = chunk_after or {}
         # ZeRO-2: id(parameter) -> its reduced chunk (summed over the backward passes since zero_grad).
         self.shard_grads: dict[int, torch.Tensor] = {}
         # Reverse order approximates the order gradients become ready in backward.
@@ -133,7 +137,13 @@ class GradReducer:
             for p in (bucket.params if bucket.shards is None else ()):
                 n = p.numel()
                 g = bucket.buffer[off:off + n].view_as(p)
-                if p.grad is None:
+                fs = self._chunk_after.get(id(p))
+                if fs is not None:  # ZeRO-2 of a gradient all-reduced whole: keep our chunk only
+                    mine = fs.owned(g.reshape(-1))
+                    have = self.shard_grads.get(id(p))
+                    self.shard_grads[id(p)] = mine.clone() if have is None else have.add_(mine)
+                    p.grad = None
+                elif p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)

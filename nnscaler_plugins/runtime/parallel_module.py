@@ -212,7 +212,7 @@ class ParallelModule(torch.nn.Module):
 
     def _build_reducer(self) -> Optional[GradReducer]:
         entries, tied = [], []
-        zero2 = {}
+        zero2, zero2_whole = {}, {}
         for v in self._held:
             s = self.program.shards[v]
             if s.kind != "param" or not self.graph.meta(s.value).requires_grad:
@@ -223,15 +223,16 @@ class ParallelModule(torch.nn.Module):
             if len(ranks) > 1:
                 (tied if s.tied else entries).append((s.fqn, self.shards[_safe(s.fqn)], ranks))
                 fs = self.zero_shards[s.fqn]
-                if self.plan.zero == 2 and fs.size > 1 and fs.sum_group is None:
-                    zero2[id(self.shards[_safe(s.fqn)])] = fs
+                if self.plan.zero == 2 and fs.size > 1:
+                    (zero2 if fs.sum_group is None else zero2_whole)[id(self.shards[_safe(s.fqn)])] = fs
         # Copies of a tied weight sit among different parameters on each stage: order them by name
         # so every member of their group reduces them in the same order.
         entries = [(p, r) for _, p, r in entries + sorted(tied, key=lambda e: e[0])]
         if not entries:
             return None
         scale = 1.0 / self.plan.dp
-        return GradReducer([(p, self.groups.get(r), scale) for p, r in entries], shards=zero2)
+        return GradReducer([(p, self.groups.get(r), scale) for p, r in entries], shards=zero2,
+                           chunk_after=zero2_whole)
 
     # -- running ----------------------------------------------------------------------------------
     def _local(self, key: str) -> torch.Tensor:
@@ -258,6 +259,15 @@ class ParallelModule(torch.nn.Module):
         if self.plan.precision != "fp32":
             out = [t.float() if t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32 else t
                    for t in out]
+        return out
+
+    def _stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
+        """The trainable Parameters (ZeRO-3: chunks) whose gradients stage `stage` computes."""
+        out = []
+        for key in self.program.ranks[self.unit_device].stages[stage].params:
+            t = self._local(key)
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad and all(t is not o for o in out):
+                out.append(t)
         return out
 
     def _params_on_use(self, stage: int = 0) -> Any:
@@ -337,7 +347,9 @@ class ParallelModule(torch.nn.Module):
             raise RuntimeError("a pipeline plan needs the loss computed inside the model (a scalar output, .loss or "
                                "'loss'); loss_fn= is not supported with pipelines")
         inputs = [self._flat_inputs(*normalize_inputs(mb, None)) for mb in micro]
-        with self.no_sync():
+        # Gradients of all micro-batches are reduced once, after the last; ZeRO-3's are reduced by
+        # the executor as each stage finishes its backward.
+        with self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext():
             loss = self._executor.run(inputs)
         if self._reducer is not None:
             self._reducer.reduce_now()

@@ -11,6 +11,13 @@ j mod |sender| of the sending stage, and gradients travel back the same way, one
 stage, summed on arrival. Values passed between two stages of one device (interleaved chunks) go
 through a local mailbox instead of the network.
 
+In bf16/fp16 each stage runs under autocast, like the whole-model forward, and floating-point
+boundary values travel in the compute dtype (half the bytes, as Megatron sends them); a gradient
+arriving for a stage output is cast to that output's dtype before backward. Under ZeRO-3 a stage's
+parameters are gathered one by one as its code reads them and dropped after; the backward gathers
+them again, and the gradients of a stage are kept whole on this rank until its last backward of
+the step, which reduce-scatters them while the remaining tasks run.
+
 Memory is measured, not assumed: every tensor autograd saves for backward is counted against its
 micro-batch until that micro-batch's backward (or weight-gradient task) is done; the peak is kept
 in `peak_saved_bytes` and the most micro-batches held at once in `peak_in_flight`.
@@ -25,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules import BACKWARD, FORWARD, WEIGHT, Task
+from .precision import autocast, compute_dtype
 from .split_backward import SplitBackward
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,6 +88,13 @@ class PipelineExecutor:
                     self._channels[(b.value, k, direction)] = len(self._channels)
         self._rounds = 1 + max((t.round for ts in self.spec.task_lists() for t in ts), default=0)
         self.stats = StepStats()
+        precision = module.plan.precision
+        self._half = compute_dtype(precision) if precision != "fp32" else None
+        # The task after which a stage's parameters get no more gradient this step (ZeRO-3 reduces then).
+        grad_kind = WEIGHT if self.spec.split_backward else BACKWARD
+        self._last_grad_task = {t.stage: i for i, t in enumerate(self.tasks) if t.kind == grad_kind}
+        if module.zero3 is not None:
+            module.zero3.finish_after_step = True
 
     # -- addressing ---------------------------------------------------------------------------------------
     def _global(self, unit_device: int) -> int:
@@ -99,7 +114,12 @@ class PipelineExecutor:
     # -- communication -------------------------------------------------------------------------------------
     # A task's transfers are gathered and posted together as one batch of point-to-point ops;
     # transfers between two stages of this device go through the mailbox.
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What a boundary value (or its gradient) of this dtype travels as."""
+        return self._half if self._half is not None and dtype.is_floating_point else dtype
+
     def _send(self, t: torch.Tensor, dst: int, tag: int, key: tuple) -> None:
+        t = t.to(self._wire_dtype(t.dtype))
         if dst == self.device:
             self._mailbox[key] = t
         else:
@@ -116,7 +136,7 @@ class PipelineExecutor:
         if src == self.device:
             return _Incoming(self._mailbox.pop(key), None)
         meta = self.program.graph.meta(meta_of)
-        buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.m._device)
+        buf = torch.empty(meta.shape, dtype=self._wire_dtype(meta.dtype), device=self.m._device)
         return _Incoming(buf, dist.P2POp(dist.irecv, buf, self._global(src), tag=tag))
 
     @staticmethod
@@ -180,9 +200,15 @@ class PipelineExecutor:
             saved[0] += t.numel() * t.element_size()
             return t
 
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if task.grad else contextlib.nullcontext()
-        with torch.set_grad_enabled(task.grad), hooks:
-            outs = fn(self.m._comm, self.m._device, self.m._params_in_order(s), *ins)
+        m = self.m
+        if not task.grad:
+            hooks = contextlib.nullcontext()
+        elif m.zero3 is not None:  # its hooks swap gathered parameters for references; it counts the rest
+            hooks = m.zero3.forward_scope(on_save=pack)
+        else:
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with torch.set_grad_enabled(task.grad), hooks, autocast(m.plan.precision, m._device):
+            outs = fn(m._comm, m._device, m._params_on_use(s), *ins)
         sends = self.program.stage_sends[s]
         for value, t in zip(sends, outs[:len(sends)]):
             self._send_forward(value, s, t, mb, task.round)
@@ -211,10 +237,10 @@ class PipelineExecutor:
             total = parts[0].tensor
             for extra in parts[1:]:
                 total = total + extra.tensor
-            grads.append(total)
-        if state.loss is not None:
+            grads.append(total.to(t.dtype))
+        if state.loss is not None:  # the loss scale (fp16) is applied here, as train_step does without stages
             roots.append(state.loss)
-            grads.append(torch.full_like(state.loss, 1.0 / self.spec.micro_batches))
+            grads.append(torch.full_like(state.loss, self.m.loss_scale / self.spec.micro_batches))
         return roots, grads
 
     def _backward(self, task: Task) -> None:
@@ -223,7 +249,7 @@ class PipelineExecutor:
         roots, grads = self._roots(state, mb)
         leaves = [t for _, t in state.leaves]
         if self.spec.split_backward:
-            state.split = SplitBackward(roots, grads, leaves, self.m._params_in_order(s))
+            state.split = SplitBackward(roots, grads, leaves, self.m._stage_parameters(s))
             state.split.inputs()
         elif roots:
             torch.autograd.backward(roots, grads)
@@ -250,17 +276,27 @@ class PipelineExecutor:
         self._in_flight: dict[tuple[int, int], _InFlight] = {}
         self._loss_sum = torch.zeros((), device=self.m._device)
         self.stats = StepStats()
-        for task in self.tasks:
+        z = self.m.zero3
+        reduce_at_end = z is not None and z.sync  # not inside the user's no_sync()
+        for i, task in enumerate(self.tasks):
             if task.kind == FORWARD:
                 self._forward(task, inputs)
-            elif task.kind == BACKWARD:
-                self._backward(task)
-            else:
-                self._weight(task)
+                self.stats.tasks_run.append(str(task))
+                continue
+            # ZeRO-3: gradients stay whole here until the stage's last backward, which reduces them
+            grads = contextlib.nullcontext() if z is None else \
+                z.syncing(reduce_at_end and self._last_grad_task.get(task.stage) == i)
+            with grads:
+                if task.kind == BACKWARD:
+                    self._backward(task)
+                else:
+                    self._weight(task)
             self.stats.tasks_run.append(str(task))
         for work, _ in self._pending:
             work.wait()
         self._pending = []
+        if z is not None and reduce_at_end:
+            z.finish()  # the reduce-scatters each stage started after its last backward
         if self._in_flight or self._mailbox:
             raise RuntimeError(f"pipeline step ended with work left: {sorted(self._in_flight)} "
                                f"{sorted(self._mailbox)}")

@@ -22,7 +22,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -184,6 +184,9 @@ class Zero3Params:
         self.peak_gathered_bytes = 0
         self._queued = False
         self.launched = 0  # gradient reductions started (tests read it to see no_sync work)
+        # A pipeline finishes the reductions itself, after its last task: waiting for them at the end
+        # of one stage's backward could wait on a stage that first needs this one's gradients.
+        self.finish_after_step = False
 
     # -- forward ---------------------------------------------------------------------------------
     def fetch(self, key: int, prefetch: Optional[int] = None) -> torch.Tensor:
@@ -229,14 +232,24 @@ class Zero3Params:
         return result
 
     @contextlib.contextmanager
-    def forward_scope(self) -> Iterator[None]:
-        """Around a forward: what autograd saves of gathered parameters is a reference, not the tensor."""
+    def forward_scope(self, on_save: Optional[Callable[[torch.Tensor], None]] = None) -> Iterator[None]:
+        """Around a forward: what autograd saves of gathered parameters is a reference, not the tensor.
+
+        `on_save` sees every other tensor autograd saves (saved-tensor hooks do not nest, so a
+        caller that measures activations passes its counter here instead of its own hooks)."""
         for work, _ in self._prefetched.values():  # meant for a backward that never came
             work.wait()
         self._prefetched.clear()
         self._saved_order.clear()
         self._saved_at.clear()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+
+        def pack(t: torch.Tensor) -> Any:
+            out = self._pack(t)
+            if on_save is not None and out is t:
+                on_save(t)
+            return out
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             self._in_forward = True
             try:
                 yield
@@ -291,7 +304,17 @@ class Zero3Params:
     # -- backward --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        old, self._sync = self._sync, False
+        with self.syncing(False):
+            yield
+
+    @property
+    def sync(self) -> bool:
+        return self._sync
+
+    @contextlib.contextmanager
+    def syncing(self, on: bool) -> Iterator[None]:
+        """Backward passes inside reduce their gradients (on) or keep them whole here (off)."""
+        old, self._sync = self._sync, bool(on)
         try:
             yield
         finally:
@@ -306,7 +329,7 @@ class Zero3Params:
         if acc is not None:
             grad = acc.add_(grad)
         self._reduce(key, grad)
-        if not self._queued:
+        if not self._queued and not self.finish_after_step:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
