@@ -86,7 +86,9 @@ def main() -> None:
                ("model", "GPUs", "global batch", "ops", "model built s", "capture s", "search s", "total s", "target", "met",
                 "frontier plans", "candidates priced", "fastest plan found"),
                "Wall clock on 2 CPU cores, progress bar off; the total is capture plus search (building the "
-               "model on the meta device, the user's own code, is shown apart). The search solves one layer per device-group size "
+               "model on the meta device, the user's own code, is shown apart). Capture traces two layers of the "
+               "repeated stack with torch.export and writes the others as copies (nnscaler_plugins/repeated_layers.py; "
+               "the op count is the full model's). The search solves one layer per device-group size "
                "(identical layers once), prices every inter-op candidate from the solved segments, and simulates "
                "(full timeline replay) the ten nearest the frontier.")
 

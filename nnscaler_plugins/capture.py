@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from .causal_mask import fold_causal_masks
 from .graph import Graph, InputSpec, OpNode, Ref, TensorMeta, Value
 from .plugins import get_plugin_manager
+from .repeated_layers import Stack, find_stack, replicate
 
 # Ops with no runtime effect in our generated code (export's own shape/dtype assertions).
 _DROPPED = {
@@ -36,12 +37,16 @@ class CaptureError(RuntimeError):
     """The model could not be captured; the message says which part and what to try."""
 
 
-def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = None) -> Graph:
+def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = None, *,
+            trace_repeated_layers_once: bool = True) -> Graph:
     """Capture `model(*args, **kwargs)` as a `Graph`.
 
     `args` may be a tuple, a single tensor, or a dict (taken as keyword arguments), matching how
     `parallelize` receives example inputs. Plugins may adapt the model first (the Hugging Face
     plugin turns off the KV cache) through the `nnscaler_adapt_model_for_capture` hook.
+
+    A stack of identical layers is traced two layers deep and the rest written as copies (see
+    repeated_layers.py); `trace_repeated_layers_once=False` traces every layer.
     """
     args, kwargs = normalize_inputs(args, kwargs)
     pm = get_plugin_manager()
@@ -49,16 +54,40 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         for ctx in pm.hook.nnscaler_adapt_model_for_capture(model=model, kwargs=kwargs):
             if ctx is not None:
                 stack.enter_context(ctx)
-        try:
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-        except Exception as e:  # torch.export raises many types; wrap with guidance
-            raise CaptureError(
-                f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
-                "Data-dependent Python control flow and untraceable custom kernels are the usual causes; "
-                "register a custom op (torch.library) for such code or simplify the forward."
-            ) from e
+        layers = find_stack(model) if trace_repeated_layers_once else None
+        if layers is not None:
+            graph = _capture_two_layers(model, args, kwargs, layers)
+            if graph is not None:
+                return graph
+        ep = _export(model, args, kwargs)
     fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
     return _to_graph(ep, model, args, kwargs)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:  # torch.export raises many types; wrap with guidance
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
+            "Data-dependent Python control flow and untraceable custom kernels are the usual causes; "
+            "register a custom op (torch.library) for such code or simplify the forward."
+        ) from e
+
+
+def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict, layers: Stack) -> Optional[Graph]:
+    """The graph with every layer of `layers`, traced with two of them; None where that does not hold."""
+    try:
+        with layers.truncated(2):
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            fold_causal_masks(ep)
+            short = _to_graph(ep, model, args, kwargs, warn=False)
+    except Exception:  # the model minds its layer count (or anything else): trace it whole
+        return None
+    graph = replicate(short, layers.path, len(layers.modules))
+    if graph is not None:
+        _warn_unruled(graph)
+    return graph
 
 
 def normalize_inputs(args: Any, kwargs: Optional[dict]) -> tuple[tuple, dict]:
@@ -228,7 +257,8 @@ class _Converter:
                                grad_enabled=grad_enabled))
 
 
-def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple, kwargs: dict) -> Graph:
+def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple, kwargs: dict,
+              warn: bool = True) -> Graph:
     conv = _Converter(ep, model)
     sig = ep.graph_signature
     # Tied parameters: every FQN that points to the same tensor object.
@@ -287,7 +317,8 @@ def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tu
     g = Graph(ops=conv.ops, values=conv.values, inputs=inputs, outputs=out_names, output_constants=out_consts,
               out_spec=ep.call_spec.out_spec, model_class=type(model).__name__,
               source_hash=_model_source_hash(model), constants=dict(ep.constants))
-    _warn_unruled(g)
+    if warn:
+        _warn_unruled(g)
     return g
 
 

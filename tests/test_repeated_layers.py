@@ -1,0 +1,144 @@
+"""Stacks of identical layers are traced two deep and copied: the graph must be the one a full
+trace gives (ops, module paths, parameters, results), and every model that does not fit the
+pattern (a layer that reads its index, layers that differ further down, outputs per layer, a
+model that checks its layer count) must fall back to the full trace with correct results."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import models
+from nnscaler_plugins.capture import capture
+from nnscaler_plugins.repeated_layers import find_stack
+
+
+def _structure(g):
+    return ([(op.op_name, op.module_path, op.grad_enabled) for op in g.ops],
+            sorted((v.fqn, v.meta) for v in g.values.values() if v.kind in ("param", "buffer")),
+            [g.meta(o) if o else None for o in g.outputs])
+
+
+def _loss_and_grads(model, inputs):
+    from nnscaler_plugins.runtime.loss import extract_loss
+
+    loss = extract_loss(model(**inputs))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_generated(model, inputs):
+    """Our generated code on one process gives eager's loss and gradients bit for bit."""
+    import nnscaler_plugins as nns
+
+    ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(model), inputs)
+    pm = nns.parallelize(copy.deepcopy(model), inputs, plan="dp", world_size=1, cache_dir="/tmp/nns_test_cache")
+    loss = pm.train_step(inputs)
+    assert torch.equal(loss, ref_loss)
+    for v in pm._held:
+        s = pm.program.shards[v]
+        if s.kind == "param":
+            g = pm.shards[s.fqn.replace(".", "_")].grad if s.fqn.replace(".", "_") in pm.shards else None
+            if g is not None:
+                assert torch.equal(g, ref_grads[s.fqn]), s.fqn
+
+
+def test_hf_stacks_match_the_full_trace():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=5, n_embd=32, n_head=4, vocab_size=models.VOCAB, n_positions=16,
+                                      use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=5, hidden_size=32, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=models.VOCAB,
+                                         max_position_embeddings=16, use_cache=False))
+    ids = models._ids()
+    inputs = {"input_ids": ids, "labels": ids}
+    for model, path in ((gpt2, "transformer.h"), (llama, "model.layers")):
+        stack = find_stack(model)
+        assert stack is not None and stack.path == path and len(stack.modules) == 5
+        fast = capture(model, kwargs=inputs)
+        full = capture(model, kwargs=inputs, trace_repeated_layers_once=False)
+        assert _structure(fast) == _structure(full)
+        assert len(list(model.modules())) == len(list(copy.deepcopy(model).modules()))  # the stack is restored
+        _check_generated(model, inputs)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, i: int, d: int = 16, window: int | None = None):
+        super().__init__()
+        self.layer_idx = i
+        self.window = window
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class IndexedBlock(Block):
+    """Reads its own index: layers 0 and 1 trace to different programs."""
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) * (self.layer_idx + 1)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, blocks, collect: bool = False, check_count: bool = False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.head = torch.nn.Linear(16, 4)
+        self.collect = collect
+        self.count = len(blocks) if check_count else None
+
+    def forward(self, x, labels):
+        if self.count is not None and len(self.blocks) != self.count:
+            raise RuntimeError("layer count changed")
+        seen = []
+        for b in self.blocks:
+            x = b(x)
+            seen.append(x)
+        loss = torch.nn.functional.cross_entropy(self.head(x), labels)
+        return (loss, *seen) if self.collect else loss
+
+
+def _net_inputs():
+    return {"x": torch.randn(4, 16), "labels": torch.randint(0, 4, (4,))}
+
+
+def test_plain_stack_is_copied():
+    torch.manual_seed(0)
+    net = Net([Block(i) for i in range(6)])
+    inputs = _net_inputs()
+    assert find_stack(net) is not None
+    assert _structure(capture(net, kwargs=inputs)) == _structure(
+        capture(net, kwargs=inputs, trace_repeated_layers_once=False))
+    _check_generated(net, inputs)
+
+
+def test_layers_that_differ_further_down_are_traced_whole():
+    torch.manual_seed(0)
+    net = Net([Block(i, window=3 if i >= 4 else None) for i in range(6)])
+    assert find_stack(net) is None
+
+
+def test_models_outside_the_pattern_fall_back_to_the_full_trace():
+    torch.manual_seed(0)
+    inputs = _net_inputs()
+    for net in (Net([IndexedBlock(i) for i in range(6)]),  # reads its index
+                Net([Block(i) for i in range(6)], collect=True),  # every layer's output is an output
+                Net([Block(i) for i in range(6)], check_count=True)):  # minds its layer count
+        assert find_stack(net) is not None
+        fast = capture(net, kwargs=inputs)
+        full = capture(net, kwargs=inputs, trace_repeated_layers_once=False)
+        assert _structure(fast) == _structure(full)
+        assert len(net.blocks) == 6
+        _check_generated(net, inputs)
+
+
+def test_config_with_per_layer_values_is_traced_whole():
+    class Config:
+        layer_types = ["sliding", "sliding", "sliding", "full", "sliding", "sliding"]
+
+    net = Net([Block(i) for i in range(6)])
+    net.config = Config()
+    assert find_stack(net) is None
