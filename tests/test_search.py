@@ -66,7 +66,9 @@ def brute_force(graph, world, spec, G, constraints):
                     cuts = [list(c) for c in itertools.combinations(range(1, L), S - 1)]
                     for cut in cuts:
                         bounds = [0] + cut + [L]
-                        for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)):
+                        for zero in (0, 1, 2, 3):
+                            if zero == 3 and schedule == "zero-bubble":  # refused by the runtime
+                                continue
                             for rec in RECOMPUTE:
                                 cfg = Config(g, (g,), pp, dp, 1, m, schedule, v, zero, rec, intra.tp)
                                 if not all(c.allows(cfg) for c in s.constraints):

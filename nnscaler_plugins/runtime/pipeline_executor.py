@@ -15,8 +15,9 @@ In bf16/fp16 each stage runs under autocast, like the whole-model forward, and f
 boundary values travel in the compute dtype (half the bytes, as Megatron sends them); a gradient
 arriving for a stage output is cast to that output's dtype before backward. Under ZeRO-3 a stage's
 parameters are gathered one by one as its code reads them and dropped after; the backward gathers
-them again, and the gradients of a stage are kept whole on this rank until its last backward of
-the step, which reduce-scatters them while the remaining tasks run.
+them again and reduce-scatters each micro-batch's gradients among the stage's replicas (which run
+the same task list, so their collectives match), waited for before this device's next backward
+task. Gradients summed across stages (a tied embedding) are reduced once, after the last task.
 
 Memory is measured, not assumed: every tensor autograd saves for backward is counted against its
 micro-batch until that micro-batch's backward (or weight-gradient task) is done; the peak is kept
@@ -90,11 +91,8 @@ class PipelineExecutor:
         self.stats = StepStats()
         precision = module.plan.precision
         self._half = compute_dtype(precision) if precision != "fp32" else None
-        # The task after which a stage's parameters get no more gradient this step (ZeRO-3 reduces then).
-        grad_kind = WEIGHT if self.spec.split_backward else BACKWARD
-        self._last_grad_task = {t.stage: i for i, t in enumerate(self.tasks) if t.kind == grad_kind}
         if module.zero3 is not None:
-            module.zero3.finish_after_step = True
+            module.zero3.in_pipeline = True
 
     # -- addressing ---------------------------------------------------------------------------------------
     def _global(self, unit_device: int) -> int:
@@ -277,16 +275,13 @@ class PipelineExecutor:
         self._loss_sum = torch.zeros((), device=self.m._device)
         self.stats = StepStats()
         z = self.m.zero3
-        reduce_at_end = z is not None and z.sync  # not inside the user's no_sync()
-        for i, task in enumerate(self.tasks):
+        reduce = z is not None and z.sync  # not inside the user's no_sync()
+        for task in self.tasks:
             if task.kind == FORWARD:
                 self._forward(task, inputs)
-                self.stats.tasks_run.append(str(task))
-                continue
-            # ZeRO-3: gradients stay whole here until the stage's last backward, which reduces them
-            grads = contextlib.nullcontext() if z is None else \
-                z.syncing(reduce_at_end and self._last_grad_task.get(task.stage) == i)
-            with grads:
+            else:
+                if reduce:  # the previous backward's reduce-scatters: at most one backward's in flight
+                    z.settle()
                 if task.kind == BACKWARD:
                     self._backward(task)
                 else:
@@ -295,8 +290,9 @@ class PipelineExecutor:
         for work, _ in self._pending:
             work.wait()
         self._pending = []
-        if z is not None and reduce_at_end:
-            z.finish()  # the reduce-scatters each stage started after its last backward
+        if reduce:
+            z.reduce_across_stages()
+            z.finish()
         if self._in_flight or self._mailbox:
             raise RuntimeError(f"pipeline step ended with work left: {sorted(self._in_flight)} "
                                f"{sorted(self._mailbox)}")

@@ -184,9 +184,11 @@ class Zero3Params:
         self.peak_gathered_bytes = 0
         self._queued = False
         self.launched = 0  # gradient reductions started (tests read it to see no_sync work)
-        # A pipeline finishes the reductions itself, after its last task: waiting for them at the end
-        # of one stage's backward could wait on a stage that first needs this one's gradients.
-        self.finish_after_step = False
+        # Set by a pipeline, which settles reductions itself between its tasks. Gradients summed
+        # across pipeline stages (a tied embedding's copies) are then kept whole until the end of
+        # the step: reducing them inside one stage's backward could wait on a stage that first
+        # needs this one's gradients.
+        self.in_pipeline = False
 
     # -- forward ---------------------------------------------------------------------------------
     def fetch(self, key: int, prefetch: Optional[int] = None) -> torch.Tensor:
@@ -321,7 +323,7 @@ class Zero3Params:
             self._sync = old
 
     def grad_ready(self, key: int, grad: torch.Tensor) -> None:
-        if not self._sync:
+        if not self._sync or (self.in_pipeline and self.shards[key].sum_group is not None):
             acc = self._accumulated.get(key)
             self._accumulated[key] = grad.detach().clone() if acc is None else acc.add_(grad)
             return
@@ -329,7 +331,7 @@ class Zero3Params:
         if acc is not None:
             grad = acc.add_(grad)
         self._reduce(key, grad)
-        if not self._queued and not self.finish_after_step:
+        if not self._queued and not self.in_pipeline:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
@@ -354,7 +356,13 @@ class Zero3Params:
             self._reduce(key, self._accumulated.pop(key))
         self.finish()
 
-    def finish(self) -> None:
+    def reduce_across_stages(self) -> None:
+        """A pipeline's step end: reduce the gradients summed across stages, kept whole until now."""
+        for key in sorted(k for k in self._accumulated if self.shards[k].sum_group is not None):
+            self._reduce(key, self._accumulated.pop(key))
+
+    def settle(self) -> None:
+        """Wait for the reductions started so far and add each chunk to its gradient."""
         for p in self._pending:
             if p.work is not None:
                 p.work.wait()
@@ -371,6 +379,9 @@ class Zero3Params:
             else:
                 c.grad.add_(g)
         self._pending.clear()
+
+    def finish(self) -> None:
+        self.settle()
         self._regathered.clear()
         for work, _ in self._prefetched.values():  # gathered for a backward that did not need it
             work.wait()

@@ -290,8 +290,6 @@ class Search:
                         schedules.append((s, 1))
             shard_groups = dp * max((p for s in layers[:1] for _, (_, _, p) in s.params.items()), default=1)
             zeros = [0, 1, 2, 3] if shard_groups > 1 else [0]
-            if pp > 1:  # the runtime (like DeepSpeed) gathers ZeRO-3 parameters only outside pipelines
-                zeros = [z for z in zeros if z < 3]
             recomputes = [r for r in RECOMPUTE if r != "selective" or has_core]
             for schedule, v in schedules:
                 stages = pp * v
@@ -303,6 +301,8 @@ class Search:
                 if bounds is None:
                     continue
                 for zero in zeros:
+                    if zero == 3 and schedule == "zero-bubble":  # the runtime refuses it (Plan.check_runnable)
+                        continue
                     for rec in recomputes:
                         cfg = Config(group=g, mesh=intra.mesh, pp=pp, dp=dp, micro_batch_size=b, micro_batches=m,
                                      schedule=schedule, virtual=v, zero=zero, recompute=rec, tp=intra.tp,
