@@ -57,7 +57,8 @@ class _Entry:
 class ParallelOptimizer(torch.optim.Optimizer):
     """See the module docstring. Build it with `nns.build_optimizer`."""
 
-    def __init__(self, module: Any, optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: Any):
+    def __init__(self, module: Any, optimizer_cls: Callable[..., torch.optim.Optimizer],
+                 param_groups: Optional[list[dict[str, Any]]] = None, **kwargs: Any):
         from .runtime.parallel_module import _safe
 
         plan = module.plan
@@ -83,8 +84,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
             else:
                 master = p.detach().float().clone()
             self.entries.append(_Entry(fqn, p, fs, master, mode))
-        self.inner = optimizer_cls([e.master for e in self.entries], **kwargs)
-        super().__init__([e.master for e in self.entries], self.inner.defaults)
+        groups = _grouped(self.entries, param_groups)
+        self.inner = optimizer_cls(groups, **kwargs)
+        super().__init__(groups, self.inner.defaults)
         # One list and one state: schedulers that change an lr change what the inner step reads.
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
@@ -279,10 +281,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 out.update({k: (val.clone() if torch.is_tensor(val) else val) for k, val in scalars.items()})
             if out:
                 state[s.fqn] = out
+        fqn_of = {id(e.master): e.fqn for e in self.entries}
         groups = []
         for g in self.param_groups:
             d = {k: v for k, v in g.items() if k != "params"}
-            d["params"] = [e.fqn for e in self.entries]
+            d["params"] = [fqn_of[id(t)] for t in g["params"]]
             groups.append(d)
         return {"state": state, "param_groups": groups}
 
@@ -329,10 +332,52 @@ class ParallelOptimizer(torch.optim.Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
 
+def _grouped(entries: list[_Entry], spec: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """torch's parameter groups over the masters. Parameters are named by their fully-qualified
+    names in the model, since each rank holds pieces, not the model's own tensors: a group's
+    "params" is a list of names or a predicate `fn(name) -> bool`. Every parameter falls in exactly
+    one group, so that every rank has the same groups in the same order (schedulers rely on it)."""
+    if spec is None:
+        return [{"params": [e.master for e in entries]}]
+    matchers = []
+    for i, g in enumerate(spec):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param_groups[{i}] must be a dict with 'params' (names or a predicate on names)")
+        sel = g["params"]
+        if callable(sel):
+            matchers.append(sel)
+            continue
+        names = list(sel)
+        if any(not isinstance(n, str) for n in names):
+            raise TypeError(f"param_groups[{i}]['params'] must name parameters by their fully-qualified names "
+                            "(model.named_parameters() gives them) or be a predicate on names; this rank holds "
+                            "pieces of the tensors, not the model's own")
+        matchers.append(frozenset(names).__contains__)
+    out = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in spec]
+    unmatched, doubled = [], []
+    for e in entries:
+        hits = [i for i, m in enumerate(matchers) if m(e.fqn)]
+        if not hits:
+            unmatched.append(e.fqn)
+        elif len(hits) > 1:
+            doubled.append(f"{e.fqn} (groups {hits})")
+        else:
+            out[hits[0]]["params"].append(e.master)
+    if unmatched or doubled:
+        raise ValueError("param_groups must place every trainable parameter in exactly one group: "
+                         + (f"in none: {unmatched[:8]}" if unmatched else "")
+                         + ("; " if unmatched and doubled else "") + (f"in several: {doubled[:8]}" if doubled else ""))
+    return out
+
+
 def build_optimizer(module: Any, optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
-                    **kwargs: Any) -> ParallelOptimizer:
+                    param_groups: Optional[list[dict[str, Any]]] = None, **kwargs: Any) -> ParallelOptimizer:
     """The optimizer for a ParallelModule, sharded per its plan's ZeRO stage, stepping fp32 masters
-    in bf16/fp16 (see this module's docstring). Call on every rank."""
+    in bf16/fp16 (see this module's docstring). Call on every rank.
+
+    `param_groups=[{"params": names or fn(name) -> bool, "weight_decay": 0.0}, ...]` splits the
+    parameters into torch parameter groups by their names in the model (e.g. no weight decay on
+    biases and norms); `kwargs` are the defaults every group starts from."""
     from .runtime.parallel_module import ParallelModule
 
     if not isinstance(module, ParallelModule):
@@ -341,4 +386,4 @@ def build_optimizer(module: Any, optimizer_cls: Callable[..., torch.optim.Optimi
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                         f"got {optimizer_cls!r}")
-    return ParallelOptimizer(module, optimizer_cls, **kwargs)
+    return ParallelOptimizer(module, optimizer_cls, param_groups=param_groups, **kwargs)

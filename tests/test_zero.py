@@ -281,3 +281,59 @@ def test_optimizer_is_a_torch_optimizer_for_schedulers():
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
     with pytest.raises(TypeError, match="build_optimizer takes the module"):
         nns.build_optimizer(model, torch.optim.SGD, lr=0.1)
+
+
+def _no_decay(name: str) -> bool:
+    return name.endswith(".bias") or ".ln_" in name
+
+
+def run_param_groups(rank: int, world: int) -> list[str]:
+    """Two parameter groups (no weight decay on biases and norms, by name) under ZeRO 1 and 3 give
+    torch's AdamW with the same groups on one process; the whole state names each group's members."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    base, inputs = models.gpt2_small()
+    base.eval()
+    local = slice_batch(inputs, rank, world)
+    problems = []
+    for stage in (1, 3):
+        pm = nns.parallelize(copy.deepcopy(base), local, plan="dp", zero=stage, cache_dir="/tmp/nns_test_cache")
+        opt = nns.build_optimizer(pm, torch.optim.AdamW, lr=1e-3, weight_decay=0.5,
+                                  param_groups=[{"params": lambda n: not _no_decay(n)},
+                                                {"params": _no_decay, "weight_decay": 0.0, "lr": 2e-3}])
+        ref = copy.deepcopy(base)
+        named = list(ref.named_parameters())
+        ref_opt = torch.optim.AdamW([{"params": [p for n, p in named if not _no_decay(n)]},
+                                     {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0,
+                                      "lr": 2e-3}], lr=1e-3, weight_decay=0.5)
+        # 1e-4 is 5% of one step of the faster group (see the AdamW note in run_stages); a group
+        # given the other's learning rate or decay would be off by a whole step
+        problems += train_and_compare(rank, world, pm, opt, ref, ref_opt, inputs, f"zero{stage} groups", 3,
+                                      rtol=1e-5, atol=1e-4, check_grads=False)
+        full = opt.full_state_dict()
+        decay, no_decay = (set(g["params"]) for g in full["param_groups"])
+        if not no_decay or any(not _no_decay(n) for n in no_decay) or any(_no_decay(n) for n in decay):
+            problems.append(f"zero{stage}: full_state_dict groups {sorted(no_decay)[:4]}")
+        if [g["weight_decay"] for g in full["param_groups"]] != [0.5, 0.0]:
+            problems.append(f"zero{stage}: group hyperparameters {full['param_groups']}")
+    return problems
+
+
+def test_parameter_groups_by_name(workers2):
+    problems = workers2.run(run_param_groups)
+    assert not any(problems), problems
+
+
+def test_parameter_groups_errors():
+    import nnscaler_plugins as nns
+
+    model, inputs = models.mlp()
+    pm = nns.parallelize(copy.deepcopy(model), inputs, plan="dp", world_size=1, cache_dir="/tmp/nns_test_cache")
+    with pytest.raises(ValueError, match="exactly one group: in none: .*fc2"):
+        nns.build_optimizer(pm, torch.optim.AdamW, param_groups=[{"params": ["fc1.weight", "fc1.bias"]}])
+    with pytest.raises(ValueError, match="in several: .*fc1.weight"):
+        nns.build_optimizer(pm, torch.optim.AdamW, param_groups=[{"params": lambda n: True},
+                                                                 {"params": ["fc1.weight"]}])
+    with pytest.raises(TypeError, match="fully-qualified names"):
+        nns.build_optimizer(pm, torch.optim.AdamW, param_groups=[{"params": list(model.parameters())}])
