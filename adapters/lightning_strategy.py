@@ -181,7 +181,7 @@ class NNScalerStrategyMixin:
             example = example_inputs(inner, self._record_inputs(model, attr))
         self.pmodule = nns.parallelize(inner, example, plan=self.plan, device=self.root_device,
                                        cache_dir=self.cache_dir, loss_fn=self.loss_fn, **self.plan_options)
-        check_training_state(self.pmodule.plan, "NNScalerStrategy")
+        check_training_state(self.pmodule.plan, "NNScalerStrategy", zero=True)
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole
         setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole))
@@ -226,9 +226,33 @@ class NNScalerStrategyMixin:
             torch.random.set_rng_state(state)
         return self.batch_to_device(batch, self.root_device)
 
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's optimizers from `configure_optimizers`; under a ZeRO plan each is rebuilt as
+        the plan's sharded optimizer (same class, hyperparameters and groups) and the schedulers
+        are pointed at it."""
+        super().setup_optimizers(trainer)
+        plan = self.pmodule.plan if self.pmodule is not None else None
+        if plan is None or not plan.zero or plan.dp <= 1:
+            return
+        from .zero_optimizers import rebuild_sharded
+
+        swapped = {}
+        for i, opt in enumerate(self.optimizers):
+            swapped[id(opt)] = self.optimizers[i] = rebuild_sharded(self.pmodule, opt, "NNScalerStrategy")
+        for config in self.lr_scheduler_configs:
+            old = getattr(config.scheduler, "optimizer", None)
+            if id(old) in swapped:
+                config.scheduler.optimizer = swapped[id(old)]
+
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        from nnscaler_plugins.optimizer import ParallelOptimizer
+
         from .grad_norm import clip_grad_norm_
 
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(inner, ParallelOptimizer):  # ZeRO: the gradients are its shards
+            inner.clip_grad_norm_(float(clip_val))
+            return
         clip_grad_norm_(self.pmodule, float(clip_val))
 
     # -- checkpoints ----------------------------------------------------------------------------------

@@ -34,11 +34,11 @@ def check_plan(plan: PlanLike, where: str) -> None:
     raise TypeError(f"{where} takes a strategy name, a Plan, a plan file or a callable; got {type(plan).__name__}")
 
 
-def check_training_state(plan: Any, framework: str) -> None:
-    """Refuse what the adapters do not run yet: they build the framework's own optimizer over this
-    rank's shards, which is right for plain plans but not for ZeRO-sharded optimizer state or a
-    plan's own precision (those need `nns.build_optimizer`)."""
-    if getattr(plan, "zero", 0) and plan.dp > 1:
+def check_training_state(plan: Any, framework: str, zero: bool = False) -> None:
+    """Refuse what an adapter does not run: a plan's own precision (the frameworks bring their own
+    mixed precision), and ZeRO-sharded state unless the adapter rebuilds the framework's optimizer
+    with `nns.build_optimizer` (`zero=True`)."""
+    if not zero and getattr(plan, "zero", 0) and plan.dp > 1:
         raise NotImplementedError(f"{framework}: plans with zero={plan.zero} are not supported by this adapter yet; "
                                   "use the plan without zero=, or train with nns.parallelize + nns.build_optimizer")
     if getattr(plan, "precision", "fp32") != "fp32":

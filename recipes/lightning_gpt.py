@@ -4,6 +4,7 @@
     python recipes/lightning_gpt.py --devices 4 --plans "tp;1f1b:pp=2;hybrid:tp=2,dp=2"
     python recipes/lightning_gpt.py --plans dp --precision bf16-mixed --accumulate 2 --clip 1.0
     python recipes/lightning_gpt.py --plans dp --resume-check         # ModelCheckpoint + fit(ckpt_path=...)
+    python recipes/lightning_gpt.py --plans "zero3;zero2" --clip 1.0  # ZeRO: the optimizer is rebuilt sharded
     python recipes/lightning_gpt.py --namespace=pytorch_lightning     # the same under `import pytorch_lightning`
 
 The only change from an ordinary Lightning script is `strategy=NNScalerStrategy(plan=...)` (or the
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler = trainer.train_dataloader.sampler
         row = {"plan": name, "devices": args.devices, "namespace": pl.__name__, "strategy": type(strategy).__qualname__, "dp": strategy.pmodule.dp_size,
                "sampler": [sampler.num_replicas, sampler.rank], "dp_rank": strategy.pmodule.dp_rank,
+               "zero": strategy.pmodule.plan.zero, "optimizer": type(trainer.optimizers[0]).__name__,
                "losses": losses, **{k: v for k, v in kw.items() if k != "samples"}}
         if launcher:
             ref = reference[strategy.pmodule.dp_size]

@@ -80,9 +80,22 @@ def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path)
     assert resume and resume[0]["match"], resume
 
 
+def test_zero_plans_rebuild_the_optimizer_with_accumulation_clipping_and_resume(tmp_path):
+    """ZeRO plans: configure_optimizers' AdamW becomes the plan's sharded optimizer (same
+    hyperparameters), clipping uses its global norm, and a ZeRO-3 run resumes exactly."""
+    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "zero3;zero2", "--steps", "2",
+                       "--accumulate", "2", "--clip", "0.5", "--resume-check")
+    plans = {r["plan"]: r for r in rows if "plan" in r}
+    assert set(plans) == {"zero3", "zero2"}
+    for name, r in plans.items():
+        assert r["match"] and r["optimizer"] == "ParallelOptimizer" and r["zero"] == int(name[-1]), r
+    resume = [r for r in rows if "resume" in r]
+    assert resume and resume[0]["match"], resume
+
+
 def test_four_processes_bf16_mixed_in_the_pytorch_lightning_package(tmp_path):
-    rows = _run_recipe(tmp_path, "--devices", "4", "--plans", "dp;tp;1f1b:pp=2;auto", "--steps", "2",
-                       "--precision", "bf16-mixed", "--namespace=pytorch_lightning")
-    assert {r["plan"] for r in rows} == {"dp", "tp", "1f1b:pp=2", "auto"}
+    rows = _run_recipe(tmp_path, "--devices", "4", "--plans", "dp;tp;1f1b:pp=2;auto;1f1b:pp=2,zero=3", "--steps",
+                       "2", "--precision", "bf16-mixed", "--namespace=pytorch_lightning")
+    assert {r["plan"] for r in rows} == {"dp", "tp", "1f1b:pp=2", "auto", "1f1b:pp=2,zero=3"}
     for r in rows:
         assert r["match"] and r["namespace"] == "pytorch_lightning", r
