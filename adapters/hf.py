@@ -75,6 +75,11 @@ class _PlannedModel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.pmodule(*args, **kwargs)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The Trainer zeroes the model, not the optimizer: the ParallelModule's own zero_grad also
+        drops gradients kept outside `.grad` (ZeRO-2 chunks)."""
+        self.pmodule.zero_grad(set_to_none=set_to_none)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -114,7 +119,7 @@ class NNScalerTrainerMixin:
         self.nns_module = nns.parallelize(model, example, plan=self.nns_plan, device=self.args.device,
                                           cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"),
                                           **self.nns_plan_options)
-        check_training_state(self.nns_module.plan, type(self).__name__)
+        check_training_state(self.nns_module.plan, type(self).__name__, zero=True)
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
         get_plugin_manager().hook.nnscaler_on_parallelized(module=self.nns_module, plan=self.nns_module.plan,
                                                            framework="hf")
@@ -175,6 +180,15 @@ class NNScalerTrainerMixin:
             return self.optimizer
         pm = self.nns_module
         decay = set(self.get_decay_parameter_names(self.model))
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        if pm.plan.zero and pm.dp_size > 1:  # the plan's sharded optimizer, groups named by FQN
+            import nnscaler_plugins as nns
+
+            names = list(pm.zero_shards)
+            self.optimizer = nns.build_optimizer(pm, cls, param_groups=[
+                {"params": [n for n in names if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [n for n in names if n not in decay], "weight_decay": 0.0}], **kwargs)
+            return self.optimizer
         groups: dict[bool, list] = {True: [], False: []}
         for key in pm._held:
             s = pm.program.shards[key]
@@ -184,7 +198,6 @@ class NNScalerTrainerMixin:
                     groups[s.fqn in decay].append(p)
         params = [{"params": groups[True], "weight_decay": self.args.weight_decay},
                   {"params": groups[False], "weight_decay": 0.0}]
-        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
         self.optimizer = cls([g for g in params if g["params"]], **kwargs)
         return self.optimizer
 
@@ -207,13 +220,17 @@ class NNScalerTrainerMixin:
         if k > 1:
             for p in params:
                 p.grad = None
-        with self.compute_loss_context_manager():
-            loss = pm.train_step(example_inputs(self.model, inputs))
-        if k > 1:
+        scale = pm.loss_scale
+        pm.loss_scale = scale / k  # this step's share of the accumulated update, wherever its gradients land
+        try:
+            with self.compute_loss_context_manager():
+                loss = pm.train_step(example_inputs(self.model, inputs))
+        finally:
+            pm.loss_scale = scale
+        if k > 1:  # the earlier steps' gradients, already reduced, are added back after this step's reduction
             with torch.no_grad():
                 for p, old in zip(params, before):
                     if p.grad is not None:
-                        p.grad.div_(k)
                         if old is not None:
                             p.grad.add_(old)
                     else:
@@ -221,8 +238,13 @@ class NNScalerTrainerMixin:
         return loss.detach() / k
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+        from nnscaler_plugins.optimizer import ParallelOptimizer
+
         from .grad_norm import clip_grad_norm_
 
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        if isinstance(inner, ParallelOptimizer):  # ZeRO: the gradients are its shards
+            return inner.clip_grad_norm_(self.args.max_grad_norm)
         return clip_grad_norm_(self.nns_module, self.args.max_grad_norm)
 
     def get_tp_size(self) -> int:

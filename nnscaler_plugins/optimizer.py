@@ -208,6 +208,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         reducer = self.module._reducer
         if reducer is not None:
             reducer.shard_grads.clear()
+        if self.module.zero3 is not None:
+            self.module.zero3.drop_accumulated()
         for e in self.entries:
             for t in (e.param, e.master):
                 if t.grad is None:

@@ -3,6 +3,7 @@
     python recipes/hf_trainer_llama.py                       # llama, plans dp, tp, 1f1b on 2 gloo processes
     python recipes/hf_trainer_llama.py --nproc 4 --model gpt2 --plans "tp;1f1b:pp=2;auto"
     python recipes/hf_trainer_llama.py --resume-check        # save_model + resume_from_checkpoint checks
+    python recipes/hf_trainer_llama.py --plans "zero3;zero2" --accumulate 2   # ZeRO plans, accumulation
 
 The only change from an ordinary Trainer script is `NNScalerTrainer` and
 `NNScalerTrainingArguments(plan=...)`. Run with plain `python`, the script first trains the same model
@@ -57,14 +58,15 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def train(model_name: str, out: str, batch: int, steps: int, samples: int, plan=None, resume: str | None = None,
-          save_steps: int = 0, max_grad_norm: float = 1.0):
+          save_steps: int = 0, max_grad_norm: float = 1.0, accumulate: int = 1):
     """One Trainer run; returns (trainer, per-step losses)."""
     from transformers import Trainer, TrainingArguments
 
     common = dict(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, logging_steps=1,
                   learning_rate=1e-2, lr_scheduler_type="constant", max_grad_norm=max_grad_norm, use_cpu=True,
                   report_to=[], seed=0, dataloader_drop_last=True, disable_tqdm=True,
-                  save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
+                  save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+                  gradient_accumulation_steps=accumulate)
     model = build_model(model_name)
     if plan is None:
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=Tokens(samples))
@@ -85,15 +87,16 @@ def worker(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     for plan in args.plans.split(";"):
         trainer, losses = train(args.model, os.path.join(args.out, plan.replace(":", "_").replace("=", "")), args.batch_size, args.steps, args.samples,
-                                plan=plan)
+                                plan=plan, accumulate=args.accumulate)
         pm = trainer.nns_module
         row = {"plan": plan, "model": args.model, "nproc": dist.get_world_size(), "dp": pm.dp_size, "losses": losses}
         if args.resume_check and plan == args.plans.split(";")[0]:
             ckpt_out = os.path.join(args.out, "resume-ckpt")
             _, full = train(args.model, ckpt_out, args.batch_size, args.steps, args.samples, plan=plan,
-                            save_steps=args.steps // 2)
+                            save_steps=args.steps // 2, accumulate=args.accumulate)
             trainer2, resumed = train(args.model, ckpt_out, args.batch_size, args.steps, args.samples, plan=plan,
-                                      resume=os.path.join(ckpt_out, f"checkpoint-{args.steps // 2}"))
+                                      resume=os.path.join(ckpt_out, f"checkpoint-{args.steps // 2}"),
+                                      accumulate=args.accumulate)
             final = os.path.join(args.out, "resume-final")
             trainer2.save_model(final)
             row.update(full=full, resumed=resumed, saved=final)
@@ -135,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4, help="per data-parallel replica")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--resume-check", action="store_true", help="checkpoint half way, resume, save_model (first plan)")
+    ap.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
     ap.add_argument("--out", default=None)
     ap.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.samples = args.samples or args.batch_size * args.nproc * args.steps
+    args.samples = args.samples or args.batch_size * args.nproc * args.steps * args.accumulate
     if "RANK" in os.environ:
         worker(args)
         return 0
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                "--master-port", str(_free_port()), os.path.abspath(__file__), "--model", args.model, "--plans", args.plans,
                "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--out", out,
-               "--samples", str(args.samples)] + (["--resume-check"] if args.resume_check else [])
+               "--samples", str(args.samples), "--accumulate", str(args.accumulate)] + \
+            (["--resume-check"] if args.resume_check else [])
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         rows = [json.loads(line[len(_MARK):]) for line in proc.stdout.splitlines() if line.startswith(_MARK)]
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             dp = row["dp"]
             if dp not in references:
                 references[dp] = train(args.model, os.path.join(out, f"ref{dp}"), args.batch_size * dp, args.steps,
-                                       args.samples)[1]
+                                       args.samples, accumulate=args.accumulate)[1]
             row["reference"] = references[dp]
             row["match"] = _close(row["losses"], references[dp], 1e-4)
             if "resumed" in row:

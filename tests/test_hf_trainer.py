@@ -67,6 +67,19 @@ def test_llama_two_processes_dp_tp_pipeline_resume_and_save(tmp_path):
     assert resumed and resumed[0]["resume_match"] and resumed[0]["saved_identical"], resumed
 
 
+def test_zero_plans_with_accumulation_and_resume(tmp_path):
+    """ZeRO plans: the Trainer's optimizer is the plan's sharded one (decay groups by name), the
+    Trainer's model.zero_grad() clears ZeRO-2's chunks, accumulation scales each step's loss, and a
+    ZeRO-2 run resumes exactly."""
+    rows = _run_recipe(tmp_path, "--nproc", "2", "--model", "llama", "--plans", "zero2;zero3", "--steps", "4",
+                       "--accumulate", "2", "--resume-check")
+    assert {r["plan"] for r in rows} == {"zero2", "zero3"}
+    for r in rows:
+        assert r["match"] and r["dp"] == 2, r
+    resumed = [r for r in rows if "resumed" in r]
+    assert resumed and resumed[0]["resume_match"] and resumed[0]["saved_identical"], resumed
+
+
 def test_gpt2_four_processes_tp_and_pipeline_with_data_parallel(tmp_path):
     rows = _run_recipe(tmp_path, "--nproc", "4", "--model", "gpt2", "--plans", "tp;1f1b:pp=2", "--steps", "2")
     assert {r["plan"]: r["dp"] for r in rows} == {"tp": 1, "1f1b:pp=2": 2}

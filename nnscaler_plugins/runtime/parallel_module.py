@@ -367,6 +367,15 @@ class ParallelModule(torch.nn.Module):
         """What the last pipeline step measured: peak micro-batches held, peak bytes saved for backward."""
         return None if self._executor is None else self._executor.stats
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops the gradients kept outside `.grad`: ZeRO-2's reduced chunks and what ZeRO-3
+        set aside under no_sync (frameworks that zero the model, not the optimizer, rely on it)."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self._reducer is not None:
+            self._reducer.shard_grads.clear()
+        if self.zero3 is not None:
+            self.zero3.drop_accumulated()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally; nothing is communicated until the

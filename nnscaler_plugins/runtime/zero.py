@@ -356,6 +356,10 @@ class Zero3Params:
             self._reduce(key, self._accumulated.pop(key))
         self.finish()
 
+    def drop_accumulated(self) -> None:
+        """Forget the whole gradients kept under no_sync (the module's gradients were zeroed)."""
+        self._accumulated.clear()
+
     def reduce_across_stages(self) -> None:
         """A pipeline's step end: reduce the gradients summed across stages, kept whole until now."""
         for key in sorted(k for k in self._accumulated if self.shards[k].sum_group is not None):
