@@ -286,6 +286,8 @@ class PipelineExecutor:
                     self._backward(task)
                 else:
                     self._weight(task)
+                if reduce:  # this backward's last bucket starts now, overlapping the next tasks
+                    z.flush()
             self.stats.tasks_run.append(str(task))
         for work, _ in self._pending:
             work.wait()

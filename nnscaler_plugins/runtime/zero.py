@@ -30,6 +30,7 @@ import torch.distributed as dist
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass
@@ -159,7 +160,8 @@ class _SavedRef:
 class _PendingReduce:
     work: Any
     out: torch.Tensor
-    key: int
+    key: int  # >= 0: `out` is the whole (reduced) gradient of key; < 0: `out` holds chunks of `keys`
+    keys: tuple[int, ...] = ()
 
 
 class Zero3Params:
@@ -179,6 +181,10 @@ class Zero3Params:
         self._prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
         self._pending: list[_PendingReduce] = []
+        # Gradients waiting to be reduce-scattered together (one collective per BUCKET_BYTES, as DDP's
+        # buckets and the ZeRO-2 reducer's): launched when full, and at the end of each backward.
+        self._bucket: list[tuple[int, torch.Tensor]] = []
+        self._bucket_bytes = 0
         self._fwd_prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
@@ -342,12 +348,29 @@ class Zero3Params:
             work = dist.all_reduce(buf, group=s.sum_group, async_op=True)
             self._pending.append(_PendingReduce(work, buf, key))
         elif s.size > 1:
-            buf = reduce_scatter_layout([s], [grad.detach()], self.scale)
-            out = buf.new_empty(s.chunk)
-            work = reduce_scatter_flat(out, buf, group=s.group, async_op=True)
-            self._pending.append(_PendingReduce(work, out, -key - 1))
+            if self._bucket and (self.shards[self._bucket[0][0]].group is not s.group
+                                 or self._bucket[0][1].dtype != grad.dtype):
+                self.flush()
+            self._bucket.append((key, grad.detach()))
+            self._bucket_bytes += grad.numel() * grad.element_size()
+            if self._bucket_bytes >= BUCKET_BYTES:
+                self.flush()
+            return
         else:
             self._pending.append(_PendingReduce(None, grad.detach().reshape(-1).clone(), key))
+        self.launched += 1
+
+    def flush(self) -> None:
+        """Start the reduce-scatter of the gradients gathered in the bucket."""
+        if not self._bucket:
+            return
+        keys = tuple(k for k, _ in self._bucket)
+        shards = [self.shards[k] for k in keys]
+        buf = reduce_scatter_layout(shards, [g for _, g in self._bucket], self.scale)
+        out = buf.new_empty(sum(sh.chunk for sh in shards))
+        work = reduce_scatter_flat(out, buf, group=shards[0].group, async_op=True)
+        self._pending.append(_PendingReduce(work, out, -1, keys))
+        self._bucket, self._bucket_bytes = [], 0
         self.launched += 1
 
     def reduce_accumulated(self) -> None:
@@ -367,22 +390,27 @@ class Zero3Params:
 
     def settle(self) -> None:
         """Wait for the reductions started so far and add each chunk to its gradient."""
+        self.flush()
         for p in self._pending:
             if p.work is not None:
                 p.work.wait()
             if p.key >= 0:  # a whole gradient: keep our chunk
-                key = p.key
-                g = self.shards[key].owned(p.out)
-            else:
-                key = -p.key - 1
-                g = p.out[:self.shards[key].hi - self.shards[key].lo]
-            c = self.chunks[key]
-            g = g.view_as(c).to(c.dtype)
-            if c.grad is None:
-                c.grad = g.clone()
-            else:
-                c.grad.add_(g)
+                self._add_grad(p.key, self.shards[p.key].owned(p.out))
+                continue
+            off = 0  # a bucket: the chunks of its gradients one after another (reduce_scatter_layout)
+            for key in p.keys:
+                sh = self.shards[key]
+                self._add_grad(key, p.out[off:off + sh.hi - sh.lo])
+                off += sh.chunk
         self._pending.clear()
+
+    def _add_grad(self, key: int, g: torch.Tensor) -> None:
+        c = self.chunks[key]
+        g = g.view_as(c).to(c.dtype)
+        if c.grad is None:
+            c.grad = g.clone()
+        else:
+            c.grad.add_(g)
 
     def finish(self) -> None:
         self.settle()
