@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib
 import os
 from typing import Any, Callable, Optional
@@ -185,6 +186,11 @@ class NNScalerStrategyMixin:
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole
         setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole))
+        # The replaced module's weights (already on the device) are held only by the reference cycles
+        # the capture left; free them now rather than at some later collection (measured on one GPU:
+        # 0.47 GiB, GPT-2 small's fp32 weights, still allocated during training otherwise).
+        del inner
+        gc.collect()
         get_plugin_manager().hook.nnscaler_on_parallelized(module=self.pmodule, plan=self.pmodule.plan,
                                                            framework="lightning")
         return model
