@@ -240,33 +240,25 @@ class ParallelModule(torch.nn.Module):
         return self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
 
     def _params_in_order(self, stage: int = 0) -> list[torch.Tensor]:
-        """What the stage function unpacks as `_P`: its parameters and buffers, in Program order.
+        """What the stage function unpacks as `_P` without ZeRO-3: its parameters and buffers, in
+        Program order (ZeRO-3's `_P` is `_GatheredOnUse`, see `_params_on_use`)."""
+        return [self._for_compute(self._local(key)) for key in self.program.ranks[self.unit_device].stages[stage].params]
 
-        ZeRO-3 parameters are gathered whole here; in bf16/fp16, 1-D parameters (norm weights,
-        biases) are handed over in fp32, which is what CPU norm kernels take next to a
-        half-precision input (matmuls under autocast cast them back)."""
-        keys = self.program.ranks[self.unit_device].stages[stage].params
-        out = [self._local(key) for key in keys]
-        if self.zero3 is not None:
-            want = {}
-            for i, key in enumerate(keys):
-                s = self.program.shards[key]
-                if s.kind == "param" and s.fqn in self._zero3_key:
-                    want[self._zero3_key[s.fqn]] = i
-            whole = self.zero3.gather(sorted(want))
-            for k, i in want.items():
-                out[i] = whole[k]
-        if self.plan.precision != "fp32":
-            out = [t.float() if t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32 else t
-                   for t in out]
-        return out
+    def _for_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """A parameter or buffer as the generated code takes it: in bf16/fp16, 1-D parameters (norm
+        weights, biases) in fp32, which is what CPU norm kernels take next to a half-precision input
+        (matmuls under autocast cast them back)."""
+        if self.plan.precision != "fp32" and t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32:
+            return t.float()
+        return t
 
     def _stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         """The trainable Parameters (ZeRO-3: chunks) whose gradients stage `stage` computes."""
-        out = []
+        out, seen = [], set()
         for key in self.program.ranks[self.unit_device].stages[stage].params:
             t = self._local(key)
-            if isinstance(t, torch.nn.Parameter) and t.requires_grad and all(t is not o for o in out):
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
                 out.append(t)
         return out
 
@@ -468,10 +460,7 @@ class _GatheredOnUse:
     def __getitem__(self, i: int) -> torch.Tensor:
         m = self._m
         z = self._zkey.get(i)
-        t = m._local(self._keys[i]) if z is None else m.zero3.fetch(z, self._next.get(i))
-        if m.plan.precision != "fp32" and t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32:
-            t = t.float()  # as in _params_in_order: CPU norm kernels take fp32 weights next to half inputs
-        return t
+        return m._for_compute(m._local(self._keys[i]) if z is None else m.zero3.fetch(z, self._next.get(i)))
 
 
 def _full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -93,6 +93,9 @@ class PipelineExecutor:
         self._half = compute_dtype(precision) if precision != "fp32" else None
         if module.zero3 is not None:
             module.zero3.in_pipeline = True
+        # what the weight pass of a split backward differentiates (the module's Parameters do not change)
+        self._stage_params = {s: module._stage_parameters(s) for s in self.my_stages} \
+            if self.spec.split_backward else {}
 
     # -- addressing ---------------------------------------------------------------------------------------
     def _global(self, unit_device: int) -> int:
@@ -247,7 +250,7 @@ class PipelineExecutor:
         roots, grads = self._roots(state, mb)
         leaves = [t for _, t in state.leaves]
         if self.spec.split_backward:
-            state.split = SplitBackward(roots, grads, leaves, self.m._stage_parameters(s))
+            state.split = SplitBackward(roots, grads, leaves, self._stage_params[s])
             state.split.inputs()
         elif roots:
             torch.autograd.backward(roots, grads)

@@ -160,7 +160,7 @@ class _SavedRef:
 class _PendingReduce:
     work: Any
     out: torch.Tensor
-    key: int  # >= 0: `out` is the whole (reduced) gradient of key; < 0: `out` holds chunks of `keys`
+    key: Optional[int]  # `out` is the whole (reduced) gradient of `key`; None: `out` holds chunks of `keys`
     keys: tuple[int, ...] = ()
 
 
@@ -174,7 +174,6 @@ class Zero3Params:
         self._sync = True
         self._live: dict[int, int] = {}  # storage pointer of a gathered parameter -> its key
         self._in_forward = False
-        self._gathered: list[torch.Tensor] = []
         self._regathered: dict[int, weakref.ref] = {}
         self._saved_order: list[int] = []  # keys in the order the forward saved them
         self._saved_at: dict[int, int] = {}
@@ -224,20 +223,14 @@ class Zero3Params:
         self.gathered_bytes -= n
 
     def gather(self, keys: list[int]) -> dict[int, torch.Tensor]:
-        """The whole parameters `keys` (autograd-connected to their chunks), one collective per group."""
+        """The whole parameters `keys`, outside any forward (whole state dicts), one collective per
+        group; the forward gathers through `fetch`."""
         shards = [self.shards[k] for k in keys]
         outs = [torch.empty(s.numel, dtype=self.chunks[k].dtype, device=self.chunks[k].device)
                 for k, s in zip(keys, shards)]
         with torch.no_grad():
             all_gather_chunks(shards, [self.chunks[k].detach() for k in keys], outs)
-        result = {}
-        for k, s, flat in zip(keys, shards, outs):
-            whole = flat.view(s.shape)
-            if self._in_forward:  # kept alive until the forward ends, so no other tensor reuses its memory
-                self._live[whole.untyped_storage().data_ptr()] = (k, None)
-                self._gathered.append(whole)
-            result[k] = _Gathered.apply(self.chunks[k], _Box(whole), self, k) if torch.is_grad_enabled() else whole
-        return result
+        return {k: flat.view(s.shape) for k, s, flat in zip(keys, shards, outs)}
 
     @contextlib.contextmanager
     def forward_scope(self, on_save: Optional[Callable[[torch.Tensor], None]] = None) -> Iterator[None]:
@@ -264,7 +257,6 @@ class Zero3Params:
             finally:
                 self._in_forward = False
                 self._live.clear()
-                self._gathered.clear()
                 for work, _ in self._fwd_prefetched.values():  # started for a use that never came
                     work.wait()
                 self._fwd_prefetched.clear()
@@ -274,7 +266,7 @@ class Zero3Params:
         if entry is None:
             return t
         key, alive = entry
-        if alive is not None and alive() is None:  # that parameter is gone; its memory is another tensor's now
+        if alive() is None:  # that parameter is gone; its memory is another tensor's now
             return t
         if key not in self._saved_at:
             self._saved_at[key] = len(self._saved_order)
@@ -369,7 +361,7 @@ class Zero3Params:
         buf = reduce_scatter_layout(shards, [g for _, g in self._bucket], self.scale)
         out = buf.new_empty(sum(sh.chunk for sh in shards))
         work = reduce_scatter_flat(out, buf, group=shards[0].group, async_op=True)
-        self._pending.append(_PendingReduce(work, out, -1, keys))
+        self._pending.append(_PendingReduce(work, out, None, keys))
         self._bucket, self._bucket_bytes = [], 0
         self.launched += 1
 
@@ -394,7 +386,7 @@ class Zero3Params:
         for p in self._pending:
             if p.work is not None:
                 p.work.wait()
-            if p.key >= 0:  # a whole gradient: keep our chunk
+            if p.key is not None:  # a whole gradient: keep our chunk
                 self._add_grad(p.key, self.shards[p.key].owned(p.out))
                 continue
             off = 0  # a bucket: the chunks of its gradients one after another (reduce_scatter_layout)
