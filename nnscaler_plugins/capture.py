@@ -17,6 +17,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .autograd_functions import FunctionCaptureError, is_opaque_call, opaque_functions, rebuild_call
 from .causal_mask import fold_causal_masks
 from .graph import Graph, InputSpec, OpNode, Ref, TensorMeta, Value
 from .plugins import get_plugin_manager
@@ -54,14 +55,15 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         for ctx in pm.hook.nnscaler_adapt_model_for_capture(model=model, kwargs=kwargs):
             if ctx is not None:
                 stack.enter_context(ctx)
+        stack.enter_context(opaque_functions())  # custom autograd Functions stay one op each
         layers = find_stack(model) if trace_repeated_layers_once else None
         if layers is not None:
             graph = _capture_two_layers(model, args, kwargs, layers)
             if graph is not None:
                 return graph
         ep = _export(model, args, kwargs)
-    fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
-    return _to_graph(ep, model, args, kwargs)
+        fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
+        return _to_graph(ep, model, args, kwargs)
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
@@ -143,6 +145,13 @@ def _module_of(node: torch.fx.Node) -> tuple[str, str]:
     return path, cls_name.rsplit(".", 1)[-1]
 
 
+def _differentiable(val: Any) -> bool:
+    """Whether autograd can carry a gradient through this value. Complex values count: an fft
+    between two layers passes gradients through complex intermediates, and a chain marked
+    gradient-free would lose the communication its backward needs."""
+    return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex)
+
+
 def _meta_of(val: Any, requires_grad: bool = False) -> Optional[TensorMeta]:
     if isinstance(val, torch.Tensor):
         return TensorMeta(tuple(int(s) for s in val.shape), val.dtype, requires_grad)
@@ -217,20 +226,32 @@ class _Converter:
     def add_op(self, node: torch.fx.Node, target: Any, grad_enabled: bool, prefix: str) -> None:
         args = self.resolve(node.args)
         kwargs = self.resolve(dict(node.kwargs))
+        single = False
+        base = node.name
+        if is_opaque_call(target):  # a custom autograd Function: call the user's class itself
+            target, args, kwargs, single = rebuild_call(args)
+            base = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", target.cls.__name__).lower()
         inputs: list[str] = []
         for leaf in pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, Ref) and self.values[leaf.name].meta is not None:
                 inputs.append(leaf.name)
-        name = self.fresh(prefix + node.name)
+        name = self.fresh(prefix + base)
         val = node.meta.get("val")
         rg = grad_enabled and self.requires_grad(inputs)
         module_path, module_type = _module_of(node)
         source, code = _source_of(node)
-        if isinstance(val, (tuple, list)):
+        if single:  # the Function returned one tensor; the opaque op returned a list of it
+            val = val[0]
+            meta = _meta_of(val, rg and _differentiable(val))
+            self.values[name] = Value(name, "op", meta, producer=name)
+            outs = [name]
+            self.env[node] = (Ref(name),)  # the getitem(..., 0) after the call reads it
+            multi = False
+        elif isinstance(val, (tuple, list)):
             outs: list[Optional[str]] = []
             refs = []
             for i, v in enumerate(val):
-                meta = _meta_of(v, rg and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
+                meta = _meta_of(v, rg and _differentiable(v))
                 if meta is None:
                     outs.append(None)
                     refs.append(v)
@@ -242,7 +263,7 @@ class _Converter:
             self.env[node] = tuple(refs)
             multi = True
         else:
-            meta = _meta_of(val, rg and isinstance(val, torch.Tensor) and val.dtype.is_floating_point)
+            meta = _meta_of(val, rg and _differentiable(val))
             if meta is None and val is not None:
                 raise CaptureError(f"{name} ({target}) produced a non-tensor {type(val).__name__}; "
                                    "symbolic values are not supported, capture with static shapes")

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from .autograd_functions import FunctionTarget
 from .graph import Ref
 from .lowering import Program, RankProgram, StageProgram, Stmt
 
@@ -58,11 +59,30 @@ def cache_key(program: Program) -> str:
     return h.hexdigest()[:20]
 
 
+def bound_targets(program: Program) -> dict[str, Any]:
+    """Op targets generated code cannot import by name (a custom autograd Function defined
+    inside a function, say), each under the module-level name the file calls it by. The runtime
+    puts these into the module's namespace before running the file, so a cached file needs no
+    regeneration to find them; names follow graph order and are the same on every rank."""
+    out: dict[str, Any] = {}
+    for op in program.graph.ops:
+        t = op.target
+        if not isinstance(t, FunctionTarget) or t.importable() or any(v is t or v == t for v in out.values()):
+            continue
+        stem = "".join(c if c.isalnum() else "_" for c in t.cls.__name__)
+        out[f"_fn{len(out)}_{stem}"] = t
+    return out
+
+
 class _Emitter:
-    def __init__(self) -> None:
+    def __init__(self, bound: Optional[dict[str, Any]] = None) -> None:
         self.imports: dict[str, str] = {}  # module -> alias
+        self.bound = bound or {}
 
     def callable_name(self, fn: Any) -> str:
+        for name, obj in self.bound.items():
+            if obj is fn or (isinstance(fn, FunctionTarget) and obj == fn):
+                return name
         if isinstance(fn, torch._ops.OpOverload):
             ns = fn.namespace
             name = fn._schema.name.split("::", 1)[1]
@@ -226,7 +246,7 @@ def generate(program: Program, device: int) -> str:
     vocabulary-split head, say). With one: `stage{k}` and `stage{k}_loss` for each stage the device
     runs, returning the boundary values later stages read, then the model outputs."""
     rank: RankProgram = program.ranks[device]
-    em = _Emitter()
+    em = _Emitter(bound_targets(program))
     li = program.loss_index
     funcs = []
     for k, sp in sorted(rank.stages.items()):
@@ -380,10 +400,12 @@ def write_and_load(program: Program, device: int, cache_dir: str) -> tuple[Any, 
         os.replace(tmp, path)
     modname = f"nnscaler_gen_{key}_rank{device}"
     if modname in sys.modules:
+        sys.modules[modname].__dict__.update(bound_targets(program))  # this capture's classes, not an earlier one's
         return sys.modules[modname], path
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    mod.__dict__.update(bound_targets(program))
     spec.loader.exec_module(mod)
     sys.modules[modname] = mod
     return mod, path

@@ -9,6 +9,9 @@ import functools
 import warnings
 from typing import Any, Callable, Optional
 
+import torch
+
+from ..autograd_functions import qualified_name
 from ..graph import Graph, OpNode, TensorMeta
 from .signature import OpCall, Signature, replicate_only
 
@@ -22,11 +25,13 @@ class ReplicateOnlyWarning(UserWarning):
 
 
 def op_key(target: Any) -> str:
-    """'aten::linear' style names are normalised to 'aten.linear.default'."""
+    """The table's key for an op: 'aten.linear.default' for aten overloads; a custom autograd
+    Function (its class, or the op capture made of it) is keyed by 'module.ClassName'."""
     if isinstance(target, str):
         return target
-    name = str(target)
-    return name
+    if isinstance(target, type) and issubclass(target, torch.autograd.Function):
+        return qualified_name(target)
+    return str(target)
 
 
 def rule(*targets: Any) -> Callable[[RuleFn], RuleFn]:
