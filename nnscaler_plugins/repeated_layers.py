@@ -75,13 +75,41 @@ def _signature(layer: torch.nn.Module) -> Optional[tuple]:
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
                        for n, p in layer.named_parameters(remove_duplicate=False))
         buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers(remove_duplicate=False))
-        attrs = tuple((name, type(m).__qualname__,
-                       tuple(sorted((k, repr(v)) for k, v in vars(m).items()
-                                    if not k.startswith("_") and k not in _INDEX_ATTRS and isinstance(v, _SCALARS))))
-                      for name, m in layer.named_modules())
+        attrs = tuple((name, type(m).__qualname__, _attributes(m), _hooks(m)) for name, m in layer.named_modules())
     except Exception:  # an odd module: trace it whole
         return None
     return params, buffers, attrs
+
+
+def _attributes(m: torch.nn.Module) -> tuple:
+    """What of a module's own state can change what it computes: scalars, containers of scalars,
+    plain tensor attributes (by value), and a forward replaced on the instance."""
+    out = []
+    for k, v in sorted(vars(m).items()):
+        if k in _INDEX_ATTRS or (k.startswith("_") and k != "forward"):
+            continue
+        if isinstance(v, _SCALARS):
+            out.append((k, repr(v)))
+        elif isinstance(v, (list, tuple, dict, set, frozenset)):
+            out.append((k, repr(v)))
+        elif isinstance(v, torch.Tensor):
+            out.append((k, tuple(v.shape), v.dtype, _tensor_identity(v)))
+        elif callable(v):  # a forward (or helper) set on this instance only
+            out.append((k, id(v)))
+    return tuple(out)
+
+
+def _tensor_identity(t: torch.Tensor) -> Any:
+    if t.device.type == "meta" or t.numel() > 1 << 20:
+        return id(t)
+    return hash(t.detach().cpu().contiguous().numpy().tobytes()) if t.dtype != torch.bfloat16 else id(t)
+
+
+def _hooks(m: torch.nn.Module) -> tuple:
+    """Hooks run inside the module call and are traced with it: layers are the same program only
+    if they carry the same hook functions."""
+    return tuple(tuple(id(h) for h in getattr(m, attr, {}).values())
+                 for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
 def _config_varies_per_layer(model: torch.nn.Module, n: int) -> bool:

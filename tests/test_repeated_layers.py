@@ -5,6 +5,7 @@ model that checks its layer count) must fall back to the full trace with correct
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 
@@ -142,3 +143,39 @@ def test_config_with_per_layer_values_is_traced_whole():
     net = Net([Block(i) for i in range(6)])
     net.config = Config()
     assert find_stack(net) is None
+
+
+def test_layers_that_differ_only_in_hooks_attributes_or_an_instance_forward_are_traced_whole():
+    """What a layer computes can change through a hook, a plain tensor attribute or a forward set on
+    one instance; copies of layer 0 would silently drop it, so such stacks are traced whole."""
+    torch.manual_seed(0)
+    inputs = _net_inputs()
+
+    hooked = Net([Block(i) for i in range(6)])
+    hooked.blocks[3].fc.register_forward_hook(lambda mod, args, out: out * 3)
+
+    def scaled_forward(self, x):
+        return x + torch.tanh(self.fc(x)) * self.scale
+
+    scaled = Net([Block(i) for i in range(6)])
+    for i, b in enumerate(scaled.blocks):
+        b.scale = torch.full((16,), float(i == 4) + 1.0)  # a plain attribute, not a buffer
+    for b in scaled.blocks:
+        b.forward = types.MethodType(scaled_forward, b)
+
+    def negated_forward(self, x):
+        return x - torch.tanh(self.fc(x))
+
+    patched = Net([Block(i) for i in range(6)])
+    patched.blocks[5].forward = types.MethodType(negated_forward, patched.blocks[5])
+
+    for net in (hooked, scaled, patched):
+        assert find_stack(net) is None
+        _check_generated(net, inputs)
+
+    same_hook = Net([Block(i) for i in range(6)])
+    hook = lambda mod, args, out: out * 0.5  # noqa: E731 - one hook on every layer keeps them identical
+    for b in same_hook.blocks:
+        b.register_forward_hook(hook)
+    assert find_stack(same_hook) is not None
+    _check_generated(same_hook, inputs)
