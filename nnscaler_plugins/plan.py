@@ -21,6 +21,28 @@ from .graph import Graph, OpNode
 PLAN_FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16")
 
+# Keys a plan file may hold, per level. Anything else is a typo or a file from another tool, and a
+# key that is silently ignored is a plan that silently runs differently from what its file says.
+_PLAN_KEYS = ("format", "version", "model_class", "graph_fingerprint", "strategy", "options", "world_size",
+              "unit_size", "dp", "estimate", "micro_batches", "zero", "precision", "input_shapes", "pipeline", "ops")
+_OP_KEYS = ("splits", "replicate", "devices", "blocks", "stage", "recompute")
+_PIPELINE_KEYS = ("stage_devices", "stage_rank", "micro_batches", "schedule", "split_backward", "options", "tasks")
+
+
+def check_keys(d: Any, allowed: tuple[str, ...], where: str) -> None:
+    """Refuse keys outside `allowed`, naming each with the closest valid one."""
+    import difflib
+
+    if not isinstance(d, dict):
+        raise PlanError(f"{where} must be a JSON object, not {type(d).__name__}")
+    unknown = [k for k in d if k not in allowed]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(str(k), allowed, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise PlanError(f"{where}: unknown key(s) {', '.join(hints)}; valid keys are {', '.join(allowed)}")
+
 
 @dataclass
 class OpPlacement:
@@ -96,7 +118,8 @@ class OpPlacement:
         return out
 
     @classmethod
-    def from_json(cls, d: dict) -> "OpPlacement":
+    def from_json(cls, d: dict, name: str = "op") -> "OpPlacement":
+        check_keys(d, _OP_KEYS, f"plan entry for op {name!r}")
         stage, group = d.get("stage"), d.get("recompute")
         return cls([(str(l), int(n)) for l, n in d.get("splits", [])], int(d.get("replicate", 1)),
                    list(d.get("devices", [None])), {str(l): int(b) for l, b in d.get("blocks", {}).items()},
@@ -169,6 +192,7 @@ class PipelineSpec:
     @classmethod
     def from_json(cls, d: dict) -> "PipelineSpec":
         from .schedules import Task
+        check_keys(d, _PIPELINE_KEYS, "the plan's pipeline")
         tasks = d.get("tasks")
         return cls([list(map(int, g)) for g in d["stage_devices"]], int(d["micro_batches"]),
                    str(d.get("schedule", "1f1b")), [int(r) for r in d.get("stage_rank", [])],
@@ -284,9 +308,19 @@ class Plan:
         if v > PLAN_FORMAT_VERSION:
             raise PlanError(f"plan format version {v} is newer than this library understands "
                             f"({PLAN_FORMAT_VERSION}); upgrade nnscaler-plugins")
+        check_keys(d, _PLAN_KEYS, "plan file")
+        missing = [k for k in ("graph_fingerprint", "unit_size", "ops") if k not in d]
+        if missing:
+            raise PlanError(f"plan file lacks {', '.join(missing)}: it was not written by Plan.save")
+        if not isinstance(d["ops"], dict):
+            raise PlanError("the plan's 'ops' must map op names to placements")
+        unit, dp = int(d["unit_size"]), int(d.get("dp", 1))
+        if "world_size" in d and int(d["world_size"]) != unit * dp:
+            raise PlanError(f"plan file says world_size {d['world_size']} but unit_size {unit} x dp {dp} = "
+                            f"{unit * dp}; the file was edited inconsistently")
         return cls(graph_fingerprint=d["graph_fingerprint"], model_class=d.get("model_class", ""),
-                   unit_size=int(d["unit_size"]), dp=int(d.get("dp", 1)),
-                   ops={k: OpPlacement.from_json(p) for k, p in d["ops"].items()},
+                   unit_size=unit, dp=dp,
+                   ops={k: OpPlacement.from_json(p, k) for k, p in d["ops"].items()},
                    strategy=d.get("strategy", "custom"), options=d.get("options", {}),
                    estimate=d.get("estimate"), version=v,
                    pipeline=None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"]),

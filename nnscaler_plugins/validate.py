@@ -29,6 +29,18 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
             f"plan was made for another graph: plan fingerprint {plan.graph_fingerprint} ({plan.model_class}), "
             f"this graph {graph.fingerprint()} ({graph.model_class}){detail}. The model code, its config or the "
             "example input shapes changed; make a new plan (nns.plan) for this model.")
+    names = {op.name for op in graph.ops}
+    unknown = [n for n in plan.ops if n not in names]
+    if unknown:
+        import difflib
+
+        hints = []
+        for n in unknown[:5]:
+            close = difflib.get_close_matches(n, sorted(names), n=1)
+            hints.append(f"{n!r}" + (f" (closest op: {close[0]!r})" if close else ""))
+        raise PlanError(f"the plan places op(s) the model does not have: {', '.join(hints)}"
+                        f"{' and more' if len(unknown) > 5 else ''}. Edit the plan file or make a new plan "
+                        "(nns.plan) for this model")
     if world_size is not None and world_size != plan.world_size:
         raise PlanError(f"plan is for world size {plan.world_size} ({plan.dp} x {plan.unit_size}) but the job "
                         f"has {world_size} processes; make a plan for {world_size} or launch {plan.world_size}")

@@ -227,3 +227,31 @@ def test_pipeline_options_are_checked(gpt2_graph):
     with pytest.raises(PlanError, match="micro-batches .* divisible"):
         nns.plan(models.gpt2_small(4)[0], strategy="interleaved", world_size=2, pp=2, micro_batches=3,
                  example_inputs={k: v[:3] for k, v in models.gpt2_small(4)[1].items()})
+
+
+def test_plan_file_with_unknown_ops_or_keys_is_refused_by_name(tmp_path, mlp_graph):
+    p = nns.plan(mlp_graph, strategy="tp", world_size=2)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    original = path.read_text()
+
+    def edited(change) -> str:
+        d = json.loads(original)
+        change(d)
+        out = tmp_path / "edited.json"
+        out.write_text(json.dumps(d))
+        return str(out)
+
+    first = next(iter(json.loads(original)["ops"]))
+    extra = edited(lambda d: d["ops"].__setitem__(first + "_x", d["ops"][first]))
+    with pytest.raises(PlanError, match=rf"does not have: '{first}_x' \(closest op: '"):
+        Plan.load(extra, graph=mlp_graph, world_size=2)
+    with pytest.raises(PlanError, match="does not have"):
+        nns.parallelize(models.mlp()[0], models.mlp()[1], plan=extra, world_size=1)  # refused before running
+    with pytest.raises(PlanError, match=r"unknown key\(s\) 'micro_batchs' \(did you mean 'micro_batches'\?\)"):
+        Plan.load(edited(lambda d: d.__setitem__("micro_batchs", 2)))
+    with pytest.raises(PlanError, match=rf"op '{first}': unknown key\(s\) 'replicas' \(did you mean 'replicate'\?\)"):
+        Plan.load(edited(lambda d: d["ops"][first].__setitem__("replicas", 2)))
+    with pytest.raises(PlanError, match="world_size 8 but unit_size 2 x dp 1"):
+        Plan.load(edited(lambda d: d.__setitem__("world_size", 8)))
+    assert path.read_text() == original  # nothing already written is touched
