@@ -32,7 +32,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
-from .plan_choice import PlanLike, check_plan, check_training_state
+from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
 
 
 def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
@@ -60,6 +60,7 @@ class NNScalerTrainingArguments(TrainingArguments):
         _refuse_other_engines(self.plan, self.deepspeed, self.fsdp)
         if self.plan is not None:
             check_plan(self.plan, "NNScalerTrainingArguments(plan=...)")
+            check_plan_options(self.plan, self.plan_options, "NNScalerTrainingArguments(plan_options=...)")
         super().__post_init__()
 
 
@@ -104,6 +105,7 @@ class NNScalerTrainerMixin:
             _refuse_other_engines(plan, getattr(targs, "deepspeed", None), getattr(targs, "fsdp", None))
         self.nns_plan = plan
         self.nns_plan_options = dict(plan_options if plan_options is not None else getattr(targs, "plan_options", {}) or {})
+        check_plan_options(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
         self.nns_module: Any = None  # the ParallelModule, once training starts
         self._nns_wrapped: Optional[_PlannedModel] = None
         super().__init__(*args, **kwargs)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .lightning_model import PlannedModel, Recorded, Recorder
-from .plan_choice import PlanLike, check_plan, check_training_state
+from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
 
 _OPT_KEY = "nnscaler_per_rank"
 
@@ -47,6 +47,7 @@ class NNScalerStrategyMixin:
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         check_plan(plan, "NNScalerStrategy(plan=...)")
+        check_plan_options(plan, plan_options, "NNScalerStrategy(...)")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"NNScalerStrategy: start_method={start_method!r}; use 'popen', 'spawn', 'fork' or "
                              "'forkserver'")

@@ -34,6 +34,19 @@ def check_plan(plan: PlanLike, where: str) -> None:
     raise TypeError(f"{where} takes a strategy name, a Plan, a plan file or a callable; got {type(plan).__name__}")
 
 
+def check_plan_options(plan: PlanLike, options: dict, where: str) -> None:
+    """Refuse option names the plan's strategy does not take (closest valid name in the message),
+    before a process starts: the same check `nns.plan` and `nns.parallelize` make."""
+    from nnscaler_plugins.plugins import check_options
+
+    check_options(plan, options or {}, where)
+    precision = (options or {}).get("precision")
+    if precision not in (None, "fp32"):  # what check_training_state refuses after planning, said before launch
+        raise NotImplementedError(f"{where}: precision={precision!r} in the plan is not supported by this adapter; "
+                                  "use the framework's own mixed precision (Lightning precision=, Trainer bf16=) "
+                                  "with an fp32 plan")
+
+
 def check_training_state(plan: Any, framework: str, zero: bool = False) -> None:
     """Refuse what an adapter does not run: a plan's own precision (the frameworks bring their own
     mixed precision), and ZeRO-sharded state unless the adapter rebuilds the framework's optimizer

@@ -15,7 +15,7 @@ from .graph import Graph
 from .lowering import Program, lower
 from .microbatch import resolve_micro_batches, split_batch
 from .plan import Plan
-from .plugins import get_plugin_manager, get_strategy
+from .plugins import check_options, get_plugin_manager, get_strategy
 from .primitives import PlanBuilder
 from .validate import validate
 
@@ -54,6 +54,7 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
     `micro_batches=` (or `micro_batch_size=`) the step is cut into micro-batches along the batch
     dim and the plan is made for one of them.
     """
+    check_options(strategy, options)  # a misspelt option is refused before the model is captured
     micro = resolve_micro_batches(None if isinstance(model_or_graph, Graph) else example_inputs,
                                   options.pop("micro_batches", None), options.pop("micro_batch_size", None))
     graph = _graph_of(model_or_graph, example_inputs, micro)
@@ -136,6 +137,7 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: StrategyLi
     """
     from .runtime.parallel_module import ParallelModule
 
+    check_options(plan, options)  # before the process group, the capture or the cache is touched
     dev = torch.device(device) if device is not None else _default_device()
     rank, ws = _init_distributed(dev)
     world_size = world_size or ws

@@ -17,7 +17,12 @@ hookimpl = pluggy.HookimplMarker("nnscaler_plugins")
 def nnscaler_register_strategies() -> dict[str, Callable]:
     """Return {name: strategy}. A strategy is `fn(builder, **options)` that applies op_trans and
     op_assign to every op of `builder.ops` for one unit of `builder.unit_size` devices; an optional
-    `fn.degrees(world_size, **options) -> (unit_size, dp)` says how it splits the world.
+    `fn.degrees(world_size, **options) -> (unit_size, dp)` says how it splits the world, and an
+    optional `fn.options` (an iterable of names) declares the options it takes, so that every entry
+    point refuses a misspelt one before anything starts. Without `options`, the function's keyword
+    parameters (and its `degrees`') are its options; a function taking `**options` with no
+    declaration is not checked. The training knobs every strategy takes (`plugins.COMMON_OPTIONS`:
+    zero, precision, micro_batches, micro_batch_size, cluster, constraints) need no declaring.
 
     Names must be unique across plugins; a clash raises at first use with both plugin names.
     """

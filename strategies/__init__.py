@@ -5,9 +5,14 @@ strategy written outside this repository has the same standing as these.
 
 Registration: each strategy is registered as a `Strategy` object. It is callable like any
 strategy (`strategy(builder, **options)`), and it also carries `degrees(world_size, **options) ->
-(unit_size, dp)`, which `nns.plan` asks before it makes the builder -- a plain function with a
-`.degrees` attribute works the same for third-party plugins; the object exists so that the name
-and a one-line description travel with the strategy (for `nns.strategies()`-style listings).
+(unit_size, dp)`, which `nns.plan` asks before it makes the builder, and `options`, the names of
+the options it takes, which every entry point checks before anything starts (a misspelt `tpp=2`
+is refused naming `tp`; the training knobs in `nnscaler_plugins.plugins.COMMON_OPTIONS` -- zero,
+precision, micro_batches, micro_batch_size, cluster, constraints -- are valid for every strategy
+and not listed). A plain function with `.degrees` and `.options` attributes works the same for
+third-party plugins (without `.options`, its keyword parameters are its options; see
+`nnscaler_plugins.plugins.strategy_options`); the object exists so that the name and a one-line
+description travel with the strategy (for `nns.strategies()`-style listings).
 
     dp           every rank runs the whole model on its own batch (unit of 1 device, dp = world)
     tp           Megatron-style tensor parallelism over the whole world (or tp= devices, dp = world / tp)
@@ -43,6 +48,7 @@ class Strategy:
     apply: Callable[..., None]
     degrees: Callable[..., tuple[int, int]]
     doc: str = ""
+    options: tuple[str, ...] = ()  # the options it takes, besides those every strategy takes
 
     def __call__(self, builder: PlanBuilder, **options: Any) -> None:
         self.apply(builder, **options)
@@ -51,46 +57,54 @@ class Strategy:
         return f"<strategy {self.name}: {self.doc}>"
 
 
+# Options each strategy reads (its apply function and its degrees); zero, precision, micro_batches,
+# micro_batch_size, cluster and constraints are every strategy's and not repeated here.
+_UNIT = ("tp", "dp", "recompute")
+_PIPELINE = ("pp", "tp", "dp", "virtual_stages", "recompute", "sequence_parallel")
+
 DP = Strategy("dp", data_parallel.data_parallel, data_parallel.degrees,
-              "data parallel: the whole model on every rank, gradients averaged")
+              "data parallel: the whole model on every rank, gradients averaged", _UNIT)
 TP = Strategy("tp", tensor_parallel.tensor_parallel, tensor_parallel.degrees,
               "tensor parallel: column/row-parallel matmuls, head-parallel attention, vocabulary-parallel "
-              "embedding and loss, found from the ops' dimension rules")
+              "embedding and loss, found from the ops' dimension rules", _UNIT)
 HYBRID = Strategy("hybrid", hybrid.hybrid, hybrid.degrees,
-                  "tensor parallel inside units of tp= devices, data parallel across dp= units")
+                  "tensor parallel inside units of tp= devices, data parallel across dp= units", _UNIT)
 
 
 GPIPE = Strategy("gpipe", pipeline.gpipe, pipeline.degrees,
-                 "pipeline, GPipe schedule (all forwards, then all backwards); options pp, tp, dp, micro_batches")
+                 "pipeline, GPipe schedule (all forwards, then all backwards); options pp, tp, dp, micro_batches",
+                 _PIPELINE)
 ONE_F_ONE_B = Strategy("1f1b", pipeline.one_f_one_b, pipeline.degrees,
-                       "pipeline, 1F1B schedule; options pp, tp, dp, micro_batches")
+                       "pipeline, 1F1B schedule; options pp, tp, dp, micro_batches", _PIPELINE)
 INTERLEAVED = Strategy("interleaved", pipeline.interleaved, pipeline.degrees,
                        "pipeline, interleaved 1F1B over virtual_stages chunks per rank; options pp, tp, dp, "
-                       "micro_batches, virtual_stages")
+                       "micro_batches, virtual_stages", _PIPELINE)
 ZERO_BUBBLE = Strategy("zero-bubble", pipeline.zero_bubble, pipeline.degrees,
-                       "pipeline, zero-bubble schedule (backward split into input and weight gradients)")
+                       "pipeline, zero-bubble schedule (backward split into input and weight gradients)", _PIPELINE)
 COSHARD = Strategy("coshard", tensor_parallel.coshard, tensor_parallel.degrees,
                    "tensor parallel with each device's piece of every split op run as chunks= pieces one after "
-                   "another, recomputed in backward (less activation memory, same communication)")
+                   "another, recomputed in backward (less activation memory, same communication)",
+                   _UNIT + ("chunks", "modules"))
 PIPELINE = Strategy("pipeline", pipeline.pipeline, pipeline.degrees,
                     "pipeline with any schedule: schedule= a built-in name or your function fn(shape) -> per-rank "
-                    "task lists; options pp, tp, dp, micro_batches, virtual_stages")
+                    "task lists; options pp, tp, dp, micro_batches, virtual_stages", _PIPELINE + ("schedule",))
 INTERLACED = Strategy("interlaced", pipeline.interlaced_pipeline, pipeline.degrees,
                       "interlaced pipeline: layers in pp stages, the embedding and the LM head with its loss "
                       "tensor-parallel over every device, interlaced into the 1F1B order; options pp, tp, dp, "
-                      "micro_batches")
+                      "micro_batches", ("pp", "tp", "dp", "recompute"))
 MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.megatron_degrees,
                     "a Megatron-LM configuration: tp, pp, dp, micro_batch_size or micro_batches, schedule, "
-                    "virtual_stages, sequence_parallel, recompute")
+                    "virtual_stages, sequence_parallel, recompute", _PIPELINE + ("schedule",))
 AUTO = Strategy("auto", auto_search.auto, auto_search.degrees,
-                "the fastest plan the search finds for the cluster (default: this machine) within its memory")
+                "the fastest plan the search finds for the cluster (default: this machine) within its memory",
+                ("dp", "memory_limit"))
 ZERO1 = Strategy("zero1", zero.zero_stage(1), zero.degrees,
-                 "data parallel with ZeRO stage 1: optimizer state sharded across the replicas")
+                 "data parallel with ZeRO stage 1: optimizer state sharded across the replicas", _UNIT)
 ZERO2 = Strategy("zero2", zero.zero_stage(2), zero.degrees,
-                 "data parallel with ZeRO stage 2: optimizer state and gradients sharded across the replicas")
+                 "data parallel with ZeRO stage 2: optimizer state and gradients sharded across the replicas", _UNIT)
 ZERO3 = Strategy("zero3", zero.zero_stage(3), zero.degrees,
                  "data parallel with ZeRO stage 3: optimizer state, gradients and parameters sharded, parameters "
-                 "gathered for forward and backward and freed in between")
+                 "gathered for forward and backward and freed in between", _UNIT)
 BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO,
            ZERO1, ZERO2, ZERO3)
 

@@ -57,7 +57,16 @@ def _settings_of(config: dict) -> Settings:
         raise DeepSpeedConfigError(f"no plugin translated the DeepSpeed config (the built-in {PLUGIN_NAME!r} is "
                                    "blocked); unblock it or install a plugin implementing "
                                    "nnscaler_translate_deepspeed_config")
-    return result if isinstance(result, Settings) else Settings(**result)
+    settings = result if isinstance(result, Settings) else Settings(**result)
+    if isinstance(settings.plan, (str, os.PathLike)):  # whichever plugin translated it: option names checked here
+        from nnscaler_plugins.errors import PlanError
+        from nnscaler_plugins.plugins import check_options
+
+        try:
+            check_options(settings.plan, settings.plan_options, "the DeepSpeed config's 'nnscaler' section")
+        except PlanError as e:
+            raise DeepSpeedConfigError(str(e)) from None
+    return settings
 
 
 def _degrees(plan: Any, options: dict, world_size: int) -> tuple[int, int]:

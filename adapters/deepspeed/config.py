@@ -299,4 +299,16 @@ def _nnscaler_section(section: Any) -> tuple[Any, dict]:
     if "micro_batches" in options or "micro_batch_size" in options:
         raise DeepSpeedConfigError("nnscaler.micro_batches: a pipeline's micro-batches are the config's "
                                    "gradient_accumulation_steps; remove it")
+    taken = [k for k in ("zero", "precision") if k in options]
+    if taken:
+        raise DeepSpeedConfigError(f"nnscaler.{taken[0]}: the config's own sections set it (zero_optimization.stage, "
+                                   "bf16 / fp16); remove it from the nnscaler section")
+    if isinstance(plan, (str, os.PathLike)):
+        from nnscaler_plugins.errors import PlanError
+        from nnscaler_plugins.plugins import check_options
+
+        try:
+            check_options(plan, options, "the DeepSpeed config's 'nnscaler' section")
+        except PlanError as e:
+            raise DeepSpeedConfigError(str(e)) from None
     return plan, options
