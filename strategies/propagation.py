@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.graph import Graph
 from nnscaler_plugins.plan import Plan
 from nnscaler_plugins.primitives import OpHandle, PlanBuilder
@@ -199,6 +200,7 @@ class TensorParallelPropagation:
         self.choices: dict[str, Choice] = {}
         self.roles: dict[str, str] = {}  # matmul anchors: "column" | "row" | "replicated"
         self.seeds: dict[str, Choice] = {}  # ops that may start a split a whole matmul could not
+        self.stopped: dict[str, OpHandle] = {}  # matmul -> where its column split's path stopped
         self._matmul: dict[str, Optional[MatmulAnchor]] = {}
         self._vocab: dict[str, Optional[VocabAnchor]] = {}
         self._calls = {op.name: op_call(self.graph, op.node) for op in self.ops}
@@ -376,6 +378,8 @@ class TensorParallelPropagation:
             result = self.simulate(op, c)
             if result.ok:
                 return c
+            if result.stop is not None:
+                self.stopped.setdefault(op.name, result.stop)
             if result.demand is not None:
                 if self.blocked:
                     queue.append(result.demand.block)
@@ -476,10 +480,61 @@ class TensorParallelPropagation:
                     self.layout[v] = lay
         return self.choices
 
+    def weight_dims(self) -> list[tuple[OpHandle, str, int, bool]]:
+        """(op, label, size, divisible) of every weight dim tensor parallelism could split: the
+        output features and the reduce dim of each matmul with a weight, the vocabulary of each
+        lookup; divisible says whether the degree divides it (in blocks where the rule wants them,
+        so a fused QKV of 3 x 64 does not count as divisible by 3)."""
+        out = []
+        for op in self.ops:
+            a, v = self.matmul_anchor(op), self.vocab_anchor(op)
+            if a is not None:
+                weight, labels = a.weight, [a.n, a.k]
+            elif v is not None:
+                weight, labels = v.weight, [v.label]
+            else:
+                continue
+            shape = self.graph.meta(op.node.inputs[weight]).shape
+            for label in labels:
+                dims = [d for d, l in enumerate(op.signature.inputs[weight] or ()) if l == label]
+                if label is None or not dims:
+                    continue
+                blocks = {1, self._sig_block(op.signature, label)} if self.blocked else {1}
+                divisible = any(self.divides(op, Choice(label, b)) for b in blocks)
+                out.append((op, label, shape[dims[0]], divisible))
+        return out
+
+    def check_something_split(self) -> None:
+        """A tensor-parallel degree under which no weight is split is refused: every op would run
+        whole on every device, which looks like tensor parallelism and is not."""
+        if self.n <= 1 or any(c.label is not None for c in self.choices.values()):
+            return
+        dims = self.weight_dims()
+        if not dims:
+            return
+        sizes = sorted({size for _, _, size, _ in dims})
+        shown = f"{', '.join(map(str, sizes[:12]))}{' ...' if len(sizes) > 12 else ''}"
+        fits = [d for d in range(2, max(sizes) + 1) if sum(size % d == 0 for size in sizes) * 2 >= len(sizes)]
+        advice = (f"Choose a degree that divides them{f' (for example {fits[0]})' if fits else ''}, or use data "
+                  "parallelism (dp)")
+        if not any(divisible for *_, divisible in dims):
+            raise PlanError(f"tensor-parallel degree {self.n} divides none of the weight dims of "
+                            f"{self.graph.model_class} (sizes {shown}; first weight at {dims[0][0].node.where()}), "
+                            f"so every op would run whole on every device. {advice}")
+        stop = next(iter(self.stopped.values()), None)
+        where = ""
+        if stop is not None:
+            shapes = ", ".join(str(list(self.graph.meta(v).shape)) for v in stop.node.inputs)
+            where = f" The first split stops at {stop.node.where()} (inputs {shapes}), which cannot take it."
+        raise PlanError(f"tensor parallelism over {self.n} devices splits no weight of {self.graph.model_class}: "
+                        f"the ops between its matmuls (weight dims {shown}) cannot be split {self.n} ways.{where} "
+                        f"{advice}, or add dimension rules for the ops in between")
+
     def apply(self) -> None:
         """Record the choices on the builder: piece i of every split op runs on device i."""
         if not self.choices:
             self.run()
+        self.check_something_split()
         b = self.builder
         for op in self.ops:
             c = self.choices[op.name]

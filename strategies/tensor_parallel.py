@@ -64,6 +64,7 @@ def coshard(builder: PlanBuilder, *, chunks: int = 2, modules: Optional[tuple[st
         raise PlanError(f"tp={tp} but the plan's unit has {builder.unit_size} devices")
     propagation = TensorParallelPropagation(builder)
     choices = propagation.run()
+    propagation.check_something_split()
     n = builder.unit_size
     for op in builder.ops:
         choice = choices[op.name]

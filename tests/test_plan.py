@@ -255,3 +255,13 @@ def test_plan_file_with_unknown_ops_or_keys_is_refused_by_name(tmp_path, mlp_gra
     with pytest.raises(PlanError, match="world_size 8 but unit_size 2 x dp 1"):
         Plan.load(edited(lambda d: d.__setitem__("world_size", 8)))
     assert path.read_text() == original  # nothing already written is touched
+
+
+@pytest.mark.parametrize("name,options", [("mlp", {"strategy": "tp"}), ("gpt2_small", {"strategy": "tp"}),
+                                          ("gpt2_small", {"strategy": "megatron", "tp": 3}),
+                                          ("llama_small", {"strategy": "coshard"})])
+def test_tp_degree_that_splits_no_weight_is_refused_with_the_sizes(name, options):
+    """tp=3 on 64-wide models used to replicate every op on every device without a word."""
+    model, inputs = getattr(models, name)()
+    with pytest.raises(PlanError, match=r"tensor.parallel.* 3 .*(sizes|weight dims) [0-9, ]+.*for example 2"):
+        nns.plan(model, world_size=3, example_inputs=inputs, **options)
