@@ -6,7 +6,8 @@ or pipelines parameters. The counting rule is the runtime's (`runtime/grad_clip.
 `nns.build_optimizer`'s `clip_grad_norm_` uses too): of the devices holding the same piece, and of
 a tied weight's copies, only one counts it, and reduced gradients, equal on every replica, count
 on the first replica only. ZeRO-2/3 plans keep gradients outside `.grad`; their clipping is the
-plan's optimizer's `clip_grad_norm_`, which the adapters call instead.
+plan's optimizer's `clip_grad_norm_`, which the adapters call instead (ZeRO-2 without that optimizer
+keeps whole gradients in `.grad`, as stage 1 does, and is clipped here).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from nnscaler_plugins.runtime.grad_clip import clip_, global_norm
 def _gradients(module: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the gradients this rank counts in the norm, every gradient it holds)."""
     plan = module.plan
-    if plan.zero >= 2 and plan.dp > 1:
+    if plan.zero >= 2 and plan.dp > 1 and (plan.zero >= 3 or getattr(module, "sharded_optimizer", True)):
         raise RuntimeError(f"zero={plan.zero} keeps gradients as ZeRO chunks: clip with the optimizer "
                            "nns.build_optimizer made (its clip_grad_norm_)")
     counted, held = [], []

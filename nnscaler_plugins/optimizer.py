@@ -66,6 +66,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{optimizer_cls.__name__} is not elementwise, so its state cannot be sharded by ZeRO; "
                              "use zero=0 or an elementwise optimizer (SGD, Adam, AdamW, ...)")
         self.module = module
+        module.sharded_optimizer = True  # ZeRO-2 may keep gradients as chunks now: this optimizer reads them
         self.precision = plan.precision
         self.zero = plan.zero if plan.dp > 1 else 0
         self.entries: list[_Entry] = []

@@ -219,6 +219,42 @@ def test_zero_stages_with_pipeline_pp2_dp2(workers4):
     assert not any(problems), problems
 
 
+def run_plain_optimizer(rank: int, world: int, strategy: str, options: dict) -> list[str]:
+    """A plain torch optimizer over module.parameters() under each ZeRO stage trains exactly like one
+    process: stage 1 keeps whole gradients and steps whole parameters, stage 3's parameters are the
+    chunks, and stage 2, whose gradient chunks only nns.build_optimizer's optimizer reads, keeps
+    whole gradients in .grad while no such optimizer exists (and says so once, on rank 0)."""
+    import warnings
+
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    base, inputs = models.gpt2_small()
+    base.eval()
+    problems = []
+    for stage in STAGES:
+        pm = nns.parallelize(copy.deepcopy(base), slice_batch(inputs, rank // options.get("tp", 1), world //
+                                                              options.get("tp", 1)),
+                             plan=strategy, zero=stage, cache_dir="/tmp/nns_test_cache", **options)
+        ref = copy.deepcopy(base)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            problems += train_and_compare(rank, world, pm, opt, ref, ref_opt, inputs, f"zero{stage} plain SGD", 2,
+                                          rtol=1e-5, atol=1e-6, check_grads=False)
+        said = [w for w in caught if "without nns.build_optimizer" in str(w.message)]
+        if len(said) != (1 if stage == 2 and rank == 0 else 0):
+            problems.append(f"zero{stage} rank {rank}: {len(said)} warning(s) about the plain optimizer")
+    return problems
+
+
+def test_plain_torch_optimizer_is_exact_under_every_stage(workers2, workers4):
+    problems = workers2.run(run_plain_optimizer, "dp", {})
+    problems += workers4.run(run_plain_optimizer, "hybrid", {"tp": 2, "dp": 2})
+    assert not any(problems), problems
+
+
 def test_zero_strategies_and_errors():
     import nnscaler_plugins as nns
     from nnscaler_plugins import PlanError

@@ -7,12 +7,17 @@ receives only its chunk of every gradient in the bucket (see runtime/zero.py for
 kept in `shard_grads`, and the whole gradient is dropped. A gradient summed over more devices than
 the replicas (the two copies of a tied embedding on the first and last pipeline stage) cannot be
 reduce-scattered with the rest: it is all-reduced, then only its chunk is kept (`chunk_after=`).
+
+The chunks are read only by the optimizer `nns.build_optimizer` makes; a plain torch optimizer over
+the module's parameters reads `.grad`, which stage 2 leaves empty, and would skip those
+parameters. So a bucket is reduce-scattered only while `scatter()` says such an optimizer exists;
+otherwise it is all-reduced whole into `.grad`, as at stage 1, and any optimizer steps exactly.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +41,7 @@ class GradReducer:
 
     def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20,
                  first_bucket_bytes: int = 2**20, shards: Optional[dict[int, FlatShard]] = None,
-                 chunk_after: Optional[dict[int, FlatShard]] = None):
+                 chunk_after: Optional[dict[int, FlatShard]] = None, scatter: Callable[[], bool] = lambda: True):
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
@@ -44,6 +49,8 @@ class GradReducer:
         self.launched = 0  # bucket reductions started so far (tests read it to see no_sync work)
         self._shards = shards or {}
         self._chunk_after = chunk_after or {}
+        self._scatter = scatter  # ZeRO-2: keep chunks (True) or whole gradients in .grad (False), per reduction
+        self._whole = False  # this reduction keeps whole gradients (decided when its first bucket launches)
         # ZeRO-2: id(parameter) -> its reduced chunk (summed over the backward passes since zero_grad).
         self.shard_grads: dict[int, torch.Tensor] = {}
         # Reverse order approximates the order gradients become ready in backward.
@@ -107,7 +114,9 @@ class GradReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        if bucket.shards is not None:
+        if not any(b.work is not None for b in self.buckets) and (self._shards or self._chunk_after):
+            self._whole = not self._scatter()  # one decision per reduction, the same on every rank
+        if bucket.shards is not None and not self._whole:
             send = reduce_scatter_layout(bucket.shards, grads, bucket.scale)
             bucket.buffer = send.new_empty(sum(s.chunk for s in bucket.shards))
             bucket.work = reduce_scatter_flat(bucket.buffer, send, group=bucket.group, async_op=True)
@@ -128,16 +137,16 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.work.wait()
             off = 0
-            if bucket.shards is not None:
+            if bucket.shards is not None and not self._whole:
                 for p, s in zip(bucket.params, bucket.shards):
                     mine = bucket.buffer[off:off + s.hi - s.lo]
                     have = self.shard_grads.get(id(p))
                     self.shard_grads[id(p)] = mine.clone() if have is None else have.add_(mine)
                     off += s.chunk
-            for p in (bucket.params if bucket.shards is None else ()):
+            for p in (bucket.params if bucket.shards is None or self._whole else ()):
                 n = p.numel()
                 g = bucket.buffer[off:off + n].view_as(p)
-                fs = self._chunk_after.get(id(p))
+                fs = None if self._whole else self._chunk_after.get(id(p))
                 if fs is not None:  # ZeRO-2 of a gradient all-reduced whole: keep our chunk only
                     mine = fs.owned(g.reshape(-1))
                     have = self.shard_grads.get(id(p))

@@ -6,6 +6,7 @@ backward; `no_sync()` skips them for accumulation), or `module.train_step(batch)
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -130,6 +131,9 @@ class ParallelModule(torch.nn.Module):
                 self.register_buffer(_safe(s.fqn), local, persistent=s.in_state_dict)
         # The loss is multiplied by this before backward (fp16 loss scaling; the optimizer sets it).
         self.loss_scale = 1.0
+        # Set by nns.build_optimizer: ZeRO-2's gradient chunks have a reader (see `_scatter_gradients`).
+        self.sharded_optimizer = False
+        self._warned_whole_gradients = False
         self._ensure_reduce_groups()
         self.zero_shards = self._build_zero_shards()
         self.zero3 = self._shard_parameters() if plan.zero >= 3 and plan.dp > 1 else None
@@ -232,7 +236,23 @@ class ParallelModule(torch.nn.Module):
             return None
         scale = 1.0 / self.plan.dp
         return GradReducer([(p, self.groups.get(r), scale) for p, r in entries], shards=zero2,
-                           chunk_after=zero2_whole)
+                           chunk_after=zero2_whole, scatter=self._scatter_gradients)
+
+    def _scatter_gradients(self) -> bool:
+        """Whether ZeRO-2 keeps only this replica's chunk of each gradient (outside `.grad`) in this
+        reduction. Only the optimizer `nns.build_optimizer` made reads the chunks; a plain torch
+        optimizer over `parameters()` reads `.grad` and would skip every sharded parameter, so until
+        one exists the gradients are all-reduced whole into `.grad` (stage 1's communication and
+        memory), and any optimizer steps exactly."""
+        if self.sharded_optimizer:
+            return True
+        if not self._warned_whole_gradients:
+            self._warned_whole_gradients = True
+            if self.rank == 0:
+                warnings.warn("zero=2 without nns.build_optimizer: gradients are all-reduced whole into .grad (as "
+                              "at stage 1) so that an optimizer over module.parameters() steps exactly; build it "
+                              "with nns.build_optimizer(module, torch.optim.<Class>, ...) to shard them", stacklevel=2)
+        return False
 
     # -- running ----------------------------------------------------------------------------------
     def _local(self, key: str) -> torch.Tensor:
