@@ -34,6 +34,18 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def described(cls: type) -> str:
+    """The class and where it is defined, for messages."""
+    try:
+        import inspect
+        import os
+
+        lines, start = inspect.getsourcelines(cls)
+        return f"{qualified_name(cls)} (defined at {os.path.basename(inspect.getsourcefile(cls) or '?')}:{start})"
+    except (OSError, TypeError):
+        return qualified_name(cls)
+
+
 class FunctionTarget:
     """The op target for a user Function: calling it calls `cls.apply`.
 
@@ -113,7 +125,7 @@ class _FakeCtx:
 
     def mark_dirty(self, *tensors: Any) -> None:
         raise FunctionCaptureError(
-            f"{qualified_name(self._cls)} modifies its inputs in place (ctx.mark_dirty): an in-place custom "
+            f"{described(self._cls)} modifies its inputs in place (ctx.mark_dirty): an in-place custom "
             "Function cannot be kept as one op; return a new tensor from its forward instead")
 
 
@@ -132,7 +144,7 @@ def _forward(key: str, tensors: list) -> list:
     for o in outs:
         if not isinstance(o, torch.Tensor):
             raise FunctionCaptureError(
-                f"{qualified_name(cls)}.forward returns a {type(o).__name__}; a custom Function kept as one op "
+                f"{described(cls)}: forward returns {type(o).__name__}; a custom Function kept as one op "
                 "must return tensors only")
     given = [t for t in tensors if t is not None]
     # An op may not hand back its input (or a view of it) as its output.

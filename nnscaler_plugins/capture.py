@@ -8,9 +8,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import io
+import logging
 import operator
 import os
 import re
+import sys
+import traceback
 from typing import Any, Optional
 
 import torch
@@ -35,7 +39,10 @@ _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
 class CaptureError(RuntimeError):
-    """The model could not be captured; the message says which part and what to try."""
+    """The model could not be captured; the message says which line and what to try, in a few
+    lines. `details` keeps torch.export's own report for when that is not enough."""
+
+    details: str = ""
 
 
 def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = None, *,
@@ -67,21 +74,72 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """torch.export, quietly: on failure it prints the partial graph to stderr and logs warnings,
+    hundreds of lines per rank. The user gets one short CaptureError naming their line; torch's
+    full report stays in `CaptureError.details`."""
+    noise = io.StringIO()
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
     try:
-        return torch.export.export(model, tuple(args), kwargs, strict=False)
-    except Exception as e:  # torch.export raises many types; wrap with guidance
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
-            "Data-dependent Python control flow and untraceable custom kernels are the usual causes; "
-            "register a custom op (torch.library) for such code or simplify the forward."
-        ) from e
+        with contextlib.redirect_stderr(noise):
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:  # torch.export raises many types; say what it means for the user
+        raise _capture_error(model, e, noise.getvalue()) from None
+    finally:
+        torch_log.setLevel(level)
+    if noise.getvalue():
+        sys.stderr.write(noise.getvalue())  # what the model itself printed or warned while traced
+    return ep
+
+
+_CALL_RE = re.compile(r'The following call raised this error:\n\s*File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def _user_frame(e: BaseException) -> Optional[tuple[str, int, str, str]]:
+    """(file, line, function, code) of the model line that failed: torch's own pointer when it
+    gives one, else the innermost frame outside torch and this library."""
+    m = _CALL_RE.search(str(e))
+    if m:
+        return m.group(1), int(m.group(2)), m.group(3), m.group(4).strip()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        f = os.path.abspath(frame.filename)
+        if f"{os.sep}torch{os.sep}" in f or f.startswith(here):
+            continue
+        return frame.filename, frame.lineno or 0, frame.name, (frame.line or "").strip()
+    return None
+
+
+def _capture_error(model: torch.nn.Module, e: BaseException, printed: str) -> "CaptureError":
+    name = type(model).__name__
+    frame = _user_frame(e)
+    at = f" at {os.path.basename(frame[0])}:{frame[1]} (in {frame[2]})" if frame else ""
+    code = f"\n    {frame[3]}" if frame and frame[3] else ""
+    cause = e
+    while cause.__cause__ is not None and not isinstance(cause, FunctionCaptureError):
+        cause = cause.__cause__
+    kind = type(e).__name__
+    if isinstance(cause, FunctionCaptureError):
+        text = f"cannot capture {name}{at}:{code}\n{cause}"
+    elif "DataDependent" in kind or "data-dependent" in str(e):
+        text = (f"cannot capture {name}: its forward reads a tensor's value to decide what to run{at}:{code}\n"
+                "Capture traces with symbolic values. Compute the condition from shapes or the config, use "
+                "torch.where for value-dependent choices, or move the check out of forward.")
+    else:
+        first = next((line for line in str(e).splitlines() if line.strip()), "")[:300]
+        text = (f"cannot capture {name}{at}:{code}\ntorch.export: {kind}: {first}\n"
+                "Register a custom op (torch.library) for code torch.export cannot trace, or simplify the forward.")
+    err = CaptureError(text + "\n(torch.export's full report: CaptureError.details)")
+    err.details = f"{kind}: {e}\n{printed}"
+    return err
 
 
 def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict, layers: Stack) -> Optional[Graph]:
     """The graph with every layer of `layers`, traced with two of them; None where that does not hold."""
     try:
         with layers.truncated(2):
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            ep = _export(model, args, kwargs)
             fold_causal_masks(ep)
             short = _to_graph(ep, model, args, kwargs, warn=False)
     except Exception:  # the model minds its layer count (or anything else): trace it whole

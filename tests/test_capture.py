@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import resource
 
+import pytest
+
 import torch
 
 import nnscaler_plugins as nns
@@ -51,3 +53,28 @@ def test_meta_device_gpt2_48_layers_captures_without_allocating():
     assert n_params > 1.5e9  # GPT-2 XL sized: 6 GB of fp32 weights were never allocated
     assert grown_mb < 2000, f"capture grew resident memory by {grown_mb:.0f} MB"
     assert len([op for op in g.ops if "scaled_dot_product" in op.op_name]) == 48
+
+
+class _BranchesOnValues(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # data-dependent control flow
+            h = h * 2
+        return h.sum()
+
+
+def test_capture_error_is_a_few_lines_naming_the_model_line(capfd):
+    from nnscaler_plugins.capture import CaptureError
+
+    with pytest.raises(CaptureError) as e:
+        nns.capture(_BranchesOnValues(), (torch.randn(2, 4),))
+    text = str(e.value)
+    assert len(text.splitlines()) <= 5, text
+    assert "test_capture.py:" in text and "if h.sum() > 0:" in text and "torch.where" in text
+    assert "GuardOnDataDependentSymNode" in e.value.details  # torch's report is kept, not printed
+    out, err = capfd.readouterr()
+    assert "def forward" not in out + err and len((out + err).splitlines()) < 5, out + err
