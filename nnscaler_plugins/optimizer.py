@@ -329,6 +329,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
                         st[k] = piece
                     else:
                         st[k] = val.clone() if torch.is_tensor(val) else val
+                if e.master is not e.param and "master_param" not in states[e.fqn]:
+                    # fp32 state has no masters: the parameter (loaded first) is the master's value
+                    src = e.param.detach().reshape(-1)
+                    e.master.copy_(e.shard.owned(src) if e.mode == "chunk" else src.view_as(e.master))
                 self.state[e.master] = st
                 e.version = e.param._version
         for g, saved in zip(self.param_groups, sd.get("param_groups", [])):

@@ -137,6 +137,9 @@ def load_on_two(rank: int, world: int, root: str, want: dict, m: int) -> tuple[l
         extra = nns.checkpoint.load(os.path.join(root, saved), pm, opt)
         sched.load_state_dict(extra["scheduler"])
         problems += _differences(_states(pm, opt), want[saved], f"{saved} -> {name}")
+        for e in getattr(opt, "entries", ()):  # ZeRO-1's fp32 masters are copies: they must be the loaded weights
+            if e.master is not e.param and not torch.equal(e.master, e.shard.owned(e.param.detach().reshape(-1))):
+                problems.append(f"{saved} -> {name}: the optimizer's master of {e.fqn} is not the loaded weight")
         if extra["step"] != 2 or extra["plan"] != saved or sched.last_epoch != 2:
             problems.append(f"extra came back as {extra}")
     _train(pm, opt, sched, range(2, 3))
