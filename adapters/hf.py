@@ -18,8 +18,9 @@ What changes against a plain Trainer, and why:
 - Norm clipping uses the norm of the whole model, not of this rank's shards.
 - `save_model` gathers whole tensors (every rank calls it, as the Trainer does) and writes an ordinary
   `save_pretrained` directory; the original model object is kept up to date with the trained weights.
-- Checkpoints keep the Trainer's layout; the optimizer state is one file per rank
-  (`optimizer.rank{r}-of-{n}.pt`), so resuming needs the same plan and process count.
+- Checkpoints keep the Trainer's layout; the optimizer state is one file of whole tensors under
+  parameter names (`optimizer.nnscaler.pt`), so `resume_from_checkpoint` works under any plan and
+  process count (the state is cut again for the resuming plan, as `nns.checkpoint.load` does).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
 from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
+
+OPTIMIZER_FILE = "optimizer.nnscaler.pt"  # the whole optimizer state (see adapters.resume), next to the weights
 
 
 def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
@@ -260,6 +263,7 @@ class NNScalerTrainerMixin:
             self.model.load_state_dict(full, strict=False)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        self._nns_check_optimizer_files(resume_from_checkpoint)  # before the weights are restored
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self.nns_module is not None:  # already planned (a second train()): the shards take the weights
             self.nns_module.load_full_state_dict(self.model.state_dict())
@@ -270,22 +274,55 @@ class NNScalerTrainerMixin:
         super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The optimizer state as whole tensors under parameter names (`optimizer.nnscaler.pt`, written
+        by rank 0), so `resume_from_checkpoint` reshards it to any plan and process count. Collective."""
+        from .resume import save_state
+
         world, rank = self._nns_world()
         os.makedirs(output_dir, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, f"optimizer.rank{rank}-of-{world}.pt"))
+        saved = save_state(self.nns_module, self.optimizer)
+        if rank == 0:
+            path = os.path.join(output_dir, OPTIMIZER_FILE)
+            torch.save(saved, path + ".tmp")
+            os.replace(path + ".tmp", path)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
-    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
-        if checkpoint is None:
+    def _nns_check_optimizer_files(self, checkpoint: str) -> None:
+        """A checkpoint of an earlier version holds one optimizer file per rank, which only the process
+        count that wrote it can read: refused here, before anything is restored."""
+        if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_FILE)) or self.args.save_only_model:
             return
         world, rank = self._nns_world()
-        path = os.path.join(checkpoint, f"optimizer.rank{rank}-of-{world}.pt")
-        if not os.path.isfile(path):
-            found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
-            raise FileNotFoundError(f"{checkpoint} has no optimizer state for rank {rank} of {world} ({path}); found "
-                                    f"{found or 'none'}. Resume with the plan and process count that wrote it")
-        self.optimizer.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+        found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
+        if f"optimizer.rank{rank}-of-{world}.pt" not in found:
+            from .resume import ResumeError
+
+            raise ResumeError(f"{type(self).__name__}: cannot resume {checkpoint}: it has no optimizer state this "
+                              f"adapter can read for {world} process(es) (found {found or 'none'}; per-rank files "
+                              "fit only the plan and process count that wrote them); nothing was restored")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """The optimizer state cut for this plan (any plan and process count for `optimizer.nnscaler.pt`;
+        the writing plan only for an older version's per-rank files), checked on every rank first."""
+        if checkpoint is None:
+            return
+        from . import resume
+
+        world, rank = self._nns_world()
+        path = os.path.join(checkpoint, OPTIMIZER_FILE)
+        if os.path.isfile(path):
+            saved = torch.load(path, weights_only=True, map_location="cpu")
+        else:
+            self._nns_check_optimizer_files(checkpoint)
+            per_rank: list[Any] = [None] * world
+            per_rank[rank] = torch.load(os.path.join(checkpoint, f"optimizer.rank{rank}-of-{world}.pt"),
+                                        weights_only=True, map_location="cpu")
+            saved = {resume.PER_RANK: per_rank, "world_size": world}
+        found = resume.agree(resume.problems(self.nns_module, self.optimizer, saved))
+        resume.refuse(type(self).__name__, found, saved.get(resume.PLAN), self.nns_module)
+        resume.note_resharding(saved.get(resume.PLAN), self.nns_module, type(self).__name__)
+        resume.load_state(self.nns_module, self.optimizer, saved)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _nns_world(self) -> tuple[int, int]:

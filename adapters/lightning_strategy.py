@@ -28,8 +28,6 @@ import torch.distributed as dist
 from .lightning_model import PlannedModel, Recorded, Recorder
 from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
 
-_OPT_KEY = "nnscaler_per_rank"
-
 
 class NNScalerStrategyMixin:
     """Shared implementation; see `nnscaler_plugins.adapters.lightning.NNScalerStrategy`."""
@@ -282,33 +280,61 @@ class NNScalerStrategyMixin:
             raise KeyError(f"checkpoint has keys the LightningModule lacks: {result.unexpected_keys[:8]}")
 
     def optimizer_state(self, optimizer: Any) -> dict:
-        """Every rank's optimizer state (for its own shards), gathered into rank 0's checkpoint."""
-        opt = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
-        local = opt.state_dict()
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        return {_OPT_KEY: gathered, "world_size": dist.get_world_size()}
+        """The optimizer's state as whole tensors under parameter names, complete in rank 0's
+        checkpoint, so a resume reshards it to any plan and process count (see `adapters.resume`).
+        Collective: Lightning calls it on every rank."""
+        from .resume import save_state
+
+        return save_state(self.pmodule, optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: dict) -> None:
+        from .resume import load_state
+
         states = checkpoint.get("optimizer_states")
         if not states:
             return
         for optimizer, saved in zip(self.optimizers, states):
-            if _OPT_KEY not in saved:
-                raise ValueError("NNScalerStrategy: this checkpoint's optimizer state was not saved by NNScalerStrategy "
-                                 "(it is not per rank); resume it with the strategy that wrote it, or load only the "
-                                 "weights (LightningModule.load_from_checkpoint)")
-            if saved["world_size"] != dist.get_world_size():
-                raise ValueError(f"NNScalerStrategy: the checkpoint's optimizer state is for {saved['world_size']} "
-                                 f"processes, this run has {dist.get_world_size()}; resume with the same devices and "
-                                 "plan, or load only the weights")
-            optimizer.load_state_dict(saved[_OPT_KEY][dist.get_rank()])
+            load_state(self.pmodule, optimizer, saved)  # checked by load_checkpoint, before any restore
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         if os.path.isdir(checkpoint_path):
             raise IsADirectoryError(f"NNScalerStrategy checkpoints are single files (the .ckpt ModelCheckpoint "
                                     f"writes); {checkpoint_path} is a directory")
-        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._check_resumable(checkpoint)
+        return checkpoint
+
+    def _check_resumable(self, checkpoint: dict) -> None:
+        """Everything that could stop a restore half way, checked on every rank and agreed on before
+        Lightning restores anything: the weights' names and shapes, and each optimizer's state
+        (whole state reshards to any plan; per-rank state fits only the plan that wrote it)."""
+        from nnscaler_plugins.checkpoint.model_state import expected_model_tensors
+
+        from . import resume
+
+        if self.pmodule is None:
+            return
+        found = []
+        prefix = self._attr + "."
+        state = checkpoint.get("state_dict") or {}
+        have = {k[len(prefix):]: tuple(v.shape) for k, v in state.items()
+                if k.startswith(prefix) and isinstance(v, torch.Tensor)}
+        for name, shape in expected_model_tensors(self.pmodule).items():
+            if name not in have:
+                found.append(f"the checkpoint lacks weight {prefix + name}")
+            elif have[name] != shape:
+                found.append(f"weight {prefix + name} has shape {list(have[name])} in the checkpoint, {list(shape)} here")
+        saved_states = checkpoint.get("optimizer_states") or []
+        if self._trainer is not None and self._trainer.state.fn == "fit" and saved_states:
+            if len(saved_states) != len(self.optimizers):
+                found.append(f"the checkpoint has {len(saved_states)} optimizer(s), configure_optimizers gives "
+                             f"{len(self.optimizers)}")
+            for i, (opt, saved) in enumerate(zip(self.optimizers, saved_states)):
+                found += resume.problems(self.pmodule, opt, saved, i)
+        found = resume.agree(found[:8])
+        saved_plan = next((s.get(resume.PLAN) for s in saved_states if isinstance(s, dict)), None)
+        resume.refuse("NNScalerStrategy", found, saved_plan, self.pmodule)
+        resume.note_resharding(saved_plan, self.pmodule, "NNScalerStrategy")
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -100,6 +100,11 @@ def worker(args: argparse.Namespace) -> None:
             final = os.path.join(args.out, "resume-final")
             trainer2.save_model(final)
             row.update(full=full, resumed=resumed, saved=final)
+            for other in filter(None, args.resume_under.split(";")):  # the same checkpoint, another plan
+                row.setdefault("under", {})[other] = train(
+                    args.model, os.path.join(args.out, "resume-under-" + other.replace(":", "_")), args.batch_size,
+                    args.steps, args.samples, plan=other, resume=os.path.join(ckpt_out, f"checkpoint-{args.steps // 2}"),
+                    accumulate=args.accumulate)[1]
             state = trainer2.nns_module.full_state_dict()  # collective: every rank
             if rank == 0:
                 torch.save(state, os.path.join(args.out, "resume-state.pt"))
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--resume-check", action="store_true", help="checkpoint half way, resume, save_model (first plan)")
     ap.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
+    ap.add_argument("--resume-under", default="", help="';'-separated plans to resume the --resume-check "
+                    "checkpoint under too (same data-parallel size: the optimizer state is resharded)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--samples", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -153,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                "--master-port", str(_free_port()), os.path.abspath(__file__), "--model", args.model, "--plans", args.plans,
                "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--out", out,
-               "--samples", str(args.samples), "--accumulate", str(args.accumulate)] + \
-            (["--resume-check"] if args.resume_check else [])
+               "--samples", str(args.samples), "--accumulate", str(args.accumulate),
+               "--resume-under", args.resume_under] + (["--resume-check"] if args.resume_check else [])
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         rows = [json.loads(line[len(_MARK):]) for line in proc.stdout.splitlines() if line.startswith(_MARK)]
@@ -180,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["saved_identical"] = all(torch.equal(loaded[k], v) for k, v in state.items() if k in loaded) \
                     and set(loaded) <= set(state)
                 ok &= row["resume_match"] and row["saved_identical"]
+                for other, resumed in row.get("under", {}).items():  # another plan: the plans' tolerance
+                    row.setdefault("under_match", {})[other] = _close(resumed[-(args.steps - half):],
+                                                                      row["full"][half:], 1e-4)
+                ok &= all(row.get("under_match", {}).values())
             ok &= row["match"]
             print(json.dumps({k: v for k, v in row.items() if k != "saved"}), flush=True)
     return 0 if ok else 1

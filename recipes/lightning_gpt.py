@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="which Lightning package to use (pass as --namespace=NAME)")
     ap.add_argument("--resume-check", action="store_true",
                     help="also save a checkpoint per epoch and resume from the first (first plan only)")
+    ap.add_argument("--resume-under", default="",
+                    help="';'-separated plans to resume the first plan's checkpoint under too (same data-parallel "
+                         "size: the optimizer state is resharded)")
     args = ap.parse_args(argv)
     launcher = "LOCAL_RANK" not in os.environ  # Lightning's re-run children have it set
     rtol = 1e-4 if args.precision == "32-true" else 3e-2
@@ -190,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
                        "match": _close(resumed, full[args.steps * args.accumulate:], 1e-5)}
                 ok &= row["match"]
                 print(json.dumps(row), flush=True)
+            for other in filter(None, args.resume_under.split(";")):
+                plan2, options2 = parse_plan(other)
+                _, resumed = fit(NNScalerStrategy(plan=plan2, **options2), args.devices, args.batch_size, args.steps,
+                                 epochs=2, ckpt_path=first, **kw)
+                if launcher:
+                    row = {"resume": plan, "under": other, "full": full, "resumed": resumed,
+                           "match": _close(resumed, full[args.steps * args.accumulate:], rtol)}
+                    ok &= row["match"]
+                    print(json.dumps(row), flush=True)
     return 0 if ok else 1
 
 

@@ -57,14 +57,35 @@ def test_arguments_refuse_other_engines_and_bad_plans(tmp_path):
     assert isinstance(NNScalerTrainer(model=model, args=NNScalerTrainingArguments(**common, plan="dp")), Trainer)
 
 
+def test_per_rank_optimizer_files_of_another_process_count_are_refused_before_restoring(tmp_path):
+    """Checkpoints of an earlier version kept one optimizer file per rank, which only the process count
+    that wrote them can read: refused before the weights are restored (this version writes the whole
+    state, which any plan and process count resumes)."""
+    from nnscaler_plugins.adapters.hf import NNScalerTrainer, NNScalerTrainingArguments
+    from nnscaler_plugins.adapters.resume import ResumeError
+    from recipes_models import tiny_gpt2
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    for r in range(2):
+        (ckpt / f"optimizer.rank{r}-of-2.pt").write_bytes(b"")
+    trainer = NNScalerTrainer(model=tiny_gpt2(), args=NNScalerTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                                                 report_to=[], plan="dp"))
+    with pytest.raises(ResumeError, match=r"no optimizer state .* for 1 process.*optimizer.rank0-of-2.pt.*nothing was "
+                                          "restored"):
+        trainer._load_from_checkpoint(str(ckpt))
+
+
 def test_llama_two_processes_dp_tp_pipeline_resume_and_save(tmp_path):
-    rows = _run_recipe(tmp_path, "--nproc", "2", "--model", "llama", "--plans", "dp;tp;1f1b", "--steps", "4",
-                       "--resume-check")
+    """... and the tp run's checkpoint resumes under 1f1b too (the optimizer state is resharded)."""
+    rows = _run_recipe(tmp_path, "--nproc", "2", "--model", "llama", "--plans", "tp;dp;1f1b", "--steps", "4",
+                       "--resume-check", "--resume-under", "1f1b")
     assert {r["plan"] for r in rows} == {"dp", "tp", "1f1b"}
     for r in rows:
         assert r["match"], r
     resumed = [r for r in rows if "resumed" in r]
     assert resumed and resumed[0]["resume_match"] and resumed[0]["saved_identical"], resumed
+    assert resumed[0]["under_match"] == {"1f1b": True}, resumed
 
 
 def test_zero_plans_with_accumulation_and_resume(tmp_path):
@@ -72,12 +93,13 @@ def test_zero_plans_with_accumulation_and_resume(tmp_path):
     Trainer's model.zero_grad() clears ZeRO-2's chunks, accumulation scales each step's loss, and a
     ZeRO-2 run resumes exactly."""
     rows = _run_recipe(tmp_path, "--nproc", "2", "--model", "llama", "--plans", "zero2;zero3", "--steps", "4",
-                       "--accumulate", "2", "--resume-check")
+                       "--accumulate", "2", "--resume-check", "--resume-under", "dp")
     assert {r["plan"] for r in rows} == {"zero2", "zero3"}
     for r in rows:
         assert r["match"] and r["dp"] == 2, r
     resumed = [r for r in rows if "resumed" in r]
     assert resumed and resumed[0]["resume_match"] and resumed[0]["saved_identical"], resumed
+    assert resumed[0]["under_match"] == {"dp": True}, resumed  # ZeRO-2's sharded state into a plain AdamW
 
 
 def test_gpt2_four_processes_tp_and_pipeline_with_data_parallel(tmp_path):

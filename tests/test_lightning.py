@@ -67,8 +67,10 @@ def test_plan_arguments_checked_before_launch(tmp_path):
 
 
 def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path):
-    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "dp;tp;1f1b;auto", "--steps", "2",
-                       "--accumulate", "2", "--clip", "0.5", "--resume-check")
+    """... and the tp run's checkpoint resumes under 1f1b (whole optimizer state, cut for the
+    pipeline's stages) on the trajectory of the run that never stopped."""
+    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "tp;dp;1f1b;auto", "--steps", "2",
+                       "--accumulate", "2", "--clip", "0.5", "--resume-check", "--resume-under", "1f1b")
     plans = {r["plan"]: r for r in rows if "plan" in r}
     assert set(plans) == {"dp", "tp", "1f1b", "auto"}
     for r in plans.values():
@@ -77,20 +79,21 @@ def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path)
         assert r["sampler"] == [r["dp"], r["dp_rank"]]
     assert plans["dp"]["dp"] == 2 and plans["tp"]["dp"] == 1
     resume = [r for r in rows if "resume" in r]
-    assert resume and resume[0]["match"], resume
+    assert [r.get("under") for r in resume] == [None, "1f1b"] and all(r["match"] for r in resume), resume
 
 
 def test_zero_plans_rebuild_the_optimizer_with_accumulation_clipping_and_resume(tmp_path):
     """ZeRO plans: configure_optimizers' AdamW becomes the plan's sharded optimizer (same
-    hyperparameters), clipping uses its global norm, and a ZeRO-3 run resumes exactly."""
+    hyperparameters), clipping uses its global norm, and a ZeRO-3 run resumes exactly, and under
+    plain data parallelism (the sharded state becomes the plain AdamW's)."""
     rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "zero3;zero2", "--steps", "2",
-                       "--accumulate", "2", "--clip", "0.5", "--resume-check")
+                       "--accumulate", "2", "--clip", "0.5", "--resume-check", "--resume-under", "dp")
     plans = {r["plan"]: r for r in rows if "plan" in r}
     assert set(plans) == {"zero3", "zero2"}
     for name, r in plans.items():
         assert r["match"] and r["optimizer"] == "ParallelOptimizer" and r["zero"] == int(name[-1]), r
     resume = [r for r in rows if "resume" in r]
-    assert resume and resume[0]["match"], resume
+    assert [r.get("under") for r in resume] == [None, "dp"] and all(r["match"] for r in resume), resume
 
 
 def test_four_processes_bf16_mixed_in_the_pytorch_lightning_package(tmp_path):
