@@ -20,6 +20,7 @@ import datetime
 import gc
 import importlib
 import os
+import signal
 from typing import Any, Callable, Optional
 
 import torch
@@ -111,8 +112,77 @@ class NNScalerStrategyMixin:
         if self._start_method == "popen":
             self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                                  self.num_nodes)
+            starts_others = not self.cluster_environment.creates_processes_externally
         else:
             self._launcher = launchers._MultiProcessingLauncher(self, start_method=self._start_method)
+            starts_others = True
+        if starts_others:  # this process starts the others: capture here first, so a model that cannot be
+            launch = self._launcher.launch  # captured is reported once, before any other process exists
+
+            def capture_then_launch(function: Callable, *args: Any, **kwargs: Any) -> Any:
+                self._capture_before_launch(function, args)
+                return launch(function, *args, **kwargs)
+
+            self._launcher.launch = capture_then_launch
+
+    def _capture_before_launch(self, function: Callable, args: tuple) -> None:
+        """`fit` only: the inner module captured on the example inputs (given, or recorded from the first
+        batch of a DataLoader passed to fit) the way `nns.parallelize` will capture it on every rank.
+        A CaptureError stops the job here; anything else this cannot do before launch (a datamodule, a
+        training_step that needs the trainer) is left to the ranks, as without this step."""
+        if getattr(function, "__name__", "") != "_fit_impl" or not args:
+            return
+        from nnscaler_plugins.capture import CaptureError
+
+        try:
+            found = self._example_before_launch(args[0], args[1] if len(args) > 1 else None,
+                                                args[3] if len(args) > 3 else None)
+            if found is None:
+                return
+            inner, example = found
+            from nnscaler_plugins.api import _graph_of
+            from nnscaler_plugins.microbatch import resolve_micro_batches
+            from nnscaler_plugins.plan import Plan
+
+            plan = Plan.load(self.plan) if isinstance(self.plan, (str, os.PathLike)) and \
+                os.fspath(self.plan).endswith(".json") else self.plan
+            micro = plan.num_micro_batches if isinstance(plan, Plan) else resolve_micro_batches(
+                example, self.plan_options.get("micro_batches"), self.plan_options.get("micro_batch_size"))
+            graph = _graph_of(inner, example, micro)
+        except CaptureError:
+            raise
+        except Exception:  # noqa: BLE001 - the ranks meet it again and report it as they always did
+            return
+        del graph
+        gc.collect()
+
+    def _example_before_launch(self, model: Any, loaders: Any, datamodule: Any) -> Optional[tuple[Any, Any]]:
+        attr = self.module_attr or _find_inner_module(model)
+        inner = getattr(model, attr)
+        if self.example_inputs is not None:
+            return inner, self.example_inputs
+        if datamodule is not None or not isinstance(loaders, torch.utils.data.DataLoader):
+            return None  # a datamodule's or the model's own loader may need setup() first
+        state = torch.random.get_rng_state()
+        try:
+            batch = next(iter(loaders))
+        finally:
+            torch.random.set_rng_state(state)
+        device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+        batch = self._imp("fabric.utilities.apply_func").move_data_to_device(batch, device)
+        from nnscaler_plugins.plugins import example_inputs
+
+        return inner, example_inputs(inner, self._record_inputs(model, attr, batch))
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A capture error on this process (rank 0) is the job's report: the ranks this process started
+        wait quietly (see `nns.api.QUIET_RANK_WAIT_S`) and are stopped now."""
+        super().on_exception(exception)
+        from nnscaler_plugins.capture import CaptureError
+
+        launcher = getattr(self, "_launcher", None)
+        if isinstance(exception, CaptureError) and getattr(launcher, "procs", None):
+            launcher.kill(getattr(signal, "SIGKILL", signal.SIGTERM))
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -194,10 +264,10 @@ class NNScalerStrategyMixin:
                                                            framework="lightning")
         return model
 
-    def _record_inputs(self, model: Any, attr: str) -> Any:
+    def _record_inputs(self, model: Any, attr: str, batch: Any = None) -> Any:
         """Run `training_step` on the first training batch up to the call of the inner model, and keep
         what it was called with: exactly the example inputs the plan must be made for."""
-        batch = self._first_train_batch()
+        batch = self._first_train_batch() if batch is None else batch
         original = getattr(model, attr)
         setattr(model, attr, Recorder())
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import time
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -152,11 +153,32 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: StrategyLi
         micro = resolve_micro_batches(example_inputs, options.pop("micro_batches", None),
                                       options.pop("micro_batch_size", None))
         options["micro_batches"] = micro
-    graph = _graph_of(model, example_inputs, micro)
+    graph = _capture_on_every_rank(model, example_inputs, micro, rank, world_size)
     p = globals()["plan"](graph, strategy=plan, world_size=world_size, **options)
     program = lower(graph, p)
     return ParallelModule(program, model, rank=rank, world_size=world_size, device=dev, cache_dir=cache_dir,
                           loss_fn=loss_fn)
+
+
+# After a capture error, how long a rank other than 0 waits for the launcher to stop it (torchrun,
+# torch.multiprocessing and the Lightning strategy stop the others once rank 0 has failed) before it
+# raises a one-line error of its own: the job shows the message once, from rank 0.
+QUIET_RANK_WAIT_S = 60.0
+
+
+def _capture_on_every_rank(model: Any, example_inputs: Any, micro: int, rank: int, world_size: int) -> Graph:
+    """The graph every rank captures (same model, same shapes, so a CaptureError happens on all of
+    them); rank 0 raises it, the others stay quiet, then raise one line naming rank 0."""
+    from .capture import CaptureError
+
+    try:
+        return _graph_of(model, example_inputs, micro)
+    except CaptureError as e:
+        if rank == 0 or world_size == 1:
+            raise
+        time.sleep(QUIET_RANK_WAIT_S)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(f"rank {rank}: {first} (rank 0 reports the whole error)") from None
 
 
 def strategies() -> list[str]:

@@ -66,6 +66,53 @@ def test_plan_arguments_checked_before_launch(tmp_path):
         NNScalerStrategy(plan=3)
 
 
+CAPTURE_FAILS = """
+import torch, nnscaler_plugins, lightning.pytorch as pl
+from nnscaler_plugins.adapters.lightning import NNScalerStrategy
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # a branch on a value: torch.export cannot capture it
+            h = h * 2
+        return h.pow(2).mean()
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def training_step(self, batch, i):
+        return self.net(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+pl.Trainer(strategy=NNScalerStrategy(plan="dp"), accelerator="cpu", devices=2, max_steps=1, logger=False,
+           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+    Module(), torch.utils.data.DataLoader(torch.randn(16, 8), batch_size=4))
+"""
+
+
+def test_capture_error_is_one_message_before_any_process_starts(tmp_path):
+    """The launching process captures the model first: the error names the model's line once, and no
+    other process is started (before, every rank printed torch.export's report after launch)."""
+    script = tmp_path / "capture_fails.py"
+    script.write_text(CAPTURE_FAILS)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("CaptureError:") == 1 and "capture_fails.py:12" in out and "if h.sum() > 0" in out, out[-3000:]
+    assert "Initializing distributed" not in out and "GLOBAL_RANK" not in out and "[rank1]" not in out, out[-3000:]
+    assert len(out.splitlines()) < 60, out
+
+
 def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path):
     """... and the tp run's checkpoint resumes under 1f1b (whole optimizer state, cut for the
     pipeline's stages) on the trajectory of the run that never stopped."""
