@@ -10,6 +10,9 @@ along a model dim, or both (a 2-D mesh), and the micro-batches are those `nns.pl
 cluster defaults to `local-cpu` with one device per rank, measured once and cached (every rank reads
 the same numbers, so every rank finds the same plan). The plan's estimate is kept in its options.
 
+The search prices the plan in the precision it will run in: `nns.plan(..., precision=)` (fp32
+unless given), not the cluster's own training dtype, so the estimate is that of the plan that runs.
+
 Unless the caller's constraints say otherwise the search is held to ZeRO stage 0 and no
 recomputation. ZeRO shards states across data-parallel replicas, and a plan made here is one unit
 (its data parallelism is a split of the batch dim inside the unit), so there is nothing to shard
@@ -53,7 +56,7 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
     def run(extra: list):
         return search(builder.graph, world_size=builder.unit_size, cluster=cluster, constraints=constraints + extra,
                       memory_limit=memory_limit, progress=False, data_parallel="unit",
-                      micro_batches=builder.micro_batches)
+                      micro_batches=builder.micro_batches, precision=builder.precision_name)
 
     if builder.micro_batches == 1 and not any(isinstance(c, PipelineStages) for c in constraints):
         try:

@@ -1,6 +1,7 @@
 """The search: against brute force on small cases, deterministic, constrained, and saying why not."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -133,7 +134,7 @@ def test_constraints_prune_and_validate(gpt):
     plans = nns.search(gpt, world_size=16, cluster=spec, global_batch_size=32, constraints=cons, progress=False)
     for plan in plans:
         check(plan, gpt, cons, cluster=spec)
-        assert plan.options["tp"] <= 2 and plan.options["zero"] in (0, 1)
+        assert plan.options["tp"] <= 2 and plan.zero in (0, 1)
         assert plan.pipeline is None or (plan.pipeline.num_ranks == 2 and plan.pipeline.schedule == "gpipe")
         lm_head = next(op for op in gpt.ops if op.module_path == "lm_head")
         assert not plan.ops[lm_head.name].splits
@@ -276,3 +277,106 @@ def test_search_hooks_see_and_alter_options_and_result(gpt):
     finally:
         unregister(plugin)
     assert all(p.pipeline is None for p in plans) and plugin.seen == [len(plans)]
+
+
+# -- what is priced is what runs ----------------------------------------------------------------------------
+def _recompute_groups(plan) -> dict:
+    return {name: p.recompute for name, p in plan.ops.items() if p.recompute is not None}
+
+
+def _check_priced_is_run(plan, graph, spec):
+    """The estimate's pricing inputs against the plan fields the runtime reads, and the plan
+    re-priced from those fields gives its estimate again."""
+    from nnscaler_plugins.layers import layer_groups
+    from nnscaler_plugins.search.opcost import OpCosts
+    from nnscaler_plugins.search.simulator import training_of
+
+    priced = plan.estimate["details"]["training"]
+    assert priced["dtype"] == plan.precision  # the runtime's compute precision
+    assert priced["zero"] == plan.zero  # the runtime's ZeRO stage
+    assert plan.zero == 0 or plan.dp > 1  # ZeRO shards across replicas: none is priced where none runs
+    assert training_of(plan, spec).to_json() == priced
+    groups = _recompute_groups(plan)  # what the generated code runs under checkpoint
+    layers = layer_groups(graph).layers
+    assert priced["recompute"] == plan.options["recompute"]
+    if priced["recompute"] == "none":
+        assert not groups
+    elif priced["recompute"] == "full":
+        assert set(groups) == {op.name for layer in layers for op in layer} and len(set(groups.values())) == len(layers)
+    else:
+        core = {n for n, c in OpCosts.of(graph).ops.items() if c.core}
+        assert groups and set(groups) <= core
+    assert priced["sequence_parallel"] == bool(plan.options.get("sequence_parallel"))
+    if priced["sequence_parallel"]:  # the sequence splits are in the plan, so lowering emits them
+        assert _sequence_split_ops(plan, graph)
+    again = nns.simulate(plan, spec, graph)
+    assert again.step_time_s == pytest.approx(plan.estimate["step_time_s"], rel=1e-9)
+    assert again.max_memory_bytes == pytest.approx(plan.estimate["max_memory_bytes"], rel=1e-9)
+
+
+def _sequence_split_ops(plan, graph) -> list[str]:
+    from nnscaler_plugins.layers import layer_groups
+    from nnscaler_plugins.rules import signature_for
+    from nnscaler_plugins.search.dims import SEQUENCE, tag_labels
+
+    tags = tag_labels(graph, {op.name: signature_for(graph, op) for op in graph.ops})
+    layer_ops = {op.name for layer in layer_groups(graph).layers for op in layer}
+    return [n for n in layer_ops if any(tags[n].get(l) == SEQUENCE for l, _ in plan.ops[n].splits)]
+
+
+def test_plans_carry_the_precision_zero_and_recompute_they_were_priced_with(gpt):
+    spec = nns.cluster("a100-dgx")
+    plans = nns.search(gpt, world_size=8, cluster=spec, global_batch_size=16, progress=False, max_simulated=12)
+    assert {p.precision for p in plans} == {"bf16"}  # the cluster's training dtype, now the plans' own
+    assert {p.zero for p in plans} != {0} or any(p.options["recompute"] != "none" for p in plans)
+    for plan in plans:
+        _check_priced_is_run(plan, gpt, spec)
+    fp32 = nns.search(gpt, world_size=8, cluster=spec, global_batch_size=16, progress=False, precision="fp32")
+    for plan in fp32:
+        assert plan.precision == "fp32"
+        _check_priced_is_run(plan, gpt, spec)
+    # a plan run in another precision than it was searched in is priced in that one
+    changed = dataclasses.replace(plans.best, precision="fp32")
+    assert nns.simulate(changed, spec, gpt).details["training"]["dtype"] == "fp32"
+    with pytest.raises(SearchError, match="precision='fp8'"):
+        nns.search(gpt, world_size=8, cluster=spec, progress=False, precision="fp8")
+
+
+def test_sequence_parallel_plans_carry_the_sequence_splits(gpt):
+    from nnscaler_plugins.lowering import lower
+
+    spec = nns.cluster("a100-dgx")
+    s = Search({1: gpt}, 4, spec, [PipelineStages([1])], 4, None, False, sequence_parallel=True)
+    solver = IntraSolver(gpt, s._cost_model(gpt), Training(s.dtype), (4,))
+    tp = solver.evaluate(solver.walk(solver._tensor_parallel_seed()), "tensor-parallel")
+    sp = solver.with_sequence_parallel(tp)
+    assert sp is not None and sp.sequence_parallel and sp.key() != tp.key()
+    cfg = Config(4, (4,), 1, 1, 1, 4, tp=sp.tp, sequence_parallel=True)
+    plan = s.materialize(Candidate(cfg, sp, [0, len(sp.layer_segments)], 0.0, 0.0, gpt))
+    plan.estimate = nns.simulate(plan, spec, gpt).to_json()
+    _check_priced_is_run(plan, gpt, spec)
+    counts = lower(gpt, plan).collective_counts(0)
+    assert counts.get("reduce-scatter", 0) > 0  # Megatron's reduce-scatter onto the sequence runs
+    # the search keeps such candidates with their splits
+    plans = nns.search(gpt, world_size=4, cluster=spec, progress=False, sequence_parallel=True, max_simulated=16,
+                       constraints=[PipelineStages([1])])
+    for plan in plans:
+        _check_priced_is_run(plan, gpt, spec)
+
+
+def test_choices_the_code_generator_refuses_are_not_searched():
+    """Cross-entropy split along both its class and its batch dims has no kernel: the rule's own
+    localize refuses it, and the search asks the rule before it considers a choice."""
+    import models
+    from nnscaler_plugins.search.intraop import Choice
+
+    model, inputs = models.gpt2_small()
+    graph = nns.capture(model, kwargs=inputs)
+    spec = nns.cluster("local-cpu", devices=4, measure=False)
+    solver = IntraSolver(graph, CostModel(graph, spec), Training("fp32"), (2, 2))
+    ce = next(op for op in graph.ops if op.short_name == "cross_entropy_loss")
+    both = Choice((("n", 2), ("c", 2)))
+    assert "class and batch" in solver.refusal(ce, both)
+    assert solver.refusal(ce, Choice(((None, 2), ("c", 2)))) is None
+    assert both not in solver.choices(ce)
+    assert all(solver.refusal(op, ch) is None for op in graph.ops for ch in solver.choices(op))

@@ -11,7 +11,8 @@ from ..primitives import PlanBuilder
 
 
 def adopt(builder: PlanBuilder, plan: Plan) -> None:
-    """Record `plan`'s splits, devices and pipeline on `builder` (same graph and unit size)."""
+    """Record `plan`'s splits, devices, pipeline, recompute groups, ZeRO stage and precision on
+    `builder` (same graph and unit size)."""
     if plan.unit_size != builder.unit_size:
         raise ValueError(f"plan has a unit of {plan.unit_size} devices, the builder {builder.unit_size}")
     for handle in builder.ops:
@@ -33,6 +34,15 @@ def adopt(builder: PlanBuilder, plan: Plan) -> None:
             stages[plan.ops[handle.name].stage].append(handle.name)
         builder.op_order(stages, spec.stage_devices, micro_batches=spec.micro_batches, schedule=spec.schedule,
                          stage_rank=spec.stage_rank, split_backward=spec.split_backward, **spec.options)
+    groups: dict[int, list] = {}  # recompute groups: the cost model priced them, the runtime runs them
+    for handle in builder.ops:
+        gid = plan.ops[handle.name].recompute
+        if gid is not None:
+            groups.setdefault(gid, []).append(handle)
+    for gid in sorted(groups):
+        builder.recompute(groups[gid])
+    builder.zero(plan.zero)
+    builder.precision(plan.precision)
     builder.options.update({k: v for k, v in plan.options.items() if isinstance(v, (int, float, str, bool))})
     if plan.estimate is not None:
         builder.options["estimated_step_s"] = float(plan.estimate.get("step_time_s", 0.0))

@@ -24,10 +24,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional, Sequence
 
-from ..graph import Graph, OpNode
+from ..errors import PlanError
+from ..graph import Graph, OpNode, TensorMeta
 from ..layers import layer_groups
 from ..layout import Layout
 from ..rules import op_call
+from ..rules.signature import LocalCall
 from .anchors import matmul_anchor, vocab_label
 from .costmodel import CostModel, Training
 from .dims import BATCH, SEQUENCE, tag_labels
@@ -104,7 +106,7 @@ class IntraResult:
     pre: Optional[Segment] = None
     post: Optional[Segment] = None
     tp: int = 1
-    sequence_parallel: bool = False  # priced with Megatron's sequence parallelism (a plan option)
+    sequence_parallel: bool = False  # Megatron's sequence parallelism: the layers' sequence splits are in `choices`
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.choices.items()))
@@ -230,21 +232,44 @@ class IntraSolver:
             if not all(sig.divides(l, n, call) for l, n in counts.items()):
                 continue
             axes = tuple(zip(combo, self.mesh))
-            if cost.kind == "view" and counts and len(self.mesh) == 1 and False:
-                continue
             ch = Choice(axes)
-            if all(con.allows_op(op, axes, blabel) for con in self.constraints):
+            allowed = all(con.allows_op(op, axes, blabel) for con in self.constraints)
+            if allowed and self.refusal(op, ch) is None:
                 out.append(ch)
             for b in self.block_factors:
                 for l in counts:
                     if sig.blockable(l, call) is None and sig.divides(l, counts[l], call, b):
                         blocked = Choice(axes, ((l, b),))
-                        if all(con.allows_op(op, axes, blabel) for con in self.constraints):
+                        if allowed and self.refusal(op, blocked) is None:
                             out.append(blocked)
         if not out:
             out = [Choice(tuple((None, n) for n in self.mesh))]
         self._choices[op.name] = out
         return out
+
+    def refusal(self, op: OpNode, ch: Choice) -> Optional[str]:
+        """Why the op cannot run this choice (None when it can), as code generation would find out.
+
+        The op's rule decides: lowering hands each piece to the rule's `localize`, which returns what
+        the piece runs or raises PlanError for a split the runtime has no kernel for (cross-entropy
+        split along both its class and its batch dims). The same call on the same piece shapes here
+        keeps such choices out of the search, so every plan it returns can be executed."""
+        sig = self.sigs[op.name]
+        if sig.localize is None or not ch.splits:
+            return None
+        p = ch.placement(self.devices)
+        ins, outs, _ = self.cm.layouts(op.name, p)
+        call = self.call(op)
+        local_in = tuple(_local_meta(m, l) for m, l in zip(call.inputs, ins))
+        local_out = tuple(_local_meta(m, l) for m, l in zip(call.outputs, outs))
+        counts = p.label_counts()
+        for index in _piece_indices(p.splits):
+            try:
+                sig.localize(LocalCall(call=call, splits=counts, index=index, local_inputs=local_in,
+                                       local_outputs=local_out))
+            except PlanError as e:
+                return str(e)
+        return None
 
     def _is_anchor_n(self, op: OpNode, label: str) -> bool:
         a = matmul_anchor(self.graph, op, self.sigs[op.name])
@@ -600,18 +625,53 @@ class IntraSolver:
                 out.append(("transformers tp plan", prior))
         return out
 
-    def with_sequence_parallel(self, result: IntraResult) -> IntraResult:
-        """The same choices priced with Megatron's sequence parallelism: the ops of the layers that run
-        whole on every device of the group (norms, dropouts, residual adds) take 1/group of the work
-        and keep 1/group of their activations, at the same communication volume."""
-        sp = IntraSolver(self.graph, self.cm, replace(self.t, sequence_parallel=True), self.mesh, self.constraints,
-                         self.hf_plan, self.m_hint, self.dp_hint)
-        anchors = {a: result.choices[a] for a in sp.anchors if a in result.choices}
-        # re-tuned under the new prices, from the anchors as they were, both with the ops in between
-        # free and with them whole (which sequence parallelism makes cheap)
-        free = sp.improve(anchors, result.seed + " + sequence parallel")
-        whole = sp.improve(anchors, result.seed + " + sequence parallel", default=sp.whole_between)
-        return min((free, whole), key=lambda r: (r.time, r.memory))
+    def sequence_between(self, op: OpNode, produced: dict) -> Optional[Choice]:
+        """Megatron's sequence parallelism read off the rules: where `whole_between` would run an op of
+        a layer whole on every device of the group (a norm, a dropout, a residual add), split it along
+        its sequence label instead (data parallelism on an outer axis stays); an op of a layer whose
+        sequence dim is not known is left to the walk. Lowering then turns the partial sums of a
+        row-parallel matmul into a reduce-scatter onto the sequence and gathers the sequence back
+        before the next column-parallel one."""
+        whole = self.whole_between(op, produced)
+        if whole is None or self.segment.get(op.name) not in self.layer_seg:
+            return whole
+        label = self.seq_label(op)
+        if label is not None and self.cm.costs.ops[op.name].kind != "matmul":
+            want = whole.axes[:-1] + ((label, self.mesh[-1]),)
+            found = next((c for c in self.choices(op) if c.axes == want and not c.blocks), None)
+            if found is not None:
+                return found
+        return None  # no sequence dim known here: the walk picks (it finds reduce-scatters too)
+
+    def sequence_split(self, choices: dict) -> bool:
+        """Whether an assignment splits some op of the layers along its sequence label."""
+        for op in self.window:
+            if self.segment.get(op.name) not in self.layer_seg:
+                continue
+            label = self.seq_label(op)
+            ch = choices.get(op.name)
+            if label is not None and ch is not None and any(l == label for l, _ in ch.axes):
+                return True
+        return False
+
+    def with_sequence_parallel(self, result: IntraResult) -> Optional[IntraResult]:
+        """The same anchors with Megatron's sequence parallelism: the ops of the layers that the
+        tensor-parallel assignment runs whole on every device of the group are split along the
+        sequence (`sequence_between`), re-tuned by coordinate descent and priced as placed (the
+        reduce-scatters and all-gathers lowering will emit, 1/group of those ops' work and
+        activations, and nothing for the ops that stay whole). None when no op of the layers is
+        split along the sequence."""
+        anchors = {a: result.choices[a] for a in self.anchors if a in result.choices}
+        seed = result.seed + " + sequence parallel"
+        found = []
+        walked = self.walk(anchors, self.sequence_between)  # Megatron's: the same anchors
+        if walked is not None:
+            found.append(self.evaluate(walked, seed))
+        found.append(self.improve(anchors, seed + " (re-tuned)", default=self.sequence_between))
+        found = [r for r in found if self.sequence_split(r.choices)]
+        if not found:
+            return None
+        return replace(min(found, key=lambda r: (r.time, r.memory)), sequence_parallel=True)
 
     def solve(self, on_step: Optional[Callable[[], None]] = None, passes: int = 2) -> list[IntraResult]:
         """Non-dominated (time, memory) assignments found from every seed.
@@ -636,6 +696,25 @@ class IntraSolver:
                 res = self.evaluate(walked, name)
             results.append(res)
         return pareto_results(results)
+
+
+def _local_meta(meta: Optional[TensorMeta], lay: Optional[Layout]) -> Optional[TensorMeta]:
+    """A piece's view of a tensor (the shape lowering hands to `localize`)."""
+    if meta is None or lay is None:
+        return meta
+    return TensorMeta(tuple(lay.local_shape()), meta.dtype, meta.requires_grad)
+
+
+def _piece_indices(splits: Sequence[tuple[str, int]]) -> list[dict[str, int]]:
+    """Per piece of nested splits, each label's piece index (nested splits of a label combine
+    row-major, as `OpPlacement.label_index` numbers them)."""
+    out = []
+    for digits in itertools.product(*(range(n) for _, n in splits)):
+        index: dict[str, int] = {}
+        for (l, n), i in zip(splits, digits):
+            index[l] = index.get(l, 0) * n + i
+        out.append(index)
+    return out
 
 
 def pareto_results(results: Iterable[IntraResult]) -> list[IntraResult]:

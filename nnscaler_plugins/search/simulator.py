@@ -128,9 +128,26 @@ def simulate(plan: Plan, cluster: ClusterSpec, graph: Optional[Graph] = None, *,
     return replay_plan(plan, cluster, graph, cm, keep_timeline)
 
 
+def training_of(plan: Plan, cluster: ClusterSpec) -> Training:
+    """How `plan` trains, as the cost model prices it: from the fields the runtime reads.
+
+    Precision is the plan's own (`Plan.precision`) when the plan says so: a precision other than
+    fp32, or a plan that records the precision it was priced in (`options["precision"]`, as the
+    search's plans do; a later change of `Plan.precision` wins). Otherwise, for plans that never
+    chose one, the cluster's training dtype. The ZeRO stage is `Plan.zero` (or `options["zero"]`
+    on plans that only carry it there); recomputation comes from the plan's recompute groups
+    (see `replay_plan`) or its "recompute" option. `sequence_parallel` is what the plan declares;
+    the sequence splits themselves are priced from its placements."""
+    opts = dict(plan.options)
+    if "precision" in plan.options or plan.precision != "fp32":
+        opts["precision"] = plan.precision
+    opts["zero"] = plan.zero or int(plan.options.get("zero", 0) or 0)
+    return Training.from_options(opts, cluster)
+
+
 def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, keep_timeline: bool = False) -> Estimate:
     """`simulate` without its checks, for callers that made the plan for this graph themselves."""
-    training = Training.from_options(plan.options, cluster)
+    training = training_of(plan, cluster)
     m = plan.num_micro_batches
     if plan.pipeline is None:
         stage_of = {op.name: 0 for op in graph.ops}
@@ -144,7 +161,10 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
         seg_index.setdefault((stage_of[op.name], part[op.name]), len(seg_index))
     seg_stage = {i: key[0] for key, i in seg_index.items()}
     seg_layer = {i: key[1] != "pre" and key[1] != "post" for key, i in seg_index.items()}
-    sp_ops = {op.name for op in graph.ops if part[op.name] not in ("pre", "post")} if training.sequence_parallel else set()
+    # A plan is priced as its placements say: sequence parallelism is the sequence splits it carries
+    # (the `megatron` strategy's and the search's plans have them), never a discount on ops it runs
+    # whole. (`Walker(sp_layers=...)` keeps that what-if for the cost model's own formulas.)
+    sp_ops: set = set()
     # recomputation: the plan's recompute groups when it has them; otherwise its "recompute" option
     # (full: every layer one group; selective: the attention cores)
     groups = {name: p.recompute for name, p in plan.ops.items() if getattr(p, "recompute", None) is not None}

@@ -19,9 +19,16 @@
 
 Everything is deterministic: candidates are generated and sorted in a fixed order, ties broken by
 their description. Two data-parallel modes exist: `unit` puts data parallelism inside the plan's
-unit (every op split along its batch label; the graph is the whole step's batch), which is what
-`strategy="auto"` in `nns.plan` needs because there the unit is the whole world; the default puts it
-in the plan's replicas (`Plan.dp`; the graph is one micro-batch of one replica).
+unit (every op split along its batch label; the graph is one micro-batch of the whole step, every
+replica's rows together), which is what `strategy="auto"` in `nns.plan` needs because there the
+unit is the whole world; the default puts it in the plan's replicas (`Plan.dp`; the graph is one
+micro-batch of one replica).
+
+What is priced is what runs: every op choice the search considers is one the op's rule can execute
+(its `localize`, which lowering calls, accepts the split), the plans carry the precision they were
+priced in (`Plan.precision`; the cluster's training dtype unless `precision=` says otherwise), the
+ZeRO stage (`Plan.zero`), recompute groups for exactly the ops the cost model recomputed, and, for
+sequence-parallel candidates, the sequence splits that were priced.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from ..errors import PlanError
 from ..graph import Graph
-from ..plan import Plan
+from ..plan import PRECISIONS, Plan
 from .cluster import ClusterSpec, cluster as make_cluster
 from .constraints import (Constraint, HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, MicroBatchSize,
                           parse_bytes)
@@ -138,10 +145,11 @@ class Search:
                  unit_mode: bool = False, micro_batches: Optional[int] = None, max_simulated: int = 8,
                  max_group: Optional[int] = None, schedules: Sequence[str] = ("1f1b", "gpipe", "interleaved",
                                                                                "zero-bubble"),
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, precision: Optional[str] = None):
         self.graphs = graphs
         self.world = int(world_size)
         self.cluster = cluster
+        self.dtype = _precision(precision, cluster)
         self.unit_mode = unit_mode
         self.fixed_m = micro_batches
         self.max_simulated = max_simulated
@@ -168,6 +176,7 @@ class Search:
         self.rejected: dict[str, int] = {}
         self._cms: dict[int, CostModel] = {}  # one cost model per graph (its caches are per graph)
         self._prints: dict[int, str] = {}  # graph fingerprints
+        self._layers: dict[int, bool] = {}  # graph -> has repeated layers (recompute groups)
 
     # -- configurations ---------------------------------------------------------------------------------
     def group_sizes(self) -> list[int]:
@@ -192,7 +201,7 @@ class Search:
     # -- the run ------------------------------------------------------------------------------------------
     def run(self) -> ParetoSet:
         t0 = time.monotonic()
-        training = Training(dtype=self.cluster.dtype)
+        training = Training(dtype=self.dtype)
         candidates: list[Candidate] = []
         intra_jobs = [(b, g, mesh) for b in sorted(self.graphs) for g in self.group_sizes() for mesh in self.meshes_for(g)]
         self.progress.set("intra-op choices", len(intra_jobs))
@@ -205,7 +214,11 @@ class Search:
             solver = IntraSolver(graph, cm, training, mesh, self.constraints, self.hf, m_hint, dp_hint)
             results = solver.solve()
             if self.sequence_parallel:
-                results += [solver.with_sequence_parallel(r) for r in results if r.tp > 1]
+                seen = {r.key() for r in results}
+                for r in [solver.with_sequence_parallel(r) for r in results if r.tp > 1]:
+                    if r is not None and r.key() not in seen:
+                        seen.add(r.key())
+                        results.append(r)
             solved.append((b, g, results, cm))
             self.progress.step()
         self.progress.set("pipelines and knobs", len(solved))
@@ -241,6 +254,13 @@ class Search:
         seconds = time.monotonic() - t0
         self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
         return ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
+
+    def _has_layers(self, graph: Graph) -> bool:
+        hit = self._layers.get(id(graph))
+        if hit is None:
+            from ..layers import layer_groups
+            hit = self._layers[id(graph)] = bool(layer_groups(graph).layers)
+        return hit
 
     def _cost_model(self, graph: Graph) -> CostModel:
         cm = self._cms.get(id(graph))
@@ -288,9 +308,12 @@ class Search:
                                 schedules.append((s, v))
                     elif s == "zero-bubble" or s in ("1f1b", "gpipe"):
                         schedules.append((s, 1))
-            shard_groups = dp * max((p for s in layers[:1] for _, (_, _, p) in s.params.items()), default=1)
-            zeros = [0, 1, 2, 3] if shard_groups > 1 else [0]
-            recomputes = [r for r in RECOMPUTE if r != "selective" or has_core]
+            # ZeRO shards across the plan's replicas (the runtime's FlatShard); with one it is a no-op
+            zeros = [0, 1, 2, 3] if dp > 1 else [0]
+            # recomputation runs the layers' recompute groups (materialize); a graph without layers
+            # has none to run, so it is not priced there
+            recomputes = [r for r in RECOMPUTE if r != "selective" or has_core] if self._has_layers(graph) \
+                else ["none"]
             for schedule, v in schedules:
                 stages = pp * v
                 w = list(weights)
@@ -315,8 +338,7 @@ class Search:
 
     def _price(self, cm: CostModel, cfg: Config, intra: IntraResult, bounds: list[int], pre: Segment, post: Segment,
                layers: list[Segment]) -> tuple[float, float]:
-        training = Training(dtype=self.cluster.dtype, zero=cfg.zero, recompute=cfg.recompute,
-                            sequence_parallel=cfg.sequence_parallel)
+        training = Training(dtype=self.dtype, zero=cfg.zero, recompute=cfg.recompute)
         S = cfg.stages
         mode = MODE[cfg.recompute]
         parts_per_stage: list[list[Part]] = []
@@ -417,16 +439,19 @@ class Search:
         if cfg.pp > 1:
             pipeline = PipelineSpec(stage_devices, cfg.micro_batches, cfg.schedule, [k % cfg.pp for k in range(S)],
                                     cfg.schedule in SPLITS_BACKWARD)
-        options = {"zero": cfg.zero, "recompute": cfg.recompute, "micro_batch_size": cfg.micro_batch_size,
+        # The training knobs the runtime reads are plan fields (zero, precision, each op's recompute
+        # group, each op's splits); options record how the plan was priced, for people and for
+        # `simulate`, which re-prices the plan from the same inputs (`simulator.training_of`).
+        options = {"recompute": cfg.recompute, "precision": self.dtype, "micro_batch_size": cfg.micro_batch_size,
                    "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
                    "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
         if cfg.sequence_parallel:
-            options["sequence_parallel"] = True  # priced by the cost model; these plans still run those ops whole
+            options["sequence_parallel"] = True  # the layers' sequence splits are in the ops' placements
         if id(graph) not in self._prints:
             self._prints[id(graph)] = graph.fingerprint()
         plan = Plan(graph_fingerprint=self._prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
                     dp=cfg.dp, ops=ops, strategy="search", options=options, pipeline=pipeline,
-                    micro_batches=cfg.micro_batches)
+                    micro_batches=cfg.micro_batches, zero=cfg.zero, precision=self.dtype)
         plan.input_shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
                              list(graph.meta(i.name).shape) for i in graph.inputs if graph.values[i.name].meta is not None}
         plan.graph = graph
@@ -458,25 +483,30 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
            constraints: Iterable[Constraint] = (), example_inputs: Any = None,
            global_batch_size: Optional[int] = None, memory_limit: Union[None, float, str] = None,
            progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
-           max_simulated: int = 8, max_group: Optional[int] = None, sequence_parallel: bool = False) -> ParetoSet:
+           max_simulated: int = 8, max_group: Optional[int] = None, sequence_parallel: bool = False,
+           precision: Optional[str] = None) -> ParetoSet:
     """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
 
     `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one
     micro-batch; with a `MicroBatchSize` constraint the model is captured at each allowed size, taken
-    from the first rows of the example inputs). `global_batch_size`: samples per training step over
+    from the first rows of the example inputs). Each plan's `micro_batches` says how many such
+    micro-batches one replica takes per step: `nns.parallelize(model, batch, plan=p)` is given
+    micro-batch x micro-batches rows per replica. `global_batch_size`: samples per training step over
     all replicas (default: the micro-batch times the world size). `memory_limit`: bytes or "40GiB"
     (default: the cluster's device memory). `data_parallel="unit"` puts data parallelism inside the
-    unit (the graph is then the whole step's batch; used by strategy="auto"). `sequence_parallel=True`
-    also considers Megatron's sequence parallelism as a plan option; like the `megatron` strategy's
-    option of that name it is priced by the cost model and recorded in the plan, but this runtime does
-    not execute it yet, so it is off by default.
+    unit (the graph is then one micro-batch of the whole step, every replica's rows together; used by
+    strategy="auto"). `precision`: "fp32", "bf16" or "fp16", the precision plans are priced in and
+    run in (each plan's `precision`); default: the cluster's training dtype (bf16 on the A100 and
+    H100 presets, fp16 on V100, fp32 on `local-cpu`). `sequence_parallel=True` also considers
+    Megatron's sequence parallelism: the norms, dropouts and residual adds of the layers split along
+    the sequence (the plans carry those splits, as the `megatron` strategy's option of that name does).
     """
     from ..plugins import get_plugin_manager
 
     if world_size < 1:
         raise SearchError(f"world_size must be >= 1 (got {world_size})")
     options = {"constraints": list(constraints), "world_size": world_size, "cluster": cluster,
-               "global_batch_size": global_batch_size, "memory_limit": memory_limit}
+               "global_batch_size": global_batch_size, "memory_limit": memory_limit, "precision": precision}
     hooks = get_plugin_manager().hook
     hooks.nnscaler_search_options(options=options)
     constraints, world_size = options["constraints"], int(options["world_size"])
@@ -485,12 +515,25 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     limit = parse_bytes(options["memory_limit"]) if options["memory_limit"] is not None else None
     s = Search(graphs, world_size, spec, constraints, options["global_batch_size"], limit, progress,
                unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
-               max_group=max_group, sequence_parallel=sequence_parallel)
+               max_group=max_group, sequence_parallel=sequence_parallel, precision=options["precision"])
     result = s.run()
     hooks.nnscaler_search_result(result=result, options=options)
     if not result.plans:
         raise SearchError("a search plugin removed every plan from the result (nnscaler_search_result hook)")
     return result
+
+
+def _precision(precision: Optional[str], cluster: ClusterSpec) -> str:
+    """The precision plans are priced and run in: the one asked for, else the cluster's training dtype."""
+    dtype = str(precision) if precision is not None else cluster.dtype
+    if dtype not in PRECISIONS:
+        source = f"precision={precision!r}" if precision is not None else \
+            f"cluster {cluster.name!r} prices training in {dtype!r}"
+        raise SearchError(f"{source}, which the runtime does not run; pass precision= one of {', '.join(PRECISIONS)}")
+    if dtype not in cluster.peak_flops:
+        raise SearchError(f"cluster {cluster.name!r} has no peak FLOP/s for {dtype!r} (it knows "
+                          f"{sorted(cluster.peak_flops)}); pass precision= one of those or add it to the cluster")
+    return dtype
 
 
 def _resolve_cluster(cluster: Union[ClusterSpec, str, None], world_size: int) -> ClusterSpec:

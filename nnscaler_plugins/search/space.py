@@ -39,7 +39,7 @@ class Config:
     zero: int = 0
     recompute: str = "none"
     tp: int = 1  # the largest split of an op that is not along the batch (for constraints)
-    sequence_parallel: bool = False  # Megatron's option: priced by the cost model, recorded in the plan
+    sequence_parallel: bool = False  # Megatron's option: the layers' norms and residual adds split along the sequence
 
     @property
     def unit_size(self) -> int:
@@ -109,8 +109,9 @@ def config_of(plan: Plan, graph: Graph) -> Config:
     rec = plan.options.get("recompute", "none") or "none"
     return Config(group=group, mesh=(group,), pp=pp, dp=plan.dp, micro_batch_size=max(1, b // batch_split),
                   micro_batches=plan.num_micro_batches, schedule=pl.schedule if pl is not None else "none",
-                  virtual=virtual, zero=int(plan.options.get("zero", 0) or 0),
-                  recompute=str(rec if rec is not True else "full"), tp=tp)
+                  virtual=virtual, zero=int(plan.zero or plan.options.get("zero", 0) or 0),
+                  recompute=str(rec if rec is not True else "full"), tp=tp,
+                  sequence_parallel=bool(plan.options.get("sequence_parallel", False)))
 
 
 def with_(cfg: Config, **changes: Any) -> Config:

@@ -113,8 +113,9 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
                 if group and group[0] in devs:
                     sc.buffers += nbytes * n
         elems, sync = _param_devices(parts, group)
-        # ZeRO shards each parameter over its data-parallel group: the pieces of the unit over which
-        # its gradient is partial, times the unit's replicas
+        # Gradients are summed over the pieces of the unit that read a parameter whole times the
+        # unit's replicas. ZeRO shards each parameter's states over the replicas of its device only
+        # (the runtime's `FlatShard`: `Plan.dp` chunks; nothing to shard with one replica).
         worst = max(group, key=lambda d: elems[d]) if group else 0
         gather = gather_b = sync_time = 0.0
         for (members, partition), el in sync.items():
@@ -124,12 +125,15 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
             span = cm.replica_span(members, unit, dp, to_global)
             nbytes = el * t.grad_bytes
             buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
-            if t.zero >= 3:
-                # every micro-batch gathers the weights for its forward and its backward and
-                # reduce-scatters its gradients
-                ag = cm.net.all_gather(el * t.param_bytes, span)
+            if t.zero >= 3 and dp > 1:
+                # every micro-batch gathers the weights among the replicas for its forward and its
+                # backward and reduce-scatters its gradients among them (a gradient summed over
+                # several devices of the unit too is all-reduced whole, then chunked)
+                replicas = cm.replica_span(members[:1], unit, dp, to_global)
+                ag = cm.net.all_gather(el * t.param_bytes, replicas)
                 gather += ag
-                gather_b += ag + cm.net.reduce_scatter(nbytes, span)
+                gather_b += ag + (cm.net.all_reduce(nbytes, span) if partition > 1
+                                  else cm.net.reduce_scatter(nbytes, replicas))
             else:
                 sync_time += cm.net.all_reduce(nbytes, span)
             sync_time += (buckets - 1) * (cm.net.alpha_in if span.local else cm.net.alpha_x)
@@ -161,17 +165,13 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
 
 
 def _states(t: Training, parts: Sequence[Part], device: int, dp: int) -> dict:
-    # parameter elements of the device by the size of their data-parallel (ZeRO) group
-    by_shard: dict[int, float] = {}
+    # the device's parameter elements, their states sharded by ZeRO over the unit's replicas
+    el = 0.0
     for part in parts:
         for v, (local, devices, partition) in part.segment.params.items():
             if device in devices:
-                by_shard[partition * dp] = by_shard.get(partition * dp, 0.0) + local * part.times
-    states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for shard, el in by_shard.items():
-        for k, b in t.state_bytes(el, shard).items():
-            states[k] += b
-    return states
+                el += local * part.times
+    return dict(t.state_bytes(el, dp)) if el else {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
 
 
 @dataclass
