@@ -4,19 +4,25 @@ check the losses.
     python recipes/train_gpt2.py                      # search, then tp, hybrid and auto on 4 processes
     python recipes/train_gpt2.py --nproc 2 --strategies dp,tp --steps 5 --no-search
 
-The search prices plans for this machine (the `local-cpu` cluster, N processes) and writes its
-Pareto curve, the fastest plan's device map and, for pipeline plans, its timeline into --out.
-Every plan must reproduce, step by step, the loss of one process training on the same global
-batch; the script exits non-zero if any differs by more than the tolerance. Under torchrun it runs
-only the distributed part for the first strategy (RANK/WORLD_SIZE come from the launcher).
+The search prices plans for this machine (the `local-cpu` cluster, N processes; `--no-measure`
+uses fixed typical CPU numbers instead of measuring it) and writes its Pareto curve, the fastest
+plan's device map and, for pipeline plans, its timeline into --out. Each strategy's plan is made
+and validated here, before any process starts, then run by every process. Every plan must
+reproduce, step by step, the loss of one process training on the same global batch. A plan that
+cannot be made or run is reported on one line (its name and the reason; the tracebacks go to
+--out); the script exits non-zero if any plan failed or differs by more than the tolerance. Under
+torchrun it runs only the distributed part for the first strategy (RANK/WORLD_SIZE come from the
+launcher).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +54,32 @@ def degrees(strategy: str, world: int) -> dict:
     return {}
 
 
+def local_cpu(nproc: int, measure: bool):
+    """This machine as `nproc` processes: measured once and cached, or fixed typical numbers."""
+    return nns.cluster("local-cpu", devices=nproc, measure=measure)
+
+
+def make_plan(strategy: str, world: int, batch: int, seq: int, cluster=None):
+    """The strategy's plan for `world` processes, made and validated before any process runs it
+    (strategy "auto" searches `cluster` here, once). Each replica's batch is its share of `batch`."""
+    from nnscaler_plugins.plugins import get_strategy
+
+    opts = degrees(strategy, world)
+    try:
+        fn = get_strategy(strategy)
+    except KeyError as e:
+        raise nns.PlanError(str(e.args[0])) from None
+    deg = getattr(fn, "degrees", None)
+    dp = deg(world, **opts)[1] if deg is not None else opts.get("dp", 1)
+    if batch % dp:
+        raise nns.PlanError(f"the global batch of {batch} does not divide among {dp} data-parallel replicas")
+    if strategy == "auto" and cluster is not None:
+        opts["cluster"] = cluster
+    example = {"input_ids": torch.zeros(batch // dp, seq, dtype=torch.long),
+               "labels": torch.zeros(batch // dp, seq, dtype=torch.long)}
+    return nns.plan(build_model(), strategy=strategy, world_size=world, example_inputs=example, **opts)
+
+
 def reference_losses(steps: int, batch: int, seq: int, lr: float) -> list[float]:
     model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -61,28 +93,30 @@ def reference_losses(steps: int, batch: int, seq: int, lr: float) -> list[float]
     return losses
 
 
-def worker(rank: int, world: int, port: int, strategy: str, steps: int, batch: int, seq: int, lr: float, q):
+def worker(rank: int, world: int, port: int, plan, steps: int, batch: int, seq: int, lr: float, q):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        q.put((rank, "losses", train(strategy, steps, batch, seq, lr, rank, world)))
-    except BaseException as e:  # report instead of hanging the parent
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        q.put((rank, "losses", train(plan, steps, batch, seq, lr, rank, world)))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent, once, instead of a traceback per rank
         import traceback
-        q.put((rank, "error", traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+        q.put((rank, "error", (reason(e), traceback.format_exc())))
+        return
+    dist.destroy_process_group()
 
 
-def train(strategy: str, steps: int, batch: int, seq: int, lr: float, rank: int, world: int) -> list[float]:
+def reason(e: BaseException) -> str:
+    """An exception as one line: its type and message."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def train(plan, steps: int, batch: int, seq: int, lr: float, rank: int, world: int) -> list[float]:
     model = build_model()
-    opts = degrees(strategy, world)
-    dp = opts.get("dp", world if strategy == "dp" else 1)
-    local = batch // dp
+    local = batch // plan.dp
     example = {"input_ids": torch.zeros(local, seq, dtype=torch.long), "labels": torch.zeros(local, seq, dtype=torch.long)}
-    pm = nns.parallelize(model, example, plan=strategy, **opts)
+    pm = nns.parallelize(model, example, plan=plan)
     if rank == 0:
-        print(pm.plan.explain(), flush=True)
         counts = pm.program.collective_counts(0)
         print(f"  collectives per forward on device 0: {dict(counts) or 'none'}", flush=True)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
@@ -99,14 +133,60 @@ def train(strategy: str, steps: int, batch: int, seq: int, lr: float, rank: int,
     return losses
 
 
-def search(nproc: int, batch: int, seq: int, out: str) -> None:
+def run_plan(plan, nproc: int, steps: int, batch: int, seq: int, lr: float,
+             timeout: float = 600.0, grace: float = 15.0) -> tuple[Optional[list[float]], Optional[str], str]:
+    """Train `plan` on `nproc` processes: (rank 0's losses, None, "") or (None, the first failure as
+    one line, every failing rank's traceback). Once a rank has failed the others get `grace` seconds
+    to finish (they may be waiting in a collective for it), then they are stopped."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, nproc, port, plan, steps, batch, seq, lr, q)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, list[float]] = {}
+    errors: dict[int, tuple[str, str]] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < nproc:
+        now = time.monotonic()
+        if now > deadline:
+            errors.setdefault(-1, (f"no result from rank(s) {sorted(set(range(nproc)) - set(results) - set(errors))} "
+                                   f"within {timeout:.0f} s", ""))
+            break
+        try:
+            rank, kind, payload = q.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in errors]
+            if dead and q.empty():
+                time.sleep(1.0)  # a result may still be in flight
+                if q.empty():
+                    errors.setdefault(dead[0], (f"process of rank {dead[0]} died (exit code "
+                                                f"{procs[dead[0]].exitcode})", ""))
+            continue
+        if kind == "error":
+            errors[rank] = payload
+            deadline = min(deadline, time.monotonic() + grace)
+        else:
+            results[rank] = payload
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        first = min(errors)
+        log = "\n".join(f"--- rank {r} ---\n{tb}" for r, (_, tb) in sorted(errors.items()) if tb)
+        return None, errors[first][0], log
+    return results.get(0), None, ""
+
+
+def search(nproc: int, batch: int, seq: int, out: str, spec) -> None:
     """The search alone: no processes, just the cost model and the simulator on this machine's numbers."""
     from nnscaler_plugins.render import render_device_map, render_pareto
 
     model = build_model()
     ids = torch.zeros(batch, seq, dtype=torch.long)
     graph = nns.capture(model, kwargs={"input_ids": ids, "labels": ids})
-    spec = nns.cluster("local-cpu", devices=nproc)
     t0 = time.time()
     plans = nns.search(graph, world_size=nproc, cluster=spec)
     print(f"search on {spec.describe()}: {len(plans)} plan(s) on the "
@@ -132,6 +212,8 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--strategies", default="tp,hybrid,auto")
     ap.add_argument("--no-search", action="store_true", help="skip the plan search before training")
+    ap.add_argument("--no-measure", action="store_true",
+                    help="price plans with fixed typical CPU numbers instead of measuring this machine")
     ap.add_argument("--out", default="nnscaler_out", help="where the search writes its renderings")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
@@ -142,47 +224,56 @@ def main() -> int:
     strategies = [s for s in a.strategies.split(",") if s]
 
     if "RANK" in os.environ:  # launched by torchrun: run one strategy, print from rank 0
-        losses = train(strategies[0], a.steps, a.batch, a.seq, a.lr, int(os.environ["RANK"]),
-                       int(os.environ["WORLD_SIZE"]))
-        if int(os.environ["RANK"]) == 0:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        plan = make_plan(strategies[0], world, a.batch, a.seq, local_cpu(world, not a.no_measure))
+        losses = train(plan, a.steps, a.batch, a.seq, a.lr, rank, world)
+        if rank == 0:
             print("losses:", losses)
         return 0
 
+    spec = local_cpu(a.nproc, not a.no_measure)
+    ok, differ = True, False
     if not a.no_search:
-        search(a.nproc, a.batch, a.seq, a.out)
+        try:
+            search(a.nproc, a.batch, a.seq, a.out, spec)
+        except Exception as e:  # noqa: BLE001 - one line, then the training checks still run
+            print(f"[search] FAILED: {reason(e)}", flush=True)
+            ok = False
     t0 = time.time()
     ref = reference_losses(a.steps, a.batch, a.seq, a.lr)
     print(f"single process, global batch {a.batch}: losses {[round(x, 6) for x in ref]} ({time.time() - t0:.1f}s)")
-    ok = True
-    ctx = mp.get_context("spawn")
     for strategy in strategies:
         t0 = time.time()
-        q = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, a.nproc, port, strategy, a.steps, a.batch, a.seq, a.lr, q))
-                 for r in range(a.nproc)]
-        for p in procs:
-            p.start()
-        results = {}
-        for _ in procs:
-            rank, kind, payload = q.get(timeout=600)
-            if kind == "error":
-                print(f"[{strategy}] rank {rank} failed:\n{payload}", file=sys.stderr)
-                ok = False
-            results[rank] = payload
-        for p in procs:
-            p.join()
-        if kind == "error" or 0 not in results or isinstance(results[0], str):
+        try:
+            plan = make_plan(strategy, a.nproc, a.batch, a.seq, spec)
+        except Exception as e:  # noqa: BLE001 - a plan that cannot be made is reported, not raised
+            print(f"[{strategy}] FAILED before launch: {reason(e)}", flush=True)
             ok = False
             continue
-        got = results[0]
+        print(plan.explain(), flush=True)
+        got, error, log = run_plan(plan, a.nproc, a.steps, a.batch, a.seq, a.lr)
+        if error is not None:
+            where = ""
+            if log:
+                os.makedirs(a.out, exist_ok=True)
+                path = os.path.join(a.out, f"{strategy}-errors.log")
+                with open(path, "w") as f:
+                    f.write(log)
+                where = f" (tracebacks in {path})"
+            print(f"[{strategy}] FAILED on {a.nproc} processes: {error}{where}", flush=True)
+            ok = False
+            continue
         worst = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
         same = worst <= a.rtol
         ok &= same
+        differ |= not same
         print(f"[{strategy}] {a.nproc} processes: losses {[round(x, 6) for x in got]}  "
               f"max rel diff vs single process {worst:.2e} -> {'EQUAL' if same else 'DIFFERENT'} "
               f"({time.time() - t0:.1f}s)", flush=True)
-    print("all plans match the single-process run" if ok else "MISMATCH", flush=True)
+    if ok:
+        print("all plans match the single-process run", flush=True)
+    elif differ:
+        print("MISMATCH", flush=True)
     return 0 if ok else 1
 
 
