@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx
@@ -63,6 +63,7 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
             if ctx is not None:
                 stack.enter_context(ctx)
         stack.enter_context(opaque_functions())  # custom autograd Functions stay one op each
+        stack.enter_context(_recorded_contiguous())
         layers = find_stack(model) if trace_repeated_layers_once else None
         if layers is not None:
             graph = _capture_two_layers(model, args, kwargs, layers)
@@ -71,6 +72,27 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         ep = _export(model, args, kwargs)
         fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
         return _to_graph(ep, model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _recorded_contiguous() -> Iterator[None]:
+    """Every `.contiguous()` call becomes an op, even on a tensor that already is contiguous.
+
+    Tensor.contiguous returns its input before dispatch when the strides already fit, so whether
+    the op appears in the graph depends on the strides the device's kernels produce (CPU
+    attention returns a layout whose transpose is contiguous; meta kernels do not). A plan made
+    on a meta-device capture must match the graph of the real model, so capture records the call
+    either way; at run time the op returns its input unchanged when there is nothing to do."""
+    original = torch.Tensor.contiguous
+
+    def contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        return torch.ops.aten.contiguous.default(self, memory_format=memory_format)
+
+    torch.Tensor.contiguous = contiguous
+    try:
+        yield
+    finally:
+        torch.Tensor.contiguous = original
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:

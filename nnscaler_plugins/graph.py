@@ -92,6 +92,16 @@ class OpNode:
         return f"{self.name} ({self.op_name}){mod} at {loc}"
 
 
+def _without_devices(x: Any) -> Any:
+    if isinstance(x, torch.device):
+        return "<device>"
+    if isinstance(x, (list, tuple)):
+        return type(x)(_without_devices(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _without_devices(v) for k, v in x.items()}
+    return x
+
+
 @dataclass
 class InputSpec:
     name: str  # graph value name
@@ -169,7 +179,10 @@ class Graph:
         for v in sorted(self.values.values(), key=lambda v: v.name):
             h.update(f"{v.name}|{v.kind}|{v.fqn}|{v.aliases}|{v.meta}\n".encode())
         for op in self.ops:
-            h.update(f"{op.name}|{op.op_name}|{op.args!r}|{sorted(op.kwargs.items())!r}|{op.outputs}|{op.grad_enabled}\n".encode())
+            # Devices are left out: generated code runs on the module's device whatever the capture
+            # saw, and a plan made on a meta-device capture must fit the real model's graph.
+            args, kwargs = _without_devices(op.args), _without_devices(op.kwargs)
+            h.update(f"{op.name}|{op.op_name}|{args!r}|{sorted(kwargs.items())!r}|{op.outputs}|{op.grad_enabled}\n".encode())
         h.update(repr([i.path for i in self.inputs]).encode())
         h.update(repr(self.outputs).encode())
         return h.hexdigest()[:16]

@@ -226,9 +226,6 @@ class Plan:
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        # Plans written before `zero` was a field (the search's) carry it in options.
-        if not self.zero and self.options.get("zero"):
-            self.zero = int(self.options["zero"])
         self.check_training_knobs()
 
     def check_training_knobs(self) -> None:
@@ -325,7 +322,9 @@ class Plan:
                    estimate=d.get("estimate"), version=v,
                    pipeline=None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"]),
                    micro_batches=int(d.get("micro_batches", 1)),
-                   zero=int(d.get("zero", 0) or 0), precision=str(d.get("precision", "fp32")),
+                   # files written before `zero` was a field (the search's) carry it in options
+                   zero=int(d["zero"] if "zero" in d else (d.get("options") or {}).get("zero", 0) or 0),
+                   precision=str(d.get("precision", "fp32")),
                    input_shapes={k: list(v) for k, v in d.get("input_shapes", {}).items()})
 
     @classmethod

@@ -78,3 +78,38 @@ def test_capture_error_is_a_few_lines_naming_the_model_line(capfd):
     assert "GuardOnDataDependentSymNode" in e.value.details  # torch's report is kept, not printed
     out, err = capfd.readouterr()
     assert "def forward" not in out + err and len((out + err).splitlines()) < 5, out + err
+
+
+def test_meta_capture_has_the_real_models_fingerprint():
+    """A plan made on a meta-device capture (a large model planned on a laptop) fits the real
+    model's graph: devices and stride-dependent no-op calls (.contiguous() on a tensor whose layout
+    the device's kernels already made contiguous) no longer tell the two apart."""
+    for name in ("gpt2_small", "llama_small"):
+        torch.manual_seed(0)
+        real, batch = getattr(models, name)()
+        real.eval()  # dropout off, to compare with eager
+        with torch.device("meta"):
+            meta, _ = getattr(models, name)()
+        meta.eval()
+        g_meta = nns.capture(meta, kwargs={k: v.to("meta") for k, v in batch.items()})
+        g_real = nns.capture(real, kwargs=batch)
+        assert g_meta.fingerprint() == g_real.fingerprint(), name
+        plan = nns.plan(g_meta, strategy="dp", world_size=1)
+        pm = nns.parallelize(real, batch, plan=plan, world_size=1, cache_dir="/tmp/nns_test_cache")
+        assert torch.allclose(pm.train_step(batch), real(**batch).loss)
+
+
+def test_plan_zero_override_sticks():
+    import dataclasses
+
+    from nnscaler_plugins.plan import Plan
+
+    model, inputs = models.mlp()
+    p = nns.plan(model, strategy="dp", world_size=2, example_inputs=inputs, zero=2)
+    p.options["zero"] = 2  # as plans written by older searches carry it
+    q = dataclasses.replace(p, zero=0)
+    assert q.zero == 0
+    assert Plan.from_json({**q.to_json(), "zero": 0}).zero == 0
+    legacy = q.to_json()
+    del legacy["zero"]
+    assert Plan.from_json(legacy).zero == 2

@@ -40,7 +40,7 @@ def megatron(graph, world, m, **opts):
     st(b, **{k: v for k, v in opts.items() if k != "zero"})
     plan = b.finish()
     if "zero" in opts:
-        plan.options["zero"] = opts["zero"]
+        plan.zero = opts["zero"]
     return plan
 
 

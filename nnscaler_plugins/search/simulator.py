@@ -134,14 +134,14 @@ def training_of(plan: Plan, cluster: ClusterSpec) -> Training:
     Precision is the plan's own (`Plan.precision`) when the plan says so: a precision other than
     fp32, or a plan that records the precision it was priced in (`options["precision"]`, as the
     search's plans do; a later change of `Plan.precision` wins). Otherwise, for plans that never
-    chose one, the cluster's training dtype. The ZeRO stage is `Plan.zero` (or `options["zero"]`
-    on plans that only carry it there); recomputation comes from the plan's recompute groups
+    chose one, the cluster's training dtype. The ZeRO stage is `Plan.zero` (plan files that only
+    carry it in their options are read into it by `Plan.from_json`); recomputation comes from the plan's recompute groups
     (see `replay_plan`) or its "recompute" option. `sequence_parallel` is what the plan declares;
     the sequence splits themselves are priced from its placements."""
     opts = dict(plan.options)
     if "precision" in plan.options or plan.precision != "fp32":
         opts["precision"] = plan.precision
-    opts["zero"] = plan.zero or int(plan.options.get("zero", 0) or 0)
+    opts["zero"] = plan.zero
     return Training.from_options(opts, cluster)
 
 
