@@ -220,7 +220,9 @@ def strategy_options(strategy: Any) -> Optional[frozenset]:
     declared = getattr(strategy, "options", None)
     if declared is not None and not callable(declared):
         return frozenset(declared)
-    names = _keyword_parameters(strategy, skip=1)
+    # an object that wraps its function (the built-in `Strategy` without `options`): that function's
+    apply = getattr(strategy, "apply", None)
+    names = _keyword_parameters(apply if callable(apply) else strategy, skip=1)
     if names is None:
         return None
     degrees = getattr(strategy, "degrees", None)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.primitives import PlanBuilder
@@ -48,7 +48,9 @@ class Strategy:
     apply: Callable[..., None]
     degrees: Callable[..., tuple[int, int]]
     doc: str = ""
-    options: tuple[str, ...] = ()  # the options it takes, besides those every strategy takes
+    # The options it takes besides those every strategy takes; None: those of `apply` (its keyword
+    # parameters, unchecked if it takes **options), see nnscaler_plugins.plugins.strategy_options.
+    options: Optional[tuple[str, ...]] = None
 
     def __call__(self, builder: PlanBuilder, **options: Any) -> None:
         self.apply(builder, **options)

@@ -94,6 +94,14 @@ def test_third_party_strategies_declare_options_or_fall_back_to_keyword_paramete
     assert strategy_options(anything) is None  # **options and no declaration: cannot be checked
     nns.plan(model, strategy=anything, world_size=1, example_inputs=inputs, whatever=3)
 
+    from nnscaler_plugins.strategies import Strategy  # the built-ins' wrapper, usable by plugins too
+
+    def one_unit(world_size, **_):
+        return world_size, 1
+
+    assert strategy_options(Strategy("kw", keywords, one_unit)) == {"chunks"}  # its function's parameters
+    assert strategy_options(Strategy("decl", anything, one_unit, "", ("width",))) == {"width"}
+
 
 def test_registered_third_party_strategy_is_checked_by_name():
     from nnscaler_plugins.hookspecs import hookimpl
