@@ -143,7 +143,7 @@ def published_plan(case: Case, g=None):
     strategy(builder, **{k: v for k, v in opts.items() if k != "zero"})
     plan = builder.finish()
     if "zero" in opts:
-        plan.options["zero"] = opts["zero"]
+        plan.zero = opts["zero"]
     return plan
 
 

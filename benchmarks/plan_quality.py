@@ -203,7 +203,7 @@ def recipe(graph, name: str, world: int, m: int, **opts):
         builder = PlanBuilder(graph, 1, world, strategy="dp", micro_batches=m)
         strategy(builder)
     plan = builder.finish()
-    plan.options["zero"] = 3 if name == "zero-3" else 0
+    plan.zero = 3 if name == "zero-3" else 0
     return plan
 
 
