@@ -5,41 +5,21 @@ name found after that costs a launch and a traceback per rank, so both adapters 
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Union
+from typing import Any
 
-PlanLike = Union[str, os.PathLike, Callable, Any]
+from nnscaler_plugins.plan_source import PlanLike, resolve
 
 
 def check_plan(plan: PlanLike, where: str) -> None:
     """Raise with the registered names unless `plan` is a strategy name, a Plan, an existing plan
     file or a callable. `where` names the argument in messages (e.g. "NNScalerStrategy(plan=...)")."""
-    from nnscaler_plugins.plan import Plan
-
-    if isinstance(plan, Plan) or callable(plan):
-        return
-    if isinstance(plan, (str, os.PathLike)):
-        text = os.fspath(plan)
-        if text.endswith(".json"):
-            if not os.path.exists(text):
-                raise FileNotFoundError(f"{where}: {text!r}: no such plan file")
-            return
-        from nnscaler_plugins.plugins import strategies
-
-        names = strategies()
-        if text not in names:
-            raise ValueError(f"{where}: {text!r} is an unknown strategy; registered: {', '.join(names)} "
-                             "(or pass a Plan, a plan .json file or a callable)")
-        return
-    raise TypeError(f"{where} takes a strategy name, a Plan, a plan file or a callable; got {type(plan).__name__}")
+    resolve(plan, where)
 
 
 def check_plan_options(plan: PlanLike, options: dict, where: str) -> None:
     """Refuse option names the plan's strategy does not take (closest valid name in the message),
     before a process starts: the same check `nns.plan` and `nns.parallelize` make."""
-    from nnscaler_plugins.plugins import check_options
-
-    check_options(plan, options or {}, where)
+    resolve(plan, where).check_options(options or {}, where)
     precision = (options or {}).get("precision")
     if precision not in (None, "fp32"):  # what check_training_state refuses after planning, said before launch
         raise NotImplementedError(f"{where}: precision={precision!r} in the plan is not supported by this adapter; "

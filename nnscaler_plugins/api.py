@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import time
 from typing import Any, Callable, Optional, Union
@@ -16,11 +15,11 @@ from .graph import Graph
 from .lowering import Program, lower
 from .microbatch import resolve_micro_batches, split_batch
 from .plan import Plan
-from .plugins import check_options, get_plugin_manager, get_strategy
+from .plan_source import PlanLike, PlanSource, resolve
+from .plugins import get_plugin_manager
 from .primitives import PlanBuilder
 from .validate import validate
 
-StrategyLike = Union[str, Callable, Plan, os.PathLike]
 
 
 def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1) -> Graph:
@@ -34,20 +33,7 @@ def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1) 
     return capture(model_or_graph, args, kwargs)
 
 
-def _degrees(fn: Callable, world_size: int, options: dict) -> tuple[int, int]:
-    deg = getattr(fn, "degrees", None)
-    if deg is not None:
-        return deg(world_size, **options)
-    tp = options.get("tp")
-    dp = options.get("dp")
-    if tp is None and dp is None:
-        return world_size, 1
-    tp = tp or world_size // dp
-    dp = dp or world_size // tp
-    return tp, dp
-
-
-def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int, example_inputs: Any = None,
+def plan(model_or_graph: Any, *, strategy: PlanLike = "tp", world_size: int, example_inputs: Any = None,
          cluster: Any = None, constraints: tuple = (), **options: Any) -> Plan:
     """Make a validated Plan by a strategy name, a callable `fn(builder, **options)`, a Plan or a plan file.
 
@@ -55,51 +41,42 @@ def plan(model_or_graph: Any, *, strategy: StrategyLike = "tp", world_size: int,
     `micro_batches=` (or `micro_batch_size=`) the step is cut into micro-batches along the batch
     dim and the plan is made for one of them.
     """
-    check_options(strategy, options)  # a misspelt option is refused before the model is captured
+    source = resolve(strategy)
+    source.check_options(options)  # a misspelt option is refused before the model is captured
     micro = resolve_micro_batches(None if isinstance(model_or_graph, Graph) else example_inputs,
                                   options.pop("micro_batches", None), options.pop("micro_batch_size", None))
     graph = _graph_of(model_or_graph, example_inputs, micro)
+    if cluster is not None:  # for strategies that plan for a cluster ("auto" searches on it)
+        options.setdefault("cluster", cluster)
+    if constraints:
+        options.setdefault("constraints", tuple(constraints))
+    made, _ = _plan_and_program(graph, source, world_size, micro, options,
+                                lower_now=lambda p: p.unit_size <= _LOWER_CHECK_MAX_UNIT)
+    return made
+
+
+def _plan_and_program(graph: Graph, source: PlanSource, world_size: int, micro: int, options: dict,
+                      lower_now: Callable[[Plan], bool]) -> tuple[Plan, Optional[Program]]:
+    """The validated plan for `graph`, and its Program when `lower_now(plan)` says to lower it here
+    (cross-device problems surface at once; `parallelize` keeps what was lowered)."""
     # Training knobs every strategy takes: set on the plan, not handed to the strategy function.
     zero, precision = options.pop("zero", None), options.pop("precision", None)
-    if isinstance(strategy, Plan):
-        p = strategy
-    elif isinstance(strategy, (os.PathLike,)) or (isinstance(strategy, str) and strategy.endswith(".json")):
-        p = Plan.load(strategy)
+    if source.plan is not None:
+        p = source.plan
     else:
-        if isinstance(strategy, str):
-            try:
-                fn = get_strategy(strategy)
-            except KeyError as e:
-                raise PlanError(str(e.args[0])) from None
-            name = strategy
-        elif callable(strategy):
-            fn, name = strategy, getattr(strategy, "__name__", "custom")
-        else:
-            raise TypeError(f"strategy must be a name, a callable, a Plan or a plan file; got {type(strategy).__name__}")
-        unit, dp = _degrees(fn, world_size, options)
-        if unit * dp != world_size:
-            raise PlanError(f"strategy {name!r} with {options} gives {dp} x {unit} devices, but world size is "
-                            f"{world_size}; choose degrees whose product is {world_size}")
-        builder = PlanBuilder(graph, unit, dp, strategy=name, options={k: v for k, v in options.items()
-                                                                       if isinstance(v, (int, float, str, bool))},
+        unit, dp = source.degrees(world_size, options)
+        builder = PlanBuilder(graph, unit, dp, strategy=source.name,
+                              options={k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
                               micro_batches=micro, zero=0 if zero is None else zero,
                               precision="fp32" if precision is None else precision)
-        if cluster is not None:  # for strategies that plan for a cluster ("auto" searches on it)
-            options.setdefault("cluster", cluster)
-        if constraints:
-            options.setdefault("constraints", tuple(constraints))
-        params = inspect.signature(fn).parameters
-        accepts_kw = any(p.kind == p.VAR_KEYWORD for p in params.values())
-        fn(builder, **(options if accepts_kw else {k: v for k, v in options.items() if k in params}))
+        source.call(builder, options)
         p = builder.finish(validate=False)
     if (zero is not None and zero != p.zero) or (precision is not None and precision != p.precision):
         p = dataclasses.replace(p, zero=p.zero if zero is None else zero,
                                 precision=p.precision if precision is None else precision)
     p.check_runnable()
     validate(p, graph, world_size=world_size)
-    if p.unit_size <= _LOWER_CHECK_MAX_UNIT:
-        lower(graph, p)  # cross-device problems surface now, before any process starts
-    return p
+    return p, (lower(graph, p) if lower_now(p) else None)
 
 
 # Lowering writes statements for every device of the unit; past this size (plans for large
@@ -127,7 +104,7 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
     return 0, 1
 
 
-def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: StrategyLike = "tp",
+def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike = "tp",
                 world_size: Optional[int] = None, device: Optional[Union[str, torch.device]] = None,
                 cache_dir: str = ".nnscaler_cache", loss_fn: Optional[Callable] = None, **options: Any):
     """Capture, plan, lower and generate code for this rank; returns its ParallelModule.
@@ -138,24 +115,21 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: StrategyLi
     """
     from .runtime.parallel_module import ParallelModule
 
-    check_options(plan, options)  # before the process group, the capture or the cache is touched
+    source = resolve(plan)
+    source.check_options(options)  # before the process group, the capture or the cache is touched
     dev = torch.device(device) if device is not None else _default_device()
     rank, ws = _init_distributed(dev)
     world_size = world_size or ws
     if world_size != ws:
         raise PlanError(f"world_size={world_size} but the process group has {ws} processes")
-    if isinstance(plan, (str, os.PathLike)) and str(plan).endswith(".json"):
-        plan = Plan.load(plan)
-    if isinstance(plan, Plan):
-        micro = plan.num_micro_batches
+    if source.plan is not None:
+        micro = source.plan.num_micro_batches
         resolve_micro_batches(example_inputs, micro)  # the batch must cut into the plan's micro-batches
     else:
         micro = resolve_micro_batches(example_inputs, options.pop("micro_batches", None),
                                       options.pop("micro_batch_size", None))
-        options["micro_batches"] = micro
     graph = _capture_on_every_rank(model, example_inputs, micro, rank, world_size)
-    p = globals()["plan"](graph, strategy=plan, world_size=world_size, **options)
-    program = lower(graph, p)
+    _, program = _plan_and_program(graph, source, world_size, micro, options, lower_now=lambda p: True)
     return ParallelModule(program, model, rank=rank, world_size=world_size, device=dev, cache_dir=cache_dir,
                           loss_fn=loss_fn)
 

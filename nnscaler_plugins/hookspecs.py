@@ -21,7 +21,7 @@ def nnscaler_register_strategies() -> dict[str, Callable]:
     optional `fn.options` (an iterable of names) declares the options it takes, so that every entry
     point refuses a misspelt one before anything starts. Without `options`, the function's keyword
     parameters (and its `degrees`') are its options; a function taking `**options` with no
-    declaration is not checked. The training knobs every strategy takes (`plugins.COMMON_OPTIONS`:
+    declaration is not checked. The training knobs every strategy takes (`plan_source.COMMON_OPTIONS`:
     zero, precision, micro_batches, micro_batch_size, cluster, constraints) need no declaring.
 
     Names must be unique across plugins; a clash raises at first use with both plugin names.

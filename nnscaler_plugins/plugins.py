@@ -19,13 +19,11 @@ package's pyproject:
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import importlib.metadata
-import inspect
 import os
 import sys
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import pluggy
 
@@ -144,23 +142,24 @@ def plugin_names() -> list[str]:
     return sorted(name for name, plugin in get_plugin_manager().list_name_plugin() if plugin is not None)
 
 
+_generation = [0]
+
+
+def plugins_generation() -> int:
+    """A number that changes whenever a plugin is registered or unregistered at run time: tables
+    read from the hooks (strategies, op rules) are cached per generation."""
+    return _generation[0]
+
+
 def register(plugin: Any, name: Optional[str] = None) -> None:
     """Register a plugin object or module at run time (tests, notebooks)."""
-    pm = get_plugin_manager()
-    pm.register(plugin, name=name)
-    _forget_tables()
+    get_plugin_manager().register(plugin, name=name)
+    _generation[0] += 1
 
 
 def unregister(plugin: Any) -> None:
     get_plugin_manager().unregister(plugin)
-    _forget_tables()
-
-
-def _forget_tables() -> None:
-    """Strategies and op rules are read from the hooks once; a plugin added later must be seen."""
-    _strategy_table.cache_clear()
-    from .rules.table import refresh
-    refresh()
+    _generation[0] += 1
 
 
 def example_inputs(model: Any, batch: Any) -> Any:
@@ -170,16 +169,26 @@ def example_inputs(model: Any, batch: Any) -> Any:
     return batch if found is None else found
 
 
-@functools.lru_cache(maxsize=1)
 def _strategy_table() -> dict[str, Callable]:
-    table: dict[str, Callable] = {}
+    return _strategy_table_for(plugins_generation())
+
+
+@functools.lru_cache(maxsize=4)
+def _strategy_table_for(generation: int) -> dict[str, Callable]:
     pm = get_plugin_manager()
-    for impl in pm.hook.nnscaler_register_strategies.get_hookimpls():
-        result = impl.function()
+    table: dict[str, Callable] = {}
+    clashes: list[str] = []
+    # Through the hook relay, so NNSCALER_PLUGINS_TRACE shows the call and what each plugin returned.
+    for result in pm.hook.nnscaler_register_strategies():
         for name, fn in (result or {}).items():
             if name in table:
-                raise ValueError(f"strategy {name!r} is registered twice (second by plugin {impl.plugin_name!r})")
+                clashes.append(name)
             table[name] = fn
+    if clashes:
+        name = clashes[0]
+        owners = [impl.plugin_name for impl in pm.hook.nnscaler_register_strategies.get_hookimpls()
+                  if name in (impl.function() or {})]
+        raise ValueError(f"strategy {name!r} is registered twice (by plugins {', '.join(map(repr, owners))})")
     return table
 
 
@@ -193,100 +202,3 @@ def get_strategy(name: str) -> Callable:
     if name not in table:
         raise KeyError(f"unknown strategy {name!r}; registered: {', '.join(sorted(table)) or '(none)'}")
     return table[name]
-
-
-# -- strategy options ----------------------------------------------------------------------------------
-
-#: Options every strategy takes, whatever it declares: `nns.plan` consumes them itself (the training
-#: knobs set on the plan, the micro-batch count, and what planning for a cluster needs).
-COMMON_OPTIONS = frozenset({"zero", "precision", "micro_batches", "micro_batch_size", "cluster", "constraints"})
-
-
-def strategy_options(strategy: Any) -> Optional[frozenset]:
-    """The option names `strategy` takes besides `COMMON_OPTIONS`, or None when they cannot be known.
-
-    A strategy declares them as an `options` attribute (an iterable of names; the built-in `Strategy`
-    objects carry one, a plain function may be given one like `degrees`). Without it, a plain
-    function takes its keyword parameters (after `builder`), those of its `degrees` function, and,
-    when it has no `degrees`, `tp` and `dp` (which `nns.plan` reads to size the unit). A function
-    with `**options` and no declaration may take anything: its options are not checked.
-    A ready Plan (or plan file) takes no strategy options: `strategy_options(plan) == frozenset()`.
-    """
-    from .plan import Plan
-
-    if isinstance(strategy, Plan) or isinstance(strategy, os.PathLike) or \
-            (isinstance(strategy, str) and strategy.endswith(".json")):
-        return frozenset()
-    declared = getattr(strategy, "options", None)
-    if declared is not None and not callable(declared):
-        return frozenset(declared)
-    # an object that wraps its function (the built-in `Strategy` without `options`): that function's
-    apply = getattr(strategy, "apply", None)
-    names = _keyword_parameters(apply if callable(apply) else strategy, skip=1)
-    if names is None:
-        return None
-    degrees = getattr(strategy, "degrees", None)
-    if degrees is None:
-        names |= {"tp", "dp"}
-    else:
-        more = _keyword_parameters(degrees, skip=1)
-        names |= more or set()
-    return frozenset(names)
-
-
-def _keyword_parameters(fn: Callable, skip: int) -> Optional[set]:
-    """Names `fn` takes by keyword, past its first `skip` parameters; None when it takes **kwargs."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params[skip:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-def _strategy_label(strategy: Any) -> str:
-    from .plan import Plan
-
-    if isinstance(strategy, Plan):
-        return f"a ready Plan (made by strategy {strategy.strategy!r})"
-    if isinstance(strategy, (str, os.PathLike)) and os.fspath(strategy).endswith(".json"):
-        return f"the plan file {os.fspath(strategy)!r}"
-    if isinstance(strategy, str):
-        return f"strategy {strategy!r}"
-    name = getattr(strategy, "name", None) or getattr(strategy, "__name__", None) or type(strategy).__name__
-    return f"strategy {name!r}"
-
-
-def check_options(strategy: Any, options: Mapping[str, Any], where: str = "") -> None:
-    """Refuse option names `strategy` does not take (a strategy name, callable, Plan or plan file),
-    each with the closest valid name; `where` prefixes the message (e.g. "NNScalerStrategy(...)").
-    Called by every entry point before anything is captured, launched or written."""
-    from .errors import PlanError
-
-    fn = strategy
-    if isinstance(strategy, str) and not strategy.endswith(".json"):
-        try:
-            fn = get_strategy(strategy)
-        except KeyError as e:
-            raise PlanError(f"{where}: {e.args[0]}" if where else str(e.args[0])) from None
-    own = strategy_options(fn)
-    if own is None:
-        return
-    unknown = [k for k in options if k not in own and k not in COMMON_OPTIONS]
-    if not unknown:
-        return
-    raise PlanError(unknown_options_message(_strategy_label(strategy), unknown, own, where))
-
-
-def unknown_options_message(label: str, unknown: Iterable[str], own: Iterable[str], where: str = "") -> str:
-    own = sorted(own)
-    valid = own + sorted(COMMON_OPTIONS)
-    parts = []
-    for name in unknown:
-        close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}?" if close else "no valid option is close to it"
-        parts.append(f"{label} has no option {name!r} ({hint})")
-    takes = f"its options: {', '.join(own)}" if own else "it takes no options of its own"
-    return ((where + ": ") if where else "") + "; ".join(parts) + \
-        f". {takes[0].upper() + takes[1:]}; every strategy also takes {', '.join(sorted(COMMON_OPTIONS))}"

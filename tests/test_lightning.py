@@ -58,11 +58,11 @@ def test_plan_arguments_checked_before_launch(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(str(path))
     assert NNScalerStrategy(plan=str(path)).plan == str(path)
-    with pytest.raises(ValueError, match="is an unknown strategy; registered: .*tp"):
+    with pytest.raises(ValueError, match="unknown strategy '.*'; registered: .*tp"):
         NNScalerStrategy(plan="tensor-parallel")
     with pytest.raises(FileNotFoundError, match="no such plan file"):
         NNScalerStrategy(plan=str(tmp_path / "missing.json"))
-    with pytest.raises(TypeError, match="strategy name, a Plan, a plan file or a callable"):
+    with pytest.raises(TypeError, match="strategy name, a function, a Plan or a plan file"):
         NNScalerStrategy(plan=3)
 
 

@@ -8,7 +8,8 @@ import torch
 
 import models
 import nnscaler_plugins as nns
-from nnscaler_plugins.plugins import COMMON_OPTIONS, check_options, get_strategy, strategies, strategy_options
+from nnscaler_plugins.plan_source import COMMON_OPTIONS, check_options, strategy_options
+from nnscaler_plugins.plugins import get_strategy, strategies
 
 
 class DataDependent(torch.nn.Module):

@@ -60,7 +60,7 @@ def _settings_of(config: dict) -> Settings:
     settings = result if isinstance(result, Settings) else Settings(**result)
     if isinstance(settings.plan, (str, os.PathLike)):  # whichever plugin translated it: option names checked here
         from nnscaler_plugins.errors import PlanError
-        from nnscaler_plugins.plugins import check_options
+        from nnscaler_plugins.plan_source import check_options
 
         try:
             check_options(settings.plan, settings.plan_options, "the DeepSpeed config's 'nnscaler' section")
@@ -73,29 +73,14 @@ def _degrees(plan: Any, options: dict, world_size: int) -> tuple[int, int]:
     """(ranks per model replica, data-parallel size) of the plan the config names, before it exists:
     the batch sizes and the data loader need the data-parallel size at initialize."""
     from nnscaler_plugins.errors import PlanError
-    from nnscaler_plugins.plan import Plan
-    from nnscaler_plugins.plugins import get_strategy
+    from nnscaler_plugins.plan_source import resolve
 
-    if isinstance(plan, str) and plan.endswith(".json"):
-        p = Plan.load(plan)
-        if p.world_size != world_size:
-            raise DeepSpeedConfigError(f"plan file {plan!r} is for {p.world_size} ranks, this job has {world_size}")
-        return p.unit_size, p.dp
-    if not isinstance(plan, str):
+    if not isinstance(plan, (str, os.PathLike)):
         raise DeepSpeedConfigError(f"nnscaler.plan must be a strategy name or a plan file, got {plan!r}")
     try:
-        fn = get_strategy(plan)
-    except KeyError as e:
-        raise DeepSpeedConfigError(f"nnscaler.plan: {e.args[0]}") from None
-    degrees = getattr(fn, "degrees", None)
-    try:
-        unit, dp = degrees(world_size, **options) if degrees is not None else (world_size, 1)
-    except PlanError as e:
+        return resolve(plan, "nnscaler.plan").degrees(world_size, options)
+    except (PlanError, FileNotFoundError) as e:
         raise DeepSpeedConfigError(f"nnscaler section {dict(plan=plan, **options)}: {e}") from None
-    if unit * dp != world_size:
-        raise DeepSpeedConfigError(f"nnscaler plan {plan!r} with {options} uses {unit} x {dp} ranks, the job has "
-                                   f"{world_size}")
-    return unit, dp
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,

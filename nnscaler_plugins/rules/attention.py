@@ -4,7 +4,7 @@ sequence and feature dims stay whole."""
 from __future__ import annotations
 
 from .signature import OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 @rule("aten.scaled_dot_product_attention.default")

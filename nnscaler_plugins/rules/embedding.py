@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import kernels
 from .signature import LocalCall, Localized, OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 @rule("aten.embedding.default")

@@ -3,7 +3,7 @@ them (they are cheap: ranges, masks, constants)."""
 from __future__ import annotations
 
 from .signature import OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 @rule("aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.full.default",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .. import kernels
 from ..errors import PlanError
 from .signature import LocalCall, Localized, OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 @rule("aten.cross_entropy_loss.default")

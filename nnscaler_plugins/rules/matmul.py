@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .broadcast import broadcast_labels, out_labels
 from .signature import OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 @rule("aten.linear.default")

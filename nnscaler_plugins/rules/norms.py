@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .signature import OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 @rule("aten.layer_norm.default", "aten.rms_norm.default")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from .. import kernels
 from .broadcast import norm_dim
 from .signature import LocalCall, Localized, OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 def _reduced(call: OpCall, dims_arg_index: int = 1) -> tuple[list[int], bool]:

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .broadcast import norm_dim
 from .signature import LocalCall, Localized, OpCall, Signature
-from .table import rule
+from .registry import rule
 
 
 def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[list[tuple[list[int], list[int]]]]:

@@ -7,65 +7,43 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import torch
-
-from ..autograd_functions import qualified_name
 from ..graph import Graph, OpNode, TensorMeta
+from ..plugins import get_plugin_manager, plugins_generation
+from .registry import BUILTIN, RuleFn, op_key, rule  # noqa: F401 - rule and op_key are part of this module's API
 from .signature import OpCall, Signature, replicate_only
-
-RuleFn = Callable[[OpCall], Optional[Signature]]
-
-_BUILTIN: dict[str, RuleFn] = {}
 
 
 class ReplicateOnlyWarning(UserWarning):
     """Ops without a dimension rule: they run whole (replicated) on every device that needs them."""
 
 
-def op_key(target: Any) -> str:
-    """The table's key for an op: 'aten.linear.default' for aten overloads; a custom autograd
-    Function (its class, or the op capture made of it) is keyed by 'module.ClassName'."""
-    if isinstance(target, str):
-        return target
-    if isinstance(target, type) and issubclass(target, torch.autograd.Function):
-        return qualified_name(target)
-    return str(target)
-
-
-def rule(*targets: Any) -> Callable[[RuleFn], RuleFn]:
-    """Register a built-in rule for one or more overloads (objects or 'aten.x.overload' strings)."""
-
-    def deco(fn: RuleFn) -> RuleFn:
-        for t in targets:
-            _BUILTIN[op_key(t)] = fn
-        return fn
-
-    return deco
-
-
 def _load_builtins() -> None:
-    # Importing the rule modules fills _BUILTIN through @rule.
+    # Importing the rule modules fills BUILTIN through @rule.
     from . import (attention, elementwise, embedding, losses, matmul, norms, reductions,  # noqa: F401
                    shape_ops, factories)
 
 
-@functools.lru_cache(maxsize=1)
-def _table() -> dict[str, RuleFn]:
+@functools.lru_cache(maxsize=4)
+def _table_for(generation: int) -> dict[str, RuleFn]:
     _load_builtins()
-    table = dict(_BUILTIN)
-    from ..plugins import get_plugin_manager
-
+    table = dict(BUILTIN)
     for extra in get_plugin_manager().hook.nnscaler_register_op_rules():
         for k, fn in (extra or {}).items():
             table[op_key(k)] = fn
     return table
 
 
+def _table() -> dict[str, RuleFn]:
+    """Built-in rules, then plugins' (theirs win); read again whenever a plugin was registered."""
+    return _table_for(plugins_generation())
+
+
 def refresh() -> None:
-    """Forget cached rules (after registering a plugin at run time)."""
-    _table.cache_clear()
+    """Forget cached rules. Registering a plugin through `nnscaler_plugins.plugins.register` is seen
+    without it; this is for rules changed in place."""
+    _table_for.cache_clear()
 
 
 def has_rule(target: Any) -> bool:

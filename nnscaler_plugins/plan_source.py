@@ -1,0 +1,167 @@
+"""What users give as a plan, understood in one place.
+
+`nns.plan(strategy=...)`, `nns.parallelize(plan=...)`, Lightning's `NNScalerStrategy(plan=...)`,
+the HF Trainer's `plan=` and a DeepSpeed config's "nnscaler" section all take the same values: a
+registered strategy name, a function `fn(builder, **options)`, a ready `Plan`, or a plan file.
+`resolve` turns any of them into a `PlanSource` that knows its options, the degrees it asks for on
+a world size, and how to name itself in messages, so every entry point checks and sizes a plan
+the same way before anything is captured or launched.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+from .errors import PlanError
+from .plan import Plan
+from .plugins import get_strategy, strategies
+
+PlanLike = Union[str, os.PathLike, Callable, Plan]
+
+#: Options every strategy takes, whatever it declares: `nns.plan` consumes them itself (the training
+#: knobs set on the plan, the micro-batch count, and what planning for a cluster needs).
+COMMON_OPTIONS = frozenset({"zero", "precision", "micro_batches", "micro_batch_size", "cluster", "constraints"})
+
+
+@dataclass(frozen=True)
+class PlanSource:
+    """A resolved plan-like value: exactly one of `fn` (a strategy) or `plan` (a ready Plan) is set."""
+
+    label: str  # for messages: "strategy 'tp'", "the plan file 'p.json'", ...
+    name: str  # the strategy name a new plan records
+    fn: Optional[Callable] = None
+    plan: Optional[Plan] = None
+
+    @property
+    def is_plan(self) -> bool:
+        return self.plan is not None
+
+    def options(self) -> Optional[frozenset]:
+        """Option names it takes besides COMMON_OPTIONS; None when they cannot be known."""
+        return frozenset() if self.plan is not None else strategy_options(self.fn)
+
+    def check_options(self, options: Mapping[str, Any], where: str = "") -> None:
+        """Refuse option names it does not take, each with the closest valid name."""
+        own = self.options()
+        if own is None:
+            return
+        unknown = [k for k in options if k not in own and k not in COMMON_OPTIONS]
+        if unknown:
+            raise PlanError(unknown_options_message(self.label, unknown, own, where))
+
+    def degrees(self, world_size: int, options: Mapping[str, Any]) -> tuple[int, int]:
+        """(devices per model replica, data-parallel replicas) on `world_size`, checked to multiply
+        to it; a ready plan says its own and must have been made for this world size."""
+        if self.plan is not None:
+            if self.plan.world_size != world_size:
+                raise PlanError(f"{self.label} is for world size {self.plan.world_size} ({self.plan.dp} x "
+                                f"{self.plan.unit_size}) but the job has {world_size} processes; make a plan for "
+                                f"{world_size} or launch {self.plan.world_size}")
+            return self.plan.unit_size, self.plan.dp
+        own = {k: v for k, v in options.items() if k not in COMMON_OPTIONS}
+        deg = getattr(self.fn, "degrees", None)
+        if deg is not None:
+            unit, dp = deg(world_size, **own)
+        else:
+            tp, dp = own.get("tp"), own.get("dp")
+            if tp is None and dp is None:
+                unit, dp = world_size, 1
+            else:
+                unit = tp or world_size // dp
+                dp = dp or world_size // unit
+        if unit * dp != world_size:
+            raise PlanError(f"{self.label} with {dict(own)} gives {dp} x {unit} devices, but world size is "
+                            f"{world_size}; choose degrees whose product is {world_size}")
+        return unit, dp
+
+    def call(self, builder: Any, options: Mapping[str, Any]) -> None:
+        """Run the strategy on a builder with the options it takes (all of them when it takes **)."""
+        assert self.fn is not None
+        params = inspect.signature(self.fn).parameters
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        self.fn(builder, **(dict(options) if takes_any else {k: v for k, v in options.items() if k in params}))
+
+
+def resolve(value: PlanLike, where: str = "") -> PlanSource:
+    """The PlanSource of a strategy name, a function, a Plan or a plan file; a clear error naming
+    the registered strategies (or the missing file) otherwise. `where` prefixes messages."""
+    prefix = f"{where}: " if where else ""
+    if isinstance(value, Plan):
+        return PlanSource(f"a ready Plan (made by strategy {value.strategy!r})", value.strategy, plan=value)
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and value.endswith(".json")):
+        path = os.fspath(value)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{prefix}{path!r}: no such plan file")
+        p = Plan.load(path)
+        return PlanSource(f"the plan file {path!r}", p.strategy, plan=p)
+    if isinstance(value, str):
+        try:
+            fn = get_strategy(value)
+        except KeyError:
+            raise PlanError(f"{prefix}unknown strategy {value!r}; registered: {', '.join(strategies())} "
+                            "(or pass a Plan, a plan .json file or a function)") from None
+        return PlanSource(f"strategy {value!r}", value, fn=fn)
+    if callable(value):
+        name = getattr(value, "name", None) or getattr(value, "__name__", None) or type(value).__name__
+        return PlanSource(f"strategy {name!r}", str(name), fn=value)
+    raise TypeError(f"{prefix}a plan is a strategy name, a function, a Plan or a plan file; "
+                    f"got {type(value).__name__}")
+
+
+def check_options(value: PlanLike, options: Mapping[str, Any], where: str = "") -> None:
+    """`resolve(value).check_options(options)`: what every entry point calls before it starts."""
+    resolve(value, where).check_options(options, where)
+
+
+def strategy_options(strategy: Any) -> Optional[frozenset]:
+    """The option names a strategy takes besides `COMMON_OPTIONS`, or None when they cannot be known.
+
+    A strategy declares them as an `options` attribute (an iterable of names; the built-in `Strategy`
+    objects carry one, a plain function may be given one like `degrees`). Without it, a plain
+    function takes its keyword parameters (after `builder`), those of its `degrees` function, and,
+    when it has no `degrees`, `tp` and `dp` (which `nns.plan` reads to size the unit). A function
+    with `**options` and no declaration may take anything: its options are not checked.
+    """
+    if isinstance(strategy, (Plan, os.PathLike)) or (isinstance(strategy, str) and strategy.endswith(".json")):
+        return frozenset()
+    declared = getattr(strategy, "options", None)
+    if declared is not None and not callable(declared):
+        return frozenset(declared)
+    # an object that wraps its function (the built-in `Strategy` without `options`): that function's
+    apply = getattr(strategy, "apply", None)
+    names = _keyword_parameters(apply if callable(apply) else strategy, skip=1)
+    if names is None:
+        return None
+    degrees = getattr(strategy, "degrees", None)
+    if degrees is None:
+        names |= {"tp", "dp"}
+    else:
+        names |= _keyword_parameters(degrees, skip=1) or set()
+    return frozenset(names)
+
+
+def _keyword_parameters(fn: Callable, skip: int) -> Optional[set]:
+    """Names `fn` takes by keyword, past its first `skip` parameters; None when it takes **kwargs."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params[skip:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def unknown_options_message(label: str, unknown: Iterable[str], own: Iterable[str], where: str = "") -> str:
+    own = sorted(own)
+    valid = own + sorted(COMMON_OPTIONS)
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else "no valid option is close to it"
+        parts.append(f"{label} has no option {name!r} ({hint})")
+    takes = f"its options: {', '.join(own)}" if own else "it takes no options of its own"
+    return ((where + ": ") if where else "") + "; ".join(parts) + \
+        f". {takes[0].upper() + takes[1:]}; every strategy also takes {', '.join(sorted(COMMON_OPTIONS))}"

@@ -1,0 +1,38 @@
+"""Where built-in rules register themselves: the `@rule` decorator and the keys of the table.
+
+The op families (elementwise.py, matmul.py, ...) import this module, never the table, so the table
+can load the families without the two importing each other.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..autograd_functions import qualified_name
+from .signature import OpCall, Signature
+
+RuleFn = Callable[[OpCall], Optional[Signature]]
+
+BUILTIN: dict[str, RuleFn] = {}
+
+
+def op_key(target: Any) -> str:
+    """The table's key for an op: 'aten.linear.default' for aten overloads; a custom autograd
+    Function (its class, or the op capture made of it) is keyed by 'module.ClassName'."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, type) and issubclass(target, torch.autograd.Function):
+        return qualified_name(target)
+    return str(target)
+
+
+def rule(*targets: Any) -> Callable[[RuleFn], RuleFn]:
+    """Register a built-in rule for one or more overloads (objects or 'aten.x.overload' strings)."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for t in targets:
+            BUILTIN[op_key(t)] = fn
+        return fn
+
+    return deco
