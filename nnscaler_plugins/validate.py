@@ -1,12 +1,14 @@
 """Plan validation: everything that can be known wrong before a process starts."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .errors import PlanError
 from .graph import Graph
-from .plan import Plan
 from .rules import op_call, signature_for
+
+if TYPE_CHECKING:  # for annotations only: plan.py calls this module, not the other way round
+    from .plan import Plan
 
 
 def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None:

@@ -12,10 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from . import keys as K
-
-
-class DeepSpeedConfigError(ValueError):
-    """A DeepSpeed config this engine cannot run as DeepSpeed would."""
+from .errors import DeepSpeedConfigError  # noqa: F401 - raised here, and importable from here as before
 
 
 AUTO = "auto"

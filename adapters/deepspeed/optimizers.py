@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .config import DeepSpeedConfigError
+from .errors import DeepSpeedConfigError
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam", "amsgrad",
               "fp32_optimizer_states", "foreach"}

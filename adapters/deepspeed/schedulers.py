@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .config import DeepSpeedConfigError
+from .errors import DeepSpeedConfigError
 
 LOG, LINEAR = "log", "linear"
 

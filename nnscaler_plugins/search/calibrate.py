@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Optional
 
-from .cluster import ClusterSpec, Link
+from .cluster_spec import ClusterSpec, Link
 from .efficiency import Efficiency
 
 FORMAT = 1
