@@ -10,7 +10,6 @@ every rank knows every process group it must create.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,6 +19,7 @@ from .errors import PlanError
 from .graph import Graph, OpNode, Ref, TensorMeta
 from .layout import Layout
 from .plan import OpPlacement, Plan
+from .placement import layout_from_digits, partial_grad_groups, tensor_blocks, tensor_digits, tensor_layout
 from .resharding import ReshardPlan
 from .resharding import plan as plan_reshard
 from .rules import LocalCall, Localized, Signature, op_call, signature_for
@@ -192,91 +192,23 @@ class Program:
 
 
 # ---------------------------------------------------------------------------------------------------
-def _digit_kinds(sig: Signature, p: OpPlacement, labels: Optional[tuple[str, ...]], is_output: bool,
-                 input_index: int) -> list[tuple[str, Any]]:
-    """For one tensor, what each sub-op digit means for it: ('R', compute?) | ('V',) | ('D', dim)."""
-    kinds: list[tuple[str, Any]] = [("R", "compute")]
-    for label, _n in p.splits:
-        if labels is not None and label in labels:
-            kinds.append(("D", labels.index(label)))
-        elif is_output and label in sig.reduce:
-            kinds.append(("V", None))
-        elif not is_output and input_index in sig.partial_inputs.get(label, frozenset()):
-            kinds.append(("V", None))
-        else:
-            kinds.append(("R", "partition"))
-    return kinds
-
-
-def _layout_for(meta: TensorMeta, p: OpPlacement, kinds: list[tuple[str, Any]],
-                blocks: dict[int, int]) -> tuple[Layout, tuple[tuple[int, ...], ...]]:
-    radices = [p.replicate] + [n for _, n in p.splits]
-    ndim = meta.ndim
-    R = math.prod(r for r, k in zip(radices, kinds) if k[0] == "R")
-    V = math.prod(r for r, k in zip(radices, kinds) if k[0] == "V")
-    splits = [1] * ndim
-    for r, k in zip(radices, kinds):
-        if k[0] == "D":
-            splits[k[1]] *= r
-    group: list[Optional[int]] = [None] * p.num_subops
-    partition_members: dict[tuple, list[int]] = {}
-    for idx in range(p.num_subops):
-        digits = p.digits(idx)
-        r = v = 0
-        dpos = [0] * ndim
-        key = []
-        for dig, rad, k in zip(digits, radices, kinds):
-            if k[0] == "R":
-                r = r * rad + dig
-            elif k[0] == "V":
-                v = v * rad + dig
-            else:
-                dpos[k[1]] = dpos[k[1]] * rad + dig
-            key.append(None if (k[0] == "R" and k[1] == "partition") else dig)
-        pos = r * V + v
-        for dd in range(ndim):
-            pos = pos * splits[dd] + dpos[dd]
-        group[pos] = p.devices[idx]
-        partition_members.setdefault(tuple(key), []).append(p.devices[idx])
-    has_partition = any(k == ("R", "partition") for k in kinds)
-    grad_groups = tuple(sorted(tuple(sorted(g)) for g in partition_members.values())) if has_partition else ()
-    layout = Layout(shape=tuple(meta.shape), group=tuple(group), replicas=R, partial=V, splits=tuple(splits),
-                    blocks=tuple(blocks.get(d, 1) for d in range(ndim)))
-    return layout, grad_groups
-
-
 def op_layouts(graph: Graph, op: OpNode, p: OpPlacement, sig: Signature) -> OpLayouts:
-    blocks_map = getattr(sig, "blocks", None) or {}
+    """Every tensor's layout under `p` (see `placement`), and the device groups along each split label."""
     ins: list[Optional[Layout]] = []
     grads: list[tuple[tuple[int, ...], ...]] = []
-    split_labels = {l for l, _ in p.splits}
-
-    def dim_blocks(labels: Optional[tuple[str, ...]], index: Optional[int]) -> dict[int, int]:
-        """Block factor per split dim of one tensor: the rule's for its inputs, else the plan's."""
-        out: dict[int, int] = {}
-        for d, label in enumerate(labels or ()):
-            if label not in split_labels:
-                continue
-            b = blocks_map.get((label, index), p.blocks.get(label, 1)) if index is not None else p.blocks.get(label, 1)
-            if b > 1:
-                out[d] = b
-        return out
-
     for i, name in enumerate(op.inputs):
         labels = sig.inputs[i]
-        kinds = _digit_kinds(sig, p, labels, False, i)
-        lay, gg = _layout_for(graph.meta(name), p, kinds, dim_blocks(labels, i))
-        ins.append(lay)
-        grads.append(gg)
+        shape = graph.meta(name).shape
+        digits = tensor_digits(sig, p, labels, False, i)
+        ins.append(layout_from_digits(shape, p, digits, tensor_blocks(sig, p, labels, False, i, len(shape))))
+        grads.append(partial_grad_groups(p, digits))
     outs: list[Optional[Layout]] = []
     for j, name in enumerate(op.outputs):
         if name is None:
             outs.append(None)
             continue
         labels = sig.outputs[j] if j < len(sig.outputs) else None
-        kinds = _digit_kinds(sig, p, labels, True, j)
-        lay, _ = _layout_for(graph.meta(name), p, kinds, dim_blocks(labels, None))
-        outs.append(lay)
+        outs.append(tensor_layout(graph.meta(name).shape, sig, p, labels, True, j))
     label_groups: dict[str, tuple[tuple[int, ...], ...]] = {}
     for label in {l for l, _ in p.splits}:
         members: dict[tuple, list[int]] = {}
@@ -319,144 +251,203 @@ def _stages(graph: Graph, plan: Plan) -> tuple[dict[str, int], list[tuple[int, .
 
 
 def lower(graph: Graph, plan: Plan) -> Program:
-    unit = plan.unit_size
-    full_group = tuple(range(unit))
-    stage_of, stage_groups = _stages(graph, plan)
-    num_stages = len(stage_groups)
-    group_ids = {g: i for i, g in enumerate(dict.fromkeys(stage_groups))}  # pipeline rank of each group
-    reshards: list[ReshardPlan] = []
-    reshard_index: dict[tuple, int] = {}
-    grad_groups: list[tuple[tuple[int, ...], ...]] = []
-    kernel_groups: list[tuple[tuple[int, ...], ...]] = []
-    stmts: dict[tuple[int, int], list[Stmt]] = {(d, k): [] for k, g in enumerate(stage_groups) for d in g}
+    return _Lowering(graph, plan).run()
 
-    # Which stage makes each value, and which later stages read it (pipeline boundaries).
-    made_in: dict[str, int] = {}
-    read_in: dict[str, list[int]] = {}
-    for op in graph.ops:
-        k = stage_of[op.name]
-        for name in op.inputs:
-            if name in made_in and made_in[name] != k and k not in read_in.setdefault(name, []):
-                read_in[name].append(k)
-        for o in op.outputs:
-            if o is not None:
-                made_in[o] = k
-    boundaries = [Boundary(v, made_in[v], tuple(sorted(ks)), graph.meta(v).requires_grad)
-                  for v, ks in read_in.items() if ks]
-    output_stage = [made_in.get(o) if o is not None else None for o in graph.outputs]
-    for oi, (o, k) in enumerate(zip(graph.outputs, output_stage)):
-        if o is not None and k is None:  # an input or parameter returned as is: the last stage returns it
-            output_stage[oi] = num_stages - 1
 
-    # produced[k][v]: the layout value v has on stage k's devices.
-    produced: list[dict[str, Layout]] = [dict() for _ in range(num_stages)]
-    for inp in graph.inputs:
-        if graph.values[inp.name].meta is not None:
-            for k in range(num_stages):
-                produced[k][inp.name] = Layout.replicated(graph.meta(inp.name).shape, full_group)
-    for b in boundaries:
-        for k in b.dsts:
-            produced[k][b.value] = Layout.replicated(graph.meta(b.value).shape, stage_groups[k])
+class _Lowering:
+    """`lower`'s phases, run in order by `run`; each reads what the earlier ones left on `self`.
 
-    # Parameters: one stored copy per pipeline rank that uses them; their consumers decide the
-    # storage layout and who sums the gradients.
-    op_info: dict[str, tuple[Signature, OpLayouts]] = {}
-    uses: dict[tuple[str, int], list[tuple[OpNode, int]]] = {}
-    for op in graph.ops:
-        sig = signature_for(graph, op)
-        lays = op_layouts(graph, op, plan.ops[op.name].unit_view(), sig)
-        op_info[op.name] = (sig, lays)
-        rank = group_ids[stage_groups[stage_of[op.name]]]
-        for i, name in enumerate(op.inputs):
-            if graph.values[name].kind in ("param", "buffer", "constant"):
-                uses.setdefault((name, rank), []).append((op, i))
-    ranks_using: dict[str, list[int]] = {}
-    for name, rank in uses:
-        ranks_using.setdefault(name, []).append(rank)
-    shards: dict[str, ParamShard] = {}
-    shard_key: dict[tuple[str, int], str] = {}
-    reducer_owned: set[tuple[str, str, int]] = set()
-    for (name, rank), us in uses.items():
-        v = graph.values[name]
-        key = name if len(ranks_using[name]) == 1 else f"{name}__r{rank}"
-        shard_key[(name, rank)] = key
-        first_op, first_i = us[0]
-        storage = _fold_partial(op_info[first_op.name][1].inputs[first_i])
-        gg_all = {op_info[o.name][1].grad_partial[i] for o, i in us}
-        use_reducer = v.kind == "param" and v.meta.requires_grad and len(gg_all) == 1
-        gg = next(iter(gg_all)) if use_reducer else ()
-        if use_reducer:
-            reducer_owned |= {(name, o.name, i) for o, i in us}
-        shards[key] = ParamShard(name, v.fqn or name, v.aliases, v.kind, storage, gg, v.persistent, gg)
-        for k, g in enumerate(stage_groups):
-            if group_ids[g] == rank:
-                produced[k][name] = storage
-    _tie_copies(graph, shards, ranks_using, shard_key)
+    1. `find_boundaries`: which stage makes each value, which later stages read it (pipeline
+       boundaries), which stage returns each model output.
+    2. `seed_layouts`: the layouts values enter each stage in (graph inputs, received boundaries).
+    3. `place_parameters`: one stored copy of each parameter per pipeline rank using it, its
+       storage layout and who sums its gradients; copies on several ranks are tied.
+    4. `emit_ops`: per op, in graph order, the input reshards and gradient sums, then each device's
+       local call (co-sharded pieces where the plan co-shards it).
+    5. `mark_recompute`: statements serving an op of a recompute group join that group.
+    6. `emit_stage_outputs`: what leaves each stage, made whole (boundary values, model outputs).
+    7. `assemble`: the per-rank, per-stage programs.
+    """
 
-    counter = [0]
+    def __init__(self, graph: Graph, plan: Plan):
+        self.graph, self.plan = graph, plan
+        self.unit = plan.unit_size
+        self.stage_of, self.stage_groups = _stages(graph, plan)
+        self.num_stages = len(self.stage_groups)
+        # pipeline rank of each device group
+        self.group_ids = {g: i for i, g in enumerate(dict.fromkeys(self.stage_groups))}
+        self.reshards: list[ReshardPlan] = []
+        self.reshard_index: dict[tuple, int] = {}
+        self.grad_groups: list[tuple[tuple[int, ...], ...]] = []
+        self.kernel_groups: list[tuple[tuple[int, ...], ...]] = []
+        self.stmts: dict[tuple[int, int], list[Stmt]] = {(d, k): [] for k, g in enumerate(self.stage_groups)
+                                                          for d in g}
+        # produced[k][v]: the layout value v has on stage k's devices.
+        self.produced: list[dict[str, Layout]] = [dict() for _ in range(self.num_stages)]
+        self.counter = 0
 
-    def fresh(base: str) -> str:
-        counter[0] += 1
-        return f"{base}__{counter[0]}"
+    def run(self) -> Program:
+        self.find_boundaries()
+        self.seed_layouts()
+        self.place_parameters()
+        self.emit_ops()
+        self.mark_recompute()
+        self.emit_stage_outputs()
+        return self.assemble()
 
-    def get_reshard(src: Layout, dst: Layout, what: str) -> int:
+    # -- 1. stages and pipeline boundaries ----------------------------------------------------------
+    def find_boundaries(self) -> None:
+        graph = self.graph
+        made_in: dict[str, int] = {}
+        read_in: dict[str, list[int]] = {}
+        for op in graph.ops:
+            k = self.stage_of[op.name]
+            for name in op.inputs:
+                if name in made_in and made_in[name] != k and k not in read_in.setdefault(name, []):
+                    read_in[name].append(k)
+            for o in op.outputs:
+                if o is not None:
+                    made_in[o] = k
+        self.boundaries = [Boundary(v, made_in[v], tuple(sorted(ks)), graph.meta(v).requires_grad)
+                           for v, ks in read_in.items() if ks]
+        self.output_stage: list[Optional[int]] = [made_in.get(o) if o is not None else None for o in graph.outputs]
+        for oi, (o, k) in enumerate(zip(graph.outputs, self.output_stage)):
+            if o is not None and k is None:  # an input or parameter returned as is: the last stage returns it
+                self.output_stage[oi] = self.num_stages - 1
+
+    # -- 2. layouts values enter the stages in ---------------------------------------------------------
+    def seed_layouts(self) -> None:
+        graph, full_group = self.graph, tuple(range(self.unit))
+        for inp in graph.inputs:
+            if graph.values[inp.name].meta is not None:
+                for k in range(self.num_stages):
+                    self.produced[k][inp.name] = Layout.replicated(graph.meta(inp.name).shape, full_group)
+        for b in self.boundaries:
+            for k in b.dsts:
+                self.produced[k][b.value] = Layout.replicated(graph.meta(b.value).shape, self.stage_groups[k])
+
+    # -- 3. parameter storage and tied copies ----------------------------------------------------------
+    def place_parameters(self) -> None:
+        """One stored copy per pipeline rank that uses a parameter; its consumers decide the storage
+        layout and who sums the gradients."""
+        graph, plan = self.graph, self.plan
+        self.op_info: dict[str, tuple[Signature, OpLayouts]] = {}
+        uses: dict[tuple[str, int], list[tuple[OpNode, int]]] = {}
+        for op in graph.ops:
+            sig = signature_for(graph, op)
+            lays = op_layouts(graph, op, plan.ops[op.name].unit_view(), sig)
+            self.op_info[op.name] = (sig, lays)
+            rank = self.group_ids[self.stage_groups[self.stage_of[op.name]]]
+            for i, name in enumerate(op.inputs):
+                if graph.values[name].kind in ("param", "buffer", "constant"):
+                    uses.setdefault((name, rank), []).append((op, i))
+        ranks_using: dict[str, list[int]] = {}
+        for name, rank in uses:
+            ranks_using.setdefault(name, []).append(rank)
+        self.shards: dict[str, ParamShard] = {}
+        self.shard_key: dict[tuple[str, int], str] = {}
+        self.reducer_owned: set[tuple[str, str, int]] = set()
+        for (name, rank), us in uses.items():
+            v = graph.values[name]
+            key = name if len(ranks_using[name]) == 1 else f"{name}__r{rank}"
+            self.shard_key[(name, rank)] = key
+            first_op, first_i = us[0]
+            storage = _fold_partial(self.op_info[first_op.name][1].inputs[first_i])
+            gg_all = {self.op_info[o.name][1].grad_partial[i] for o, i in us}
+            use_reducer = v.kind == "param" and v.meta.requires_grad and len(gg_all) == 1
+            gg = next(iter(gg_all)) if use_reducer else ()
+            if use_reducer:
+                self.reducer_owned |= {(name, o.name, i) for o, i in us}
+            self.shards[key] = ParamShard(name, v.fqn or name, v.aliases, v.kind, storage, gg, v.persistent, gg)
+            for k, g in enumerate(self.stage_groups):
+                if self.group_ids[g] == rank:
+                    self.produced[k][name] = storage
+        _tie_copies(graph, self.shards, ranks_using, self.shard_key)
+
+    # -- helpers: fresh names and layout changes ---------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}__{self.counter}"
+
+    def get_reshard(self, src: Layout, dst: Layout, what: str) -> int:
         k = (src, dst)
-        if k not in reshard_index:
+        if k not in self.reshard_index:
             if set(src.group) != set(dst.group) and not (src.replicas == len(src.group) and set(dst.group) <= set(src.group)):
                 raise PlanError(f"{what}: produced on devices {sorted(set(src.group))} but used on "
                                 f"{sorted(set(dst.group))}; moving tensors between device sets needs a pipeline "
                                 "plan (op-order), place producer and consumer on the same devices")
             if set(src.group) != set(dst.group):
                 src = Layout.replicated(src.shape, dst.group)
-            reshard_index[k] = len(reshards)
-            reshards.append(plan_reshard(src, dst))
-        return reshard_index[k]
+            self.reshard_index[k] = len(self.reshards)
+            self.reshards.append(plan_reshard(src, dst))
+        return self.reshard_index[k]
 
-    def reshard_to(k: int, name: str, src: Layout, dst: Layout, what: str, op: Optional[OpNode] = None,
+    def reshard_to(self, k: int, name: str, src: Layout, dst: Layout, what: str, op: Optional[OpNode] = None,
                    output_of: Optional[int] = None) -> str:
         """Emit the change of layout on stage k's devices; the variable holding the result."""
         if src == dst:
             return name
-        r = get_reshard(src, dst, what)
-        if reshards[r].is_identity:
+        r = self.get_reshard(src, dst, what)
+        if self.reshards[r].is_identity:
             return name
-        var = fresh(name if output_of is None else name + "_out")
-        for dev in sorted(set(dst.group) | (set(src.group) & set(stage_groups[k]))):
-            stmts[(dev, k)].append(Stmt("reshard", out=[var], src=name, key=r, op=op, comment=_describe(reshards[r]),
-                                        output_of=output_of))
+        var = self.fresh(name if output_of is None else name + "_out")
+        for dev in sorted(set(dst.group) | (set(src.group) & set(self.stage_groups[k]))):
+            self.stmts[(dev, k)].append(Stmt("reshard", out=[var], src=name, key=r, op=op,
+                                             comment=_describe(self.reshards[r]), output_of=output_of))
         return var
 
-    # Statements, in graph order; every device of a stage walks the same order (no deadlock).
-    cache: dict[tuple[int, str, Layout, tuple], str] = {}
-    for op in graph.ops:
-        k = stage_of[op.name]
-        sig, lays = op_info[op.name]
-        p = plan.ops[op.name]
-        call = op_call(graph, op)
+    # -- 4. per-op statements --------------------------------------------------------------------------
+    def emit_ops(self) -> None:
+        """Statements in graph order; every device of a stage walks the same order (no deadlock)."""
+        self.input_vars: dict[tuple[int, str, Layout, tuple], str] = {}
+        for op in self.graph.ops:
+            local_names = self.emit_inputs(op)
+            k = self.stage_of[op.name]
+            lays = self.op_info[op.name][1]
+            for j, name in enumerate(op.outputs):
+                if name is not None:
+                    self.produced[k][name] = lays.outputs[j]
+            self.emit_local_calls(op, local_names)
+
+    def emit_inputs(self, op: OpNode) -> list[str]:
+        """Each input in the layout the op's pieces read, its gradient summed where it comes out partial;
+        the variables holding them (shared by every consumer wanting the same)."""
+        graph = self.graph
+        k = self.stage_of[op.name]
+        lays = self.op_info[op.name][1]
         local_names: list[str] = []
         for i, name in enumerate(op.inputs):
-            src = produced[k].get(name)
+            src = self.produced[k].get(name)
             if src is None:
                 raise PlanError(f"input {name} has no producer before this op", op=op.name, where=op.where())
             dst = lays.inputs[i]
             need_grad = graph.meta(name).requires_grad and op.grad_enabled
-            gg = lays.grad_partial[i] if need_grad and (name, op.name, i) not in reducer_owned else ()
+            gg = lays.grad_partial[i] if need_grad and (name, op.name, i) not in self.reducer_owned else ()
             key = (k, name, dst, gg)
-            if key not in cache:
-                var = reshard_to(k, name, src, dst, f"{name} consumed by {op.where()}", op)
+            if key not in self.input_vars:
+                var = self.reshard_to(k, name, src, dst, f"{name} consumed by {op.where()}", op)
                 if gg:
-                    gk = len(grad_groups)
-                    grad_groups.append(gg)
-                    new = fresh(name + "_g")
-                    for dev in sorted({d for g in gg for d in g}):
-                        stmts[(dev, k)].append(Stmt("grad_sum", out=[new], src=var, key=gk, op=op,
-                                                    comment=f"sum gradient over {list(gg)} in backward"))
-                    var = new
-                cache[key] = var
-            local_names.append(cache[key])
-        for j, name in enumerate(op.outputs):
-            if name is not None:
-                produced[k][name] = lays.outputs[j]
+                    var = self.emit_grad_sum(k, op, var, name, gg)
+                self.input_vars[key] = var
+            local_names.append(self.input_vars[key])
+        return local_names
+
+    def emit_grad_sum(self, k: int, op: OpNode, var: str, name: str, gg: tuple[tuple[int, ...], ...]) -> str:
+        gk = len(self.grad_groups)
+        self.grad_groups.append(gg)
+        new = self.fresh(name + "_g")
+        for dev in sorted({d for g in gg for d in g}):
+            self.stmts[(dev, k)].append(Stmt("grad_sum", out=[new], src=var, key=gk, op=op,
+                                             comment=f"sum gradient over {list(gg)} in backward"))
+        return new
+
+    def emit_local_calls(self, op: OpNode, local_names: list[str]) -> None:
+        """What each device of the op runs: its piece, localized, reading the input variables."""
+        graph = self.graph
+        k = self.stage_of[op.name]
+        sig, lays = self.op_info[op.name]
+        p = self.plan.ops[op.name]
+        call = op_call(graph, op)
         renames = dict(zip(op.inputs, local_names))
         unit_p = p.unit_view()
         for idx, dev in enumerate(lays.devices):
@@ -464,57 +455,74 @@ def lower(graph: Graph, plan: Plan) -> Program:
             args, kwargs = _rename(local.args, local.kwargs, renames)
             gkw = None
             if local.group_label is not None:
-                gkw = len(kernel_groups)
-                kernel_groups.append(lays.label_groups[local.group_label])
+                gkw = len(self.kernel_groups)
+                self.kernel_groups.append(lays.label_groups[local.group_label])
             cs = _coshard_call(graph, op, sig, call, p, idx, renames, local_names) if p.coshard > 1 else None
-            stmts[(dev, k)].append(Stmt("op", out=list(op.outputs), target=local.target, args=args, kwargs=kwargs,
-                                        op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw, coshard=cs))
+            self.stmts[(dev, k)].append(Stmt("op", out=list(op.outputs), target=local.target, args=args,
+                                             kwargs=kwargs, op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw,
+                                             coshard=cs))
 
-    for per_device in stmts.values():
-        for st in per_device:
-            if st.op is not None and st.output_of is None:
-                st.recompute = plan.ops[st.op.name].recompute
+    # -- 5. recompute groups -------------------------------------------------------------------------------
+    def mark_recompute(self) -> None:
+        for per_device in self.stmts.values():
+            for st in per_device:
+                if st.op is not None and st.output_of is None:
+                    st.recompute = self.plan.ops[st.op.name].recompute
 
-    # What leaves each stage is whole on its devices: boundary values, then the model's outputs.
-    sent_vars: dict[tuple[int, str], str] = {}
-    stage_sends: list[list[str]] = [[] for _ in range(num_stages)]
-    for b in boundaries:
-        g = stage_groups[b.src]
-        var = reshard_to(b.src, b.value, produced[b.src][b.value], Layout.replicated(graph.meta(b.value).shape, g),
-                         f"{b.value} sent from stage {b.src}")
-        sent_vars[(b.src, b.value)] = var
-        stage_sends[b.src].append(b.value)
-    out_vars: dict[tuple[int, int], Optional[str]] = {}
-    for oi, o in enumerate(graph.outputs):
-        k = output_stage[oi]
-        if o is None:
-            continue
-        g = stage_groups[k]
-        out_vars[(k, oi)] = reshard_to(k, o, produced[k][o], Layout.replicated(graph.meta(o).shape, g),
-                                       f"model output {o}", output_of=oi)
-
-    used_inputs = [[i.name for i in graph.inputs if any(i.name in op.inputs for op in graph.ops if stage_of[op.name] == k)
-                    or (i.name in graph.outputs and output_stage[graph.outputs.index(i.name)] == k)]
-                   for k in range(num_stages)]
-    if num_stages == 1:
-        used_inputs = [[i.name for i in graph.inputs]]  # the whole model takes every input
-    stage_inputs = [used_inputs[k] + [b.value for b in boundaries if k in b.dsts] for k in range(num_stages)]
-
-    key_rank = {key: rank for (_name, rank), key in shard_key.items()}
-    ranks = []
-    for dev in range(unit):
-        held = [key for key, sh in shards.items() if dev in sh.layout.group]
-        per_stage = {}
-        for k, g in enumerate(stage_groups):
-            if dev not in g:
+    # -- 6. what leaves each stage ----------------------------------------------------------------------
+    def emit_stage_outputs(self) -> None:
+        """Boundary values, then the model's outputs, made whole on their stage's devices."""
+        graph = self.graph
+        self.sent_vars: dict[tuple[int, str], str] = {}
+        self.stage_sends: list[list[str]] = [[] for _ in range(self.num_stages)]
+        for b in self.boundaries:
+            g = self.stage_groups[b.src]
+            var = self.reshard_to(b.src, b.value, self.produced[b.src][b.value],
+                                  Layout.replicated(graph.meta(b.value).shape, g), f"{b.value} sent from stage {b.src}")
+            self.sent_vars[(b.src, b.value)] = var
+            self.stage_sends[b.src].append(b.value)
+        self.out_vars: dict[tuple[int, int], Optional[str]] = {}
+        for oi, o in enumerate(graph.outputs):
+            k = self.output_stage[oi]
+            if o is None:
                 continue
-            mine = [key for key in held if key_rank[key] == group_ids[g]]
-            per_stage[k] = StageProgram(k, dev, stmts[(dev, k)], stage_inputs[k],
-                                        [sent_vars[(k, v)] for v in stage_sends[k]],
-                                        [out_vars.get((k, oi)) for oi in range(len(graph.outputs))], mine)
-        ranks.append(RankProgram(dev, per_stage, held))
-    return Program(graph, plan, unit, ranks, shards, reshards, grad_groups, kernel_groups, _loss_index(graph),
-                   stage_groups, boundaries, stage_inputs, stage_sends, output_stage)
+            g = self.stage_groups[k]
+            self.out_vars[(k, oi)] = self.reshard_to(k, o, self.produced[k][o],
+                                                     Layout.replicated(graph.meta(o).shape, g), f"model output {o}",
+                                                     output_of=oi)
+
+    # -- 7. per-rank programs --------------------------------------------------------------------------
+    def stage_inputs(self) -> list[list[str]]:
+        """Per stage: the graph inputs it reads (every input without a pipeline), then the boundary
+        values it receives."""
+        graph, num_stages = self.graph, self.num_stages
+        used_inputs = [[i.name for i in graph.inputs
+                        if any(i.name in op.inputs for op in graph.ops if self.stage_of[op.name] == k)
+                        or (i.name in graph.outputs and self.output_stage[graph.outputs.index(i.name)] == k)]
+                       for k in range(num_stages)]
+        if num_stages == 1:
+            used_inputs = [[i.name for i in graph.inputs]]  # the whole model takes every input
+        return [used_inputs[k] + [b.value for b in self.boundaries if k in b.dsts] for k in range(num_stages)]
+
+    def assemble(self) -> Program:
+        graph = self.graph
+        stage_inputs = self.stage_inputs()
+        key_rank = {key: rank for (_name, rank), key in self.shard_key.items()}
+        ranks = []
+        for dev in range(self.unit):
+            held = [key for key, sh in self.shards.items() if dev in sh.layout.group]
+            per_stage = {}
+            for k, g in enumerate(self.stage_groups):
+                if dev not in g:
+                    continue
+                mine = [key for key in held if key_rank[key] == self.group_ids[g]]
+                per_stage[k] = StageProgram(k, dev, self.stmts[(dev, k)], stage_inputs[k],
+                                            [self.sent_vars[(k, v)] for v in self.stage_sends[k]],
+                                            [self.out_vars.get((k, oi)) for oi in range(len(graph.outputs))], mine)
+            ranks.append(RankProgram(dev, per_stage, held))
+        return Program(graph, self.plan, self.unit, ranks, self.shards, self.reshards, self.grad_groups,
+                       self.kernel_groups, _loss_index(graph), self.stage_groups, self.boundaries, stage_inputs,
+                       self.stage_sends, self.output_stage)
 
 
 def _tie_copies(graph: Graph, shards: dict[str, ParamShard], ranks_using: dict[str, list[int]],
