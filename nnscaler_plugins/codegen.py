@@ -1,9 +1,12 @@
 """Codegen: a Program's rank becomes one plain Python file, one statement per op.
 
-The file is what runs: the runtime imports it. Each op statement carries a comment with the model's
-source line, so a reader can map every line back to their model. Files are cached under a key
-that covers everything they depend on (graph, model source, plan, library and torch versions); a
-changed model gets a new directory instead of a stale file.
+The file is what runs: the runtime imports it. A comment names the model's source line above each
+run of statements that line produced, so a reader can map every line back to their model, and each
+collective's comment names the devices it runs over. Every generated function takes the
+communication object (`_comm`), the device (`_device`) and this device's parameters (`_P`) first,
+by position, then the model's inputs. Files are cached under a key that covers everything they
+depend on (graph, model source, plan, library and torch versions); a changed model gets a new
+directory instead of a stale file.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ import torch
 from .autograd_functions import FunctionTarget
 from .graph import Ref
 from .lowering import Program, RankProgram, StageProgram, Stmt
+from .resharding import Step
 
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"  # bump whenever the generated text changes
 
 
 def library_version() -> str:
@@ -75,9 +79,12 @@ def bound_targets(program: Program) -> dict[str, Any]:
 
 
 class _Emitter:
-    def __init__(self, bound: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, bound: Optional[dict[str, Any]] = None, program: Optional[Program] = None,
+                 device: int = 0) -> None:
         self.imports: dict[str, str] = {}  # module -> alias
         self.bound = bound or {}
+        self.program = program  # what the collectives' comments are read from
+        self.device = device
 
     def callable_name(self, fn: Any) -> str:
         for name, obj in self.bound.items():
@@ -123,6 +130,94 @@ class _Emitter:
         if isinstance(x, torch.Tensor):
             raise TypeError("tensor constants must be graph values, not literals")
         raise TypeError(f"cannot emit literal of type {type(x).__name__}: {x!r}")
+
+
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _readable_call(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The same call, written as a reader would: torch.export records the open end of a plain
+    slice (`x[:, 1:]`) as 2**63 - 1, and aten.slice.Tensor(self, dim, start, end=None, step=1)
+    reads an `end` of None as exactly that, so it is left out (or written None before a step)."""
+    if target is torch.ops.aten.slice.Tensor:
+        if len(args) >= 4 and type(args[3]) is int and args[3] == _INT64_MAX:
+            args = tuple(args[:3]) if len(args) == 4 else (*args[:3], None, *args[4:])
+        if type(kwargs.get("end")) is int and kwargs["end"] == _INT64_MAX:
+            kwargs = {k: v for k, v in kwargs.items() if k != "end"}
+    return args, kwargs
+
+
+def _devices(group: Any) -> str:
+    return "devices " + str(sorted(group))
+
+
+def _step_note(step: Step, device: int) -> str:
+    """One layout-change step as this device takes part in it, naming the devices it runs over."""
+    if step.kind in ("permute", "send"):
+        to = sorted(b for a, b in step.groups if a == device and b != device)
+        frm = sorted(a for a, b in step.groups if b == device and a != device)
+        parts = ([f"to {_devices(to)}"] if to else []) + ([f"from {_devices(frm)}"] if frm else [])
+        return f"{step.kind} " + " and ".join(parts) if parts else f"{step.kind} (nothing to move on this device)"
+    members = next((g for g in step.groups if device in g), None)
+    if members is None:
+        return f"{step.kind} (this device takes no part)"
+    g = _devices(members)
+    if step.kind in ("all-gather", "reduce-scatter"):
+        return f"{step.kind} dim {step.dim} over {g}"
+    if step.kind == "all-reduce":
+        return f"all-reduce over {g}"
+    if step.kind == "all-to-all":
+        return f"all-to-all dim {step.dim} -> dim {step.dim2} over {g}"
+    if step.kind == "chunk":
+        return f"chunk dim {step.dim} locally (backward all-gathers over {g})"
+    if step.kind == "value-mask":
+        return f"value-mask locally: device {members[0]} of {g} keeps the value, the others hold zeros"
+    return step.describe()
+
+
+def _own_group(groups: tuple[tuple[int, ...], ...], device: int) -> tuple[int, ...]:
+    return next((g for g in groups if device in g), (device,))
+
+
+def _comm_note(s: Stmt, em: "_Emitter") -> str:
+    """The comment of a communication statement: what runs and over which devices' process group."""
+    p, d = em.program, em.device
+    if p is None:
+        return s.comment
+    if s.kind == "reshard":
+        return "; ".join(_step_note(step, d) for step in p.reshards[s.key].steps) or s.comment
+    if s.kind == "grad_sum":
+        return f"identity forward; all-reduce of the gradient in backward over {_devices(_own_group(p.grad_groups[s.key], d))}"
+    return s.comment
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether one module path contains the other ("" is the model itself)."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+class _SourceNotes:
+    """The model-source comment, written once above each run of statements from one source line
+    (at one indentation, in one module or its submodules: a line calling `self.fc1` makes ops in
+    `fc1` and in the module itself); `reset()` where a new block starts."""
+
+    def __init__(self) -> None:
+        self.last: Optional[tuple[str, str, str, str]] = None  # indentation, source, code, module
+
+    def reset(self) -> None:
+        self.last = None
+
+    def lines(self, s: Stmt, ind: str) -> list[str]:
+        if s.op is None:
+            self.last = None
+            return []
+        where, code, mod = s.op.source or "?", s.op.source_code or "", s.op.module_path or ""
+        last = self.last
+        if last is not None and last[:3] == (ind, where, code) and _nested(last[3], mod):
+            return []
+        self.last = (ind, where, code, mod)
+        text = f"{ind}# {where}{f' [{mod}]' if mod else ''}{f': {code}' if code else ''}"
+        return [text[:160]]
 
 
 def _stmt_uses(s: Stmt) -> list[str]:
@@ -246,23 +341,32 @@ def generate(program: Program, device: int) -> str:
     vocabulary-split head, say). With one: `stage{k}` and `stage{k}_loss` for each stage the device
     runs, returning the boundary values later stages read, then the model outputs."""
     rank: RankProgram = program.ranks[device]
-    em = _Emitter(bound_targets(program))
+    em = _Emitter(bound_targets(program), program, device)
     li = program.loss_index
     funcs = []
     for k, sp in sorted(rank.stages.items()):
         name = "forward" if program.num_stages == 1 else f"stage{k}"
         params = [program.shards[key].value for key in sp.params]
-        funcs.append(_function(name, sp, params, sp.stmts, list(sp.sent) + list(sp.outputs), em))
+        full = _function(name, sp, params, sp.stmts, list(sp.sent) + list(sp.outputs), em)
+        funcs.append(full)
         if li is not None:
             stmts = [s for s in sp.stmts if s.output_of is None or s.output_of == li]
             outs = list(sp.sent) + [o if i == li else None for i, o in enumerate(sp.outputs)]
-            funcs.append(_function(f"{name}_loss", sp, params, stmts, outs, em))
+            loss = _function(f"{name}_loss", sp, params, stmts, outs, em)
+            if loss.replace(f"\ndef {name}_loss(", f"\ndef {name}(", 1) == full:
+                loss = f"\n\n{name}_loss = {name}  # the loss is the only output: nothing to skip\n"
+            funcs.append(loss)
     stages = "" if program.num_stages == 1 else f", pipeline stages {sorted(rank.stages)} of {program.num_stages}"
+    u, dp = program.unit_size, program.plan.dp
+    ranks = (f"device d of data-parallel replica r is global rank r * {u} + d" if dp > 1
+             else "devices are the global ranks")
     header = [
         f"# Generated by nnscaler-plugins {library_version()} for {program.graph.model_class}: device {device} of a "
-        f"{program.unit_size}-device unit (x{program.plan.dp} data-parallel){stages}.",
+        f"{u}-device unit (x{dp} data-parallel){stages}.",
         f"# Plan: {program.plan.strategy} {program.plan.options}; graph {program.graph.fingerprint()}.",
-        "# One statement per op of the captured graph; comments name the model's source line.",
+        "# One statement per op of the captured graph; a comment names the model's source line above the",
+        "# statements it produced. Collectives go through _comm and name the devices of the unit they run",
+        f"# over ({ranks}).",
         "import torch",
         "aten = torch.ops.aten",
     ]
@@ -289,6 +393,7 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
     no_grad_open = False
     defined = set(sp.inputs) | set(params)
     regions = 0
+    notes = _SourceNotes()
     for i, s in enumerate(items):
         ind = "    "
         if i in first:
@@ -297,6 +402,7 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
         if isinstance(s, _Region):
             no_grad_open = False
             body += _region_lines(s, regions, em, ind)
+            notes.reset()
             regions += 1
             defined.update(v for v, _ in s.outputs)
         else:
@@ -307,7 +413,7 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
                 ind = "        "
             elif no_grad_open:
                 no_grad_open = False
-            body += _stmt_lines(s, ind, em)
+            body += _stmt_lines(s, ind, em, notes)
             defined.update(o for o in s.out if o)
         dead = [n for n in frees.get(i, []) if n in defined and n not in sp.inputs]
         if dead:
@@ -315,32 +421,33 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
     body += [f"    {o} = _P[{index[o]}]" for o in dict.fromkeys(o for o in outputs if o) if o in index and o not in seen]
     outs = ", ".join(o if o is not None else "None" for o in outputs)
     inputs = ", ".join(sp.inputs)
-    sig_args = ", ".join(x for x in ["_groups", "_device", "_P", inputs] if x)
+    sig_args = ", ".join(x for x in ["_comm", "_device", "_P", inputs] if x)
     return (f"\n\ndef {name}({sig_args}):\n"
+            f"    # _comm: this device's collectives and process groups (passed by position)\n"
             f"    # _P: parameters and buffers held on this device, in Program order, each bound at its first use\n"
             + "\n".join(body) + f"\n    return ({outs}{',' if len(outputs) == 1 else ''})\n")
 
 
-def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", piece: Optional[int] = None) -> list[str]:
-    lines = []
+def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: Optional[int] = None) -> list[str]:
+    lines = notes.lines(s, ind) if s.kind in ("op", "reshard", "grad_sum") else []
     if s.kind == "op" and s.op is not None:
-        where = s.op.source or "?"
-        code = f": {s.op.source_code}" if s.op.source_code else ""
-        mod = f" [{s.op.module_path}]" if s.op.module_path else ""
-        lines.append(f"{ind}# {where}{mod}{code}"[:160])
         outs = [o if o is not None else "_" for o in s.out]
         lhs = (", ".join(outs) + ("," if len(outs) == 1 else "")) if s.op.multi_output else outs[0]
         target, args, kwargs = (s.target, s.args, s.kwargs) if piece is None else s.coshard.pieces[piece]
+        args, kwargs = _readable_call(target, tuple(args), dict(kwargs))
         arg_text = ", ".join(em.value(a) for a in args)
-        kws = [f"{k}={em.value(v)}" for k, v in dict(kwargs).items()]
+        kws = [f"{k}={em.value(v)}" for k, v in kwargs.items()]
+        note = ""
         if s.group_kwarg is not None:
-            kws.append(f"group=_groups.kernel({s.group_kwarg})")
+            kws.append(f"group=_comm.kernel({s.group_kwarg})")
+            if em.program is not None:
+                note = f"  # communicates over {_devices(_own_group(em.program.kernel_groups[s.group_kwarg], em.device))}"
         call = f"{em.callable_name(target)}({', '.join([a for a in [arg_text] if a] + kws)})"
-        lines.append(f"{ind}{lhs} = {call}" if any(o is not None for o in s.out) else f"{ind}{call}")
+        lines.append((f"{ind}{lhs} = {call}" if any(o is not None for o in s.out) else f"{ind}{call}") + note)
     elif s.kind == "reshard":
-        lines.append(f"{ind}{s.out[0]} = _groups.reshard({s.key}, {s.src})  # {s.comment}")
+        lines.append(f"{ind}{s.out[0]} = _comm.reshard({s.key}, {s.src})  # {_comm_note(s, em)}")
     elif s.kind == "grad_sum":
-        lines.append(f"{ind}{s.out[0]} = _groups.grad_sum({s.key}, {s.src})  # {s.comment}")
+        lines.append(f"{ind}{s.out[0]} = _comm.grad_sum({s.key}, {s.src})  # {_comm_note(s, em)}")
     return lines
 
 
@@ -359,8 +466,9 @@ def _region_lines(region: _Region, number: int, em: "_Emitter", ind: str) -> lis
                  "each recomputed in backward"]
     for j in range(c):
         lines.append(f"{ind}def _cs{number}_{j}({', '.join(names)}):")
+        notes = _SourceNotes()
         for s in region.stmts:
-            lines += _stmt_lines(s, ind + "    ", em, piece=None if region.recompute else j)
+            lines += _stmt_lines(s, ind + "    ", em, notes, piece=None if region.recompute else j)
         lines.append(f"{ind}    return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
     run = em.callable_name(cs.run)
     for j in range(c):

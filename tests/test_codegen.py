@@ -53,6 +53,45 @@ def test_generated_source_has_one_statement_per_op_with_source_comments(tmp_path
         assert any(f"{o} = " in src or f"{o}," in src for o in names), op.name
     assert "netmod_a.py:" in src  # comments point at the model's own lines
     assert "h = torch.relu(self.fc1(x))" in src
+    # The communication object is named for what it is and passed first, by position.
+    assert "def forward(_comm, _device, _P, x, y):" in src and "_groups" not in src
+    # One source comment per run of statements from one line (linear + relu share line "h = ...").
+    forward = src.split("\ndef forward(", 1)[1].split("\ndef ", 1)[0]
+    assert forward.count("h = torch.relu(self.fc1(x))") == 1
+    # Every collective names the devices it runs over.
+    comm = [line for line in src.splitlines() if "_comm." in line]
+    assert comm and all("devices [0, 1]" in line for line in comm), comm
+    # The loss is the model's only output: forward_loss is forward, not a second copy.
+    assert "\nforward_loss = forward" in src and "def forward_loss(" not in src
+
+
+SLICE_SRC = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h[:, 1:] * h[:, :-1]).sum() + h[:, 2:6].sum() + h[:, ::2].sum()
+"""
+
+
+def test_plain_slices_are_written_without_int64_max_and_compute_the_same(tmp_path):
+    path = tmp_path / "netmod_slice.py"
+    path.write_text(SLICE_SRC)
+    mod = _load(path, "netmod_slice")
+    torch.manual_seed(0)
+    model = mod.Net()
+    x = torch.randn(4, 8)
+    g = nns.capture(model, kwargs={"x": x})
+    src = generate(lower(g, nns.plan(g, strategy="dp", world_size=1)), 0)
+    assert str(2 ** 63 - 1) not in src
+    assert "aten.slice.Tensor(" in src
+    pm = nns.parallelize(model, {"x": x}, plan="dp", cache_dir=str(tmp_path / "cache"))
+    torch.testing.assert_close(pm(x=x), model(x=x), rtol=0, atol=0)
 
 
 def test_editing_the_model_invalidates_the_cache(tmp_path):
