@@ -116,7 +116,7 @@ class NNScalerTrainerMixin:
     # -- planning ---------------------------------------------------------------------------------------
     def _nns_parallelize(self) -> None:
         import nnscaler_plugins as nns
-        from nnscaler_plugins.plugins import example_inputs, get_plugin_manager
+        from .hookspecs import example_inputs, on_parallelized
 
         model = self.model
         example = example_inputs(model, self._nns_first_batch())
@@ -126,8 +126,7 @@ class NNScalerTrainerMixin:
                                           **self.nns_plan_options)
         check_training_state(self.nns_module.plan, type(self).__name__, zero=True)
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
-        get_plugin_manager().hook.nnscaler_on_parallelized(module=self.nns_module, plan=self.nns_module.plan,
-                                                           framework="hf")
+        on_parallelized(self.nns_module, self.nns_module.plan, "hf")
 
     def _nns_first_batch(self) -> Any:
         """One per-device batch, read in order (no sampler, no random numbers): only its shapes matter."""
@@ -214,7 +213,7 @@ class NNScalerTrainerMixin:
     def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         """The plan's whole step; returns the loss divided by the accumulation count, which is what
         the Trainer adds up for its logs."""
-        from nnscaler_plugins.plugins import example_inputs
+        from .hookspecs import example_inputs
 
         self._nns_wrapped.train()
         inputs = self._prepare_inputs(inputs)

@@ -1,4 +1,4 @@
-"""The Hugging Face plugin's hooks (entry point `builtin_hf`), kept apart from `adapters.hf` so that
+"""The Hugging Face plugin's hooks (registered as `builtin_hf`), kept apart from `adapters.hf` so that
 loading plugins never imports transformers.
 
 A Trainer batch is a dict that may hold keys the model's forward does not take (the Trainer drops
@@ -16,6 +16,15 @@ from nnscaler_plugins.hookspecs import hookimpl
 
 def _is_hf_model(model: Any) -> bool:
     return hasattr(model, "config") and hasattr(model, "main_input_name") and hasattr(model, "forward")
+
+
+@hookimpl
+def nnscaler_add_hookspecs(pluginmanager: Any) -> None:
+    from nnscaler_plugins.hookspecs import add_hookspecs_once
+
+    from .hookspecs import AdapterHooks
+
+    add_hookspecs_once(pluginmanager, AdapterHooks)
 
 
 @hookimpl

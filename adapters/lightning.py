@@ -44,6 +44,15 @@ def strategy_class(namespace: str) -> type:
 
 
 @hookimpl
+def nnscaler_add_hookspecs(pluginmanager: Any) -> None:
+    from nnscaler_plugins.hookspecs import add_hookspecs_once
+
+    from .hookspecs import AdapterHooks
+
+    add_hookspecs_once(pluginmanager, AdapterHooks)
+
+
+@hookimpl
 def nnscaler_register_lightning_strategies(registry: Any, namespace: str) -> None:
     strategy_class(namespace).register_strategies(registry)
 

@@ -170,7 +170,7 @@ class NNScalerStrategyMixin:
             torch.random.set_rng_state(state)
         device = next((p.device for p in inner.parameters()), torch.device("cpu"))
         batch = self._imp("fabric.utilities.apply_func").move_data_to_device(batch, device)
-        from nnscaler_plugins.plugins import example_inputs
+        from .hookspecs import example_inputs
 
         return inner, example_inputs(inner, self._record_inputs(model, attr, batch))
 
@@ -236,7 +236,8 @@ class NNScalerStrategyMixin:
 
     def _setup_model(self, model: Any) -> Any:
         import nnscaler_plugins as nns
-        from nnscaler_plugins.plugins import get_plugin_manager
+
+        from .hookspecs import on_parallelized
 
         attr = self._attr = self.module_attr or _find_inner_module(model)
         inner = getattr(model, attr, None)
@@ -246,7 +247,7 @@ class NNScalerStrategyMixin:
         if self.example_inputs is not None:
             example = self.example_inputs
         else:  # what training_step passes, less what the forward does not take (nnscaler_example_inputs hook)
-            from nnscaler_plugins.plugins import example_inputs
+            from .hookspecs import example_inputs
 
             example = example_inputs(inner, self._record_inputs(model, attr))
         self.pmodule = nns.parallelize(inner, example, plan=self.plan, device=self.root_device,
@@ -260,8 +261,7 @@ class NNScalerStrategyMixin:
         # 0.47 GiB, GPT-2 small's fp32 weights, still allocated during training otherwise).
         del inner
         gc.collect()
-        get_plugin_manager().hook.nnscaler_on_parallelized(module=self.pmodule, plan=self.pmodule.plan,
-                                                           framework="lightning")
+        on_parallelized(self.pmodule, self.pmodule.plan, "lightning")
         return model
 
     def _record_inputs(self, model: Any, attr: str, batch: Any = None) -> Any:

@@ -1,7 +1,9 @@
-"""The whole contract between the core and its plugins.
+"""The contract between the core and its plugins: the hooks the core calls.
 
-Built-in strategies and adapters implement these exactly like a third-party package would: they are
-found through the `nnscaler_plugins` entry-point group and never imported by the core.
+Built-in strategies and adapters implement these exactly like a third-party package would (the
+plugin manager registers them by module name; the core's code never imports them). Hooks that only
+adapters call are declared by the adapters (`adapters/hookspecs.py`, `adapters/deepspeed/hookspecs.py`)
+through `nnscaler_add_hookspecs`.
 """
 from __future__ import annotations
 
@@ -11,6 +13,13 @@ import pluggy
 
 hookspec = pluggy.HookspecMarker("nnscaler_plugins")
 hookimpl = pluggy.HookimplMarker("nnscaler_plugins")
+
+
+@hookspec(historic=True)
+def nnscaler_add_hookspecs(pluginmanager: Any) -> None:
+    """Declare hooks of your own: call `pluginmanager.add_hookspecs(module_or_class)`. Called once for
+    every plugin, when it is registered (as pytest's `pytest_addhooks`), so a plugin that calls its
+    own hooks declares them itself; `add_hookspecs_once` avoids declaring a hook twice."""
 
 
 @hookspec
@@ -63,28 +72,6 @@ def nnscaler_search_result(result: Any, options: dict) -> None:
     or drop plans in place (e.g. to prefer plans its runtime supports)."""
 
 
-@hookspec(firstresult=True)
-def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
-    """Translate a DeepSpeed JSON config (already loaded into a dict) into this project's settings.
-
-    The DeepSpeed drop-in engine calls this once per `initialize`, so a plugin can support keys the
-    built-in translation refuses (or refuse keys it accepts). Return a dict with the translated
-    settings, or None to leave the config to the next implementation; the first non-None result
-    wins. Keys that cannot be honoured must be refused or warned about by name, never dropped.
-    """
-
-
-@hookspec(firstresult=True)
-def nnscaler_example_inputs(model: Any, batch: Any) -> Optional[Any]:
-    """Return the example inputs to capture `model` with, built from one real training batch, or None.
-
-    Framework adapters see batches shaped for the framework's loop (a Hugging Face dict with extra
-    keys the forward does not take, a Lightning `(x, y)` tuple) while capture needs exactly what the
-    model's forward takes (DESIGN section 5: dict = keyword arguments, tuple = positional, tensor =
-    the single argument). The first non-None result wins; the core falls back to the batch itself.
-    """
-
-
 @hookspec
 def nnscaler_register_lightning_strategies(registry: Any, namespace: str) -> None:
     """Register strategy names into a Lightning `StrategyRegistry` (`registry.register(name, cls, ...)`).
@@ -97,7 +84,9 @@ def nnscaler_register_lightning_strategies(registry: Any, namespace: str) -> Non
     """
 
 
-@hookspec
-def nnscaler_on_parallelized(module: Any, plan: Any, framework: str) -> None:
-    """Observe a model a framework adapter has just parallelized (`framework`: "lightning", "hf",
-    "deepspeed" or "core"): log the plan, attach metrics. Return values are ignored."""
+def add_hookspecs_once(pluginmanager: Any, specs: Any) -> None:
+    """`pluginmanager.add_hookspecs(specs)` unless its hooks are declared already (two adapters may
+    declare the same shared hooks)."""
+    names = [n for n in dir(specs) if n.startswith("nnscaler_")]
+    if not all(getattr(getattr(pluginmanager.hook, n, None), "spec", None) is not None for n in names):
+        pluginmanager.add_hookspecs(specs)

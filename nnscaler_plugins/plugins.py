@@ -1,20 +1,23 @@
-"""The plugin manager: built-ins and third-party plugins are loaded the same way, by entry point.
+"""The plugin manager: the built-ins and third-party plugins are registered the same way.
 
-Environment switches (read once, when the manager is first made):
-
-    NNSCALER_PLUGINS_DISABLE_AUTOLOAD=1   load no third-party entry points; the entry points this
-                                          distribution declares itself (built-in strategies and
-                                          adapters) are still registered
-    NNSCALER_PLUGINS_BLOCK=name1,name2    never register the plugins with these entry-point names
-                                          (built-ins included, e.g. "builtin_lightning")
-    NNSCALER_PLUGINS_TRACE=1              print every hook call, its arguments and its result to
-                                          stderr (pluggy's tracing)
-
-A plugin is a module or object with `@hookimpl` functions (see `hookspecs`), declared in its
-package's pyproject:
+The built-in strategies and adapters are modules named in `BUILTIN_PLUGINS` (one list, as datasette
+keeps its default plugins): the manager imports them by name and registers them like any plugin;
+the core's code never imports them. Third-party plugins are found through the `nnscaler_plugins`
+entry-point group, declared in their package's pyproject:
 
     [project.entry-points.nnscaler_plugins]
     my_plugin = "my_package.nnscaler_hooks"
+
+A plugin is a module or object with `@hookimpl` functions (see `hookspecs`). A plugin that needs
+hooks of its own (the adapters do) declares them by implementing `nnscaler_add_hookspecs`.
+
+Environment switches (read once, when the manager is first made):
+
+    NNSCALER_PLUGINS_DISABLE_AUTOLOAD=1   load no third-party entry points (the built-ins still load)
+    NNSCALER_PLUGINS_BLOCK=name1,name2    never register the plugins with these names
+                                          (built-ins included, e.g. "builtin_lightning")
+    NNSCALER_PLUGINS_TRACE=1              print every hook call, its arguments and its result to
+                                          stderr (pluggy's tracing)
 """
 from __future__ import annotations
 
@@ -35,9 +38,8 @@ ENV_DISABLE_AUTOLOAD = "NNSCALER_PLUGINS_DISABLE_AUTOLOAD"
 ENV_BLOCK = "NNSCALER_PLUGINS_BLOCK"
 ENV_TRACE = "NNSCALER_PLUGINS_TRACE"
 
-# The entries pyproject.toml declares, for a source tree without installed metadata or with metadata
-# older than the source (an editable install made before an entry was added): built-ins are always present.
-_BUILTIN_FALLBACK = (
+# The built-in plugins, by registration name and module.
+BUILTIN_PLUGINS = (
     ("builtin_strategies", "nnscaler_plugins.strategies"),
     ("builtin_lightning", "nnscaler_plugins.adapters.lightning"),
     ("builtin_hf", "nnscaler_plugins.adapters.hf_hooks"),
@@ -85,17 +87,14 @@ def _blocked_names() -> list[str]:
 
 
 def _entry_points() -> list[tuple[str, str, str]]:
-    """(name, module:object value, distribution name) of every entry point in our group; the
-    built-ins (declared by this distribution) first, so a third-party plugin cannot take their names."""
+    """(name, module:object value, distribution name) of every third-party entry point in our group."""
     out = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = getattr(ep, "dist", None)
-        out.append((ep.name, ep.value, dist.metadata["Name"] if dist is not None else "?"))
-    own = [e for e in out if _normalize(e[2]) == _normalize(DISTRIBUTION)]
-    seen = {n for n, _, _ in own}
-    own += [(n, v, DISTRIBUTION) for n, v in _BUILTIN_FALLBACK if n not in seen]  # stale or missing metadata
-    seen = {n for n, _, _ in own}
-    return own + [e for e in out if _normalize(e[2]) != _normalize(DISTRIBUTION) and e[0] not in seen]
+        name = dist.metadata["Name"] if dist is not None else "?"
+        if _normalize(name) != _normalize(DISTRIBUTION):  # an older install of ours may still list built-ins
+            out.append((ep.name, ep.value, name))
+    return out
 
 
 def _normalize(dist_name: str) -> str:
@@ -127,12 +126,15 @@ def get_plugin_manager() -> pluggy.PluginManager:
     for name in _blocked_names():
         pm.set_blocked(name)
     pm.register(_CoreDefaults(), name="nnscaler_plugins.core")
-    autoload = not _env_flag(ENV_DISABLE_AUTOLOAD)
-    for name, value, dist in _entry_points():
-        builtin = _normalize(dist) == _normalize(DISTRIBUTION)
-        if pm.is_blocked(name) or pm.has_plugin(name) or not (builtin or autoload):
-            continue
-        pm.register(_load(name, value, dist), name=name)
+    # Plugins registered from here on may bring hookspecs of their own (historic: every plugin sees it).
+    pm.hook.nnscaler_add_hookspecs.call_historic(kwargs={"pluginmanager": pm})
+    for name, module in BUILTIN_PLUGINS:
+        if not pm.is_blocked(name):
+            pm.register(_load(name, module, DISTRIBUTION), name=name)
+    if not _env_flag(ENV_DISABLE_AUTOLOAD):
+        for name, value, dist in _entry_points():
+            if not (pm.is_blocked(name) or pm.has_plugin(name)):
+                pm.register(_load(name, value, dist), name=name)
     pm.check_pending()  # a misspelt hook name in any plugin fails here, naming the plugin
     return pm
 
@@ -160,13 +162,6 @@ def register(plugin: Any, name: Optional[str] = None) -> None:
 def unregister(plugin: Any) -> None:
     get_plugin_manager().unregister(plugin)
     _generation[0] += 1
-
-
-def example_inputs(model: Any, batch: Any) -> Any:
-    """What `model`'s forward takes, built from one real batch by the `nnscaler_example_inputs`
-    hook; the batch itself when no plugin knows better."""
-    found = get_plugin_manager().hook.nnscaler_example_inputs(model=model, batch=batch)
-    return batch if found is None else found
 
 
 def _strategy_table() -> dict[str, Callable]:

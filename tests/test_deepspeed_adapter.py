@@ -150,7 +150,7 @@ def test_translation_is_a_hook_a_plugin_can_take_over() -> None:
     from nnscaler_plugins.plugins import get_plugin_manager, register, unregister
 
     pm = get_plugin_manager()
-    assert pm.has_plugin("builtin_deepspeed")  # loaded through the entry point
+    assert pm.has_plugin("builtin_deepspeed")  # registered as a built-in plugin
 
     class Lenient:
         @hookimpl(tryfirst=True)

@@ -39,6 +39,15 @@ __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedE
 PLUGIN_NAME = "builtin_deepspeed"
 
 
+@hookimpl
+def nnscaler_add_hookspecs(pluginmanager: Any) -> None:
+    from nnscaler_plugins.hookspecs import add_hookspecs_once
+
+    from .hookspecs import DeepSpeedHooks
+
+    add_hookspecs_once(pluginmanager, DeepSpeedHooks)
+
+
 @hookimpl(trylast=True)
 def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
     """The built-in translation: every key checked against `keys.py`, DeepSpeed's semantics."""
