@@ -258,7 +258,7 @@ class CostModel:
             labels_in = tuple(sig.inputs[i] if i < len(sig.inputs) else None for i in range(len(op.inputs)))
             labels_out = tuple(sig.outputs[j] if j < len(sig.outputs) else None for j in range(len(op.outputs)))
             ins, outs, grads = op_layouts(shapes_in, tuple(s if s is not None else () for s in shapes_out), sig, p,
-                                          tuple(p.devices), labels_in, labels_out)
+                                          labels_in, labels_out)
             outs = tuple(o if s is not None else None for o, s in zip(outs, shapes_out))
             out = self._lay[key] = (ins, outs, grads)
         return out
