@@ -372,7 +372,8 @@ class _Lowering:
     def get_reshard(self, src: Layout, dst: Layout, what: str) -> int:
         k = (src, dst)
         if k not in self.reshard_index:
-            if set(src.group) != set(dst.group) and not (src.replicas == len(src.group) and set(dst.group) <= set(src.group)):
+            whole_on_superset = src.replicas == len(src.group) and set(dst.group) <= set(src.group)
+            if set(src.group) != set(dst.group) and not whole_on_superset:
                 raise PlanError(f"{what}: produced on devices {sorted(set(src.group))} but used on "
                                 f"{sorted(set(dst.group))}; moving tensors between device sets needs a pipeline "
                                 "plan (op-order), place producer and consumer on the same devices")

@@ -23,13 +23,16 @@ flow through the add, so only the largest table of such a group is split.
 """
 from __future__ import annotations
 
+import enum
 import inspect
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from nnscaler_plugins.anchors import MatmulAnchor, VocabAnchor, matmul_anchor, vocab_anchor
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.graph import Graph
+from nnscaler_plugins.placement import Digit, DigitKind, label_digit
 from nnscaler_plugins.plan import Plan
 from nnscaler_plugins.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import Signature, op_call, signature_for
@@ -37,31 +40,44 @@ from nnscaler_plugins.rules import Signature, op_call, signature_for
 _STATIC = ("param", "buffer", "constant")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where a tensor's elements live on the unit.
+class TPKind(enum.Enum):
+    REPLICATED = "R"  # whole on every device
+    SPLIT = "S"  # split along a dim into one chunk per device
+    PARTIAL = "P"  # every device holds a tensor of full shape and the true value is their sum
 
-    kind "R": whole on every device; "S": split along `dim` into one chunk per device (with
-    `block` > 1, each of `block` equal sections is split separately); "P": every device holds a
-    tensor of full shape and the true value is their sum.
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Where a tensor's elements live on the unit, as the walk sees it (one split of `n` pieces at
+    a time; the lowering's full RVD reading of a plan is `nnscaler_plugins.layout.Layout`).
+
+    `dim` is the dim a SPLIT cuts; with `block` > 1, each of `block` equal sections is split
+    separately.
     """
 
-    kind: str
+    kind: TPKind
     dim: int = -1
     block: int = 1
 
     def __repr__(self) -> str:
-        if self.kind == "S":
+        if self.kind is TPKind.SPLIT:
             return f"S({self.dim}{f', block={self.block}' if self.block > 1 else ''})"
-        return self.kind
+        return self.kind.value
 
 
-REPLICATED = Layout("R")
-PARTIAL = Layout("P")
+REPLICATED = TPLayout(TPKind.REPLICATED)
+PARTIAL = TPLayout(TPKind.PARTIAL)
 
 
-def split(dim: int, block: int = 1) -> Layout:
-    return Layout("S", dim, block)
+def split(dim: int, block: int = 1) -> TPLayout:
+    return TPLayout(TPKind.SPLIT, dim, block)
+
+
+def _of_digit(digit: Digit, block: int) -> TPLayout:
+    """What one split does to a tensor (`placement.label_digit`) as a layout on the unit."""
+    if digit.kind is DigitKind.SPLIT:
+        return split(digit.dim, block)
+    return PARTIAL if digit.kind is DigitKind.PARTIAL else REPLICATED
 
 
 @dataclass(frozen=True)
@@ -84,7 +100,7 @@ REPLICATE = Choice()
 FREE, SLICE, COMM = 0, 1, 4
 
 
-def conversion_cost(current: Optional[Layout], required: Layout) -> int:
+def conversion_cost(current: Optional[TPLayout], required: TPLayout) -> int:
     """Cost of handing a value held as `current` to an op that needs `required`.
 
     `current` None means the layout is not fixed yet (an unplaced parameter, or a value the walk
@@ -92,65 +108,15 @@ def conversion_cost(current: Optional[Layout], required: Layout) -> int:
     """
     if current is None or current == required:
         return FREE
-    if required.kind == "P" and current.kind == "R":
+    if required.kind is TPKind.PARTIAL and current.kind is TPKind.REPLICATED:
         return FREE  # a whole tensor is a valid partial sum: piece 0 keeps it, the others add zeros
-    if current.kind == "R" and required.kind == "S":
+    if current.kind is TPKind.REPLICATED and required.kind is TPKind.SPLIT:
         return SLICE
     return COMM
 
 
-@dataclass(frozen=True)
-class MatmulAnchor:
-    """A matmul-family op with a weight parameter: the places where column/row parallelism is decided."""
-
-    activation: int  # input index of the activation
-    weight: int  # input index of the parameter
-    k: str  # the reduce label shared by both
-    n: Optional[str]  # the output-feature label, carried by the weight and the output only
-
-
-@dataclass(frozen=True)
-class VocabAnchor:
-    """An embedding-style lookup: the only input carrying the reduce label is the parameter."""
-
-    weight: int
-    label: str
-
-
 def _is_static(graph: Graph, value: str) -> bool:
     return graph.values[value].kind in _STATIC
-
-
-def find_matmul_anchor(graph: Graph, op: OpHandle) -> Optional[MatmulAnchor]:
-    """The matmul reading of an op's rule: a reduce label shared by one activation and one parameter."""
-    sig, names = op.signature, op.node.inputs
-    for k in sorted(sig.reduce):
-        if sig.is_frozen(k):
-            continue
-        carriers = sorted({i for i, _ in sig.dims_of(k)[0]})
-        weights = [i for i in carriers if graph.values[names[i]].kind == "param"]
-        acts = [i for i in carriers if not _is_static(graph, names[i])]
-        if len(weights) != 1 or len(acts) != 1:
-            continue
-        w, a = weights[0], acts[0]
-        act_labels = set(sig.inputs[a] or ())
-        out_labels = {l for lab in sig.outputs for l in (lab or ())}
-        n = next((l for l in sig.inputs[w] or () if l != k and sig.kind(l) == "spatial"
-                  and l not in act_labels and l in out_labels), None)
-        return MatmulAnchor(a, w, k, n)
-    return None
-
-
-def find_vocab_anchor(graph: Graph, op: OpHandle) -> Optional[VocabAnchor]:
-    """The embedding reading of an op's rule: a reduce label carried by a parameter and nothing else."""
-    sig, names = op.signature, op.node.inputs
-    for k in sorted(sig.reduce):
-        if sig.is_frozen(k):
-            continue
-        carriers = sorted({i for i, _ in sig.dims_of(k)[0]})
-        if len(carriers) == 1 and graph.values[names[carriers[0]]].kind == "param":
-            return VocabAnchor(carriers[0], k)
-    return None
 
 
 @dataclass(frozen=True)
@@ -189,14 +155,14 @@ class TensorParallelPropagation:
         self.ops = list(builder.ops) if ops is None else list(ops)
         self.position = {op.name: i for i, op in enumerate(self.ops)}
         self.blocked = supports_blocked_splits(builder)
-        self.layout: dict[str, Layout] = {i.name: REPLICATED for i in self.graph.inputs
+        self.layout: dict[str, TPLayout] = {i.name: REPLICATED for i in self.graph.inputs
                                           if self.graph.values[i.name].meta is not None}
         made_here = {o for op in self.ops for o in op.node.outputs if o is not None}
         for op in self.ops:
             for v in op.node.inputs:
                 if v not in made_here and not _is_static(self.graph, v):
                     self.layout[v] = REPLICATED
-        self.stored: dict[str, Layout] = {}
+        self.stored: dict[str, TPLayout] = {}
         self.choices: dict[str, Choice] = {}
         self.roles: dict[str, str] = {}  # matmul anchors: "column" | "row" | "replicated"
         self.seeds: dict[str, Choice] = {}  # ops that may start a split a whole matmul could not
@@ -218,12 +184,12 @@ class TensorParallelPropagation:
 
     def matmul_anchor(self, op: OpHandle) -> Optional[MatmulAnchor]:
         if op.name not in self._matmul:
-            self._matmul[op.name] = find_matmul_anchor(self.graph, op)
+            self._matmul[op.name] = matmul_anchor(self.graph, op.node, op.signature)
         return self._matmul[op.name]
 
     def vocab_anchor(self, op: OpHandle) -> Optional[VocabAnchor]:
         if op.name not in self._vocab:
-            self._vocab[op.name] = find_vocab_anchor(self.graph, op)
+            self._vocab[op.name] = vocab_anchor(self.graph, op.node, op.signature)
         return self._vocab[op.name]
 
     def _sig_block(self, sig: Signature, label: str, index: Optional[int] = None) -> int:
@@ -241,47 +207,36 @@ class TensorParallelPropagation:
             return False
         return sig.divides(choice.label, self.n, call, choice.block)
 
-    def required(self, op: OpHandle, choice: Choice) -> tuple[list[Layout], list[Optional[Layout]]]:
+    def required(self, op: OpHandle, choice: Choice) -> tuple[list[TPLayout], list[Optional[TPLayout]]]:
         """The layouts the op's pieces read and write under `choice` (the lowering's reading of a plan)."""
         sig, node = op.signature, op.node
         if choice.label is None:
             return ([REPLICATED] * len(node.inputs),
                     [None if o is None else REPLICATED for o in node.outputs])
         label = choice.label
-        ins: list[Layout] = []
+        ins: list[TPLayout] = []
         for i, labels in enumerate(sig.inputs):
-            if labels and label in labels:
-                sig_block = self._sig_block(sig, label, i)
-                ins.append(split(labels.index(label), sig_block if sig_block > 1 else choice.block))
-            elif i in sig.partial_inputs.get(label, frozenset()):
-                ins.append(PARTIAL)
-            else:
-                ins.append(REPLICATED)
-        outs: list[Optional[Layout]] = []
+            sig_block = self._sig_block(sig, label, i)
+            ins.append(_of_digit(label_digit(sig, label, labels, False, i),
+                                 sig_block if sig_block > 1 else choice.block))
+        outs: list[Optional[TPLayout]] = []
         for j, name in enumerate(node.outputs):
             labels = sig.outputs[j] if j < len(sig.outputs) else None
-            if name is None:
-                outs.append(None)
-            elif labels and label in labels:
-                outs.append(split(labels.index(label), choice.block))
-            elif label in sig.reduce:
-                outs.append(PARTIAL)
-            else:
-                outs.append(REPLICATED)
+            outs.append(None if name is None else _of_digit(label_digit(sig, label, labels, True, j), choice.block))
         return ins, outs
 
     # -- local choice -------------------------------------------------------------------------------
-    def current(self, value: str, pending: Optional[dict[str, Layout]] = None) -> Optional[Layout]:
+    def current(self, value: str, pending: Optional[dict[str, TPLayout]] = None) -> Optional[TPLayout]:
         if pending is not None and value in pending:
             return pending[value]
         if self._is_static(value):
             return self.stored.get(value)
         return self.layout.get(value)
 
-    def candidates(self, op: OpHandle, current: list[Optional[Layout]]) -> list[Choice]:
+    def candidates(self, op: OpHandle, current: list[Optional[TPLayout]]) -> list[Choice]:
         blocks = {1}
         if self.blocked:
-            blocks |= {c.block for c in current if c is not None and c.kind == "S"}
+            blocks |= {c.block for c in current if c is not None and c.kind is TPKind.SPLIT}
         out = [REPLICATE]
         for label in op.signature.splittable():
             for b in sorted(blocks):
@@ -290,11 +245,11 @@ class TensorParallelPropagation:
                     out.append(c)
         return out
 
-    def cost(self, op: OpHandle, choice: Choice, current: list[Optional[Layout]]) -> list[int]:
+    def cost(self, op: OpHandle, choice: Choice, current: list[Optional[TPLayout]]) -> list[int]:
         ins, _ = self.required(op, choice)
         return [conversion_cost(c, r) for c, r in zip(current, ins)]
 
-    def best(self, op: OpHandle, current: list[Optional[Layout]]) -> Choice:
+    def best(self, op: OpHandle, current: list[Optional[TPLayout]]) -> Choice:
         """The cheapest choice; ties go to running whole, then to the smaller block factor."""
         def key(c: Choice) -> tuple:
             return (sum(self.cost(op, c, current)), c.label is not None, c.block)
@@ -315,14 +270,14 @@ class TensorParallelPropagation:
         without a gather; otherwise `stop` is the op where a path stopped and `demand` the
         choice (a blocked split) it would have accepted instead, if there is one.
         """
-        pending: dict[str, Layout] = {}
+        pending: dict[str, TPLayout] = {}
         frontier: set[str] = set()
         horizon = -1  # position of the last op that reads a split value; nothing after it matters
         _, outs = self.required(start, choice)
         for name, lay in zip(start.node.outputs, outs):
             if name is not None and lay is not None:
                 pending[name] = lay
-                if lay.kind == "S":
+                if lay.kind is TPKind.SPLIT:
                     frontier.add(name)
                     horizon = max(horizon, self._last_use.get(name, -1))
         for op in self.ops[self.position[start.name] + 1:]:
@@ -341,14 +296,14 @@ class TensorParallelPropagation:
                 if name is None or lay is None:
                     continue
                 pending[name] = lay
-                if lay.kind == "S":
+                if lay.kind is TPKind.SPLIT:
                     frontier.add(name)
                     horizon = max(horizon, self._last_use.get(name, -1))
-                elif lay.kind == "P" and not self._partial_ends_path(op, c):
+                elif lay.kind is TPKind.PARTIAL and not self._partial_ends_path(op, c):
                     return Lookahead(False, op)
         return Lookahead(True)
 
-    def _demanded_split(self, op: OpHandle, current: list[Optional[Layout]], affected: list[int]) -> Optional[Choice]:
+    def _demanded_split(self, op: OpHandle, current: list[Optional[TPLayout]], affected: list[int]) -> Optional[Choice]:
         """A split of `op` that takes the stopped inputs on the same dim, only with another block factor."""
         for label in op.signature.splittable():
             if not self.divides(op, Choice(label)):
@@ -357,7 +312,7 @@ class TensorParallelPropagation:
             wants = set()
             for i in affected:
                 cur, req = current[i], ins[i]
-                if req.kind != "S" or cur is None or cur.kind != "S" or req.dim != cur.dim:
+                if req.kind is not TPKind.SPLIT or cur is None or cur.kind is not TPKind.SPLIT or req.dim != cur.dim:
                     break
                 wants.add(req.block)
             else:
@@ -389,7 +344,7 @@ class TensorParallelPropagation:
                     self.seeds[result.stop.name] = Choice(result.demand.label)
         return None
 
-    def _try_seed(self, op: OpHandle, seed: Choice, current: list[Optional[Layout]]) -> Optional[Choice]:
+    def _try_seed(self, op: OpHandle, seed: Choice, current: list[Optional[TPLayout]]) -> Optional[Choice]:
         """Split an op whose inputs are whole, when its split outputs reach row-parallel partners."""
         if any(c == COMM for c in self.cost(op, seed, current)):
             return None
@@ -448,7 +403,7 @@ class TensorParallelPropagation:
         anchor = self.matmul_anchor(op)
         if anchor is not None:
             act = current[anchor.activation]
-            if act is not None and act.kind == "R" and anchor.n is not None:
+            if act is not None and act.kind is TPKind.REPLICATED and anchor.n is not None:
                 c = self._try_column(op, anchor)
                 self.roles[op.name] = "column" if c else "replicated"
                 return c or REPLICATE
@@ -474,7 +429,7 @@ class TensorParallelPropagation:
             ins, outs = self.required(op, c)
             for v, req in zip(op.node.inputs, ins):
                 if self._is_static(v) and v not in self.stored:
-                    self.stored[v] = REPLICATED if req.kind == "P" else req
+                    self.stored[v] = REPLICATED if req.kind is TPKind.PARTIAL else req
             for v, lay in zip(op.node.outputs, outs):
                 if v is not None and lay is not None:
                     self.layout[v] = lay
@@ -555,16 +510,6 @@ class TensorParallelPropagation:
 
 
 # -- plan-level checks --------------------------------------------------------------------------------------
-def _digit_partial(sig: Signature, label: str, labels: Optional[tuple], is_output: bool, index: int) -> str:
-    if labels is not None and label in labels:
-        return "S"
-    if is_output and label in sig.reduce:
-        return "P"
-    if not is_output and index in sig.partial_inputs.get(label, frozenset()):
-        return "P"
-    return "R"
-
-
 def partial_to_whole(graph: Graph, plan: Plan) -> list[tuple[str, str]]:
     """(value, consumer) pairs where a partial-sum output is read by something that needs it summed.
 
@@ -582,14 +527,14 @@ def partial_to_whole(graph: Graph, plan: Plan) -> list[tuple[str, str]]:
             if not partial.get(name):
                 continue
             labels = sig.inputs[i]
-            takes_partial = any(_digit_partial(sig, l, labels, False, i) == "P" for l, _ in p.splits)
+            takes_partial = any(label_digit(sig, l, labels, False, i).kind is DigitKind.PARTIAL for l, _ in p.splits)
             if not takes_partial and name not in found:
                 found[name] = op.name
         for j, name in enumerate(op.outputs):
             if name is None:
                 continue
             labels = sig.outputs[j] if j < len(sig.outputs) else None
-            partial[name] = any(_digit_partial(sig, l, labels, True, j) == "P" for l, _ in p.splits)
+            partial[name] = any(label_digit(sig, l, labels, True, j).kind is DigitKind.PARTIAL for l, _ in p.splits)
     for name in graph.outputs:
         if name is not None and partial.get(name) and name not in found:
             found[name] = "<model output>"
@@ -600,7 +545,7 @@ def matmul_roles(builder: PlanBuilder, plan: Plan) -> dict[str, str]:
     """Per matmul with a weight parameter: "column", "row", "replicated" or "other", read from a plan."""
     out: dict[str, str] = {}
     for op in builder.ops:
-        anchor = find_matmul_anchor(builder.graph, op)
+        anchor = matmul_anchor(builder.graph, op.node, op.signature)
         if anchor is None:
             continue
         labels = {l for l, _ in plan.ops[op.name].splits}

@@ -60,8 +60,7 @@ except ImportError:  # tests/models.py not written yet: the same small configura
                        num_attention_heads=4, vocab_size=128, max_position_embeddings=32),
         vit_small=_vit)
 from nnscaler_plugins.strategies import DP, HYBRID, TP, Strategy, nnscaler_register_strategies
-from nnscaler_plugins.strategies.propagation import (find_matmul_anchor, matmul_roles, partial_to_whole,
-                                                     supports_blocked_splits)
+from nnscaler_plugins.strategies.propagation import matmul_roles, partial_to_whole, supports_blocked_splits
 
 _GRAPHS: dict[str, tuple[Graph, Any]] = {}
 

@@ -339,7 +339,7 @@ class HFTensorParallelPlan(Constraint):
         if not self.require:
             return None
         from ..rules import signature_for
-        from .anchors import matmul_anchor
+        from ..anchors import matmul_anchor
         for op in graph.ops:
             style = self.style_of(op)
             if style is None:

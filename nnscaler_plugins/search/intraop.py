@@ -24,13 +24,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional, Sequence
 
+from ..anchors import matmul_anchor, vocab_anchor
 from ..errors import PlanError
 from ..graph import Graph, OpNode, TensorMeta
 from ..layers import layer_groups
 from ..layout import Layout
 from ..rules import op_call
 from ..rules.signature import LocalCall
-from .anchors import matmul_anchor, vocab_label
 from .costmodel import CostModel, Training
 from .dims import BATCH, SEQUENCE, tag_labels
 from .layouts import Placement
@@ -284,7 +284,7 @@ class IntraSolver:
             if var in seen:
                 continue
             sig = self.sigs[op.name]
-            if matmul_anchor(self.graph, op, sig) is not None or vocab_label(self.graph, op, sig) is not None \
+            if matmul_anchor(self.graph, op, sig) is not None or vocab_anchor(self.graph, op, sig) is not None \
                     or sig.comm_labels:
                 out.append(var)
                 seen.add(var)
@@ -488,9 +488,9 @@ class IntraSolver:
         a = matmul_anchor(self.graph, op, sig)
         if a is not None:
             keep |= {a.k, a.n}
-        v = vocab_label(self.graph, op, sig)
+        v = vocab_anchor(self.graph, op, sig)
         if v is not None:
-            keep.add(v)
+            keep.add(v.label)
         keep |= set(sig.comm_labels)
         return [c for c in self.choices(op) if c.axes[-1][0] in keep]
 
@@ -577,7 +577,8 @@ class IntraSolver:
                     want = (outer(op) + ((a.k, inner),), ())
                 column_next = not column_next
             else:
-                label = vocab_label(self.graph, op, sig) or next(iter(sorted(sig.comm_labels)), None)
+                v = vocab_anchor(self.graph, op, sig)
+                label = v.label if v is not None else next(iter(sorted(sig.comm_labels)), None)
                 if label is not None:
                     want = (outer(op) + ((label, inner),), ())
             if want is None:

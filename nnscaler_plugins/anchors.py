@@ -1,0 +1,64 @@
+"""Matmuls with a weight parameter and embedding lookups: where column, row and vocabulary
+parallelism are decided.
+
+Both are readings of an op's dimension rule. A matmul with a weight has a reduce label `k` shared
+by exactly one activation input and one parameter, and an output-feature label `n` carried by the
+parameter and the output but not by the activation: column parallelism splits `n` (the output
+comes out split), row parallelism splits `k` (the output comes out as partial sums). An embedding
+lookup has a reduce label that only a parameter carries (the vocabulary): splitting it gives a
+partial-sum output. The tensor-parallel strategy and the search both start from these ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .graph import Graph, OpNode
+from .rules import Signature
+
+_STATIC = ("param", "buffer", "constant")
+
+
+@dataclass(frozen=True)
+class MatmulAnchor:
+    activation: int  # input index of the activation
+    weight: int  # input index of the parameter
+    k: str  # the reduce label shared by both
+    n: Optional[str]  # the output-feature label, carried by the weight and the output only
+
+
+@dataclass(frozen=True)
+class VocabAnchor:
+    weight: int  # input index of the table
+    label: str  # the vocabulary: the reduce label only the table carries
+
+
+def matmul_anchor(graph: Graph, op: OpNode, sig: Signature) -> Optional[MatmulAnchor]:
+    """The matmul reading of an op's rule: a reduce label shared by one activation and one parameter."""
+    names = op.inputs
+    for k in sorted(sig.reduce):
+        if sig.is_frozen(k):
+            continue
+        carriers = sorted({i for i, _ in sig.dims_of(k)[0]})
+        weights = [i for i in carriers if graph.values[names[i]].kind == "param"]
+        acts = [i for i in carriers if graph.values[names[i]].kind not in _STATIC]
+        if len(weights) != 1 or len(acts) != 1:
+            continue
+        w, a = weights[0], acts[0]
+        act_labels = set(sig.inputs[a] or ())
+        out_labels = {l for lab in sig.outputs for l in (lab or ())}
+        n = next((l for l in sig.inputs[w] or () if l != k and sig.kind(l) == "spatial"
+                  and l not in act_labels and l in out_labels), None)
+        return MatmulAnchor(a, w, k, n)
+    return None
+
+
+def vocab_anchor(graph: Graph, op: OpNode, sig: Signature) -> Optional[VocabAnchor]:
+    """The embedding reading of an op's rule: a reduce label carried by a parameter and nothing else."""
+    for k in sorted(sig.reduce):
+        if sig.is_frozen(k):
+            continue
+        carriers = sorted({i for i, _ in sig.dims_of(k)[0]})
+        if len(carriers) == 1 and graph.values[op.inputs[carriers[0]]].kind == "param":
+            return VocabAnchor(carriers[0], k)
+    return None
