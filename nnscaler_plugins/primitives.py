@@ -1,7 +1,8 @@
-"""op-trans and op-assign: the two primitives a plan is written with (op-order comes with pipelines).
+"""op-trans, op-assign and op-order: the three primitives a plan is written with.
 
 A strategy is a function `fn(builder: PlanBuilder, **options)` that calls `op_trans`/`op_assign`
-on the builder's ops. The builder records the calls; `finish()` turns them into a validated `Plan`.
+on the builder's ops, and `op_order` when it pipelines them. The builder records the calls;
+`finish()` turns them into a validated `Plan`.
 
     def my_plan(b, **_):
         for op in b.ops:
@@ -330,10 +331,31 @@ def op_trans(op: Transformable, dim: Any = None, num: Optional[int] = None,
     return builder.op_trans(op, dim=dim, num=num, replicate=replicate, block=block)
 
 
-def op_order(builder: PlanBuilder, stages: Sequence[Sequence[Union[OpHandle, str]]], devices: Sequence[Sequence[int]],
-             **schedule: Any) -> PipelineSpec:
-    """Pipeline the ops of `builder` in stages on device groups, ordered by a schedule (see
-    `PlanBuilder.op_order`)."""
+def op_order(stages: Any, devices: Any, *rest: Any, **schedule: Any) -> PipelineSpec:
+    """Order the ops on their devices as a pipeline: stage k (ops in model order) runs on the device
+    group `devices[k]`, and micro-batches go through the stages in the order a schedule gives
+    (`schedule="1f1b"`, another built-in name, or `fn(shape, **options) -> per-rank task lists`;
+    `micro_batches=`, ...; see `PlanBuilder.op_order`).
+
+        half = len(builder.ops) // 2
+        op_order([builder.ops[:half], builder.ops[half:]], [[0], [1]], schedule="gpipe", micro_batches=4)
+
+    Like `op_trans` and `op_assign`, it finds the builder from the ops it is given; a stage may
+    name an op by its name once another op of the call is an op handle. `op_order(builder, stages,
+    devices, ...)` (the builder first) is accepted too, and needed when every op is a name.
+    """
+    if "builder" in schedule:  # op_order(builder=..., stages=..., devices=...)
+        return schedule.pop("builder").op_order(stages, devices, *rest, **schedule)
+    if isinstance(stages, PlanBuilder):
+        if len(rest) != 1:
+            raise TypeError("op_order(builder, stages, devices, **schedule) takes stages and devices after the builder")
+        return stages.op_order(devices, rest[0], **schedule)
+    if rest:
+        raise TypeError(f"op_order takes stages and devices, then keyword options; got {len(rest)} more positional")
+    builder = next((op.builder for ops in stages for op in ops if isinstance(op, OpHandle)), None)
+    if builder is None:
+        raise TypeError("op_order found no op handle in its stages (only names): pass op handles "
+                        "(builder.ops) or call builder.op_order(stages, devices, ...)")
     return builder.op_order(stages, devices, **schedule)
 
 
