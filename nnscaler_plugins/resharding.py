@@ -16,6 +16,7 @@ devices, sent whole to the destination devices that lack them, then cut locally.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import heapq
 import itertools
@@ -34,13 +35,56 @@ BETA = 1.0 / 10e9       # seconds per byte
 ITEMSIZE = 4            # costs assume fp32; only the ranking of paths matters
 LOCAL_COST = 1e-9       # local steps are nearly free; this keeps paths short
 
-COMMUNICATING = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "permute", "send")
 _R, _V = 0, 1           # digit indices; dim i is digit 2 + i
+
+
+class StepKind(str, enum.Enum):
+    """One move of a resharding. A str, so a kind compares (and counts) equal to its name."""
+
+    ALL_GATHER = "all-gather"          # D -> R
+    ALL_REDUCE = "all-reduce"          # V -> R
+    REDUCE_SCATTER = "reduce-scatter"  # V -> D
+    CHUNK = "chunk"                    # R -> D, local
+    VALUE_MASK = "value-mask"          # R -> V, local
+    ALL_TO_ALL = "all-to-all"          # D on one dim -> D on another
+    PERMUTE = "permute"                # point-to-point: the same pieces on other devices
+    SEND = "send"                      # point-to-point: whole tensors to another device set
+
+    # Printed, formatted and hashed as its name, on every Python version (tables keyed by name find it).
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def communicates(self) -> bool:
+        return self not in (StepKind.CHUNK, StepKind.VALUE_MASK)
+
+    @property
+    def point_to_point(self) -> bool:
+        return self in (StepKind.PERMUTE, StepKind.SEND)
+
+
+COMMUNICATING = tuple(k for k in StepKind if k.communicates)
+
+# What `Step.describe` says of a step over subgroups (generated code carries it in comments);
+# point-to-point steps list their pairs.
+_DESCRIPTIONS = {
+    StepKind.ALL_GATHER: "all-gather dim {dim} over groups {groups}",
+    StepKind.REDUCE_SCATTER: "reduce-scatter dim {dim} over groups {groups}",
+    StepKind.ALL_REDUCE: "all-reduce over groups {groups}",
+    StepKind.CHUNK: "chunk dim {dim} locally over groups {groups}",
+    StepKind.VALUE_MASK: "value-mask (first keeps the value) over groups {groups}",
+    StepKind.ALL_TO_ALL: "all-to-all dim {dim} -> dim {dim2} over groups {groups}",
+}
 
 
 @dataclass(frozen=True)
 class Step:
-    kind: str
+    kind: StepKind
     src: Layout
     dst: Layout
     groups: tuple[tuple[int, ...], ...]   # subgroups, members in piece (factor) order
@@ -54,58 +98,46 @@ class Step:
 
     @property
     def group_size(self) -> int:
-        return max((len(g) for g in self.groups), default=1) if self.kind not in ("permute", "send") else 2
+        return 2 if self.kind.point_to_point else max((len(g) for g in self.groups), default=1)
 
     def describe(self) -> str:
-        groups = [list(g) for g in self.groups]
-        if self.kind in ("all-gather", "reduce-scatter"):
-            return f"{self.kind} dim {self.dim} over groups {groups}"
-        if self.kind == "all-reduce":
-            return f"all-reduce over groups {groups}"
-        if self.kind == "chunk":
-            return f"chunk dim {self.dim} locally over groups {groups}"
-        if self.kind == "value-mask":
-            return f"value-mask (first keeps the value) over groups {groups}"
-        if self.kind == "all-to-all":
-            return f"all-to-all dim {self.dim} -> dim {self.dim2} over groups {groups}"
-        pairs = ", ".join(f"{a}->{b}" for a, b in self.groups)
-        return f"{self.kind} {pairs}"
+        if self.kind.point_to_point:
+            return f"{self.kind.value} " + ", ".join(f"{a}->{b}" for a, b in self.groups)
+        return _DESCRIPTIONS[self.kind].format(dim=self.dim, dim2=self.dim2, groups=[list(g) for g in self.groups])
 
     def apply(self, x: Optional[torch.Tensor], rank: int, groups: Any) -> Optional[torch.Tensor]:
         """This rank's part of the step; `groups.get(ranks)` gives process groups."""
         if rank not in self.src.group and rank not in self.dst.group:
             return x  # across device sets, each side only takes part in its own steps
-        if self.kind in ("permute", "send"):
-            return self._point_to_point(x, rank, groups)
+        if self.kind.point_to_point:
+            glob = getattr(groups, "global_rank", lambda d: d)
+            send_to = [glob(b) for a, b in self.groups if a == rank]
+            recv_from = [glob(a) for a, b in self.groups if b == rank]
+            return _POINT_TO_POINT[self.kind](self, x, rank, send_to, recv_from)
         members = next((g for g in self.groups if rank in g), None)
         if members is None:
             raise RuntimeError(f"device {rank} takes no part in '{self.describe()}'")
-        pg = groups.get(members)
         ranked = sorted(members)
         order = tuple(ranked.index(m) for m in members)
-        dim = self.dim
-        if self.kind == "all-gather":
-            return C.all_gather(x, dim, pg, self.src.blocks[dim], order)
-        if self.kind == "all-reduce":
-            return C.all_reduce(x, pg)
-        if self.kind == "reduce-scatter":
-            return C.reduce_scatter(x, dim, pg, self.dst.blocks[dim], order)
-        if self.kind == "chunk":
-            return C.chunk(x, dim, pg, self.dst.blocks[dim], order)
-        if self.kind == "value-mask":
-            return C.value_mask(x, members.index(rank) == 0)
-        if self.kind == "all-to-all":
-            return C.all_to_all(x, dim, self.dim2, pg, self.src.blocks[dim], self.dst.blocks[self.dim2], order)
-        raise ValueError(f"unknown step kind {self.kind}")
+        return _COLLECTIVE[self.kind](self, x, members.index(rank), groups.get(members), order)
 
-    def _point_to_point(self, x: Optional[torch.Tensor], rank: int, groups: Any) -> Optional[torch.Tensor]:
-        glob = getattr(groups, "global_rank", lambda d: d)
-        send_to = [b for a, b in self.groups if a == rank]
-        recv_from = [a for a, b in self.groups if b == rank]
-        if self.kind == "permute":
-            return C.send_recv(x, glob(send_to[0]), glob(recv_from[0]))
-        return C.transfer(x, [glob(t) for t in send_to], glob(recv_from[0]) if recv_from else None,
-                          self.dst.local_shape(), keep=rank in self.dst.group)
+
+# How each rank runs a step: (step, x, index of the rank in its subgroup, process group, subgroup order).
+_COLLECTIVE: dict[StepKind, Callable[..., Optional[torch.Tensor]]] = {
+    StepKind.ALL_GATHER: lambda s, x, i, pg, order: C.all_gather(x, s.dim, pg, s.src.blocks[s.dim], order),
+    StepKind.ALL_REDUCE: lambda s, x, i, pg, order: C.all_reduce(x, pg),
+    StepKind.REDUCE_SCATTER: lambda s, x, i, pg, order: C.reduce_scatter(x, s.dim, pg, s.dst.blocks[s.dim], order),
+    StepKind.CHUNK: lambda s, x, i, pg, order: C.chunk(x, s.dim, pg, s.dst.blocks[s.dim], order),
+    StepKind.VALUE_MASK: lambda s, x, i, pg, order: C.value_mask(x, i == 0),
+    StepKind.ALL_TO_ALL: lambda s, x, i, pg, order: C.all_to_all(x, s.dim, s.dim2, pg, s.src.blocks[s.dim],
+                                                                 s.dst.blocks[s.dim2], order),
+}
+# Point-to-point steps: (step, x, rank, global ranks it sends to, global ranks it receives from).
+_POINT_TO_POINT: dict[StepKind, Callable[..., Optional[torch.Tensor]]] = {
+    StepKind.PERMUTE: lambda s, x, rank, send_to, recv_from: C.send_recv(x, send_to[0], recv_from[0]),
+    StepKind.SEND: lambda s, x, rank, send_to, recv_from: C.transfer(
+        x, send_to, recv_from[0] if recv_from else None, s.dst.local_shape(), keep=rank in s.dst.group),
+}
 
 
 @dataclass(frozen=True)
@@ -123,11 +155,12 @@ class ReshardPlan:
         return "; ".join(s.describe() for s in self.steps) or "nothing to do"
 
     def count(self) -> Counter:
-        """Communicating steps by kind (local chunks and masks are not counted)."""
-        return Counter(s.kind for s in self.steps if s.kind in COMMUNICATING)
+        """Communicating steps by kind name (local chunks and masks are not counted)."""
+        return Counter(s.kind.value for s in self.steps if s.kind.communicates)
 
     def groups_needed(self) -> set[tuple[int, ...]]:
-        return {tuple(sorted(g)) for s in self.steps if s.kind not in ("value-mask", "permute", "send")
+        """Subgroups the steps' collectives run over (value masks and point-to-point need none)."""
+        return {tuple(sorted(g)) for s in self.steps if s.kind is not StepKind.VALUE_MASK and not s.kind.point_to_point
                 for g in s.groups if len(g) > 1}
 
     def apply(self, x_local: Optional[torch.Tensor], rank: int, groups: Any) -> Optional[torch.Tensor]:
@@ -137,7 +170,7 @@ class ReshardPlan:
 
 
 def default_cost(step: Step) -> float:
-    if step.kind not in COMMUNICATING:
+    if not step.kind.communicates:
         return LOCAL_COST
     return ALPHA + BETA * step.bytes_per_device
 
@@ -229,32 +262,33 @@ def _moves(lay: Layout, goal: Layout, target: tuple) -> Iterator[Step]:
     for i in dims:
         for k in _divisors(lay.splits[i]):
             for into in both:
-                yield _move(lay, "all-gather", 2 + i, "lo", _R, into, k, dim=i)
+                yield _move(lay, StepKind.ALL_GATHER, 2 + i, "lo", _R, into, k, dim=i)
     for k in _divisors(lay.partial):
         for take, into in itertools.product(both, both):
-            yield _move(lay, "all-reduce", _V, take, _R, into, k)
+            yield _move(lay, StepKind.ALL_REDUCE, _V, take, _R, into, k)
         for i in dims:
             if finer[i] % k == 0:
                 for take in both:
-                    yield from _split_moves(lay, goal, "reduce-scatter", _V, take, k, i, dim=i)
+                    yield from _split_moves(lay, goal, StepKind.REDUCE_SCATTER, _V, take, k, i, dim=i)
     for k in _divisors(lay.replicas):
         for take in both:
             for i in dims:
                 if finer[i] % k == 0:
-                    yield from _split_moves(lay, goal, "chunk", _R, take, k, i, dim=i)
+                    yield from _split_moves(lay, goal, StepKind.CHUNK, _R, take, k, i, dim=i)
             if more_partial % k == 0:
                 for into in both:
-                    yield _move(lay, "value-mask", _R, take, _V, into, k)
+                    yield _move(lay, StepKind.VALUE_MASK, _R, take, _V, into, k)
     for a, b in itertools.product(dims, dims):
         if a != b:
             for k in _divisors(lay.splits[a]):
                 if finer[b] % k == 0:
-                    yield from _split_moves(lay, goal, "all-to-all", 2 + a, "lo", k, b, dim=a, dim2=b)
+                    yield from _split_moves(lay, goal, StepKind.ALL_TO_ALL, 2 + a, "lo", k, b, dim=a, dim2=b)
     if _structure(lay) == _structure(goal) and _key(lay) != target:
-        yield Step("permute", lay, goal, tuple(zip(lay.group, goal.group)), elements=math.prod(lay.local_shape()))
+        yield Step(StepKind.PERMUTE, lay, goal, tuple(zip(lay.group, goal.group)),
+                   elements=math.prod(lay.local_shape()))
 
 
-def _split_moves(lay: Layout, goal: Layout, kind: str, src_digit: int, take: str, k: int, i: int,
+def _split_moves(lay: Layout, goal: Layout, kind: StepKind, src_digit: int, take: str, k: int, i: int,
                  **dims: int) -> Iterator[Step]:
     """Moves that add a factor k to the split of dim i, under every block factor that fits."""
     options = {lay.blocks[i]} if lay.splits[i] > 1 else {1, goal.blocks[i]}
@@ -279,7 +313,7 @@ def _goal_moves(lay: Layout, goal: Layout) -> Iterator[Step]:
         if all(there[r][d] // k == here[r][d] for r in lay.group):
             take = _assign(here, {r: there[r][d] % k for r in lay.group}, k)
             if take:
-                yield _move(lay, "chunk", _R, take, d, "lo", k, dim=i, blocks=goal.blocks[i])
+                yield _move(lay, StepKind.CHUNK, _R, take, d, "lo", k, dim=i, blocks=goal.blocks[i])
     k = goal.partial // lay.partial
     if k > 1 and goal.partial == k * lay.partial and lay.replicas % k == 0 \
             and all(here[r][2:] == there[r][2:] for r in lay.group):
@@ -289,7 +323,7 @@ def _goal_moves(lay: Layout, goal: Layout) -> Iterator[Step]:
         if all(len(v) == k for v in summands.values()):
             take = _assign(here, {r: sorted(summands[here[r][1:]]).index(there[r][_V]) for r in lay.group}, k)
             if take:
-                yield _move(lay, "value-mask", _R, take, _V, "lo", k)
+                yield _move(lay, StepKind.VALUE_MASK, _R, take, _V, "lo", k)
 
 
 def _assign(here: dict[int, tuple], factor: dict[int, int], k: int) -> Optional[dict[int, tuple[int, int]]]:
@@ -304,7 +338,7 @@ def _assign(here: dict[int, tuple], factor: dict[int, int], k: int) -> Optional[
     return out if balanced else None
 
 
-def _move(lay: Layout, kind: str, src_digit: int, take: Union[str, dict[int, tuple[int, int]]], dst_digit: int,
+def _move(lay: Layout, kind: StepKind, src_digit: int, take: Union[str, dict[int, tuple[int, int]]], dst_digit: int,
           into: str, k: int, dim: Optional[int] = None, dim2: Optional[int] = None,
           blocks: Optional[int] = None) -> Step:
     """Take factor k out of one digit and put it into another.
@@ -339,8 +373,8 @@ def _move(lay: Layout, kind: str, src_digit: int, take: Union[str, dict[int, tup
     new = _normal(Layout(lay.shape, tuple(placed), radices[0], radices[1], tuple(radices[2:]), tuple(new_blocks)))
     groups = tuple(sorted(tuple(rank for _, rank in sorted(members)) for members in subgroups.values()))
     local = math.prod(lay.local_shape())
-    elements = {"all-gather": (k - 1) * local, "all-reduce": 2 * (k - 1) * local // k,
-                "reduce-scatter": (k - 1) * local // k, "all-to-all": (k - 1) * local // k}.get(kind, 0)
+    elements = {StepKind.ALL_GATHER: (k - 1) * local, StepKind.ALL_REDUCE: 2 * (k - 1) * local // k,
+                StepKind.REDUCE_SCATTER: (k - 1) * local // k, StepKind.ALL_TO_ALL: (k - 1) * local // k}.get(kind, 0)
     return Step(kind, lay, new, groups, dim=dim, dim2=dim2, elements=elements)
 
 
@@ -350,4 +384,4 @@ def _transfer(whole_src: Layout, whole_dst: Layout) -> Step:
     missing = [t for t in whole_dst.group if t not in whole_src.group]
     pairs = tuple((senders[i % len(senders)], t) for i, t in enumerate(missing))
     busiest = -(-len(missing) // len(senders))
-    return Step("send", whole_src, whole_dst, pairs, elements=busiest * math.prod(whole_src.shape))
+    return Step(StepKind.SEND, whole_src, whole_dst, pairs, elements=busiest * math.prod(whole_src.shape))
