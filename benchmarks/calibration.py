@@ -1,4 +1,4 @@
-"""The published calibration points of shared/notes/cost-model.md, as models and Megatron/Alpa plans.
+"""The published calibration points of docs/cost-model.md, as models and Megatron/Alpa plans.
 
 Each case builds an HF GPT-2 model on the meta device with the paper's shape (exact GeLU and
 attention written out, as Megatron-LM and Alpa ran it; dropout 0.1 as GPT), captures one

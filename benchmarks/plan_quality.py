@@ -1,6 +1,6 @@
 """Plan quality, measured by the simulator: does the search beat the published and the fixed plans?
 
-Part A: for every configuration of C1 and C2 (shared/notes/cost-model.md) the search runs on the same
+Part A: for every configuration of C1 and C2 (docs/cost-model.md) the search runs on the same
 graph (the published micro-batch), world size, global batch and cluster, with the published plan's
 simulated peak memory as its memory limit; the fastest plan it returns must be at least as fast as
 the published plan, simulated the same way.

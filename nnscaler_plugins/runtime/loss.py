@@ -1,4 +1,4 @@
-"""Finding the loss in whatever a model returns (DESIGN section 5)."""
+"""Finding the loss in whatever a model returns (docs/design.md, "Inputs and the loss")."""
 from __future__ import annotations
 
 from typing import Any

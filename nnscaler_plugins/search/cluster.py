@@ -18,7 +18,7 @@ Bandwidths are the hardware's nominal numbers; how much of them (and of the peak
 memory bandwidth) a real kernel reaches is `Efficiency`, the only constants the cost model fits
 (see `nnscaler_plugins/search/efficiency.py` and the section "Fitted constants" there).
 
-The presets are the clusters the calibration points were measured on (shared/notes/cost-model.md):
+The presets are the clusters the calibration points were measured on (docs/cost-model.md):
 `v100-p3` (p3.16xlarge: 8 x V100-16GB, NVLink, 25 Gbps per node), `a100-dgx` (8 x A100-80GB on
 NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node), `h100-dgx` (8 x H100-80GB, NVLink4, 8 x 400 Gb/s
 per node), and `local-cpu`, which measures the machine it runs on (see `calibrate.py`).

@@ -20,7 +20,7 @@ CPU preset (the generated code runs eager PyTorch ops).
 
 How the two fitted constants were fitted: one grid search (matmul 0.60-0.80, memory 0.5-0.8, step
 0.05 / 0.1) minimising the mean absolute percentage error of the step times of the C1 and C2
-calibration points of shared/notes/cost-model.md together (A100 rows, published configurations
+calibration points of docs/cost-model.md together (A100 rows, published configurations
 written with the `megatron` strategy); `benchmarks/simulator_fidelity.py --fit` repeats it. Nothing is
 fitted per row, and C3 (V100, Alpa) is not used in the fit: it is a check. The local CPU preset fits
 nothing: it measures its throughputs directly (`calibrate.py`), so its efficiencies are 1 relative to

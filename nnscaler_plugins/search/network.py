@@ -1,6 +1,6 @@
 """Collective and point-to-point times from the alpha-beta model on the cluster's link hierarchy.
 
-Formulas (shared/notes/cost-model.md, ring algorithms; M is the bytes of the whole tensor, n the
+Formulas (docs/cost-model.md, ring algorithms; M is the bytes of the whole tensor, n the
 group size): all-reduce 2(n-1)alpha + 2(n-1)/n M/beta; all-gather and reduce-scatter
 (n-1)alpha + (n-1)/n M/beta; all-to-all (n-1)alpha + (n-1)/n M/beta_bisection; p2p alpha + M/beta.
 

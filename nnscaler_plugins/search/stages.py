@@ -5,7 +5,7 @@ times, the activations one micro-batch leaves behind, the model states of its de
 gradient reduction after its last backward all follow from the segments' sums and the training
 choices (`Training`: ZeRO stage, recomputation). `replay_step` runs the stage times through the
 plan's schedule with `timeline.replay` (the simulator); `analytic_step` prices the same stages with
-the closed forms of shared/notes/cost-model.md (the search's quick screening of many candidates).
+the closed forms of docs/cost-model.md (the search's quick screening of many candidates).
 """
 from __future__ import annotations
 
