@@ -251,6 +251,7 @@ def _stages(graph: Graph, plan: Plan) -> tuple[dict[str, int], list[tuple[int, .
 
 
 def lower(graph: Graph, plan: Plan) -> Program:
+    """The per-rank, per-stage programs that run `plan` on `graph` (phases: `_Lowering`)."""
     return _Lowering(graph, plan).run()
 
 
