@@ -25,15 +25,15 @@ def _gradients(module: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         raise RuntimeError(f"zero={plan.zero} keeps gradients as ZeRO chunks: clip with the optimizer "
                            "nns.build_optimizer made (its clip_grad_norm_)")
     counted, held = [], []
-    for key in module._held:
+    for key in module.held_keys:
         s = module.program.shards[key]
         if s.kind != "param":
             continue
-        g = module._local(key).grad
+        g = module.local_tensor(key).grad
         if g is None:
             continue
         held.append(g)
-        if module.dp_rank == 0 and module._counts_in_norm(key):
+        if module.dp_rank == 0 and module.counts_in_norm(key):
             counted.append(g)
     return counted, held
 

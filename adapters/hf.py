@@ -194,10 +194,10 @@ class NNScalerTrainerMixin:
                 {"params": [n for n in names if n not in decay], "weight_decay": 0.0}], **kwargs)
             return self.optimizer
         groups: dict[bool, list] = {True: [], False: []}
-        for key in pm._held:
+        for key in pm.held_keys:
             s = pm.program.shards[key]
             if s.kind == "param":
-                p = pm._local(key)
+                p = pm.local_tensor(key)
                 if p.requires_grad:
                     groups[s.fqn in decay].append(p)
         params = [{"params": groups[True], "weight_decay": self.args.weight_decay},

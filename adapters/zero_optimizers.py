@@ -15,12 +15,11 @@ import torch
 
 def rebuild_sharded(module: Any, optimizer: torch.optim.Optimizer, framework: str) -> Any:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.parallel_module import _safe
 
     inner = getattr(optimizer, "_optimizer", optimizer)  # a framework's wrapper around the torch optimizer
     fqn_of = {}
     for fqn in module.zero_shards:
-        fqn_of[id(module.shards[_safe(fqn)])] = fqn
+        fqn_of[id(module.parameter(fqn))] = fqn
     groups = []
     for i, g in enumerate(inner.param_groups):
         names = []

@@ -59,8 +59,6 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
     def __init__(self, module: Any, optimizer_cls: Callable[..., torch.optim.Optimizer],
                  param_groups: Optional[list[dict[str, Any]]] = None, **kwargs: Any):
-        from .runtime.parallel_module import _safe
-
         plan = module.plan
         if getattr(optimizer_cls, "__name__", "") in _NOT_ELEMENTWISE and plan.zero and plan.dp > 1:
             raise ValueError(f"{optimizer_cls.__name__} is not elementwise, so its state cannot be sharded by ZeRO; "
@@ -71,7 +69,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.zero = plan.zero if plan.dp > 1 else 0
         self.entries: list[_Entry] = []
         for fqn, fs in module.zero_shards.items():
-            p = module.shards[_safe(fqn)]
+            p = module.parameter(fqn)
             if module.zero3 is not None:
                 mode = "zero3"
             elif fs.size > 1:
@@ -109,7 +107,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     # -- gradients ----------------------------------------------------------------------------------
     def _grad_of(self, e: _Entry) -> Optional[torch.Tensor]:
         """This rank's gradient for the entry's master (same shape), still scaled."""
-        reducer = self.module._reducer
+        reducer = self.module.grad_reducer
         if e.mode == "chunk":
             if reducer is not None and id(e.param) in reducer.shard_grads:
                 return reducer.shard_grads[id(e.param)]
@@ -206,7 +204,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        reducer = self.module._reducer
+        reducer = self.module.grad_reducer
         if reducer is not None:
             reducer.shard_grads.clear()
         if self.module.zero3 is not None:
@@ -268,7 +266,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         for v, s in m.program.shards.items():
             if s.kind != "param" or not m.graph.meta(s.value).requires_grad or s.fqn in state:
                 continue
-            e = mine.get(s.fqn) if v in m._held else None
+            e = mine.get(s.fqn) if v in m.held_keys else None
             out: dict[str, Any] = {}
             for k in keys:
                 local = None
@@ -308,7 +306,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if states and missing:
             raise KeyError(f"optimizer state lacks {len(missing)} parameter(s) this rank holds: {missing[:8]}")
         by_fqn = {}
-        for v in m._held:
+        for v in m.held_keys:
             by_fqn.setdefault(m.program.shards[v].fqn, v)
         with torch.no_grad():
             for e in self.entries:

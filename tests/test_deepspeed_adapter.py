@@ -238,7 +238,7 @@ def _data_parallel_engine(rank: int, world: int, ckpt_dir: str) -> dict:
             engine.backward(loss)
             if step == 0 and m == 0:  # off the boundary the gradients stay local
                 grads = [None, None]
-                dist.all_gather_object(grads, engine.module.shards["fc1__weight"].grad.clone())
+                dist.all_gather_object(grads, engine.module.parameter("fc1.weight").grad.clone())
                 out["unreduced"] = not torch.allclose(grads[0], grads[1])
             engine.step()
             out["losses"].append(loss.item())

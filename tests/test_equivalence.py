@@ -58,14 +58,12 @@ def _slice_batch(inputs: dict, dp_rank: int, dp: int) -> dict:
 
 def _compare_grads(pm, ref_params: dict, what: str, rtol: float = 1e-5) -> list[str]:
     """Every local gradient against the matching piece of the reference's full gradient."""
-    from nnscaler_plugins.runtime.parallel_module import _safe
-
     problems = []
-    for v in pm._held:
+    for v in pm.held_keys:
         s = pm.program.shards[v]
         if s.kind != "param" or ref_params[s.fqn].grad is None:
             continue
-        mine = pm.shards[_safe(s.fqn)].grad
+        mine = pm.parameter(s.fqn).grad
         want = s.layout.slice_full(ref_params[s.fqn].grad, pm.unit_device)
         if mine is None or not torch.allclose(mine, want, rtol=rtol, atol=1e-6):
             err = (mine - want).abs().max().item() if mine is not None else "missing"
@@ -74,14 +72,12 @@ def _compare_grads(pm, ref_params: dict, what: str, rtol: float = 1e-5) -> list[
 
 
 def _compare_params(pm, ref_params: dict, what: str, rtol: float, atol: float) -> list[str]:
-    from nnscaler_plugins.runtime.parallel_module import _safe
-
     problems = []
-    for v in pm._held:
+    for v in pm.held_keys:
         s = pm.program.shards[v]
         if s.kind == "param":
             want = s.layout.slice_full(ref_params[s.fqn].detach(), pm.unit_device)
-            got = pm.shards[_safe(s.fqn)].detach()
+            got = pm.parameter(s.fqn).detach()
             if not torch.allclose(got, want, rtol=rtol, atol=atol):
                 problems.append(f"{what}: param {s.fqn} max abs diff {(got - want).abs().max().item():.3g}")
     return problems
@@ -141,7 +137,7 @@ def run_case(rank: int, world: int, name: str, strategy, options: dict, steps: i
         else:
             for batch in (inputs, second):
                 extract_loss(ref_model(**batch)).backward()
-            reducer = pm._reducer
+            reducer = pm.grad_reducer
             before = reducer.launched if reducer is not None else 0
             with pm.no_sync():
                 pm.train_step(local(inputs))

@@ -19,7 +19,7 @@ from test_zero import slice_batch
 
 
 def _launched(pm) -> int:
-    n = pm._reducer.launched if pm._reducer is not None else 0
+    n = pm.grad_reducer.launched if pm.grad_reducer is not None else 0
     return n + (pm.zero3.launched if pm.zero3 is not None else 0)
 
 

@@ -43,7 +43,6 @@ def run_pipeline_case(rank: int, world: int, name: str, layers: int, strategy, o
     parameter after every step (fp32, relative 1e-5); tied copies equal; what the step measured."""
     import nnscaler_plugins as nns
     from nnscaler_plugins.runtime.loss import extract_loss
-    from nnscaler_plugins.runtime.parallel_module import _safe
 
     if strategy == "recycling":
         strategy, options = "pipeline", dict(options, schedule=recycling)
@@ -67,11 +66,11 @@ def run_pipeline_case(rank: int, world: int, name: str, layers: int, strategy, o
             loss = loss / world
         if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
             problems.append(f"step {step}: loss {loss.item()} vs {ref_loss.item()}")
-        for key in pm._held:
+        for key in pm.held_keys:
             s = pm.program.shards[key]
             if s.kind != "param":
                 continue
-            got = pm.shards[_safe(s.fqn)].grad
+            got = pm.parameter(s.fqn).grad
             want = s.layout.slice_full(ref_params[s.fqn].grad, pm.unit_device)
             if got is None or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
                 diff = "missing" if got is None else f"{(got - want).abs().max().item():.3g}"
@@ -80,11 +79,11 @@ def run_pipeline_case(rank: int, world: int, name: str, layers: int, strategy, o
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        for key in pm._held:
+        for key in pm.held_keys:
             s = pm.program.shards[key]
             if s.kind == "param":
                 want = s.layout.slice_full(ref_params[s.fqn].detach(), pm.unit_device)
-                if not torch.allclose(pm.shards[_safe(s.fqn)].detach(), want, rtol=1e-5, atol=1e-6):
+                if not torch.allclose(pm.parameter(s.fqn).detach(), want, rtol=1e-5, atol=1e-6):
                     problems.append(f"step {step}: param {s.fqn} on device {pm.unit_device} differs")
     full = pm.full_state_dict()
     for k, t in ref.state_dict().items():

@@ -40,7 +40,7 @@ def local_grads(opt) -> dict[str, torch.Tensor]:
 def expected_piece(pm, opt, fqn: str, full: torch.Tensor) -> torch.Tensor:
     """The piece of a whole tensor that entry `fqn` of this rank holds (tp piece, then ZeRO chunk)."""
     e = next(e for e in opt.entries if e.fqn == fqn)
-    key = next(v for v in pm._held if pm.program.shards[v].fqn == fqn)
+    key = next(v for v in pm.held_keys if pm.program.shards[v].fqn == fqn)
     piece = pm.program.shards[key].layout.slice_full(full, pm.unit_device).reshape(-1)
     if e.mode in ("chunk", "zero3") and e.shard.size > 1:
         piece = e.shard.owned(piece)
@@ -118,8 +118,8 @@ def model_state_bytes(pm, opt) -> dict[str, int]:
 
     params = nbytes(p for p in pm.parameters())
     grads = [p.grad for p in pm.parameters() if p.grad is not None]
-    if pm._reducer is not None:
-        grads += list(pm._reducer.shard_grads.values())
+    if pm.grad_reducer is not None:
+        grads += list(pm.grad_reducer.shard_grads.values())
     state = [e.master for e in opt.entries if e.master is not e.param]
     for st in opt.state.values():
         state += [v for v in st.values() if torch.is_tensor(v) and v.dim() >= 1]

@@ -29,10 +29,6 @@ from .zero_optimizer import ZeroOptimizer
 log = logging.getLogger("nnscaler_plugins.deepspeed")
 
 
-def _safe(fqn: str) -> str:
-    return fqn.replace(".", "__")
-
-
 def _concat(batches: list) -> Any:
     """Micro-batches joined along the batch dim (what a pipeline plan's train_step cuts again)."""
     if len(batches) == 1:
@@ -120,7 +116,6 @@ class DeepSpeedEngine(torch.nn.Module):
         if any(len(st) for st in opt.state.values()):
             raise RuntimeError("the optimizer has state before the model was parallelized (it stepped on the original "
                                "parameters); create it fresh, or load a checkpoint through engine.load_checkpoint")
-        shards = self._pmodule.shards
         for group in opt.param_groups:
             mine = []
             for p in group["params"]:
@@ -128,9 +123,9 @@ class DeepSpeedEngine(torch.nn.Module):
                 if name is None:
                     raise DeepSpeedConfigError("the optimizer holds a tensor that is not a parameter of the model; "
                                                "build it over model.parameters() (or param groups of them)")
-                key = _safe(name)
-                if key in shards and all(q is not shards[key] for q in mine):
-                    mine.append(shards[key])
+                local = self._pmodule.parameter(name)  # None: another pipeline stage's
+                if local is not None and all(q is not local for q in mine):
+                    mine.append(local)
             group["params"] = mine
         opt.state.clear()
 

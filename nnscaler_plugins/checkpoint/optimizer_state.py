@@ -32,13 +32,11 @@ def _param_index(module: torch.nn.Module) -> dict[int, tuple[str, Optional[Layou
     program = getattr(module, "program", None)
     if not (is_parallel(module) and program is not None):
         return {id(p): (n, None) for n, p in module.named_parameters()}
-    from ..runtime.parallel_module import _safe
-
     out: dict[int, tuple[str, Optional[Layout]]] = {}
-    for v in module._held:
+    for v in module.held_keys:
         s = program.shards[v]
         if s.kind == "param":
-            out.setdefault(id(module.shards[_safe(s.fqn)]), (s.fqn, s.layout))
+            out.setdefault(id(module.local_tensor(v)), (s.fqn, s.layout))
     return out
 
 
@@ -135,8 +133,7 @@ def _gather(module: Any, state: dict, groups: list[dict], world: int, keep: Opti
     for v, s in module.program.shards.items():
         if s.kind != "param" or s.fqn in out or s.fqn not in desc:
             continue  # a tied weight's copies hold the same state
-        lay = s.layout
-        mine = v in module._held
+        mine = v in module.held_keys
         local = state.get(s.fqn, (None, {}))[1] if mine else {}
         entries: dict[str, Any] = {}
         for key in sorted(desc[s.fqn]):
@@ -152,11 +149,8 @@ def _gather(module: Any, state: dict, groups: list[dict], world: int, keep: Opti
                 whole = module.whole_tensor(v, local[key].detach() if mine else None, dtype)
             else:  # scalars (Adam's step): the same on every holder; a stage that lacks them is told
                 whole = local[key].detach().clone() if mine else \
-                    torch.empty(info[0], dtype=dtype, device=module._device)
-                if len(lay.group) < module.plan.unit_size:
-                    unit = tuple(module.dp_rank * module.plan.unit_size + d for d in range(module.plan.unit_size))
-                    dist.broadcast(whole, src=module._comm.groups.global_rank(lay.group[0]),
-                                   group=module.groups.get(unit))
+                    torch.empty(info[0], dtype=dtype, device=module.device)
+                module.share_in_unit(v, whole)
             entries[key] = whole.detach().cpu().clone() if (s.fqn, key) in kept else \
                 torch.empty(whole.shape, dtype=whole.dtype, device="meta")
             del whole

@@ -44,7 +44,7 @@ class _UnitGroups:
 
 
 class _Comm:
-    """What generated code calls for communication (`_groups` in the generated source)."""
+    """What generated code calls for communication (`_comm` in the generated source, passed by position)."""
 
     def __init__(self, program: Program, device: int, unit_groups: _UnitGroups):
         self.program = program
@@ -254,10 +254,56 @@ class ParallelModule(torch.nn.Module):
                               "with nns.build_optimizer(module, torch.optim.<Class>, ...) to shard them", stacklevel=2)
         return False
 
-    # -- running ----------------------------------------------------------------------------------
-    def _local(self, key: str) -> torch.Tensor:
+    # -- what the optimizer, checkpoints, adapters and tests read ----------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's shards live and its generated code runs."""
+        return self._device
+
+    @property
+    def held_keys(self) -> list[str]:
+        """Keys (into `program.shards`) of the parameters, buffers and constants this device holds,
+        in Program order."""
+        return self._held
+
+    def local_tensor(self, key: str) -> torch.Tensor:
+        """This device's tensor of shard `key` (one of `held_keys`): its Parameter (under ZeRO-3 the
+        chunk this replica owns) or buffer."""
         s = self.program.shards[key]
         return self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
+
+    def parameter(self, fqn: str) -> Optional[torch.nn.Parameter]:
+        """This rank's Parameter of the model's parameter `fqn` (its piece; under ZeRO-3 the chunk
+        this replica owns); None where this device holds none of it."""
+        key = _safe(fqn)
+        return self.shards[key] if key in self.shards else None
+
+    def counts_in_norm(self, key: str) -> bool:
+        """Whether this device's copy of shard `key` counts in a global gradient norm: of the unit
+        devices (and tied copies) holding the same piece, only the first does."""
+        return self._counts_in_norm(key)
+
+    @property
+    def grad_reducer(self) -> Optional[GradReducer]:
+        """The reducer of the gradients several devices hold whole (None when there are none, and
+        under ZeRO-3, whose gathers reduce their own gradients)."""
+        return self._reducer
+
+    def share_in_unit(self, key: str, tensor: torch.Tensor) -> None:
+        """Devices of this replica's unit that hold none of shard `key` (another pipeline stage's)
+        receive `tensor` in place from the first device that holds it; nothing happens when every
+        unit device holds it. Collective over the unit: every device calls it, in one order."""
+        lay = self.program.shards[key].layout
+        if len(lay.group) < self.plan.unit_size:
+            dist.broadcast(tensor, src=self._comm.groups.global_rank(lay.group[0]), group=self._unit_group())
+
+    def _unit_group(self) -> Any:
+        """The group of every device of this replica's unit (None with one device)."""
+        return self.groups.get(tuple(self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size)))
+
+    # -- running ----------------------------------------------------------------------------------
+    def _local(self, key: str) -> torch.Tensor:
+        return self.local_tensor(key)
 
     def _params_in_order(self, stage: int = 0) -> list[torch.Tensor]:
         """What the stage function unpacks as `_P` without ZeRO-3: its parameters and buffers, in
@@ -368,8 +414,7 @@ class ParallelModule(torch.nn.Module):
         # The stage that computes the loss tells every device of the replica.
         src_stage = self.program.output_stage[self.program.loss_index]
         src = self._comm.groups.global_rank(self.program.stage_groups[src_stage][0])
-        unit = tuple(self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size))
-        group = self.groups.get(unit)
+        group = self._unit_group()
         if group is not None:
             dist.broadcast(loss, src=src, group=group)
         return loss
@@ -407,8 +452,7 @@ class ParallelModule(torch.nn.Module):
         for v, s in self.program.shards.items():
             if not s.in_state_dict or s.fqn in out:  # a tied weight's copies hold the same values
                 continue
-            local = (self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))) \
-                if v in self._held else None
+            local = self.local_tensor(v) if v in self._held else None
             dtype = self.graph.meta(s.value).dtype
             if local is not None and self.zero3 is not None and s.fqn in self._zero3_key:
                 with torch.no_grad():
@@ -432,10 +476,7 @@ class ParallelModule(torch.nn.Module):
                     local, self.unit_device, self._comm.groups)
         else:
             whole = torch.empty(lay.shape, dtype=dtype, device=self._device)
-        if len(lay.group) < self.plan.unit_size:  # held by some devices (a stage): they tell the rest
-            src = self._comm.groups.global_rank(lay.group[0])
-            dist.broadcast(whole, src=src, group=self.groups.get(tuple(
-                self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size))))
+        self.share_in_unit(key, whole)  # held by some devices (a stage): they tell the rest
         return whole
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -455,8 +496,7 @@ class ParallelModule(torch.nn.Module):
                 local = s.layout.slice_full(full, self.unit_device)
                 if self.zero3 is not None and s.fqn in self._zero3_key:
                     local = self.zero_shards[s.fqn].owned(local.reshape(-1))
-                dst = self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
-                dst.copy_(local)
+                self.local_tensor(v).copy_(local)
 
 
 class _GatheredOnUse:
