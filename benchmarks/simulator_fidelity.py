@@ -1,4 +1,4 @@
-"""Does the simulator reproduce the published calibration points (shared/notes/cost-model.md)?
+"""Does the simulator reproduce the published calibration points (docs/cost-model.md)?
 
 For every row of C1 (Megatron-LM PTD-P), C2 (sequence parallelism and selective recomputation) and
 C3 (Alpa), the published configuration is written with the `megatron` strategy's options, simulated
