@@ -94,12 +94,16 @@ def main() -> None:
     if args.fit:
         mape, eff = fit(plans)
         print(f"best fit: {eff} (C1+C2 time MAPE {100 * mape:.1f} %)")
-    rows, time_err, mem_err = [], [], []
+    rows, time_err, mem_err, mem_sp = [], [], [], []
     for case, plan, g in plans:
         est = evaluate(case, plan, g, eff)
         for what, pub, sim in measured(case, est):
             err = sim / pub - 1
-            (time_err if what.startswith("time") else mem_err).append(abs(err))
+            if what.startswith("time"):
+                time_err.append(abs(err))
+            else:
+                mem_err.append(abs(err))
+                mem_sp.append(bool(case.options.get("sequence_parallel")))
             rows.append((case.source, case.name, f"tp{case.options.get('tp', 1)} pp{case.options.get('pp', 1)} "
                          f"dp{case.dp} m{case.micro_batches} {case.options.get('schedule', '')}"
                          f"{' v' + str(case.options.get('virtual_stages')) if case.options.get('virtual_stages', 1) > 1 else ''}"
@@ -109,8 +113,12 @@ def main() -> None:
             print(" | ".join(rows[-1]), flush=True)
     t_mape = 100 * statistics.mean(time_err)
     m_mape = 100 * statistics.mean(mem_err)
+    sp_rows = [e for e, sp in zip(mem_err, mem_sp) if sp]
+    rest = [e for e, sp in zip(mem_err, mem_sp) if not sp]
+    m_mape_no_sp = 100 * statistics.mean(rest) if rest else m_mape
     print(f"\ntime MAPE {t_mape:.1f} % over {len(time_err)} points (target <= 10 %); "
-          f"memory MAPE {m_mape:.1f} % over {len(mem_err)} points (target <= 15 %); {time.time() - t0:.0f} s")
+          f"memory MAPE {m_mape:.1f} % over {len(mem_err)} points (target <= 15 %), {m_mape_no_sp:.1f} % without the "
+          f"{len(sp_rows)} sequence-parallel points; {time.time() - t0:.0f} s")
     if not args.no_record:
         notes = (f"Time MAPE **{t_mape:.1f} %** over {len(time_err)} points (target <= 10 %), memory MAPE "
                  f"**{m_mape:.1f} %** over {len(mem_err)} points (target <= 15 %). Fitted constants (the only ones): "
@@ -120,10 +128,14 @@ def main() -> None:
                  "4), interleaving chunks as listed (C1 does not publish them: the smallest v > 1 dividing the layers "
                  "per pipeline rank), full recomputation for C1 as the paper. Largest errors: C3 time (Alpa on V100 "
                  "reaches less of its peak than Megatron-LM on A100, and the two fitted efficiencies come from the A100 "
-                 "rows only) and the C2 selective-recomputation activations of the deepest pipelines (+15 %: the "
-                 "`megatron` strategy's selective recompute groups take every parameter-free op of the attention "
-                 "module, so each checkpoint keeps its layer-norm input and projection output besides what Megatron "
-                 "keeps; the simulator prices the plan as written).")
+                 "rows only) and the C2 selective-recomputation + sequence-parallel activations (about 2.3x the "
+                 f"published; memory MAPE without those {len(sp_rows)} points: **{m_mape_no_sp:.1f} %**). Plans are "
+                 "priced as placed since sequence parallelism became splits the plan carries (before, a Megatron "
+                 "discount was applied to ops the plan ran whole, which matched the paper and not this runtime): "
+                 "this runtime's sequence-parallel plan keeps more than Megatron does, most visibly the whole input "
+                 "of each column-parallel matmul, gathered from the sequence shards, which autograd saves for the "
+                 "weight gradient (Megatron saves the shard and gathers it again in backward). Closing that gap is a "
+                 "runtime change, not a simulator one.")
         record("simulator_fidelity.py: published calibration points vs the simulator", rows,
                ("source", "model", "plan", "quantity", "published", "simulated", "error"), notes)
 
