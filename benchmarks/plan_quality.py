@@ -74,9 +74,8 @@ def part_a(quick: bool, save: bool = True) -> None:
            f"{met} of {len(rows)} configurations met. Memory limit of each search: the published plan's simulated "
                "peak. Both sides are priced by the same simulator (benchmarks/simulator_fidelity.py reports how close "
                "it is to the published measurements). For the C2 rows with sequence parallelism the search may use "
-               "that option too (`nns.search(..., sequence_parallel=True)`), which prices the norms and residual adds "
-               "as sequence-split; the `megatron` strategy executes sequence parallelism, the search's own plans "
-               "price it but still run those ops whole.")
+               "that option too (`nns.search(..., sequence_parallel=True)`): its candidates carry the layers' "
+               "sequence splits and are priced as placed, as the `megatron` strategy's plans are.")
 
 
 # -- part B ---------------------------------------------------------------------------------------------------
