@@ -10,10 +10,26 @@ only the first device's), then one all-reduce over the world gives what
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..lowering import Program
+
+
+
+def counts_in_norm(program: Program, key: str, unit_device: int) -> bool:
+    """Whether `unit_device`'s copy of shard `key` counts in a global gradient norm: of the unit
+    devices (and tied copies) holding the same piece, only the first does."""
+    s = program.shards[key]
+    if s.tied and key != min(k for k, o in program.shards.items() if o.fqn == s.fqn):
+        return False
+    lay = s.layout
+    mine = lay.digits(lay.position_of(unit_device))[1:]
+    same = [d for d in lay.group if lay.digits(lay.position_of(d))[1:] == mine]
+    return unit_device == min(same)
 
 
 def global_norm(counted: Iterable[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

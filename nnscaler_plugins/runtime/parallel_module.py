@@ -14,70 +14,23 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from ..capture import normalize_inputs
-from ..codegen import generate, write_and_load
+from ..codegen import write_and_load
 from ..graph import Graph
 from ..layout import Layout
 from ..lowering import Program
 from ..microbatch import split_batch
 from ..plan import Plan
-from .collectives import identity_fwd_allreduce_bwd
+from .comm import Comm
+from .grad_clip import counts_in_norm
 from .grad_reducer import GradReducer
-from .pipeline_executor import PipelineExecutor
+from .grad_reducer_setup import build_reducer
 from .loss import extract_loss
+from .params_on_use import params_on_use
+from .pipeline_executor import PipelineExecutor
+from .plan_groups import UnitGroups, create_groups
 from .precision import autocast, compute_dtype
-from .process_groups import ProcessGroups
-from .zero import FlatShard, Zero3Params
-
-
-class _UnitGroups:
-    """Process groups of this data-parallel replica, addressed by unit-relative device tuples."""
-
-    def __init__(self, groups: ProcessGroups, offset: int):
-        self._groups = groups
-        self._offset = offset
-
-    def get(self, ranks: tuple[int, ...]) -> Any:
-        return self._groups.get(tuple(self._offset + r for r in ranks))
-
-    def global_rank(self, device: int) -> int:
-        return self._offset + device
-
-
-class _Comm:
-    """What generated code calls for communication (`_comm` in the generated source, passed by position)."""
-
-    def __init__(self, program: Program, device: int, unit_groups: _UnitGroups):
-        self.program = program
-        self.device = device
-        self.groups = unit_groups
-
-    def _own(self, groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
-        for g in groups:
-            if self.device in g:
-                return g
-        raise RuntimeError(f"device {self.device} is in none of {groups}")
-
-    def reshard(self, key: int, x: torch.Tensor) -> torch.Tensor:
-        return self.program.reshards[key].apply(x, self.device, self.groups)
-
-    def grad_sum(self, key: int, x: torch.Tensor) -> torch.Tensor:
-        g = self._own(self.program.grad_groups[key])
-        if len(g) == 1:
-            return x
-        return identity_fwd_allreduce_bwd(x, self.groups.get(g))
-
-    def kernel(self, key: int) -> Any:
-        return self.groups.get(self._own(self.program.kernel_groups[key]))
-
-
-class _SingleProcess:
-    """World size 1 needs no torch.distributed at all (and may run without it initialized)."""
-
-    def get(self, ranks: tuple[int, ...]) -> None:
-        return None
-
-    def ensure(self, rank_sets: Any) -> None:
-        pass
+from .zero import Zero3Params
+from .zero_setup import chunk_parameters, zero_shards
 
 
 def _safe(fqn: str) -> str:
@@ -102,16 +55,14 @@ class ParallelModule(torch.nn.Module):
         self.dp_size = plan.dp
         self.loss_fn = loss_fn
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self.groups = ProcessGroups(self._all_group_tuples()) if world_size > 1 else _SingleProcess()
-        unit_groups = _UnitGroups(self.groups, self.dp_rank * plan.unit_size)
-        self._comm = _Comm(program, self.unit_device, unit_groups)
+        self.groups = create_groups(program, world_size)
+        self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
         self._gen, self.source_path = write_and_load(program, self.unit_device, cache_dir)
 
         # Local shards: parameters become nn.Parameters, buffers and constants plain buffers.
         rp = program.ranks[self.unit_device]
         self._held = rp.params
         self.shards = torch.nn.ParameterDict()
-        self._buffers_by_value: dict[str, torch.Tensor] = {}
         state = _full_tensors(model) if model is not None else {}
         dtype = compute_dtype(plan.precision)
         for v in self._held:
@@ -134,110 +85,25 @@ class ParallelModule(torch.nn.Module):
         # Set by nns.build_optimizer: ZeRO-2's gradient chunks have a reader (see `_scatter_gradients`).
         self.sharded_optimizer = False
         self._warned_whole_gradients = False
-        self._ensure_reduce_groups()
-        self.zero_shards = self._build_zero_shards()
-        self.zero3 = self._shard_parameters() if plan.zero >= 3 and plan.dp > 1 else None
-        self._reducer = self._build_reducer()
+        trainable = [v for v in self._held if program.shards[v].kind == "param"
+                     and self.graph.meta(program.shards[v].value).requires_grad]
+        # Per trainable parameter (by fqn), the chunk of it this replica owns under ZeRO.
+        self.zero_shards = zero_shards(program, trainable, self.parameter, self.unit_device, self.dp_rank,
+                                       self.groups)
+        self.zero3: Optional[Zero3Params] = None
+        self._zero3_key: dict[str, int] = {}  # fqn -> its key in zero3
+        if plan.zero >= 3 and plan.dp > 1:  # each trainable parameter becomes the chunk this replica owns
+            self.zero3, chunks = chunk_parameters(self.zero_shards, self.parameter, plan.dp)
+            for fqn, chunk in chunks.items():
+                self.shards[_safe(fqn)] = chunk
+            self._zero3_key = {fqn: i for i, fqn in enumerate(chunks)}
+        # ZeRO-3 reduces its gradients from the gathers' backward
+        self._reducer = None if self.zero3 is not None else build_reducer(
+            program, trainable, self.parameter, self.unit_device, self.groups, self.zero_shards,
+            self._scatter_gradients)
         self._executor = PipelineExecutor(self) if plan.pipeline is not None else None
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _all_group_tuples(self) -> list[tuple[int, ...]]:
-        plan = self.plan
-        out = []
-        unit_sets = list(self.program.groups_needed())
-        if plan.unit_size > 1:  # the step's loss and whole state dicts go to every device of the unit
-            unit_sets.append(tuple(range(plan.unit_size)))
-        for dp in range(plan.dp):
-            off = dp * plan.unit_size
-            out += [tuple(off + r for r in g) for g in unit_sets]
-        if plan.dp > 1:  # replicas of each unit device, for gradient averaging
-            for d in range(plan.unit_size):
-                out.append(tuple(dp * plan.unit_size + d for dp in range(plan.dp)))
-        return out
-
-    def _replicas_of(self, unit_group: tuple[int, ...]) -> tuple[int, ...]:
-        """Global ranks of a unit device group in every data-parallel replica."""
-        plan = self.plan
-        return tuple(sorted(dp * plan.unit_size + d for dp in range(plan.dp) for d in unit_group))
-
-    def _trainable(self) -> list[str]:
-        """Shard keys of the trainable parameters this device holds, in a fixed order."""
-        return [v for v in self._held if self.program.shards[v].kind == "param"
-                and self.graph.meta(self.program.shards[v].value).requires_grad]
-
-    def _counts_in_norm(self, key: str) -> bool:
-        """Whether this device's copy counts in a global gradient norm: of the unit devices (and
-        tied copies) holding the same piece, only the first does."""
-        s = self.program.shards[key]
-        if s.tied and key != min(k for k, o in self.program.shards.items() if o.fqn == s.fqn):
-            return False
-        lay = s.layout
-        mine = lay.digits(lay.position_of(self.unit_device))[1:]
-        same = [d for d in lay.group if lay.digits(lay.position_of(d))[1:] == mine]
-        return self.unit_device == min(same)
-
-    def _build_zero_shards(self) -> dict[str, FlatShard]:
-        """Per trainable parameter (by fqn), the chunk of it this data-parallel replica owns under
-        ZeRO (the whole parameter, size 1, without ZeRO or with one replica)."""
-        plan = self.plan
-        out = {}
-        replicas = tuple(dp * plan.unit_size + self.unit_device for dp in range(plan.dp))
-        sharded = plan.zero >= 1 and plan.dp > 1
-        for v in self._trainable():
-            s = self.program.shards[v]
-            p = self.shards[_safe(s.fqn)]
-            summed = self._replicas_of(s.reduce_group(self.unit_device))
-            out[s.fqn] = FlatShard(s.fqn, tuple(p.shape), self.groups.get(replicas) if sharded else None,
-                                   plan.dp if sharded else 1, self.dp_rank if sharded else 0,
-                                   sum_group=self.groups.get(summed) if summed != replicas and len(summed) > 1 else None,
-                                   count_in_norm=self._counts_in_norm(v))
-        return out
-
-    def _shard_parameters(self) -> Zero3Params:
-        """ZeRO-3: each trainable parameter becomes the chunk this replica owns."""
-        chunks = []
-        for fqn, fs in self.zero_shards.items():
-            whole = self.shards[_safe(fqn)]
-            chunk = torch.nn.Parameter(fs.owned(whole.detach().reshape(-1)).clone(), requires_grad=True)
-            self.shards[_safe(fqn)] = chunk
-            chunks.append(chunk)
-        self._zero3_key = {fqn: i for i, fqn in enumerate(self.zero_shards)}
-        return Zero3Params(list(self.zero_shards.values()), chunks, self.plan.dp)
-
-    def _ensure_reduce_groups(self) -> None:
-        """Reducer groups are created by every rank, members or not, in one order."""
-        all_sets = set()
-        for s in self.program.shards.values():
-            for d in s.layout.group:
-                ranks = self._replicas_of(s.reduce_group(d))
-                if len(ranks) > 1:
-                    all_sets.add(ranks)
-        self.groups.ensure(sorted(all_sets, key=lambda g: (len(g), g)))
-
-    def _build_reducer(self) -> Optional[GradReducer]:
-        entries, tied = [], []
-        zero2, zero2_whole = {}, {}
-        for v in self._held:
-            s = self.program.shards[v]
-            if s.kind != "param" or not self.graph.meta(s.value).requires_grad:
-                continue
-            if self.zero3 is not None:  # stage 3 reduces its gradients from the gather's backward
-                continue
-            ranks = self._replicas_of(s.reduce_group(self.unit_device))
-            if len(ranks) > 1:
-                (tied if s.tied else entries).append((s.fqn, self.shards[_safe(s.fqn)], ranks))
-                fs = self.zero_shards[s.fqn]
-                if self.plan.zero == 2 and fs.size > 1:
-                    (zero2 if fs.sum_group is None else zero2_whole)[id(self.shards[_safe(s.fqn)])] = fs
-        # Copies of a tied weight sit among different parameters on each stage: order them by name
-        # so every member of their group reduces them in the same order.
-        entries = [(p, r) for _, p, r in entries + sorted(tied, key=lambda e: e[0])]
-        if not entries:
-            return None
-        scale = 1.0 / self.plan.dp
-        return GradReducer([(p, self.groups.get(r), scale) for p, r in entries], shards=zero2,
-                           chunk_after=zero2_whole, scatter=self._scatter_gradients)
-
     def _scatter_gradients(self) -> bool:
         """Whether ZeRO-2 keeps only this replica's chunk of each gradient (outside `.grad`) in this
         reduction. Only the optimizer `nns.build_optimizer` made reads the chunks; a plain torch
@@ -281,7 +147,7 @@ class ParallelModule(torch.nn.Module):
     def counts_in_norm(self, key: str) -> bool:
         """Whether this device's copy of shard `key` counts in a global gradient norm: of the unit
         devices (and tied copies) holding the same piece, only the first does."""
-        return self._counts_in_norm(key)
+        return counts_in_norm(self.program, key, self.unit_device)
 
     @property
     def grad_reducer(self) -> Optional[GradReducer]:
@@ -302,38 +168,20 @@ class ParallelModule(torch.nn.Module):
         return self.groups.get(tuple(self.dp_rank * self.plan.unit_size + d for d in range(self.plan.unit_size)))
 
     # -- running ----------------------------------------------------------------------------------
-    def _local(self, key: str) -> torch.Tensor:
-        return self.local_tensor(key)
-
-    def _params_in_order(self, stage: int = 0) -> list[torch.Tensor]:
-        """What the stage function unpacks as `_P` without ZeRO-3: its parameters and buffers, in
-        Program order (ZeRO-3's `_P` is `_GatheredOnUse`, see `_params_on_use`)."""
-        return [self._for_compute(self._local(key)) for key in self.program.ranks[self.unit_device].stages[stage].params]
-
-    def _for_compute(self, t: torch.Tensor) -> torch.Tensor:
-        """A parameter or buffer as the generated code takes it: in bf16/fp16, 1-D parameters (norm
-        weights, biases) in fp32, which is what CPU norm kernels take next to a half-precision input
-        (matmuls under autocast cast them back)."""
-        if self.plan.precision != "fp32" and t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32:
-            return t.float()
-        return t
-
     def _stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         """The trainable Parameters (ZeRO-3: chunks) whose gradients stage `stage` computes."""
         out, seen = [], set()
         for key in self.program.ranks[self.unit_device].stages[stage].params:
-            t = self._local(key)
+            t = self.local_tensor(key)
             if isinstance(t, torch.nn.Parameter) and t.requires_grad and id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)
         return out
 
     def _params_on_use(self, stage: int = 0) -> Any:
-        """`_P` for a forward without pipeline stages: under ZeRO-3 each parameter is gathered when
-        the generated code first reads it (see `Zero3Params.fetch`), not all of them up front."""
-        if self.zero3 is None:
-            return self._params_in_order(stage)
-        return _GatheredOnUse(self, self.program.ranks[self.unit_device].stages[stage].params)
+        """What stage `stage`'s generated code unpacks as `_P` (see `runtime/params_on_use.py`)."""
+        return params_on_use(self.program, self.program.ranks[self.unit_device].stages[stage].params,
+                             self.local_tensor, self.plan.precision, self.zero3, self._zero3_key)
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         vals = []
@@ -497,30 +345,6 @@ class ParallelModule(torch.nn.Module):
                 if self.zero3 is not None and s.fqn in self._zero3_key:
                     local = self.zero_shards[s.fqn].owned(local.reshape(-1))
                 self.local_tensor(v).copy_(local)
-
-
-class _GatheredOnUse:
-    """The generated code's `_P` under ZeRO-3: item i is this device's parameter or buffer i, a
-    ZeRO-3 parameter gathered whole at the moment it is read, with the next one's gather started."""
-
-    def __init__(self, module: "ParallelModule", keys: list[str]):
-        self._m = module
-        self._keys = keys
-        self._zkey: dict[int, int] = {}
-        for i, key in enumerate(keys):
-            s = module.program.shards[key]
-            if s.kind == "param" and s.fqn in module._zero3_key:
-                self._zkey[i] = module._zero3_key[s.fqn]
-        order = sorted(self._zkey)
-        self._next = {i: self._zkey[j] for i, j in zip(order, order[1:])}
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        m = self._m
-        z = self._zkey.get(i)
-        return m._for_compute(m._local(self._keys[i]) if z is None else m.zero3.fetch(z, self._next.get(i)))
 
 
 def _full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -34,6 +34,15 @@ def autocast(precision: str, device: torch.device) -> ContextManager:
     return torch.autocast(device_type=device.type, dtype=compute_dtype(precision))
 
 
+def for_compute(t: torch.Tensor, precision: str) -> torch.Tensor:
+    """A parameter or buffer as the generated code takes it: in bf16/fp16, 1-D parameters (norm
+    weights, biases) in fp32, which is what CPU norm kernels take next to a half-precision input
+    (matmuls under autocast cast them back)."""
+    if precision != "fp32" and t.dim() == 1 and t.is_floating_point() and t.dtype != torch.float32:
+        return t.float()
+    return t
+
+
 class LossScaler:
     """Dynamic loss scale for fp16 (DeepSpeed's defaults)."""
 

@@ -1,0 +1,45 @@
+"""`Comm`: what the generated code calls for communication (`_groups` in its source).
+
+Each call names a key the lowering gave the communication (`Program.reshards`, `grad_groups`,
+`kernel_groups`) and this device's value; the object knows the Program, the device and its
+replica's groups (`plan_groups.UnitGroups`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .collectives import identity_fwd_allreduce_bwd
+from .plan_groups import UnitGroups
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..lowering import Program
+
+
+class Comm:
+    def __init__(self, program: Program, device: int, unit_groups: UnitGroups):
+        self.program = program
+        self.device = device
+        self.groups = unit_groups
+
+    def _own(self, groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+        for g in groups:
+            if self.device in g:
+                return g
+        raise RuntimeError(f"device {self.device} is in none of {groups}")
+
+    def reshard(self, key: int, x: torch.Tensor) -> torch.Tensor:
+        """Value `x` moved to the layout its consumer needs."""
+        return self.program.reshards[key].apply(x, self.device, self.groups)
+
+    def grad_sum(self, key: int, x: torch.Tensor) -> torch.Tensor:
+        """Identity forward; backward sums the gradient over this device's group."""
+        g = self._own(self.program.grad_groups[key])
+        if len(g) == 1:
+            return x
+        return identity_fwd_allreduce_bwd(x, self.groups.get(g))
+
+    def kernel(self, key: int) -> Any:
+        """The process group a group-aware piece function communicates over."""
+        return self.groups.get(self._own(self.program.kernel_groups[key]))

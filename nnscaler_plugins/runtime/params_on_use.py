@@ -1,0 +1,54 @@
+"""What a stage function of the generated code unpacks as `_P`: this device's parameters and
+buffers of that stage, in Program order, as the code takes them (`precision.for_compute`).
+
+Without ZeRO-3 that is a plain list. Under ZeRO-3 it is `GatheredOnUse`: the generated code binds
+each parameter `_P[i]` at its first use and deletes it after its last, so each one is gathered
+whole at that moment (`Zero3Params.fetch`), with the next one's gather started, not all up front.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from .precision import for_compute
+from .zero import Zero3Params
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..lowering import Program
+
+
+def params_on_use(program: Program, keys: list[str], local: Callable[[str], torch.Tensor], precision: str,
+                  zero3: Optional[Zero3Params] = None, zero3_index: Optional[dict[str, int]] = None) -> Any:
+    """`_P` for the shards `keys` (`local(key)` is this device's tensor of one); under ZeRO-3,
+    `zero3_index` gives each chunked parameter's key in `zero3` by fqn."""
+    if zero3 is None:
+        return [for_compute(local(key), precision) for key in keys]
+    return GatheredOnUse(program, keys, local, precision, zero3, zero3_index or {})
+
+
+class GatheredOnUse:
+    """The generated code's `_P` under ZeRO-3: item i is this device's parameter or buffer i, a
+    ZeRO-3 parameter gathered whole at the moment it is read, with the next one's gather started."""
+
+    def __init__(self, program: Program, keys: list[str], local: Callable[[str], torch.Tensor], precision: str,
+                 zero3: Zero3Params, zero3_index: dict[str, int]):
+        self._keys = keys
+        self._local = local
+        self._precision = precision
+        self._zero3 = zero3
+        self._zkey: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            s = program.shards[key]
+            if s.kind == "param" and s.fqn in zero3_index:
+                self._zkey[i] = zero3_index[s.fqn]
+        order = sorted(self._zkey)
+        self._next = {i: self._zkey[j] for i, j in zip(order, order[1:])}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        z = self._zkey.get(i)
+        t = self._local(self._keys[i]) if z is None else self._zero3.fetch(z, self._next.get(i))
+        return for_compute(t, self._precision)

@@ -1,0 +1,82 @@
+"""The process groups a plan needs, and one data-parallel replica's view of them.
+
+Every rank creates every group, members or not, in one order (see `process_groups.py`): the device
+sets the generated code communicates over, in every replica; the whole unit (the step's loss and
+whole state dicts go to each of its devices); each unit device's replicas (gradient averaging,
+ZeRO); and the sets each parameter's gradient is summed over (the reducers'). The generated code
+names devices relative to its unit; `UnitGroups` turns them into this replica's global ranks.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Union
+
+from .process_groups import ProcessGroups
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..lowering import Program
+    from ..plan import Plan
+
+
+class SingleProcess:
+    """World size 1 needs no torch.distributed at all (and may run without it initialized)."""
+
+    def get(self, ranks: tuple[int, ...]) -> None:
+        return None
+
+    def ensure(self, rank_sets: Any) -> None:
+        pass
+
+
+class UnitGroups:
+    """Process groups of this data-parallel replica, addressed by unit-relative device tuples."""
+
+    def __init__(self, groups: Union[ProcessGroups, SingleProcess], offset: int):
+        self._groups = groups
+        self._offset = offset
+
+    def get(self, ranks: tuple[int, ...]) -> Any:
+        return self._groups.get(tuple(self._offset + r for r in ranks))
+
+    def global_rank(self, device: int) -> int:
+        return self._offset + device
+
+
+def replicas_of(plan: Plan, unit_group: tuple[int, ...]) -> tuple[int, ...]:
+    """Global ranks of a unit device group in every data-parallel replica."""
+    return tuple(sorted(dp * plan.unit_size + d for dp in range(plan.dp) for d in unit_group))
+
+
+def step_rank_sets(program: Program) -> list[tuple[int, ...]]:
+    """The rank sets a step communicates over: the generated code's, the unit's, the replicas'."""
+    plan = program.plan
+    out = []
+    unit_sets = list(program.groups_needed())
+    if plan.unit_size > 1:  # the step's loss and whole state dicts go to every device of the unit
+        unit_sets.append(tuple(range(plan.unit_size)))
+    for dp in range(plan.dp):
+        off = dp * plan.unit_size
+        out += [tuple(off + r for r in g) for g in unit_sets]
+    if plan.dp > 1:  # replicas of each unit device, for gradient averaging
+        for d in range(plan.unit_size):
+            out.append(tuple(dp * plan.unit_size + d for dp in range(plan.dp)))
+    return out
+
+
+def reducer_rank_sets(program: Program) -> list[tuple[int, ...]]:
+    """The rank sets gradients are summed over, for every device's shards (members or not)."""
+    all_sets = set()
+    for s in program.shards.values():
+        for d in s.layout.group:
+            ranks = replicas_of(program.plan, s.reduce_group(d))
+            if len(ranks) > 1:
+                all_sets.add(ranks)
+    return sorted(all_sets, key=lambda g: (len(g), g))
+
+
+def create_groups(program: Program, world_size: int) -> Union[ProcessGroups, SingleProcess]:
+    """Every group the plan needs, created in one order (collective: every rank calls it)."""
+    if world_size == 1:
+        return SingleProcess()
+    groups = ProcessGroups(step_rank_sets(program))
+    groups.ensure(reducer_rank_sets(program))
+    return groups

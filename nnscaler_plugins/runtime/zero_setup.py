@@ -1,0 +1,48 @@
+"""ZeRO set-up for one device: the chunk of each trainable parameter this data-parallel replica
+owns (`zero_shards`), and at stage 3 the parameters replaced by those chunks (`chunk_parameters`).
+
+Sharding is across the replicas of each unit device; without ZeRO, or with one replica, every
+`FlatShard` is the whole parameter (size 1). `runtime/zero.py` holds what runs with them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .grad_clip import counts_in_norm
+from .plan_groups import replicas_of
+from .zero import FlatShard, Zero3Params
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..lowering import Program
+
+
+def zero_shards(program: Program, trainable: list[str], parameter: Callable[[str], torch.Tensor],
+                unit_device: int, dp_rank: int, groups: Any) -> dict[str, FlatShard]:
+    """Per trainable parameter (by fqn; `trainable` are this device's shard keys), the chunk of it
+    this replica owns under the plan's ZeRO stage."""
+    plan = program.plan
+    out = {}
+    replicas = tuple(dp * plan.unit_size + unit_device for dp in range(plan.dp))
+    sharded = plan.zero >= 1 and plan.dp > 1
+    for v in trainable:
+        s = program.shards[v]
+        p = parameter(s.fqn)
+        summed = replicas_of(plan, s.reduce_group(unit_device))
+        out[s.fqn] = FlatShard(s.fqn, tuple(p.shape), groups.get(replicas) if sharded else None,
+                               plan.dp if sharded else 1, dp_rank if sharded else 0,
+                               sum_group=groups.get(summed) if summed != replicas and len(summed) > 1 else None,
+                               count_in_norm=counts_in_norm(program, v, unit_device))
+    return out
+
+
+def chunk_parameters(shards: dict[str, FlatShard], parameter: Callable[[str], torch.Tensor],
+                     dp: int) -> tuple[Zero3Params, dict[str, torch.nn.Parameter]]:
+    """ZeRO-3: a new Parameter per trainable parameter, the chunk of it this replica owns; returns
+    the `Zero3Params` over them and the chunks by fqn, in `shards` order (Zero3Params' keys)."""
+    chunks = {}
+    for fqn, fs in shards.items():
+        whole = parameter(fqn)
+        chunks[fqn] = torch.nn.Parameter(fs.owned(whole.detach().reshape(-1)).clone(), requires_grad=True)
+    return Zero3Params(list(shards.values()), list(chunks.values()), dp), chunks
