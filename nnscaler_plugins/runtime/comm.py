@@ -1,4 +1,4 @@
-"""`Comm`: what the generated code calls for communication (`_groups` in its source).
+"""`Comm`: what the generated code calls for communication (`_comm` in its source, passed by position).
 
 Each call names a key the lowering gave the communication (`Program.reshards`, `grad_groups`,
 `kernel_groups`) and this device's value; the object knows the Program, the device and its
