@@ -26,7 +26,7 @@ from .grad_reducer import GradReducer
 from .grad_reducer_setup import build_reducer
 from .loss import extract_loss
 from .params_on_use import params_on_use
-from .pipeline_executor import PipelineExecutor
+from .pipeline_executor import PipelineExecutor, StageRuntime
 from .plan_groups import UnitGroups, create_groups
 from .precision import autocast, compute_dtype
 from .zero import Zero3Params
@@ -101,7 +101,11 @@ class ParallelModule(torch.nn.Module):
         self._reducer = None if self.zero3 is not None else build_reducer(
             program, trainable, self.parameter, self.unit_device, self.groups, self.zero_shards,
             self._scatter_gradients)
-        self._executor = PipelineExecutor(self) if plan.pipeline is not None else None
+        self._executor = PipelineExecutor(StageRuntime(
+            program=program, unit_device=self.unit_device, global_rank=self._comm.groups.global_rank,
+            generated=self._gen, comm=self._comm, device=self._device, params_on_use=self._params_on_use,
+            stage_parameters=self._stage_parameters, zero3=self.zero3,
+            loss_scale=lambda: self.loss_scale)) if plan.pipeline is not None else None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _scatter_gradients(self) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,24 @@ from .precision import autocast, compute_dtype
 from .split_backward import SplitBackward
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .parallel_module import ParallelModule
+    from ..lowering import Program
+    from .zero import Zero3Params
+
+
+@dataclass
+class StageRuntime:
+    """All the executor reads of the module it runs for (`ParallelModule` makes one)."""
+
+    program: Program  # the plan (its pipeline's task lists, precision), stage inputs and sends, boundaries
+    unit_device: int  # this device, numbered inside its unit
+    global_rank: Callable[[int], int]  # a unit device -> the global rank of it in this replica
+    generated: Any  # this device's generated code: its `stage{k}` and `stage{k}_loss` functions
+    comm: Any  # what the generated code calls for communication (`runtime/comm.py`)
+    device: torch.device  # where stage functions run and received values land
+    params_on_use: Callable[[int], Any]  # stage k's `_P` (`runtime/params_on_use.py`)
+    stage_parameters: Callable[[int], list[torch.nn.Parameter]]  # what stage k's weight pass differentiates
+    zero3: Optional[Zero3Params]  # ZeRO-3's gathered parameters and gradient reduce-scatters, if any
+    loss_scale: Callable[[], float]  # read at each loss backward (the optimizer moves it in fp16)
 
 
 @dataclass
@@ -67,12 +84,13 @@ class StepStats:
 
 
 class PipelineExecutor:
-    def __init__(self, module: "ParallelModule"):
-        self.m = module
-        program = module.program
+    def __init__(self, runtime: StageRuntime):
+        self.rt = runtime
+        program = runtime.program
         self.program = program
-        self.spec = module.plan.pipeline
-        self.device = module.unit_device
+        self.spec = program.plan.pipeline
+        self.precision = program.plan.precision
+        self.device = runtime.unit_device
         self.my_stages = sorted(program.ranks[self.device].stages)
         self.pipeline_rank = self.spec.rank_of_device(self.device)
         self.tasks: list[Task] = self.spec.task_lists()[self.pipeline_rank]
@@ -89,17 +107,16 @@ class PipelineExecutor:
                     self._channels[(b.value, k, direction)] = len(self._channels)
         self._rounds = 1 + max((t.round for ts in self.spec.task_lists() for t in ts), default=0)
         self.stats = StepStats()
-        precision = module.plan.precision
-        self._half = compute_dtype(precision) if precision != "fp32" else None
-        if module.zero3 is not None:
-            module.zero3.in_pipeline = True
+        self._half = compute_dtype(self.precision) if self.precision != "fp32" else None
+        if runtime.zero3 is not None:
+            runtime.zero3.in_pipeline = True
         # what the weight pass of a split backward differentiates (the module's Parameters do not change)
-        self._stage_params = {s: module._stage_parameters(s) for s in self.my_stages} \
+        self._stage_params = {s: runtime.stage_parameters(s) for s in self.my_stages} \
             if self.spec.split_backward else {}
 
     # -- addressing ---------------------------------------------------------------------------------------
     def _global(self, unit_device: int) -> int:
-        return self.m.dp_rank * self.m.plan.unit_size + unit_device
+        return self.rt.global_rank(unit_device)
 
     def _tag(self, value: str, consumer: int, direction: int, mb: int, rnd: int) -> int:
         channel = self._channels[(value, consumer, direction)]
@@ -137,7 +154,7 @@ class PipelineExecutor:
         if src == self.device:
             return _Incoming(self._mailbox.pop(key), None)
         meta = self.program.graph.meta(meta_of)
-        buf = torch.empty(meta.shape, dtype=self._wire_dtype(meta.dtype), device=self.m._device)
+        buf = torch.empty(meta.shape, dtype=self._wire_dtype(meta.dtype), device=self.rt.device)
         return _Incoming(buf, dist.P2POp(dist.irecv, buf, self._global(src), tag=tag))
 
     @staticmethod
@@ -194,22 +211,22 @@ class PipelineExecutor:
                 leaves.append((name, t))
             ins.append(t)
         loss_here = self.loss_stage == s
-        fn = getattr(self.m._gen, f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
+        fn = getattr(self.rt.generated, f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
         saved = [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved[0] += t.numel() * t.element_size()
             return t
 
-        m = self.m
+        rt = self.rt
         if not task.grad:
             hooks = contextlib.nullcontext()
-        elif m.zero3 is not None:  # its hooks swap gathered parameters for references; it counts the rest
-            hooks = m.zero3.forward_scope(on_save=pack)
+        elif rt.zero3 is not None:  # its hooks swap gathered parameters for references; it counts the rest
+            hooks = rt.zero3.forward_scope(on_save=pack)
         else:
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with torch.set_grad_enabled(task.grad), hooks, autocast(m.plan.precision, m._device):
-            outs = fn(m._comm, m._device, m._params_on_use(s), *ins)
+        with torch.set_grad_enabled(task.grad), hooks, autocast(self.precision, rt.device):
+            outs = fn(rt.comm, rt.device, rt.params_on_use(s), *ins)
         sends = self.program.stage_sends[s]
         for value, t in zip(sends, outs[:len(sends)]):
             self._send_forward(value, s, t, mb, task.round)
@@ -241,7 +258,7 @@ class PipelineExecutor:
             grads.append(total.to(t.dtype))
         if state.loss is not None:  # the loss scale (fp16) is applied here, as train_step does without stages
             roots.append(state.loss)
-            grads.append(torch.full_like(state.loss, self.m.loss_scale / self.spec.micro_batches))
+            grads.append(torch.full_like(state.loss, self.rt.loss_scale() / self.spec.micro_batches))
         return roots, grads
 
     def _backward(self, task: Task) -> None:
@@ -275,9 +292,9 @@ class PipelineExecutor:
         self._outbox: list[Any] = []
         self._mailbox: dict[tuple, torch.Tensor] = {}
         self._in_flight: dict[tuple[int, int], _InFlight] = {}
-        self._loss_sum = torch.zeros((), device=self.m._device)
+        self._loss_sum = torch.zeros((), device=self.rt.device)
         self.stats = StepStats()
-        z = self.m.zero3
+        z = self.rt.zero3
         reduce = z is not None and z.sync  # not inside the user's no_sync()
         for task in self.tasks:
             if task.kind == FORWARD:
