@@ -243,8 +243,7 @@ class NNScalerTrainerMixin:
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         from nnscaler_plugins.optimizer import ParallelOptimizer
-
-        from .grad_norm import clip_grad_norm_
+        from nnscaler_plugins.runtime.grad_clip import clip_grad_norm_
 
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
         if isinstance(inner, ParallelOptimizer):  # ZeRO: the gradients are its shards

@@ -321,8 +321,7 @@ class NNScalerStrategyMixin:
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         from nnscaler_plugins.optimizer import ParallelOptimizer
-
-        from .grad_norm import clip_grad_norm_
+        from nnscaler_plugins.runtime.grad_clip import clip_grad_norm_
 
         inner = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(inner, ParallelOptimizer):  # ZeRO: the gradients are its shards

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .runtime.grad_clip import clip_, global_norm
+from .runtime.grad_clip import clip_, counts, global_norm
 from .runtime.precision import LossScaler
 from .runtime.zero import FlatShard, all_gather_chunks
 
@@ -162,11 +162,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         out = []
         for e in self.entries:
             g = e.master.grad
-            if g is None or not e.shard.count_in_norm:
-                continue
-            if e.shard.size == 1 and self.module.dp_rank != 0 and e.mode != "zero3":
-                continue  # a whole gradient every replica holds: the first replica counts it
-            out.append(g)
+            # a ZeRO chunk counts where it is owned; a whole gradient every replica holds, on the first
+            if g is not None and counts(e.shard.count_in_norm, e.shard.size == 1 and e.mode != "zero3",
+                                        self.module.dp_rank):
+                out.append(g)
         return out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 import nnscaler_plugins as nns
+from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
 from nnscaler_plugins.runtime.loss import extract_loss
 
 from . import checkpoint as ckpt
 from .config import DeepSpeedConfigError, Settings
-from .grad_norm import clip_gradients, global_grad_norm
 from .zero_optimizer import ZeroOptimizer
 
 log = logging.getLogger("nnscaler_plugins.deepspeed")
@@ -234,9 +234,9 @@ class DeepSpeedEngine(torch.nn.Module):
         if isinstance(self.optimizer, ZeroOptimizer):  # the plan's optimizer unscales fp16 gradients first
             self._grad_norm = float(self.optimizer.clip_grad_norm_(clip if clip > 0 else float("inf")))
         else:
-            self._grad_norm = global_grad_norm(self._pmodule)
+            self._grad_norm = float(grad_norm(self._pmodule))  # DeepSpeed reports a float, clips by its rule
             if clip > 0:
-                clip_gradients(self._pmodule, clip, self._grad_norm)
+                clip_by_norm_(self._pmodule, clip, self._grad_norm)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
