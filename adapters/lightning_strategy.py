@@ -309,7 +309,7 @@ class NNScalerStrategyMixin:
         plan = self.pmodule.plan if self.pmodule is not None else None
         if plan is None or not plan.zero or plan.dp <= 1:
             return
-        from .zero_optimizers import rebuild_sharded
+        from .rebuild_optimizer import rebuild_sharded
 
         swapped = {}
         for i, opt in enumerate(self.optimizers):
