@@ -8,7 +8,7 @@ of the five test models, and for hypothesis-drawn shapes of the core ops, every 
 offers is run piece by piece, forward and backward, and compared with the whole op.
 
 Splits that need a process group (`comm_labels`, or a `localize` naming a `group_label`) cannot run
-in one process; test_kernels.py covers them with real gloo workers.
+in one process; test_piece_functions.py covers them with real gloo workers.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Embedding lookups: the vocabulary dim of the table is a reduction (vocabulary-parallel)."""
 from __future__ import annotations
 
-from .. import kernels
+from ..runtime import piece_functions
 from .signature import LocalCall, Localized, OpCall, Signature
 from .registry import rule
 
@@ -17,6 +17,6 @@ def embedding(call: OpCall) -> Signature:
         rows = lc.local_inputs[0].shape[0]
         args = list(call.args)
         padding_idx = call.arg(2, "padding_idx", -1)
-        return Localized(kernels.vocab_parallel_embedding, (args[0], args[1], lc.index["v"] * rows, padding_idx))
+        return Localized(piece_functions.vocab_parallel_embedding, (args[0], args[1], lc.index["v"] * rows, padding_idx))
 
     return Signature(inputs=(("v", "e"), idl), outputs=(idl + ("e",),), reduce=frozenset({"v"}), localize=localize)

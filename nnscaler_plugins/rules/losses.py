@@ -3,7 +3,7 @@ max, the sum of exponentials and the target logit) or its batch dim (partial sum
 divided by the global count of counted targets)."""
 from __future__ import annotations
 
-from .. import kernels
+from ..runtime import piece_functions
 from ..errors import PlanError
 from .signature import LocalCall, Localized, OpCall, Signature
 from .registry import rule
@@ -40,12 +40,12 @@ def cross_entropy(call: OpCall) -> Signature:
             start = lc.index["c"] * lc.local_inputs[0].shape[1]
             if n_split:  # reduction none: rows are independent, the class split works per row
                 pass
-            return Localized(kernels.vocab_parallel_cross_entropy,
+            return Localized(piece_functions.vocab_parallel_cross_entropy,
                              (call.args[0], call.args[1], start, reduction, ignore_index), group_label="c")
         if n_split and reduction == 1:
             label = next(l for l in ("n",) + extra if l in lc.splits)
             args = list(call.args) + [None] * (6 - len(call.args))
-            return Localized(kernels.batch_split_mean_cross_entropy,
+            return Localized(piece_functions.batch_split_mean_cross_entropy,
                              (args[0], args[1], args[2], 1, ignore_index, smoothing or 0.0), group_label=label)
         return Localized(call.target, call.args, call.kwargs)
 

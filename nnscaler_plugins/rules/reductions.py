@@ -1,7 +1,7 @@
 """Reductions: summed dims are reductions (pieces give partial sums); max-like dims stay whole."""
 from __future__ import annotations
 
-from .. import kernels
+from ..runtime import piece_functions
 from .broadcast import norm_dim
 from .signature import LocalCall, Localized, OpCall, Signature
 from .registry import rule
@@ -49,7 +49,7 @@ def mean(call: OpCall) -> Signature:
         for i in split:
             factor /= lc.splits[f"r{i}"]
         dtype = call.kwargs.get("dtype")
-        return Localized(kernels.scaled_mean, (call.args[0], dims, keepdim, factor, dtype))
+        return Localized(piece_functions.scaled_mean, (call.args[0], dims, keepdim, factor, dtype))
 
     return _sum_like(call, dims, keepdim, localize)
 

@@ -1,7 +1,8 @@
 """What a piece of a split op runs when it is not the op itself.
 
 Each function takes the piece's local tensors plus the facts it needs about its place among the
-pieces (a vocabulary offset, a scale, a process group). Generated code calls these by name.
+pieces (a vocabulary offset, a scale, a process group). Generated code imports this module by
+its path and calls these by name; the op rules (`rules/`) choose them in a `Localized`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Group-aware kernels: pieces of an op that must talk to each other, checked on real gloo workers.
+"""Piece functions that communicate (runtime/piece_functions.py): pieces of an op that must talk to
+each other, checked on real gloo workers.
 
 The single-process property test in test_rules.py cannot run these splits (they need a process
 group), so here each rank runs its piece of the vocabulary-parallel embedding and cross-entropy and
@@ -26,7 +27,7 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
 def vocab_parallel_ce(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from nnscaler_plugins.kernels import vocab_parallel_cross_entropy
+    from nnscaler_plugins.runtime.piece_functions import vocab_parallel_cross_entropy
 
     problems = []
     gen = torch.Generator().manual_seed(0)
@@ -53,7 +54,7 @@ def vocab_parallel_ce(rank: int, world: int) -> list[str]:
 def vocab_parallel_embedding(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from nnscaler_plugins.kernels import vocab_parallel_embedding as lookup
+    from nnscaler_plugins.runtime.piece_functions import vocab_parallel_embedding as lookup
 
     gen = torch.Generator().manual_seed(1)
     table = torch.randn(4 * world, 5, generator=gen)
@@ -75,7 +76,7 @@ def vocab_parallel_embedding(rank: int, world: int) -> list[str]:
 def batch_split_mean_ce(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from nnscaler_plugins.kernels import batch_split_mean_cross_entropy
+    from nnscaler_plugins.runtime.piece_functions import batch_split_mean_cross_entropy
 
     gen = torch.Generator().manual_seed(2)
     problems = []
