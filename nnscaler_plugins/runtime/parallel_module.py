@@ -2,6 +2,13 @@
 
 Used like DDP: `out = module(**batch); out.loss.backward()` (gradient reducers fire during
 backward; `no_sync()` skips them for accumulation), or `module.train_step(batch)`.
+
+What the optimizer, checkpoints, adapters and tests read of it, besides the plan, program and
+dp_rank / dp_size: `held_keys` and `local_tensor(key)` (this device's shards), `parameter(fqn)`,
+`counts_in_norm(key)`, `device`, `grad_reducer`, `zero_shards` / `zero3`, `whole_tensor(...)` and
+`share_in_unit(...)`. Its set-up lives next to it: `plan_groups.py` (process groups), `comm.py`,
+`zero_setup.py`, `grad_reducer_setup.py`, `params_on_use.py`; the pipeline executor sees only a
+`StageRuntime`.
 """
 from __future__ import annotations
 
