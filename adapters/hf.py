@@ -116,6 +116,7 @@ class NNScalerTrainerMixin:
     # -- planning ---------------------------------------------------------------------------------------
     def _nns_parallelize(self) -> None:
         import nnscaler_plugins as nns
+
         from .hookspecs import example_inputs, on_parallelized
 
         model = self.model
@@ -242,8 +243,8 @@ class NNScalerTrainerMixin:
         return loss.detach() / k
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
-        from nnscaler_plugins.optimizer import ParallelOptimizer
         from nnscaler_plugins.runtime.grad_clip import clip_grad_norm_
+        from nnscaler_plugins.runtime.optimizer import ParallelOptimizer
 
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
         if isinstance(inner, ParallelOptimizer):  # ZeRO: the gradients are its shards

@@ -103,7 +103,9 @@ class NNScalerStrategyMixin:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero = self._imp("utilities.rank_zero").rank_zero_only
-        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+        from lightning_utilities.core.rank_zero import (
+            rank_zero_only as utils_rank_zero_only,
+        )
         rank_zero.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
@@ -132,7 +134,7 @@ class NNScalerStrategyMixin:
         training_step that needs the trainer) is left to the ranks, as without this step."""
         if getattr(function, "__name__", "") != "_fit_impl" or not args:
             return
-        from nnscaler_plugins.capture import CaptureError
+        from nnscaler_plugins.capture.tracing import CaptureError
 
         try:
             found = self._example_before_launch(args[0], args[1] if len(args) > 1 else None,
@@ -141,8 +143,8 @@ class NNScalerStrategyMixin:
                 return
             inner, example = found
             from nnscaler_plugins.api import _graph_of
-            from nnscaler_plugins.microbatch import resolve_micro_batches
-            from nnscaler_plugins.plan import Plan
+            from nnscaler_plugins.capture.microbatch import resolve_micro_batches
+            from nnscaler_plugins.plan.plan import Plan
 
             plan = Plan.load(self.plan) if isinstance(self.plan, (str, os.PathLike)) and \
                 os.fspath(self.plan).endswith(".json") else self.plan
@@ -178,7 +180,7 @@ class NNScalerStrategyMixin:
         """A capture error on this process (rank 0) is the job's report: the ranks this process started
         wait quietly (see `nns.api.QUIET_RANK_WAIT_S`) and are stopped now."""
         super().on_exception(exception)
-        from nnscaler_plugins.capture import CaptureError
+        from nnscaler_plugins.capture.tracing import CaptureError
 
         launcher = getattr(self, "_launcher", None)
         if isinstance(exception, CaptureError) and getattr(launcher, "procs", None):
@@ -320,8 +322,8 @@ class NNScalerStrategyMixin:
                 config.scheduler.optimizer = swapped[id(old)]
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        from nnscaler_plugins.optimizer import ParallelOptimizer
         from nnscaler_plugins.runtime.grad_clip import clip_grad_norm_
+        from nnscaler_plugins.runtime.optimizer import ParallelOptimizer
 
         inner = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(inner, ParallelOptimizer):  # ZeRO: the gradients are its shards

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nnscaler_plugins.plan_source import PlanLike, resolve
+from nnscaler_plugins.plan.source import PlanLike, resolve
 
 
 def check_plan(plan: PlanLike, where: str) -> None:

@@ -110,8 +110,9 @@ _GRAPHS: dict = {}
 
 def graph(model: Model, micro_batch: int, vocab: Optional[int] = None):
     """The captured graph of one micro-batch (cached per shape for the life of the process)."""
-    import nnscaler_plugins as nns
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import nnscaler_plugins as nns
 
     key = (model, micro_batch, vocab)
     if key not in _GRAPHS:
@@ -130,8 +131,8 @@ def graph(model: Model, micro_batch: int, vocab: Optional[int] = None):
 
 def published_plan(case: Case, g=None):
     """The case's configuration written with the megatron strategy (no lowering: a plan only)."""
+    from nnscaler_plugins.plan.primitives import PlanBuilder
     from nnscaler_plugins.plugins import get_strategy
-    from nnscaler_plugins.primitives import PlanBuilder
 
     g = g if g is not None else graph(case.model, case.micro_batch)
     strategy = get_strategy("megatron")

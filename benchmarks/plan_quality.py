@@ -29,8 +29,8 @@ import calibration as C  # noqa: E402
 from common import record  # noqa: E402
 
 import nnscaler_plugins as nns  # noqa: E402
+from nnscaler_plugins.plan.primitives import PlanBuilder  # noqa: E402
 from nnscaler_plugins.plugins import get_strategy  # noqa: E402
-from nnscaler_plugins.primitives import PlanBuilder  # noqa: E402
 from nnscaler_plugins.search.costmodel import CostModel  # noqa: E402
 from nnscaler_plugins.search.solver import SearchError  # noqa: E402
 

@@ -87,7 +87,7 @@ def main() -> None:
                 "frontier plans", "candidates priced", "fastest plan found"),
                "Wall clock on 2 CPU cores, progress bar off; the total is capture plus search (building the "
                "model on the meta device, the user's own code, is shown apart). Capture traces two layers of the "
-               "repeated stack with torch.export and writes the others as copies (nnscaler_plugins/repeated_layers.py; "
+               "repeated stack with torch.export and writes the others as copies (nnscaler_plugins/capture/repeated_layers.py; "
                "the op count is the full model's). The search solves one layer per device-group size "
                "(identical layers once), prices every inter-op candidate from the solved segments, and simulates "
                "(full timeline replay) the ten nearest the frontier.")

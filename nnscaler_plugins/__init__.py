@@ -8,18 +8,49 @@ op-assign and op-order, turned into per-rank code over torch.distributed.
 
 The public names are listed in `__all__`; docs/design.md says what each stage does.
 """
-from .api import parallelize, plan, strategies
-from .optimizer import build_optimizer
-from .capture import CaptureError, capture
-from .errors import PlanError
-from .graph import Graph
-from .plan import OpPlacement, Plan
-from .primitives import PlanBuilder, SubOp, op_assign, op_order, op_trans
-from .search import constraints
-from .search import ClusterSpec, Estimate, ParetoSet, SearchError, cluster, simulate
-from . import search  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
-from . import checkpoint  # nns.checkpoint.save / load / export / merge
-from .framework_imports import watch as _watch_frameworks
+from nnscaler_plugins import (
+    checkpoint,  # nns.checkpoint.save / load / export / merge
+    search,  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
+)
+from nnscaler_plugins.api import parallelize, plan, strategies
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.capture.tracing import CaptureError, capture
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.framework_imports import watch as _watch_frameworks
+from nnscaler_plugins.plan.plan import OpPlacement, Plan
+from nnscaler_plugins.plan.primitives import (
+    PlanBuilder,
+    SubOp,
+    op_assign,
+    op_order,
+    op_trans,
+)
+from nnscaler_plugins.runtime.optimizer import build_optimizer
+from nnscaler_plugins.search import (
+    ClusterSpec,
+    Estimate,
+    ParetoSet,
+    SearchError,
+    cluster,
+    constraints,
+    simulate,
+)
+
+import sys as _sys
+
+from nnscaler_plugins import api as _api
+from nnscaler_plugins.capture import tracing as _tracing
+from nnscaler_plugins.plan import schedules as _schedules
+from nnscaler_plugins.plan import timeline as _timeline
+
+# `nns.plan` and `nns.capture` are the functions; the subpackages of the same names (plan/, capture/)
+# are reached by import (`from nnscaler_plugins.plan import Plan`), never as these attributes.
+plan = _api.plan
+capture = _tracing.capture
+# Module paths earlier releases documented, kept importable: nnscaler_plugins.schedules.Task,
+# nnscaler_plugins.timeline.check (now under plan/).
+_sys.modules.setdefault(__name__ + ".schedules", _schedules)
+_sys.modules.setdefault(__name__ + ".timeline", _timeline)
 
 _watch_frameworks()  # Trainer(strategy="nnscaler") once Lightning is imported, without importing it now
 
@@ -37,6 +68,6 @@ def __getattr__(name: str):
     # nns.ParallelModule is imported on first use: the runtime is only needed by processes that
     # run a plan, and `import nnscaler_plugins` stays light (no process group is needed either way).
     if name == "ParallelModule":
-        from .runtime.parallel_module import ParallelModule
+        from nnscaler_plugins.runtime.parallel_module import ParallelModule
         return ParallelModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

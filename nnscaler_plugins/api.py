@@ -9,17 +9,16 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .capture import capture, normalize_inputs
-from .errors import PlanError
-from .graph import Graph
-from .lowering import Program, lower
-from .microbatch import resolve_micro_batches, split_batch
-from .plan import Plan
-from .plan_source import PlanLike, PlanSource, resolve
-from .plugins import get_plugin_manager
-from .primitives import PlanBuilder
-from .validate import validate
-
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.capture.microbatch import resolve_micro_batches, split_batch
+from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.lowering import Program, lower
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.primitives import PlanBuilder
+from nnscaler_plugins.plan.source import PlanLike, PlanSource, resolve
+from nnscaler_plugins.plan.validate import validate
+from nnscaler_plugins.plugins import get_plugin_manager
 
 
 def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1) -> Graph:
@@ -113,7 +112,7 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike =
     torch.distributed from the launcher's environment when it is not initialized yet; the backend
     comes from the `nnscaler_choose_backend` hook (NCCL for CUDA, gloo for CPU by default).
     """
-    from .runtime.parallel_module import ParallelModule
+    from nnscaler_plugins.runtime.parallel_module import ParallelModule
 
     source = resolve(plan)
     source.check_options(options)  # before the process group, the capture or the cache is touched
@@ -143,7 +142,7 @@ QUIET_RANK_WAIT_S = 60.0
 def _capture_on_every_rank(model: Any, example_inputs: Any, micro: int, rank: int, world_size: int) -> Graph:
     """The graph every rank captures (same model, same shapes, so a CaptureError happens on all of
     them); rank 0 raises it, the others stay quiet, then raise one line naming rank 0."""
-    from .capture import CaptureError
+    from nnscaler_plugins.capture.tracing import CaptureError
 
     try:
         return _graph_of(model, example_inputs, micro)
@@ -157,5 +156,5 @@ def _capture_on_every_rank(model: Any, example_inputs: Any, micro: int, rank: in
 
 def strategies() -> list[str]:
     """Names of all registered strategies."""
-    from .plugins import strategies as _s
+    from nnscaler_plugins.plugins import strategies as _s
     return _s()

@@ -25,8 +25,8 @@ import os
 import sys
 from typing import Any, Optional
 
-from .errors import PlanError
-from .plan import Plan
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.plan import Plan
 
 CONSTRAINT_FORMS = ("max-tp[=N]", "pp=1,2,4", "schedule=1f1b,interleaved", "micro-batch=1,2", "memory=40GiB",
                     "zero=0,1", "recompute=none,full", "replicated=MODULE", "not-split=MODULE:DIM", "same-layers",
@@ -95,7 +95,7 @@ def _hf_model(path: str, micro_batch: int, seq: int) -> tuple[Any, Any]:
 
 
 def _graph(spec: str, micro_batch: int, seq: int, plan: Optional[Plan] = None):
-    from .capture import capture, normalize_inputs
+    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
 
     if plan is not None and plan.input_shapes:
         shape = next(iter(plan.input_shapes.values()))
@@ -110,7 +110,7 @@ def _graph(spec: str, micro_batch: int, seq: int, plan: Optional[Plan] = None):
 
 # -- constraints ---------------------------------------------------------------------------------------------
 def parse_constraint(text: str, model: Any = None):
-    from .search import constraints as C
+    from nnscaler_plugins.search import constraints as C
 
     key, _, value = text.partition("=")
     key = key.strip().lower()
@@ -151,7 +151,7 @@ def parse_constraint(text: str, model: Any = None):
 
 
 def _cluster(name: str, world: int, nodes: Optional[int]):
-    from .search import cluster
+    from nnscaler_plugins.search import cluster
 
     if name == "local-cpu":
         return cluster(name, devices=world)
@@ -163,8 +163,8 @@ def _cluster(name: str, world: int, nodes: Optional[int]):
 
 # -- commands ------------------------------------------------------------------------------------------------
 def cmd_search(a) -> int:
-    from .render import render_pareto
-    from .search.solver import search
+    from nnscaler_plugins.render import render_pareto
+    from nnscaler_plugins.search.solver import search
 
     model, inputs = load_model(a.model, a.micro_batch, a.seq)
     constraints = [parse_constraint(c, model) for c in a.constraint]
@@ -189,13 +189,13 @@ def cmd_explain(a) -> int:
     plan = Plan.load(a.plan)
     print(plan.explain())
     if plan.estimate:
-        from .search.simulator import Estimate
+        from nnscaler_plugins.search.simulator import Estimate
         print("  " + Estimate.from_json(plan.estimate).describe())
     return 0
 
 
 def cmd_simulate(a) -> int:
-    from .search.simulator import simulate
+    from nnscaler_plugins.search.simulator import simulate
 
     plan = Plan.load(a.plan)
     graph, _ = _graph(a.model, a.micro_batch, a.seq, plan)
@@ -204,7 +204,7 @@ def cmd_simulate(a) -> int:
     print(f"{plan.model_class} on {plan.world_size} devices of {spec.name}:")
     print("  " + est.describe())
     if a.timeline:
-        from .render import render_timeline
+        from nnscaler_plugins.render import render_timeline
         render_timeline(est.timeline, a.timeline, title=f"{plan.model_class}: {plan.strategy}")
         print(f"timeline written to {a.timeline}")
     return 0
@@ -219,9 +219,9 @@ def cmd_show(a) -> int:
         print(f"{len(ops)} ops")
         print(plan.explain())
         return 0
-    from .codegen import generate
-    from .lowering import lower
-    from .validate import validate
+    from nnscaler_plugins.codegen.generate import generate
+    from nnscaler_plugins.lower.lowering import lower
+    from nnscaler_plugins.plan.validate import validate
 
     graph, _ = _graph(a.model, a.micro_batch, a.seq, plan)
     validate(plan, graph)
@@ -233,8 +233,12 @@ def cmd_show(a) -> int:
 
 
 def cmd_render(a) -> int:
-    from .render import render_device_map, render_pareto, render_timeline
-    from .search.simulator import simulate
+    from nnscaler_plugins.render import (
+        render_device_map,
+        render_pareto,
+        render_timeline,
+    )
+    from nnscaler_plugins.search.simulator import simulate
 
     os.makedirs(a.out, exist_ok=True)
     plans = [Plan.load(p) for p in a.plans]
@@ -310,17 +314,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--with-optimizer", action="store_true",
                    help='write {"model", "optimizer", "extra"} instead of the model alone')
     a = ap.parse_args(argv)
-    from .capture import CaptureError
-    from .checkpoint import CheckpointError
-    from .search.cluster import ClusterError
+    from nnscaler_plugins.capture.tracing import CaptureError
+    from nnscaler_plugins.checkpoint import CheckpointError
+    from nnscaler_plugins.search.cluster import ClusterError
 
     try:
         if a.cmd == "strategies":
-            from .plugins import strategies
+            from nnscaler_plugins.plugins import strategies
             print("\n".join(strategies()))
             return 0
         if a.cmd == "merge-checkpoint":
-            from .checkpoint import merge
+            from nnscaler_plugins.checkpoint import merge
             print(merge(a.checkpoint, a.out, with_optimizer=a.with_optimizer))
             return 0
         return {"search": cmd_search, "explain": cmd_explain, "simulate": cmd_simulate, "show": cmd_show,

@@ -26,7 +26,7 @@ _lock = threading.RLock()
 
 
 def _register_lightning(module: types.ModuleType, namespace: str) -> None:
-    from .plugins import get_plugin_manager
+    from nnscaler_plugins.plugins import get_plugin_manager
 
     registry = getattr(module, "StrategyRegistry", None)
     if registry is None:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import pluggy
 
-from . import hookspecs
+from nnscaler_plugins import hookspecs
 
 ENTRY_POINT_GROUP = "nnscaler_plugins"
 DISTRIBUTION = "nnscaler-plugins"

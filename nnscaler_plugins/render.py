@@ -163,7 +163,7 @@ def render_device_map(plan: Any, path: Optional[str] = None, graph: Any = None, 
     """Rows are the unit's devices, columns the parts of the model (ops before the layers, each
     layer, ops after): a cell is coloured by the pipeline stage that runs that part on that device,
     and says how its ops are split there (hover for the counts)."""
-    from .layers import layer_groups
+    from nnscaler_plugins.plan.layers import layer_groups
 
     graph = graph if graph is not None else getattr(plan, "graph", None)
     if graph is not None:

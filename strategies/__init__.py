@@ -7,11 +7,11 @@ Registration: each strategy is registered as a `Strategy` object. It is callable
 strategy (`strategy(builder, **options)`), and it also carries `degrees(world_size, **options) ->
 (unit_size, dp)`, which `nns.plan` asks before it makes the builder, and `options`, the names of
 the options it takes, which every entry point checks before anything starts (a misspelt `tpp=2`
-is refused naming `tp`; the training knobs in `nnscaler_plugins.plan_source.COMMON_OPTIONS` -- zero,
+is refused naming `tp`; the training knobs in `nnscaler_plugins.plan.source.COMMON_OPTIONS` -- zero,
 precision, micro_batches, micro_batch_size, cluster, constraints -- are valid for every strategy
 and not listed). A plain function with `.degrees` and `.options` attributes works the same for
 third-party plugins (without `.options`, its keyword parameters are its options; see
-`nnscaler_plugins.plan_source.strategy_options`); the object exists so that the name and a one-line
+`nnscaler_plugins.plan.source.strategy_options`); the object exists so that the name and a one-line
 description travel with the strategy (for `nns.strategies()`-style listings).
 
     dp           every rank runs the whole model on its own batch (unit of 1 device, dp = world)
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nnscaler_plugins.hookspecs import hookimpl
-from nnscaler_plugins.primitives import PlanBuilder
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
-from . import data_parallel, hybrid, pipeline, tensor_parallel, zero
 from . import auto as auto_search
+from . import data_parallel, hybrid, pipeline, tensor_parallel, zero
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Strategy:
     degrees: Callable[..., tuple[int, int]]
     doc: str = ""
     # The options it takes besides those every strategy takes; None: those of `apply` (its keyword
-    # parameters, unchecked if it takes **options), see nnscaler_plugins.plan_source.strategy_options.
+    # parameters, unchecked if it takes **options), see nnscaler_plugins.plan.source.strategy_options.
     options: Optional[tuple[str, ...]] = None
 
     def __call__(self, builder: PlanBuilder, **options: Any) -> None:

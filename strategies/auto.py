@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.primitives import PlanBuilder
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 
 def degrees(world_size: int, **options: Any) -> tuple[int, int]:
@@ -41,7 +41,11 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
          **_: Any) -> None:
     from nnscaler_plugins.search import cluster as make_cluster
     from nnscaler_plugins.search.adopt import adopt
-    from nnscaler_plugins.search.constraints import PipelineStages, RecomputeModes, ZeroStages
+    from nnscaler_plugins.search.constraints import (
+        PipelineStages,
+        RecomputeModes,
+        ZeroStages,
+    )
     from nnscaler_plugins.search.solver import SearchError, search
 
     constraints = list(constraints)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from nnscaler_plugins.primitives import PlanBuilder
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 from .tensor_parallel import resolve_degrees, tensor_parallel
 

@@ -29,13 +29,18 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from nnscaler_plugins.anchors import MatmulAnchor, VocabAnchor, matmul_anchor, vocab_anchor
+from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.graph import Graph
-from nnscaler_plugins.placement import Digit, DigitKind, label_digit
-from nnscaler_plugins.plan import Plan
-from nnscaler_plugins.primitives import OpHandle, PlanBuilder
+from nnscaler_plugins.lower.placement import Digit, DigitKind, label_digit
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import Signature, op_call, signature_for
+from nnscaler_plugins.rules.anchors import (
+    MatmulAnchor,
+    VocabAnchor,
+    matmul_anchor,
+    vocab_anchor,
+)
 
 _STATIC = ("param", "buffer", "constant")
 
@@ -49,7 +54,7 @@ class TPKind(enum.Enum):
 @dataclass(frozen=True)
 class TPLayout:
     """Where a tensor's elements live on the unit, as the walk sees it (one split of `n` pieces at
-    a time; the lowering's full RVD reading of a plan is `nnscaler_plugins.layout.Layout`).
+    a time; the lowering's full RVD reading of a plan is `nnscaler_plugins.lower.layout.Layout`).
 
     `dim` is the dim a SPLIT cuts; with `block` > 1, each of `block` equal sections is split
     separately.

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.layers import layer_groups
-from nnscaler_plugins.primitives import PlanBuilder
+from nnscaler_plugins.plan.layers import layer_groups
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 _ATTENTION = ("attn", "attention")
 

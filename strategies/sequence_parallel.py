@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from nnscaler_plugins.primitives import OpHandle
+from nnscaler_plugins.plan.primitives import OpHandle
 
 from .propagation import Choice, TensorParallelPropagation
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.primitives import PlanBuilder
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.primitives import PlanBuilder
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 from .data_parallel import data_parallel, degrees
 

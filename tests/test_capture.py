@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import resource
 
+import models
 import pytest
-
 import torch
 
 import nnscaler_plugins as nns
-import models
 
 
 def test_mlp_graph_exposes_ops_shapes_params_and_sources():
@@ -68,7 +67,7 @@ class _BranchesOnValues(torch.nn.Module):
 
 
 def test_capture_error_is_a_few_lines_naming_the_model_line(capfd):
-    from nnscaler_plugins.capture import CaptureError
+    from nnscaler_plugins.capture.tracing import CaptureError
 
     with pytest.raises(CaptureError) as e:
         nns.capture(_BranchesOnValues(), (torch.randn(2, 4),))
@@ -102,7 +101,7 @@ def test_meta_capture_has_the_real_models_fingerprint():
 def test_plan_zero_override_sticks():
     import dataclasses
 
-    from nnscaler_plugins.plan import Plan
+    from nnscaler_plugins.plan.plan import Plan
 
     model, inputs = models.mlp()
     p = nns.plan(model, strategy="dp", world_size=2, example_inputs=inputs, zero=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nnscaler_plugins.capture import capture
+from nnscaler_plugins.capture.tracing import capture
 
 
 def _sdpa_calls(graph):

@@ -8,8 +8,8 @@ import textwrap
 import torch
 
 import nnscaler_plugins as nns
-from nnscaler_plugins.codegen import cache_key, generate
-from nnscaler_plugins.lowering import lower
+from nnscaler_plugins.codegen.generate import cache_key, generate
+from nnscaler_plugins.lower.lowering import lower
 
 MODEL_SRC = """
 import torch

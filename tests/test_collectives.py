@@ -1,11 +1,11 @@
 """Counting the communication a known plan emits: Megatron-style tp must not add any."""
 from __future__ import annotations
 
+import models
 import pytest
 
 import nnscaler_plugins as nns
-from nnscaler_plugins.lowering import lower
-import models
+from nnscaler_plugins.lower.lowering import lower
 
 
 @pytest.mark.parametrize("build", ["gpt2_small", "llama_small"])

@@ -2,14 +2,14 @@
 backward. Same results and the same communication as the plain split, less activation memory."""
 from __future__ import annotations
 
+import models
 import pytest
 import torch
+from test_equivalence import run_case
 
-import models
 import nnscaler_plugins as nns
 from nnscaler_plugins import PlanBuilder, PlanError, op_assign, op_trans
-from nnscaler_plugins.lowering import lower
-from test_equivalence import run_case
+from nnscaler_plugins.lower.lowering import lower
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nnscaler_plugins as nns
-from nnscaler_plugins.layers import layer_groups
+from nnscaler_plugins.plan.layers import layer_groups
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.layouts import Placement
 from nnscaler_plugins.search.network import Network
@@ -37,8 +37,8 @@ def graph():
 
 
 def megatron(graph, tp, **opts):
+    from nnscaler_plugins.plan.primitives import PlanBuilder
     from nnscaler_plugins.plugins import get_strategy
-    from nnscaler_plugins.primitives import PlanBuilder
 
     st = get_strategy("megatron")
     b = PlanBuilder(graph, tp, 1, strategy="megatron", micro_batches=1)

@@ -3,12 +3,12 @@ option is refused naming the option, the strategy and the closest valid name, an
 every strategy takes are valid everywhere. Single process, no workers."""
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 
-import models
 import nnscaler_plugins as nns
-from nnscaler_plugins.plan_source import COMMON_OPTIONS, check_options, strategy_options
+from nnscaler_plugins.plan.source import COMMON_OPTIONS, check_options, strategy_options
 from nnscaler_plugins.plugins import get_strategy, strategies
 
 
@@ -95,7 +95,9 @@ def test_third_party_strategies_declare_options_or_fall_back_to_keyword_paramete
     assert strategy_options(anything) is None  # **options and no declaration: cannot be checked
     nns.plan(model, strategy=anything, world_size=1, example_inputs=inputs, whatever=3)
 
-    from nnscaler_plugins.strategies import Strategy  # the built-ins' wrapper, usable by plugins too
+    from nnscaler_plugins.strategies import (
+        Strategy,  # the built-ins' wrapper, usable by plugins too
+    )
 
     def one_unit(world_size, **_):
         return world_size, 1
@@ -157,9 +159,11 @@ def test_lightning_strategy_checks_options_at_construction():
 
 def test_hf_arguments_and_mixin_check_plan_options(tmp_path):
     pytest.importorskip("transformers")
+    from nnscaler_plugins.adapters.hf import (
+        NNScalerTrainerMixin,
+        NNScalerTrainingArguments,
+    )
     from transformers import Trainer, TrainingArguments
-
-    from nnscaler_plugins.adapters.hf import NNScalerTrainerMixin, NNScalerTrainingArguments
 
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(nns.PlanError, match=r"NNScalerTrainingArguments\(plan_options=...\): strategy 'dp' has no "
@@ -177,7 +181,6 @@ def test_hf_arguments_and_mixin_check_plan_options(tmp_path):
 
 def test_deepspeed_nnscaler_section_is_checked_before_the_process_group():
     import torch.distributed as dist
-
     from nnscaler_plugins.adapters import deepspeed
     from nnscaler_plugins.adapters.deepspeed.config import translate
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nnscaler_plugins.layout import chunk_dim
+from nnscaler_plugins.lower.layout import chunk_dim
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -54,7 +54,9 @@ def vocab_parallel_ce(rank: int, world: int) -> list[str]:
 def vocab_parallel_embedding(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime.piece_functions import vocab_parallel_embedding as lookup
+    from nnscaler_plugins.runtime.piece_functions import (
+        vocab_parallel_embedding as lookup,
+    )
 
     gen = torch.Generator().manual_seed(1)
     table = torch.randn(4 * world, 5, generator=gen)

@@ -3,10 +3,9 @@ process on the same global batch, tied weights stay in sync, a schedule no built
 and the memory each schedule holds is the one its design promises."""
 from __future__ import annotations
 
+import models
 import pytest
 import torch
-
-import models
 
 BATCH = models.BATCH
 
@@ -26,7 +25,7 @@ def _replica_batch(inputs: dict, replica: int, dp: int) -> dict:
 def recycling(shape, passes: int = 2):
     """A schedule no built-in provides (AlphaFold-style recycling): `passes` no-grad forwards of
     the whole model for every micro-batch, then a GPipe training pass."""
-    from nnscaler_plugins.schedules import FORWARD, Task, gpipe
+    from nnscaler_plugins.plan.schedules import FORWARD, Task, gpipe
 
     out = []
     for rank, tasks in enumerate(gpipe(shape)):

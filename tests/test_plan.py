@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 
+import models
 import pytest
 import torch
 
 import nnscaler_plugins as nns
 from nnscaler_plugins import PlanBuilder, PlanError, op_assign, op_trans
-from nnscaler_plugins.plan import Plan
-import models
+from nnscaler_plugins.plan.plan import Plan
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def gpt2_graph():
 
 
 def test_broken_user_schedule_is_refused_before_launch(gpt2_graph):
-    from nnscaler_plugins.schedules import BACKWARD, FORWARD, Task, one_f_one_b
+    from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, Task, one_f_one_b
 
     def backwards_first(shape):
         lists = one_f_one_b(shape)
@@ -193,7 +193,7 @@ def test_broken_user_schedule_is_refused_before_launch(gpt2_graph):
 
 
 def test_user_schedule_is_kept_in_the_saved_plan(tmp_path, gpt2_graph):
-    from nnscaler_plugins.schedules import gpipe
+    from nnscaler_plugins.plan.schedules import gpipe
 
     def my_gpipe(shape):
         return gpipe(shape)

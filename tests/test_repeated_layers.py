@@ -7,11 +7,11 @@ from __future__ import annotations
 import copy
 import types
 
+import models
 import torch
 
-import models
-from nnscaler_plugins.capture import capture
-from nnscaler_plugins.repeated_layers import find_stack
+from nnscaler_plugins.capture.repeated_layers import find_stack
+from nnscaler_plugins.capture.tracing import capture
 
 
 def _structure(g):

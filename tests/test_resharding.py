@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nnscaler_plugins.layout import Layout
-from nnscaler_plugins.resharding import plan
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.lower.resharding import plan
 
 SHAPE = (4, 8)
 
@@ -231,7 +231,10 @@ def op_helpers(rank: int, world: int) -> list[str]:
     """Whole inputs of split pieces: each rank's loss gives a share; the helpers must sum the shares."""
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime.collectives import allgather_fwd_reducescatter_bwd, identity_fwd_allreduce_bwd
+    from nnscaler_plugins.runtime.collectives import (
+        allgather_fwd_reducescatter_bwd,
+        identity_fwd_allreduce_bwd,
+    )
 
     gen = torch.Generator().manual_seed(3)
     full, weights = torch.randn(SHAPE, generator=gen), torch.randn((world,) + SHAPE, generator=gen)

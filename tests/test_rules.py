@@ -18,21 +18,29 @@ import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
+import models
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import models
 import nnscaler_plugins as nns
 from nnscaler_plugins import plugins
+from nnscaler_plugins.capture.graph import Graph, Ref, TensorMeta
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.graph import Graph, Ref, TensorMeta
 from nnscaler_plugins.hookspecs import hookimpl
-from nnscaler_plugins.layout import cat_dim, chunk_dim
-from nnscaler_plugins.rules import (LocalCall, OpCall, ReplicateOnlyWarning, Signature, op_call, refresh,
-                                    signature_of, unruled_ops)
+from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
+from nnscaler_plugins.rules import (
+    LocalCall,
+    OpCall,
+    ReplicateOnlyWarning,
+    Signature,
+    op_call,
+    refresh,
+    signature_of,
+    unruled_ops,
+)
 
 aten = torch.ops.aten
 

@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 
 from nnscaler_plugins import PlanError
-from nnscaler_plugins.schedules import (BACKWARD, FORWARD, WEIGHT, PipelineShape, Task, build, gpipe,
-                                        interleaved_1f1b, one_f_one_b, zero_bubble)
-from nnscaler_plugins.timeline import check, replay
+from nnscaler_plugins.plan.schedules import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    PipelineShape,
+    Task,
+    build,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble,
+)
+from nnscaler_plugins.plan.timeline import check, replay
 
 SHAPES = [(2, 4), (4, 4), (4, 8), (3, 7), (8, 16)]
 
@@ -150,7 +160,7 @@ def _interlaced_shape(p=2, m=4):
 
 
 def test_interlaced_shared_stages_run_together():
-    from nnscaler_plugins.schedules import interlaced
+    from nnscaler_plugins.plan.schedules import interlaced
 
     shape = _interlaced_shape()
     tl = check(interlaced(shape), shape)

@@ -13,9 +13,20 @@ import torch
 import nnscaler_plugins as nns
 from nnscaler_plugins.cli import main as cli
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.search import (HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, NotSplit, PipelineStages,
-                                     RecomputeModes, Replicated, SameLayerConfig, Schedules, SearchError, ZeroStages,
-                                     check)
+from nnscaler_plugins.search import (
+    HFTensorParallelPlan,
+    MaxTensorParallel,
+    MemoryLimit,
+    NotSplit,
+    PipelineStages,
+    RecomputeModes,
+    Replicated,
+    SameLayerConfig,
+    Schedules,
+    SearchError,
+    ZeroStages,
+    check,
+)
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.intraop import IntraSolver
 from nnscaler_plugins.search.pareto import frontier, hypervolume
@@ -244,9 +255,9 @@ def test_cli_bad_input_names_the_problem(config_file, capsys, args, message):
 
 
 def test_render_timeline_draws_every_task(gpt):
+    from nnscaler_plugins.plan.schedules import PipelineShape, build
+    from nnscaler_plugins.plan.timeline import replay
     from nnscaler_plugins.render import render_timeline
-    from nnscaler_plugins.schedules import PipelineShape, build
-    from nnscaler_plugins.timeline import replay
 
     shape = PipelineShape(4, 4, 8)
     tl = replay(build("1f1b", shape), shape, lambda r, t: 1.0 if t.kind == "F" else 2.0)
@@ -287,7 +298,7 @@ def _recompute_groups(plan) -> dict:
 def _check_priced_is_run(plan, graph, spec):
     """The estimate's pricing inputs against the plan fields the runtime reads, and the plan
     re-priced from those fields gives its estimate again."""
-    from nnscaler_plugins.layers import layer_groups
+    from nnscaler_plugins.plan.layers import layer_groups
     from nnscaler_plugins.search.opcost import OpCosts
     from nnscaler_plugins.search.simulator import training_of
 
@@ -315,7 +326,7 @@ def _check_priced_is_run(plan, graph, spec):
 
 
 def _sequence_split_ops(plan, graph) -> list[str]:
-    from nnscaler_plugins.layers import layer_groups
+    from nnscaler_plugins.plan.layers import layer_groups
     from nnscaler_plugins.rules import signature_for
     from nnscaler_plugins.search.dims import SEQUENCE, tag_labels
 
@@ -343,7 +354,7 @@ def test_plans_carry_the_precision_zero_and_recompute_they_were_priced_with(gpt)
 
 
 def test_sequence_parallel_plans_carry_the_sequence_splits(gpt):
-    from nnscaler_plugins.lowering import lower
+    from nnscaler_plugins.lower.lowering import lower
 
     spec = nns.cluster("a100-dgx")
     s = Search({1: gpt}, 4, spec, [PipelineStages([1])], 4, None, False, sequence_parallel=True)
@@ -368,6 +379,7 @@ def test_choices_the_code_generator_refuses_are_not_searched():
     """Cross-entropy split along both its class and its batch dims has no kernel: the rule's own
     localize refuses it, and the search asks the rule before it considers a choice."""
     import models
+
     from nnscaler_plugins.search.intraop import Choice
 
     model, inputs = models.gpt2_small()

@@ -6,9 +6,9 @@ import torch
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.plan import Plan
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.timeline import Timeline
 from nnscaler_plugins.search import Estimate
-from nnscaler_plugins.timeline import Timeline
 
 GiB = 1024 ** 3
 
@@ -31,8 +31,8 @@ def spec():
 
 
 def megatron(graph, world, m, **opts):
+    from nnscaler_plugins.plan.primitives import PlanBuilder
     from nnscaler_plugins.plugins import get_strategy
-    from nnscaler_plugins.primitives import PlanBuilder
 
     st = get_strategy("megatron")
     unit, dp = st.degrees(world, **opts)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from nnscaler_plugins import PlanBuilder, op_assign, op_trans
-from nnscaler_plugins.capture import capture
-from nnscaler_plugins.graph import Graph
-from nnscaler_plugins.plan import Plan
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.capture.tracing import capture
+from nnscaler_plugins.plan.plan import Plan
 
 try:
     import models
@@ -59,8 +59,18 @@ except ImportError:  # tests/models.py not written yet: the same small configura
         bert_small=_lm("BertConfig", "BertForMaskedLM", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                        num_attention_heads=4, vocab_size=128, max_position_embeddings=32),
         vit_small=_vit)
-from nnscaler_plugins.strategies import DP, HYBRID, TP, Strategy, nnscaler_register_strategies
-from nnscaler_plugins.strategies.propagation import matmul_roles, partial_to_whole, supports_blocked_splits
+from nnscaler_plugins.strategies import (
+    DP,
+    HYBRID,
+    TP,
+    Strategy,
+    nnscaler_register_strategies,
+)
+from nnscaler_plugins.strategies.propagation import (
+    matmul_roles,
+    partial_to_whole,
+    supports_blocked_splits,
+)
 
 _GRAPHS: dict[str, tuple[Graph, Any]] = {}
 

@@ -26,12 +26,25 @@ import torch.distributed as dist
 from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.plugins import get_plugin_manager
 
-from .config import DeepSpeedConfigError, Settings, load_config, resolve_batch, translate
+from .config import (
+    DeepSpeedConfigError,
+    Settings,
+    load_config,
+    resolve_batch,
+    translate,
+)
 from .engine import DeepSpeedEngine
 from .launch import add_config_arguments, init_distributed
 from .optimizers import build_optimizer
+from .schedulers import (
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+)
 from .zero_optimizer import ZeroOptimizer
-from .schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
            "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
@@ -69,7 +82,7 @@ def _settings_of(config: dict) -> Settings:
     settings = result if isinstance(result, Settings) else Settings(**result)
     if isinstance(settings.plan, (str, os.PathLike)):  # whichever plugin translated it: option names checked here
         from nnscaler_plugins.errors import PlanError
-        from nnscaler_plugins.plan_source import check_options
+        from nnscaler_plugins.plan.source import check_options
 
         try:
             check_options(settings.plan, settings.plan_options, "the DeepSpeed config's 'nnscaler' section")
@@ -82,7 +95,7 @@ def _degrees(plan: Any, options: dict, world_size: int) -> tuple[int, int]:
     """(ranks per model replica, data-parallel size) of the plan the config names, before it exists:
     the batch sizes and the data loader need the data-parallel size at initialize."""
     from nnscaler_plugins.errors import PlanError
-    from nnscaler_plugins.plan_source import resolve
+    from nnscaler_plugins.plan.source import resolve
 
     if not isinstance(plan, (str, os.PathLike)):
         raise DeepSpeedConfigError(f"nnscaler.plan must be a strategy name or a plan file, got {plan!r}")

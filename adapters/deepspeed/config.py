@@ -14,7 +14,6 @@ from typing import Any, Optional, Union
 from . import keys as K
 from .errors import DeepSpeedConfigError  # noqa: F401 - raised here, and importable from here as before
 
-
 AUTO = "auto"
 
 
@@ -302,7 +301,7 @@ def _nnscaler_section(section: Any) -> tuple[Any, dict]:
                                    "bf16 / fp16); remove it from the nnscaler section")
     if isinstance(plan, (str, os.PathLike)):
         from nnscaler_plugins.errors import PlanError
-        from nnscaler_plugins.plan_source import check_options
+        from nnscaler_plugins.plan.source import check_options
 
         try:
             check_options(plan, options, "the DeepSpeed config's 'nnscaler' section")

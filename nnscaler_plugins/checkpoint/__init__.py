@@ -8,13 +8,16 @@
 
 save, load and export are collective (every rank calls them); merge runs anywhere.
 """
-from .errors import CheckpointError
-from .export import export
-from .load import load
-from .merge import merge
-from .model_state import full_model_state
-from .optimizer_state import full_optimizer_state, load_optimizer_state
-from .save import save
+from nnscaler_plugins.checkpoint.errors import CheckpointError
+from nnscaler_plugins.checkpoint.export import export
+from nnscaler_plugins.checkpoint.load import load
+from nnscaler_plugins.checkpoint.merge import merge
+from nnscaler_plugins.checkpoint.model_state import full_model_state
+from nnscaler_plugins.checkpoint.optimizer_state import (
+           full_optimizer_state,
+           load_optimizer_state,
+)
+from nnscaler_plugins.checkpoint.save import save
 
 __all__ = ["save", "load", "export", "merge", "CheckpointError", "full_model_state", "full_optimizer_state",
            "load_optimizer_state"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from nnscaler_plugins.checkpoint.errors import CheckpointError
 
 _PREFIX = "nnscaler_plugins/checkpoint"
 _round = {"n": 0}

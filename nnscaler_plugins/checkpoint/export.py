@@ -9,10 +9,20 @@ from typing import Any, Optional
 
 import torch
 
-from .agreement import begin_round, exchange, finish_round, world
-from .atomic import fsync_dir, fsync_file, sibling, swap_into_place
-from .errors import CheckpointError
-from .model_state import full_model_state
+from nnscaler_plugins.checkpoint.agreement import (
+    begin_round,
+    exchange,
+    finish_round,
+    world,
+)
+from nnscaler_plugins.checkpoint.atomic import (
+    fsync_dir,
+    fsync_file,
+    sibling,
+    swap_into_place,
+)
+from nnscaler_plugins.checkpoint.errors import CheckpointError
+from nnscaler_plugins.checkpoint.model_state import full_model_state
 
 WHAT = "nns.checkpoint.export"
 

@@ -24,8 +24,12 @@ from typing import Any, Optional
 
 import torch
 
-from .atomic import METADATA, fsync_file, resolve_checkpoint_dir
-from .errors import CheckpointError
+from nnscaler_plugins.checkpoint.atomic import (
+    METADATA,
+    fsync_file,
+    resolve_checkpoint_dir,
+)
+from nnscaler_plugins.checkpoint.errors import CheckpointError
 
 FORMAT = "nnscaler-checkpoint"
 VERSION = 1

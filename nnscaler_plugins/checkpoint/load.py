@@ -7,10 +7,23 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .format import TensorReader, model_tensors, optimizer_tensors, read_extra, read_metadata, verify_files
-from .model_state import expected_model_tensors, load_model_state
-from .optimizer_state import check_optimizer_matches, load_optimizer_state
+from nnscaler_plugins.checkpoint.errors import CheckpointError
+from nnscaler_plugins.checkpoint.format import (
+    TensorReader,
+    model_tensors,
+    optimizer_tensors,
+    read_extra,
+    read_metadata,
+    verify_files,
+)
+from nnscaler_plugins.checkpoint.model_state import (
+    expected_model_tensors,
+    load_model_state,
+)
+from nnscaler_plugins.checkpoint.optimizer_state import (
+    check_optimizer_matches,
+    load_optimizer_state,
+)
 
 
 def model_mismatch(meta: dict[str, Any], module: torch.nn.Module, strict: bool = True) -> list[str]:

@@ -4,8 +4,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .export import write_state_dict_file
-from .format import TensorReader, model_tensors, optimizer_tensors, read_extra, read_metadata, verify_files
+from nnscaler_plugins.checkpoint.export import write_state_dict_file
+from nnscaler_plugins.checkpoint.format import (
+    TensorReader,
+    model_tensors,
+    optimizer_tensors,
+    read_extra,
+    read_metadata,
+    verify_files,
+)
 
 
 def merge(checkpoint: str | os.PathLike, out: str | os.PathLike, *, with_optimizer: bool = False) -> str:

@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..layout import Layout
-from .errors import CheckpointError
-from .model_state import is_parallel
+from nnscaler_plugins.checkpoint.errors import CheckpointError
+from nnscaler_plugins.checkpoint.model_state import is_parallel
+from nnscaler_plugins.lower.layout import Layout
 
 
 def knows_plan(optimizer: Any) -> bool:

@@ -10,14 +10,37 @@ from typing import Any, Optional
 
 import torch
 
-from .agreement import begin_round, exchange, finish_round, world
-from .atomic import METADATA, fsync_dir, fsync_file, remove_stale, swap_into_place, temp_dir
-from .errors import CheckpointError
-from .format import (EXTRA_FILE, FORMAT, OPTIM_GROUPS_KEY, VERSION, file_digest, model_key, object_entry,
-                     optim_key, rank_file, tensor_entry, write_metadata)
-from .model_state import full_model_state
-from .optimizer_state import full_optimizer_state
-from .ownership import assign_owners, loads
+from nnscaler_plugins.checkpoint.agreement import (
+    begin_round,
+    exchange,
+    finish_round,
+    world,
+)
+from nnscaler_plugins.checkpoint.atomic import (
+    METADATA,
+    fsync_dir,
+    fsync_file,
+    remove_stale,
+    swap_into_place,
+    temp_dir,
+)
+from nnscaler_plugins.checkpoint.errors import CheckpointError
+from nnscaler_plugins.checkpoint.format import (
+    EXTRA_FILE,
+    FORMAT,
+    OPTIM_GROUPS_KEY,
+    VERSION,
+    file_digest,
+    model_key,
+    object_entry,
+    optim_key,
+    rank_file,
+    tensor_entry,
+    write_metadata,
+)
+from nnscaler_plugins.checkpoint.model_state import full_model_state
+from nnscaler_plugins.checkpoint.optimizer_state import full_optimizer_state
+from nnscaler_plugins.checkpoint.ownership import assign_owners, loads
 
 WHAT = "nns.checkpoint.save"
 

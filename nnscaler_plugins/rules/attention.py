@@ -3,8 +3,8 @@ key/value heads with the query heads: piece i's query heads use exactly piece i'
 sequence and feature dims stay whole."""
 from __future__ import annotations
 
-from .signature import OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import OpCall, Signature
 
 
 @rule("aten.scaled_dot_product_attention.default")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..graph import TensorMeta
-from .signature import Labels
+from nnscaler_plugins.capture.graph import TensorMeta
+from nnscaler_plugins.rules.signature import Labels
 
 
 def out_labels(ndim: int, prefix: str = "d") -> Labels:

@@ -1,9 +1,9 @@
 """Elementwise ops (with broadcasting) and value-preserving copies: every output dim is spatial."""
 from __future__ import annotations
 
-from .broadcast import broadcast_labels, out_labels
-from .signature import OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.broadcast import broadcast_labels, out_labels
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import OpCall, Signature
 
 UNARY_OR_BROADCAST = [
     # arithmetic

@@ -1,9 +1,9 @@
 """Embedding lookups: the vocabulary dim of the table is a reduction (vocabulary-parallel)."""
 from __future__ import annotations
 
-from ..runtime import piece_functions
-from .signature import LocalCall, Localized, OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
+from nnscaler_plugins.runtime import piece_functions
 
 
 @rule("aten.embedding.default")

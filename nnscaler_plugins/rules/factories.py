@@ -2,8 +2,8 @@
 them (they are cheap: ranges, masks, constants)."""
 from __future__ import annotations
 
-from .signature import OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import OpCall, Signature
 
 
 @rule("aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.full.default",

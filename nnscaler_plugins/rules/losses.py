@@ -3,10 +3,10 @@ max, the sum of exponentials and the target logit) or its batch dim (partial sum
 divided by the global count of counted targets)."""
 from __future__ import annotations
 
-from ..runtime import piece_functions
-from ..errors import PlanError
-from .signature import LocalCall, Localized, OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
+from nnscaler_plugins.runtime import piece_functions
 
 
 @rule("aten.cross_entropy_loss.default")

@@ -5,9 +5,9 @@ therefore enters as a partial input so that only one piece adds it.
 """
 from __future__ import annotations
 
-from .broadcast import broadcast_labels, out_labels
-from .signature import OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.broadcast import broadcast_labels, out_labels
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import OpCall, Signature
 
 
 @rule("aten.linear.default")

@@ -1,8 +1,8 @@
 """Normalizations: the normalized dims must stay whole; the leading dims are spatial."""
 from __future__ import annotations
 
-from .signature import OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import OpCall, Signature
 
 
 @rule("aten.layer_norm.default", "aten.rms_norm.default")

@@ -1,10 +1,10 @@
 """Reductions: summed dims are reductions (pieces give partial sums); max-like dims stay whole."""
 from __future__ import annotations
 
-from ..runtime import piece_functions
-from .broadcast import norm_dim
-from .signature import LocalCall, Localized, OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.broadcast import norm_dim
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
+from nnscaler_plugins.runtime import piece_functions
 
 
 def _reduced(call: OpCall, dims_arg_index: int = 1) -> tuple[list[int], bool]:

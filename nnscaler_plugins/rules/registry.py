@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..autograd_functions import qualified_name
-from .signature import OpCall, Signature
+from nnscaler_plugins.capture.autograd_functions import qualified_name
+from nnscaler_plugins.rules.signature import OpCall, Signature
 
 RuleFn = Callable[[OpCall], Optional[Signature]]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .broadcast import norm_dim
-from .signature import LocalCall, Localized, OpCall, Signature
-from .registry import rule
+from nnscaler_plugins.rules.broadcast import norm_dim
+from nnscaler_plugins.rules.registry import rule
+from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
 
 
 def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[list[tuple[list[int], list[int]]]]:

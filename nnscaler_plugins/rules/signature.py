@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from ..graph import OpNode, Ref, TensorMeta
+from nnscaler_plugins.capture.graph import OpNode, Ref, TensorMeta
 
 Labels = tuple[str, ...]
 

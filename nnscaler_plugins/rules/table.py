@@ -9,10 +9,10 @@ import functools
 import warnings
 from typing import Any, Optional
 
-from ..graph import Graph, OpNode, TensorMeta
-from ..plugins import get_plugin_manager, plugins_generation
-from .registry import BUILTIN, RuleFn, op_key, rule  # noqa: F401 - rule and op_key are part of this module's API
-from .signature import OpCall, Signature, replicate_only
+from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
+from nnscaler_plugins.plugins import get_plugin_manager, plugins_generation
+from nnscaler_plugins.rules.registry import BUILTIN, RuleFn, op_key, rule  # noqa: F401 - rule and op_key are part of this module's API
+from nnscaler_plugins.rules.signature import OpCall, Signature, replicate_only
 
 
 class ReplicateOnlyWarning(UserWarning):
@@ -21,8 +21,17 @@ class ReplicateOnlyWarning(UserWarning):
 
 def _load_builtins() -> None:
     # Importing the rule modules fills BUILTIN through @rule.
-    from . import (attention, elementwise, embedding, losses, matmul, norms, reductions,  # noqa: F401
-                   shape_ops, factories)
+    from nnscaler_plugins.rules import (  # noqa: F401
+        attention,
+        elementwise,
+        embedding,
+        factories,
+        losses,
+        matmul,
+        norms,
+        reductions,
+        shape_ops,
+    )
 
 
 @functools.lru_cache(maxsize=4)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from ..layout import cat_dim, chunk_dim
+from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
 
 Order = Optional[Sequence[int]]
 # What a one-number header can name when a receiver knows only the shape.

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .collectives import identity_fwd_allreduce_bwd
-from .plan_groups import UnitGroups
+from nnscaler_plugins.runtime.collectives import identity_fwd_allreduce_bwd
+from nnscaler_plugins.runtime.plan_groups import UnitGroups
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lowering import Program
+    from nnscaler_plugins.lower.lowering import Program
 
 
 class Comm:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.utils.checkpoint as ckpt
 
-from ..layout import cat_dim, chunk_dim
+from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
 
 _meters: list["SavedBytes"] = []
 

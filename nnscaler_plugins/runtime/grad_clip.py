@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lowering import Program
+    from nnscaler_plugins.lower.lowering import Program
 
 
 # -- the counting rule ------------------------------------------------------------------------------

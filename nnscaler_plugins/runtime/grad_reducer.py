@@ -22,7 +22,11 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .zero import FlatShard, reduce_scatter_flat, reduce_scatter_layout
+from nnscaler_plugins.runtime.zero import (
+    FlatShard,
+    reduce_scatter_flat,
+    reduce_scatter_layout,
+)
 
 
 @dataclass

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .grad_reducer import GradReducer
-from .plan_groups import replicas_of
-from .zero import FlatShard
+from nnscaler_plugins.runtime.grad_reducer import GradReducer
+from nnscaler_plugins.runtime.plan_groups import replicas_of
+from nnscaler_plugins.runtime.zero import FlatShard
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lowering import Program
+    from nnscaler_plugins.lower.lowering import Program
 
 
 def build_reducer(program: Program, trainable: list[str], parameter: Callable[[str], torch.nn.Parameter],

@@ -20,24 +20,24 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from ..capture import normalize_inputs
-from ..codegen import write_and_load
-from ..graph import Graph
-from ..layout import Layout
-from ..lowering import Program
-from ..microbatch import split_batch
-from ..plan import Plan
-from .comm import Comm
-from .grad_clip import counts_in_norm
-from .grad_reducer import GradReducer
-from .grad_reducer_setup import build_reducer
-from .loss import extract_loss
-from .params_on_use import params_on_use
-from .pipeline_executor import PipelineExecutor, StageRuntime
-from .plan_groups import UnitGroups, create_groups
-from .precision import autocast, compute_dtype
-from .zero import Zero3Params
-from .zero_setup import chunk_parameters, zero_shards
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.capture.microbatch import split_batch
+from nnscaler_plugins.capture.tracing import normalize_inputs
+from nnscaler_plugins.codegen.generate import write_and_load
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.lower.lowering import Program
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.runtime.comm import Comm
+from nnscaler_plugins.runtime.grad_clip import counts_in_norm
+from nnscaler_plugins.runtime.grad_reducer import GradReducer
+from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
+from nnscaler_plugins.runtime.loss import extract_loss
+from nnscaler_plugins.runtime.params_on_use import params_on_use
+from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
+from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
+from nnscaler_plugins.runtime.precision import autocast, compute_dtype
+from nnscaler_plugins.runtime.zero import Zero3Params
+from nnscaler_plugins.runtime.zero_setup import chunk_parameters, zero_shards
 
 
 def _safe(fqn: str) -> str:
@@ -326,7 +326,7 @@ class ParallelModule(torch.nn.Module):
     def whole_tensor(self, key: str, local: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The whole tensor of shard `key` from this device's piece (`local`, None where the device
         holds none of it). Collective over the replica's unit: every device calls it, in one order."""
-        from ..resharding import plan as plan_reshard
+        from nnscaler_plugins.lower.resharding import plan as plan_reshard
 
         lay = self.program.shards[key].layout
         if local is not None:

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .precision import for_compute
-from .zero import Zero3Params
+from nnscaler_plugins.runtime.precision import for_compute
+from nnscaler_plugins.runtime.zero import Zero3Params
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lowering import Program
+    from nnscaler_plugins.lower.lowering import Program
 
 
 def params_on_use(program: Program, keys: list[str], local: Callable[[str], torch.Tensor], precision: str,

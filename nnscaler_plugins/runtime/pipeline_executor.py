@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..schedules import BACKWARD, FORWARD, WEIGHT, Task
-from .precision import autocast, compute_dtype
-from .split_backward import SplitBackward
+from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, WEIGHT, Task
+from nnscaler_plugins.runtime.precision import autocast, compute_dtype
+from nnscaler_plugins.runtime.split_backward import SplitBackward
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lowering import Program
-    from .zero import Zero3Params
+    from nnscaler_plugins.lower.lowering import Program
+    from nnscaler_plugins.runtime.zero import Zero3Params
 
 
 @dataclass

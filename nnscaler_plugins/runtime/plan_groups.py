@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Union
 
-from .process_groups import ProcessGroups
+from nnscaler_plugins.runtime.process_groups import ProcessGroups
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lowering import Program
-    from ..plan import Plan
+    from nnscaler_plugins.lower.lowering import Program
+    from nnscaler_plugins.plan.plan import Plan
 
 
 class SingleProcess:

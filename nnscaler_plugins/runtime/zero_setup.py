@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .grad_clip import counts_in_norm
-from .plan_groups import replicas_of
-from .zero import FlatShard, Zero3Params
+from nnscaler_plugins.runtime.grad_clip import counts_in_norm
+from nnscaler_plugins.runtime.plan_groups import replicas_of
+from nnscaler_plugins.runtime.zero import FlatShard, Zero3Params
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..lowering import Program
+    from nnscaler_plugins.lower.lowering import Program
 
 
 def zero_shards(program: Program, trainable: list[str], parameter: Callable[[str], torch.Tensor],

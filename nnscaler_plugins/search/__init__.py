@@ -13,14 +13,33 @@ import inspect
 import sys
 import types
 
-from .cluster import ClusterError, ClusterSpec, Link, cluster, presets
-from .constraints import (Constraint, HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, MicroBatchSize, NotSplit,
-                          PipelineStages, RecomputeModes, Replicated, SameLayerConfig, Schedules, ZeroStages, check)
-from .costmodel import CostModel, Training
-from .efficiency import Efficiency
-from .pareto import ParetoSet
-from .simulator import Estimate, simulate
-from .solver import SearchError, search
+from nnscaler_plugins.search.cluster import (
+    ClusterError,
+    ClusterSpec,
+    Link,
+    cluster,
+    presets,
+)
+from nnscaler_plugins.search.constraints import (
+    Constraint,
+    HFTensorParallelPlan,
+    MaxTensorParallel,
+    MemoryLimit,
+    MicroBatchSize,
+    NotSplit,
+    PipelineStages,
+    RecomputeModes,
+    Replicated,
+    SameLayerConfig,
+    Schedules,
+    ZeroStages,
+    check,
+)
+from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.efficiency import Efficiency
+from nnscaler_plugins.search.pareto import ParetoSet
+from nnscaler_plugins.search.simulator import Estimate, simulate
+from nnscaler_plugins.search.solver import SearchError, search
 
 __all__ = ["ClusterSpec", "ClusterError", "Link", "cluster", "presets", "CostModel", "Training", "Efficiency",
            "Estimate", "simulate", "ParetoSet", "SearchError", "search", "Constraint", "SameLayerConfig",

@@ -6,8 +6,8 @@ search returns plans. Replaying a plan's placements and op-order through the bui
 """
 from __future__ import annotations
 
-from ..plan import Plan
-from ..primitives import PlanBuilder
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 
 def adopt(builder: PlanBuilder, plan: Plan) -> None:

@@ -29,8 +29,8 @@ import sys
 import time
 from typing import Optional
 
-from .cluster_spec import ClusterSpec, Link
-from .efficiency import Efficiency
+from nnscaler_plugins.search.cluster_spec import ClusterSpec, Link
+from nnscaler_plugins.search.efficiency import Efficiency
 
 FORMAT = 1
 # Used when measure=False: a slow but typical core (about a 2.5 GHz AVX2 core).

@@ -29,7 +29,8 @@ import os
 from dataclasses import replace
 from typing import Optional
 
-from .cluster_spec import GiB, ClusterError, ClusterSpec, Link  # noqa: F401 - the spec types are this module's API too
+from nnscaler_plugins.search.cluster_spec import ClusterError, ClusterSpec, GiB, Link  # noqa: F401 - the spec types are this module's API too
+
 
 # -- presets -----------------------------------------------------------------------------------------------
 def _v100_p3(nodes: int) -> ClusterSpec:
@@ -80,7 +81,7 @@ def cluster(name: str | os.PathLike, nodes: Optional[int] = None, *, devices: Op
     """
     text = os.fspath(name)
     if text == LOCAL:
-        from .calibrate import local_cpu
+        from nnscaler_plugins.search.calibrate import local_cpu
         spec = local_cpu(devices=devices, measure=measure, cache_dir=cache_dir)
         return spec.with_nodes(nodes) if nodes is not None else spec
     if text in PRESETS:

@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Optional
 
-from .efficiency import GPU_EFFICIENCY, Efficiency
+from nnscaler_plugins.search.efficiency import GPU_EFFICIENCY, Efficiency
 
 GiB = 1024 ** 3
 

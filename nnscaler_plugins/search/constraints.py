@@ -20,10 +20,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Union
 
-from ..errors import PlanError
-from ..graph import Graph, OpNode
-from ..plan import Plan
-from .space import Axes, Config, config_of
+from nnscaler_plugins.capture.graph import Graph, OpNode
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.search.space import Axes, Config, config_of
 
 GiB = 1024 ** 3
 
@@ -83,7 +83,7 @@ class SameLayerConfig(Constraint):
         return "all repeated layers share one configuration"
 
     def violation(self, plan, graph, estimate=None, cluster=None):
-        from ..layers import layer_groups
+        from nnscaler_plugins.plan.layers import layer_groups
         groups = layer_groups(graph)
         if len(groups.layers) < 2:
             return None
@@ -176,8 +176,8 @@ class NotSplit(Constraint):
         return self._label(op, sig, tags) if matches(op, self.target) else None
 
     def violation(self, plan, graph, estimate=None, cluster=None):
-        from ..rules import signature_for
-        from .dims import tag_labels
+        from nnscaler_plugins.rules import signature_for
+        from nnscaler_plugins.search.dims import tag_labels
         sigs = {op.name: signature_for(graph, op) for op in graph.ops}
         tags = tag_labels(graph, sigs)
         for op in graph.ops:
@@ -252,7 +252,7 @@ class MemoryLimit(Constraint):
         if est is None:
             if cluster is None:
                 return "no estimate to check the memory limit against (simulate the plan or pass cluster=)"
-            from .simulator import simulate
+            from nnscaler_plugins.search.simulator import simulate
             est = simulate(plan, cluster, graph)
         peak = est.max_memory_bytes if hasattr(est, "max_memory_bytes") else float(est["max_memory_bytes"])
         return None if peak <= self.limit else f"its peak memory is {peak / GiB:.2f} GiB per device"
@@ -338,8 +338,8 @@ class HFTensorParallelPlan(Constraint):
     def violation(self, plan, graph, estimate=None, cluster=None):
         if not self.require:
             return None
-        from ..rules import signature_for
-        from ..anchors import matmul_anchor
+        from nnscaler_plugins.rules import signature_for
+        from nnscaler_plugins.rules.anchors import matmul_anchor
         for op in graph.ops:
             style = self.style_of(op)
             if style is None:

@@ -23,14 +23,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from ..graph import Graph
-from ..layout import Layout
-from ..resharding import COMMUNICATING, Step
-from ..resharding import plan as plan_reshard
-from .cluster import ClusterSpec
-from .layouts import Placement, op_layouts
-from .network import Network, Span, span_of
-from .opcost import OpCost, OpCosts
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.lower.resharding import COMMUNICATING, Step
+from nnscaler_plugins.lower.resharding import plan as plan_reshard
+from nnscaler_plugins.search.cluster import ClusterSpec
+from nnscaler_plugins.search.layouts import Placement, op_layouts
+from nnscaler_plugins.search.network import Network, Span, span_of
+from nnscaler_plugins.search.opcost import OpCost, OpCosts
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 RECOMPUTE = ("none", "selective", "full")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..graph import Graph
-from ..rules import Signature
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.rules import Signature
 
 BATCH, SEQUENCE = "batch", "sequence"
 

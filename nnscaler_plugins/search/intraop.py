@@ -24,18 +24,17 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional, Sequence
 
-from ..anchors import matmul_anchor, vocab_anchor
-from ..errors import PlanError
-from ..graph import Graph, OpNode, TensorMeta
-from ..layers import layer_groups
-from ..layout import Layout
-from ..rules import op_call
-from ..rules.signature import LocalCall
-from .costmodel import CostModel, Training
-from .dims import BATCH, SEQUENCE, tag_labels
-from .layouts import Placement
-from .segments import Segment, Walker, itemsize
-
+from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.plan.layers import layer_groups
+from nnscaler_plugins.rules import op_call
+from nnscaler_plugins.rules.anchors import matmul_anchor, vocab_anchor
+from nnscaler_plugins.rules.signature import LocalCall
+from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.dims import BATCH, SEQUENCE, tag_labels
+from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.segments import Segment, Walker, itemsize
 
 _PLACEMENTS: dict = {}  # (Choice, devices) -> Placement; a pure function's cache
 

@@ -1,6 +1,6 @@
 """The layouts a placed op reads and writes, as the cost model needs them.
 
-The reading of a placement is `nnscaler_plugins.placement`'s, the one lowering uses: the cost model
+The reading of a placement is `nnscaler_plugins.lower.placement`'s, the one lowering uses: the cost model
 needs the layouts to price the resharding between a producer and its consumers, and the size of the
 device groups over which an input's gradient comes out partial.
 """
@@ -10,10 +10,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..layout import Layout
-from ..placement import layout_from_digits, partial_grad_size, tensor_blocks, tensor_digits
-from ..plan import OpPlacement
-from ..rules import Signature
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.lower.placement import (
+    layout_from_digits,
+    partial_grad_size,
+    tensor_blocks,
+    tensor_digits,
+)
+from nnscaler_plugins.plan.plan import OpPlacement
+from nnscaler_plugins.rules import Signature
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .cluster import ClusterSpec
+from nnscaler_plugins.search.cluster import ClusterSpec
 
 
 @dataclass(frozen=True)

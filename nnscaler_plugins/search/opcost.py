@@ -30,8 +30,8 @@ from typing import Optional
 
 import torch
 
-from ..graph import Graph, OpNode
-from ..rules import Signature, op_call, signature_for
+from nnscaler_plugins.capture.graph import Graph, OpNode
+from nnscaler_plugins.rules import Signature, op_call, signature_for
 
 MATMUL = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "addbmm", "einsum", "conv1d", "conv2d",
                     "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",

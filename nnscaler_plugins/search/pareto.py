@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ..plan import Plan
-from .simulator import Estimate
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.search.simulator import Estimate
 
 GiB = 1024 ** 3
 

@@ -19,9 +19,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..graph import Ref
-from .costmodel import OpTime
-from .layouts import Placement
+from nnscaler_plugins.capture.graph import Ref
+from nnscaler_plugins.search.costmodel import OpTime
+from nnscaler_plugins.search.layouts import Placement
 
 SHAPE_FREE = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention", "gelu",
                         "relu", "silu", "tanh", "sigmoid", "softmax", "_softmax", "log_softmax", "layer_norm",

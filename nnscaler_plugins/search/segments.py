@@ -14,10 +14,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..graph import Graph
-from ..layout import Layout
-from .costmodel import CostModel, Training
-from .layouts import Placement
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.layouts import Placement
 
 
 @dataclass

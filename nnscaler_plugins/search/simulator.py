@@ -21,17 +21,24 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import PlanError
-from ..graph import Graph
-from ..layers import layer_groups
-from ..plan import Plan
-from ..schedules import BACKWARD, FORWARD, PipelineShape, Task
-from ..timeline import Timeline
-from .cluster import ClusterSpec, GiB
-from .costmodel import CostModel, Training
-from .layouts import Placement
-from .segments import Walker
-from .stages import Part, StageCost, Step, compose, overlap_factor, replay_step
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.layers import layer_groups
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, PipelineShape, Task
+from nnscaler_plugins.plan.timeline import Timeline
+from nnscaler_plugins.search.cluster import ClusterSpec, GiB
+from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.segments import Walker
+from nnscaler_plugins.search.stages import (
+    Part,
+    StageCost,
+    Step,
+    compose,
+    overlap_factor,
+    replay_step,
+)
 
 
 @dataclass

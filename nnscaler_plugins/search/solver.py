@@ -33,27 +33,33 @@ sequence-parallel candidates, the sequence splits that were priced.
 from __future__ import annotations
 
 import bisect
-
 import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from ..errors import PlanError
-from ..graph import Graph
-from ..plan import PRECISIONS, Plan
-from .cluster import ClusterSpec, cluster as make_cluster
-from .constraints import (Constraint, HFTensorParallelPlan, MaxTensorParallel, MemoryLimit, MicroBatchSize,
-                          parse_bytes)
-from .costmodel import CostModel, Training
-from .dims import batch_size
-from .intraop import IntraResult, IntraSolver
-from .pareto import ParetoSet, frontier
-from .progress import Progress
-from .segments import Segment
-from .simulator import Estimate, replay_plan
-from .space import RECOMPUTE, Config, divisors, meshes
-from .stages import Part, analytic_step, compose, overlap_factor
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.plan import PRECISIONS, Plan
+from nnscaler_plugins.search.cluster import ClusterSpec
+from nnscaler_plugins.search.cluster import cluster as make_cluster
+from nnscaler_plugins.search.constraints import (
+    Constraint,
+    HFTensorParallelPlan,
+    MaxTensorParallel,
+    MemoryLimit,
+    MicroBatchSize,
+    parse_bytes,
+)
+from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.dims import batch_size
+from nnscaler_plugins.search.intraop import IntraResult, IntraSolver
+from nnscaler_plugins.search.pareto import ParetoSet, frontier
+from nnscaler_plugins.search.progress import Progress
+from nnscaler_plugins.search.segments import Segment
+from nnscaler_plugins.search.simulator import Estimate, replay_plan
+from nnscaler_plugins.search.space import RECOMPUTE, Config, divisors, meshes
+from nnscaler_plugins.search.stages import Part, analytic_step, compose, overlap_factor
 
 GiB = 1024 ** 3
 
@@ -249,7 +255,7 @@ class Search:
         order = [keep[i] for i in front]
         # The plans are written from choices the rules allowed; the fastest is validated here (the
         # same checks as any plan, with its schedule's dry run), the others when they are used.
-        from ..validate import validate
+        from nnscaler_plugins.plan.validate import validate
         validate(plans[order[0]], chosen[order[0]].graph, world_size=self.world)
         seconds = time.monotonic() - t0
         self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
@@ -258,7 +264,7 @@ class Search:
     def _has_layers(self, graph: Graph) -> bool:
         hit = self._layers.get(id(graph))
         if hit is None:
-            from ..layers import layer_groups
+            from nnscaler_plugins.plan.layers import layer_groups
             hit = self._layers[id(graph)] = bool(layer_groups(graph).layers)
         return hit
 
@@ -402,9 +408,9 @@ class Search:
         PlanBuilder, which would re-derive every op's signature for each of the shortlisted plans;
         the plans returned are validated like any other (`validate`, with the schedule's dry run)."""
         cfg, graph = cand.cfg, cand.graph
-        from ..layers import layer_groups
-        from ..plan import OpPlacement, PipelineSpec
-        from ..schedules import SPLITS_BACKWARD
+        from nnscaler_plugins.plan.layers import layer_groups
+        from nnscaler_plugins.plan.plan import OpPlacement, PipelineSpec
+        from nnscaler_plugins.plan.schedules import SPLITS_BACKWARD
 
         groups = layer_groups(graph)
         S = cfg.stages
@@ -501,7 +507,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     Megatron's sequence parallelism: the norms, dropouts and residual adds of the layers split along
     the sequence (the plans carry those splits, as the `megatron` strategy's option of that name does).
     """
-    from ..plugins import get_plugin_manager
+    from nnscaler_plugins.plugins import get_plugin_manager
 
     if world_size < 1:
         raise SearchError(f"world_size must be >= 1 (got {world_size})")
@@ -558,8 +564,8 @@ def _graphs(model_or_graph: Any, example_inputs: Any, constraints: Sequence) -> 
         return {b: model_or_graph}
     if example_inputs is None:
         raise TypeError("searching a model needs example_inputs= (one micro-batch of what its forward takes)")
-    from ..capture import capture, normalize_inputs
-    from ..microbatch import batch_size as inputs_batch
+    from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
+    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
 
     sizes = None
     for c in constraints:

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from ..graph import Graph
-from ..plan import Plan
-from .dims import BATCH, batch_size, tag_labels
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.search.dims import BATCH, batch_size, tag_labels
 
 Axes = tuple  # ((label or None, size), ...) outer to inner; the product of sizes is the group size
 
@@ -88,7 +88,7 @@ def axes_tp(axes: Axes, batch_label: Optional[str]) -> int:
 
 def config_of(plan: Plan, graph: Graph) -> Config:
     """Read a plan's inter-op knobs back (for constraint checks on any plan)."""
-    from ..rules import signature_for
+    from nnscaler_plugins.rules import signature_for
 
     sigs = {op.name: signature_for(graph, op) for op in graph.ops}
     tags = tag_labels(graph, sigs)

@@ -13,11 +13,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..schedules import BACKWARD, FORWARD, WEIGHT, PipelineShape, Task
-from ..timeline import Timeline, replay
-from .costmodel import BUCKET_BYTES, CostModel, Training
-from .network import Span
-from .segments import Segment
+from nnscaler_plugins.plan.schedules import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    PipelineShape,
+    Task,
+)
+from nnscaler_plugins.plan.timeline import Timeline, replay
+from nnscaler_plugins.search.costmodel import BUCKET_BYTES, CostModel, Training
+from nnscaler_plugins.search.network import Span
+from nnscaler_plugins.search.segments import Segment
 
 
 @dataclass

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from .errors import PlanError
-from .graph import Graph
-from .rules import op_call, signature_for
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.rules import op_call, signature_for
 
 if TYPE_CHECKING:  # for annotations only: plan.py calls this module, not the other way round
-    from .plan import Plan
+    from nnscaler_plugins.plan.plan import Plan
 
 
 def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None:
@@ -106,7 +106,7 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
 def _validate_pipeline(plan: Plan, graph: Graph) -> None:
     """Stages cover every op, follow the model's data flow, run on their own devices, and the
     schedule passes the dry run."""
-    from .timeline import check
+    from nnscaler_plugins.plan.timeline import check
 
     spec = plan.pipeline
     groups = [set(g) for g in spec.stage_devices]

@@ -15,14 +15,26 @@ from typing import Any, Optional
 
 import torch.utils._pytree as pytree
 
-from .errors import PlanError
-from .graph import Graph, OpNode, Ref, TensorMeta
-from .layout import Layout
-from .plan import OpPlacement, Plan
-from .placement import layout_from_digits, partial_grad_groups, tensor_blocks, tensor_digits, tensor_layout
-from .resharding import ReshardPlan
-from .resharding import plan as plan_reshard
-from .rules import LocalCall, Localized, Signature, op_call, signature_for
+from nnscaler_plugins.capture.graph import Graph, OpNode, Ref, TensorMeta
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.lower.placement import (
+    layout_from_digits,
+    partial_grad_groups,
+    tensor_blocks,
+    tensor_digits,
+    tensor_layout,
+)
+from nnscaler_plugins.lower.resharding import ReshardPlan
+from nnscaler_plugins.lower.resharding import plan as plan_reshard
+from nnscaler_plugins.plan.plan import OpPlacement, Plan
+from nnscaler_plugins.rules import (
+    LocalCall,
+    Localized,
+    Signature,
+    op_call,
+    signature_for,
+)
 
 
 @dataclass
@@ -234,7 +246,7 @@ def _loss_index(graph: Graph) -> Optional[int]:
         structured = pytree.tree_unflatten(list(range(n)), graph.out_spec)
     except Exception:
         return None
-    from .runtime.loss import extract_loss
+    from nnscaler_plugins.runtime.loss import extract_loss
     try:
         idx = extract_loss(structured)
     except (TypeError, ValueError):

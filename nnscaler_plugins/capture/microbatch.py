@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import PlanError
+from nnscaler_plugins.errors import PlanError
 
 
 def batch_size(batch: Any) -> Optional[int]:

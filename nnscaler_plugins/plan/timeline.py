@@ -18,8 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-from .errors import PlanError
-from .schedules import BACKWARD, FORWARD, SHARED, WEIGHT, PipelineShape, Task
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.schedules import (
+    BACKWARD,
+    FORWARD,
+    SHARED,
+    WEIGHT,
+    PipelineShape,
+    Task,
+)
 
 Duration = Callable[[int, Task], float]
 Transfer = Callable[[Task, Task], float]

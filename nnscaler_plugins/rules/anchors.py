@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .graph import Graph, OpNode
-from .rules import Signature
+from nnscaler_plugins.capture.graph import Graph, OpNode
+from nnscaler_plugins.rules import Signature
 
 _STATIC = ("param", "buffer", "constant")
 

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .graph import Graph, OpNode, Ref, Value
+from nnscaler_plugins.capture.graph import Graph, OpNode, Ref, Value
 
 # A stack shorter than this is traced whole: the saving would be small.
 MIN_LAYERS = 4

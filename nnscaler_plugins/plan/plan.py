@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from .errors import PlanError
-from .graph import Graph, OpNode
+from nnscaler_plugins.capture.graph import Graph, OpNode
+from nnscaler_plugins.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -170,13 +170,13 @@ class PipelineSpec:
         return next(r for k, r in enumerate(self.stage_rank) if r >= 0 and device in self.stage_devices[k])
 
     def shape(self):
-        from .schedules import PipelineShape
+        from nnscaler_plugins.plan.schedules import PipelineShape
         return PipelineShape(self.num_stages, self.num_ranks, self.micro_batches, tuple(self.stage_rank),
                              self.split_backward)
 
     def task_lists(self):
         """Per pipeline rank, the ordered tasks of one training step."""
-        from .schedules import build
+        from nnscaler_plugins.plan.schedules import build
         if self.tasks is not None:
             return [list(t) for t in self.tasks]
         return build(self.schedule, self.shape(), **self.options)
@@ -191,7 +191,7 @@ class PipelineSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> "PipelineSpec":
-        from .schedules import Task
+        from nnscaler_plugins.plan.schedules import Task
         check_keys(d, _PIPELINE_KEYS, "the plan's pipeline")
         tasks = d.get("tasks")
         return cls([list(map(int, g)) for g in d["stage_devices"]], int(d["micro_batches"]),
@@ -338,7 +338,7 @@ class Plan:
             raise PlanError(f"{path}: not valid JSON ({e})") from e
         plan = cls.from_json(d)
         if graph is not None:
-            from .validate import validate
+            from nnscaler_plugins.plan.validate import validate
             validate(plan, graph, world_size=world_size)
         return plan
 
@@ -383,7 +383,7 @@ class Plan:
         """The pipeline's training step as the executor runs it: the plan's own task lists replayed on
         a clock (unit task times unless `duration(rank, task)` / `transfer(src, dst)` say otherwise).
         `per_device` gives one row per device of the unit instead of one per pipeline rank."""
-        from .timeline import Timeline, replay
+        from nnscaler_plugins.plan.timeline import Timeline, replay
 
         if self.pipeline is None:
             raise PlanError("this plan has no pipeline; only pipeline plans have a task timeline")
@@ -397,7 +397,7 @@ class Plan:
     def render_timeline(self, path: str | os.PathLike, duration: Any = None, transfer: Any = None) -> str:
         """Write the pipeline timeline (one row per device, one box per task, gaps are bubbles) as SVG,
         or as a page when `path` ends in .html; returns the SVG."""
-        from .render import render_timeline
+        from nnscaler_plugins.render import render_timeline
 
         tl = self.timeline(duration, transfer, per_device=True)
         title = (f"{self.model_class}: {self.pipeline.schedule}, {self.pipeline.num_stages} stages, "

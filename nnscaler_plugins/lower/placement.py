@@ -25,9 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .layout import Layout
-from .plan import OpPlacement
-from .rules import Signature
+from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.plan.plan import OpPlacement
+from nnscaler_plugins.rules import Signature
 
 DeviceGroups = tuple[tuple[int, ...], ...]
 

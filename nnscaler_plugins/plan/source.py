@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
-from .errors import PlanError
-from .plan import Plan
-from .plugins import get_strategy, strategies
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plugins import get_strategy, strategies
 
 PlanLike = Union[str, os.PathLike, Callable, Plan]
 

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .graph import Graph, OpNode
+from nnscaler_plugins.capture.graph import Graph, OpNode
 
 _INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 

@@ -35,9 +35,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .runtime.grad_clip import clip_, counts, global_norm
-from .runtime.precision import LossScaler
-from .runtime.zero import FlatShard, all_gather_chunks
+from nnscaler_plugins.runtime.grad_clip import clip_, counts, global_norm
+from nnscaler_plugins.runtime.precision import LossScaler
+from nnscaler_plugins.runtime.zero import FlatShard, all_gather_chunks
 
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
 
@@ -382,7 +382,7 @@ def build_optimizer(module: Any, optimizer_cls: Callable[..., torch.optim.Optimi
     `param_groups=[{"params": names or fn(name) -> bool, "weight_decay": 0.0}, ...]` splits the
     parameters into torch parameter groups by their names in the model (e.g. no weight decay on
     biases and norms); `kwargs` are the defaults every group starts from."""
-    from .runtime.parallel_module import ParallelModule
+    from nnscaler_plugins.runtime.parallel_module import ParallelModule
 
     if not isinstance(module, ParallelModule):
         raise TypeError(f"build_optimizer takes the module nns.parallelize returned, got {type(module).__name__}; "

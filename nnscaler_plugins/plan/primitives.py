@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-from .errors import PlanError
-from .graph import Graph, OpNode
-from .plan import OpPlacement, PipelineSpec, Plan
-from .rules import Signature, op_call, signature_for
+from nnscaler_plugins.capture.graph import Graph, OpNode
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.plan import OpPlacement, PipelineSpec, Plan
+from nnscaler_plugins.rules import Signature, op_call, signature_for
 
 
 @dataclass(frozen=True)
@@ -241,8 +241,8 @@ class PlanBuilder:
         `fn(shape, **options) -> per-rank task lists`). Stages sharing a device group share a
         pipeline rank (interleaved chunks). The schedule is dry-run here, so a broken one fails now.
         """
-        from .schedules import SPLITS_BACKWARD
-        from .timeline import check
+        from nnscaler_plugins.plan.schedules import SPLITS_BACKWARD
+        from nnscaler_plugins.plan.timeline import check
 
         if len(stages) != len(devices):
             raise PlanError(f"op_order got {len(stages)} stages but {len(devices)} device groups")
@@ -287,7 +287,7 @@ class PlanBuilder:
                                 f"{sorted(flat)} (given {list(g)})")
         try:
             if callable(schedule):
-                from .schedules import build
+                from nnscaler_plugins.plan.schedules import build
                 spec.tasks = build(schedule, spec.shape(), **options)
             lists = spec.task_lists()
         except ValueError as e:
@@ -313,7 +313,7 @@ class PlanBuilder:
                                   for i in self.graph.inputs if self.graph.values[i.name].meta is not None})
         plan.graph = self.graph
         if validate:
-            from .validate import validate as _validate
+            from nnscaler_plugins.plan.validate import validate as _validate
             _validate(plan, self.graph)
         return plan
 

@@ -23,10 +23,10 @@ from typing import Any, Optional
 
 import torch
 
-from .autograd_functions import FunctionTarget
-from .graph import Ref
-from .lowering import Program, RankProgram, StageProgram, Stmt
-from .resharding import Step
+from nnscaler_plugins.capture.autograd_functions import FunctionTarget
+from nnscaler_plugins.capture.graph import Ref
+from nnscaler_plugins.lower.lowering import Program, RankProgram, StageProgram, Stmt
+from nnscaler_plugins.lower.resharding import Step
 
 GENERATOR_VERSION = "3"  # bump whenever the generated text changes
 
@@ -453,7 +453,7 @@ def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: O
 
 def _region_lines(region: _Region, number: int, em: "_Emitter", ind: str) -> list[str]:
     """One nested function per piece, each run under a checkpoint, then the pieces put together."""
-    from .runtime import coshard as cs
+    from nnscaler_plugins.runtime import coshard as cs
 
     c = region.chunks
     names = list(region.inputs)

@@ -21,11 +21,23 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .autograd_functions import FunctionCaptureError, is_opaque_call, opaque_functions, rebuild_call
-from .causal_mask import fold_causal_masks
-from .graph import Graph, InputSpec, OpNode, Ref, TensorMeta, Value
-from .plugins import get_plugin_manager
-from .repeated_layers import Stack, find_stack, replicate
+from nnscaler_plugins.capture.autograd_functions import (
+    FunctionCaptureError,
+    is_opaque_call,
+    opaque_functions,
+    rebuild_call,
+)
+from nnscaler_plugins.capture.causal_mask import fold_causal_masks
+from nnscaler_plugins.capture.graph import (
+    Graph,
+    InputSpec,
+    OpNode,
+    Ref,
+    TensorMeta,
+    Value,
+)
+from nnscaler_plugins.capture.repeated_layers import Stack, find_stack, replicate
+from nnscaler_plugins.plugins import get_plugin_manager
 
 # Ops with no runtime effect in our generated code (export's own shape/dtype assertions).
 _DROPPED = {
@@ -442,5 +454,5 @@ def _key(k: Any) -> Any:
 
 
 def _warn_unruled(g: Graph) -> None:
-    from .rules.table import warn_replicate_only
+    from nnscaler_plugins.rules.table import warn_replicate_only
     warn_replicate_only(g)
