@@ -13,7 +13,7 @@ import importlib.machinery
 import sys
 import threading
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 # module name -> the Lightning namespace it belongs to
 LIGHTNING_STRATEGY_MODULES = {

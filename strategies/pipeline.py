@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
-from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute

@@ -10,7 +10,7 @@ their activations.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.layers import layer_groups

@@ -12,10 +12,10 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from nnscaler_plugins.capture.graph import Graph, OpNode
+from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1

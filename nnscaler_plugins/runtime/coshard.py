@@ -9,7 +9,7 @@ is the same as for the plain split.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint as ckpt

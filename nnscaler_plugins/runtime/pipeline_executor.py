@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, WEIGHT, Task
+from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, Task
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
 from nnscaler_plugins.runtime.split_backward import SplitBackward
 

@@ -14,7 +14,6 @@ finished plan (`violation`, None when it holds). `describe()` is what error mess
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import re
 from dataclasses import dataclass, field

@@ -25,13 +25,13 @@ found, and fused attention (one scaled_dot_product_attention op) has no core to 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from nnscaler_plugins.capture.graph import Graph, OpNode
-from nnscaler_plugins.rules import Signature, op_call, signature_for
+from nnscaler_plugins.rules import Signature, signature_for
 
 MATMUL = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "addbmm", "einsum", "conv1d", "conv2d",
                     "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",

@@ -33,9 +33,8 @@ sequence-parallel candidates, the sequence splits that were priced.
 from __future__ import annotations
 
 import bisect
-import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from nnscaler_plugins.capture.graph import Graph

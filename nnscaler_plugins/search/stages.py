@@ -22,7 +22,6 @@ from nnscaler_plugins.plan.schedules import (
 )
 from nnscaler_plugins.plan.timeline import Timeline, replay
 from nnscaler_plugins.search.costmodel import BUCKET_BYTES, CostModel, Training
-from nnscaler_plugins.search.network import Span
 from nnscaler_plugins.search.segments import Segment
 
 
