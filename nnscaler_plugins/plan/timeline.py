@@ -8,7 +8,9 @@ as in the executor, so a rank never waits for its consumers. The same replay ser
   task, runs one twice or on the wrong rank, or holds more micro-batches than allowed raises
   `PlanError` naming the first task that cannot run and why.
 - the simulator: task and transfer times from the cost model.
-- the rendered pipeline timeline: the boxes are these events.
+- the rendered pipeline timeline: the boxes are these events. A step of hundreds of micro-batches
+  is drawn with its middle folded (`fold_window`), the folded part summarised by each rank's
+  utilization (`Timeline.utilization`), because thousands of hairline boxes read as a grey band.
 
 Dependencies: F(s, mb) needs F(s-1, mb); B(s, mb) needs F(s, mb) and B(s+1, mb); W(s, mb) needs
 B(s, mb); a no-grad forward of round r needs the previous stage's no-grad forward of round r.
@@ -64,6 +66,44 @@ class Timeline:
         """Idle share of all rank-time in the step."""
         span = self.makespan
         return sum(self.bubble) / (span * len(self.events)) if span else 0.0
+
+    def utilization(self, start: float = 0.0, end: Optional[float] = None) -> list[float]:
+        """Busy share of each rank between `start` and `end` (default: the whole step)."""
+        end = self.makespan if end is None else end
+        if end <= start:
+            return [0.0 for _ in self.events]
+        return [sum(max(0.0, min(e.end, end) - max(e.start, start)) for e in evs) / (end - start)
+                for evs in self.events]
+
+
+def fold_window(timeline: Timeline, keep: int = 3) -> Optional[tuple[float, float]]:
+    """(head_end, tail_start): the stretch of a long step that a picture may fold away, keeping the
+    pipeline's fill and the first `keep` micro-batches before it and the last `keep` and its drain
+    after it; None when nothing would be folded (fewer than about 2 * keep + 4 micro-batches).
+
+    The head ends when the first stage has finished the backward of micro-batch keep - 1 (by then
+    every rank has passed its warm-up); the tail starts when the last stage begins the forward of
+    micro-batch m - keep. Schedules where those do not bound a middle (GPipe runs every forward
+    first) fold the same proportion of the step instead."""
+    shape = timeline.shape
+    m = shape.micro_batches
+    if m < 2 * keep + 4:
+        return None
+    end: dict[tuple, float] = {}
+    start: dict[tuple, float] = {}
+    for evs in timeline.events:
+        for e in evs:
+            key = (e.task.stage, e.task.micro_batch, e.task.kind)
+            end[key] = max(end.get(key, 0.0), e.end)
+            start[key] = min(start.get(key, e.start), e.start)
+    last = shape.num_stages - 1
+    head = end.get((0, keep - 1, BACKWARD))
+    tail = start.get((last, m - keep, FORWARD))
+    span = timeline.makespan
+    if head is None or tail is None or tail - head < 0.1 * span:  # e.g. GPipe: all forwards, then backwards
+        head, tail = span * (keep + shape.num_ranks) / (m + shape.num_ranks), \
+            span * (m - keep) / (m + shape.num_ranks)
+    return (head, tail) if tail - head >= 0.1 * span else None
 
 
 def dependencies(task: Task, shape: PipelineShape) -> list[tuple]:

@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Optional
 
+from nnscaler_plugins.progress import Progress
 from nnscaler_plugins.search.cluster_spec import ClusterSpec, Link
 from nnscaler_plugins.search.efficiency import Efficiency
 
@@ -150,8 +151,15 @@ def measurements(measure: bool = True, cache_dir: Optional[str] = None) -> dict:
             if os.path.exists(path):
                 with open(path) as f:
                     return json.load(f)
+            # a first run waits here for several seconds: say what is being measured, and for how long
+            bar = Progress("measuring this machine for the local-cpu cluster", 2, delay_s=0.0, always=True)
+            bar.set("matmul, memory bandwidth and per-op overhead of one thread")
             data = measure_compute()
+            bar.step()
+            bar.set("gloo all-reduces between 2 local processes")
             data.update(measure_gloo())
+            bar.step()
+            bar.close(f"cached in {path}")
             data.update(cores=os.cpu_count() or 1, memory_bytes=_physical_memory(), measured=True,
                         host=socket.gethostname(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
             tmp = path + ".tmp"

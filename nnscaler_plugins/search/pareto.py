@@ -73,10 +73,13 @@ class ParetoSet:
         return hypervolume(self.points(), ref)
 
     def table(self) -> str:
-        lines = [f"{'#':>2}  {'step s':>9}  {'peak GiB':>8}  plan"]
+        """One line per plan, numbered and worded as `render_pareto` draws them."""
+        from nnscaler_plugins.render import fmt_bytes, fmt_seconds, plan_label
+
+        lines = [f"{'#':>3}  {'step time':>9}  {'peak memory':>11}  plan"]
         for i, (p, e) in enumerate(zip(self.plans, self.estimates)):
-            lines.append(f"{i:>2}  {e.step_time_s:>9.4g}  {e.max_memory_bytes / GiB:>8.2f}  "
-                         f"{p.options.get('summary', p.strategy)}")
+            lines.append(f"{'#' + str(i):>3}  {fmt_seconds(e.step_time_s):>9}  {fmt_bytes(e.max_memory_bytes):>11}  "
+                         f"{plan_label(p)}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
