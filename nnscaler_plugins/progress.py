@@ -6,6 +6,7 @@ no terminal library. It writes to stderr unless told otherwise and adapts to whe
 - on a terminal, one line redrawn in place (carriage returns), at most ten times a second;
 - anywhere else (a log file, a pipe, a CI job), whole lines: at the start of each phase, then at
   most every `every_s` seconds, and at the end; a log never fills with carriage returns.
+  `inplace=False` asks for lines on a terminal too, for output that mixes progress with other lines.
 
 Nothing is shown before `delay_s` has passed, so work that finishes quickly stays silent; the
 closing line ("done in N s") is printed only if something was shown, or when `always` is set.
@@ -47,14 +48,14 @@ class Progress:
 
     def __init__(self, label: str, total: Optional[int] = None, enabled: bool = True,
                  stream: Optional[TextIO] = None, delay_s: float = 1.0, width: int = 30,
-                 every_s: float = 5.0, always: bool = False):
+                 every_s: float = 5.0, always: bool = False, inplace: Optional[bool] = None):
         self.label = label
         self.total = max(1, total) if total else None
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.delay_s, self.width, self.every_s, self.always = delay_s, width, every_s, always
         isatty = getattr(self.stream, "isatty", None)
-        self.inplace = bool(isatty and isatty())
+        self.inplace = bool(isatty and isatty()) if inplace is None else inplace
         self.start = time.monotonic()
         self.done = 0
         self.phase = ""
@@ -81,7 +82,8 @@ class Progress:
     # -- drawing ---------------------------------------------------------------------------------------
     def _text(self, now: float) -> str:
         if self.total is None and not (self.done or self.phase or self.note):
-            return f"{self.label} ..."
+            took = now - self.start
+            return f"{self.label} ..." + (f" {seconds(took)}" if took >= 1.0 else "")
         parts = [f"{self.label}:"]
         if self.total is not None:
             frac = self.done / self.total

@@ -2,10 +2,10 @@
 
 One launch runs the search on the `local-cpu` cluster (fixed numbers, `--no-measure`, so the plans do
 not depend on how busy the machine is; on these numbers `auto` used to pick a plan the code
-generator refuses), then trains the main job's GPT-2 (`build_model`, unchanged) under `auto` on 4
-processes against one process, next to a strategy that cannot be made: that one is reported on one
-line naming it and the reason, without tracebacks, and the job exits non-zero. A plan that fails
-inside the processes is reported the same way, once.
+generator refuses), then trains the main job's tiny GPT-2 (`build_model`, unchanged) under `auto` on
+4 processes against one process, next to a strategy that cannot be made. What a person reads is
+checked: the model named for its size, each step's loss as it comes, the closing table, and a last
+line naming the failing plan and its reason, with exit code 1 and no tracebacks.
 """
 from __future__ import annotations
 
@@ -25,13 +25,20 @@ def test_main_job_trains_auto_equal_and_reports_a_failing_plan_on_one_line(tmp_p
                           timeout=900)
     out, err = proc.stdout, proc.stderr
     detail = f"stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}"
+    lines = out.splitlines()
     assert proc.returncode == 1, detail
-    assert "Pareto" in out or "frontier" in out, detail  # the search ran
+    assert lines[0].startswith("[main job] tiny GPT-2 (2 layers, width 128") and "M parameters" in lines[0], detail
+    assert any(line.startswith("[machine] fixed typical CPU numbers") for line in lines), detail
+    assert "Pareto frontier" in out and " #0 " in out, detail  # the search ran and printed its table
     assert (tmp_path / "out" / "pareto.svg").exists() and (tmp_path / "out" / "best_plan.json").exists()
-    failed = [line for line in out.splitlines() if line.startswith("[nosuch]")]
-    assert len(failed) == 1 and "FAILED" in failed[0] and "unknown strategy 'nosuch'" in failed[0], detail
-    auto = [line for line in out.splitlines() if line.startswith("[auto]")]
-    assert len(auto) == 1 and "EQUAL" in auto[0], detail
+    assert [line for line in lines if line.startswith("[one process] step ")][-1].startswith("[one process] step 2/2")
+    assert [line for line in lines if line.startswith("[auto] step ")][0].startswith("[auto] step 1/2 loss "), detail
+    assert any(line.startswith("[auto] EQUAL") for line in lines), detail
+    table = lines.index(next(line for line in lines if line.startswith("plan ") and "verdict" in line))
+    assert lines[table + 2].split()[0] == "nosuch" and lines[table + 2].endswith("FAILED"), detail
+    assert lines[table + 3].startswith("auto: ") and lines[table + 3].endswith("EQUAL"), detail
+    assert lines[-1].startswith("FAILED: plan 'nosuch': PlanError: unknown strategy 'nosuch'"), detail
+    assert "auto" not in lines[-1].split("registered:")[0], detail
     assert "MISMATCH" not in out and "Traceback" not in out + err, detail
 
 
