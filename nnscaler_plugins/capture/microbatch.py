@@ -2,7 +2,8 @@
 along it, everything else is handed whole to each micro-batch.
 
 Plans are made for the shapes of one micro-batch, so the same rule serves capture (the graph is
-traced on the first micro-batch) and `train_step` (the batch is cut before it runs).
+traced on the first micro-batch) and `train_step` (the batch is cut before it runs); pieces of
+other sizes than the example's run the same program (runtime/batch_shapes.py).
 """
 from __future__ import annotations
 
@@ -47,17 +48,23 @@ def resolve_micro_batches(batch: Any, micro_batches: Optional[int] = None,
 
 
 def split_batch(batch: Any, micro_batches: int) -> list[Any]:
-    """`micro_batches` pieces of the batch, in order."""
+    """`micro_batches` pieces of the batch, in order. A batch that does not divide evenly (the
+    last of a loader) is cut as evenly as it goes, the first pieces one sample larger; each
+    piece's loss is then weighted by what it holds (see runtime/loss_items.py)."""
     if micro_batches == 1:
         return [batch]
     size = batch_size(batch)
-    if size is None or size % micro_batches:
-        raise ValueError(f"a batch of {size} cannot be cut into {micro_batches} micro-batches")
-    step = size // micro_batches
+    if size is None or size < micro_batches:
+        raise PlanError(f"a batch of {size} samples cannot be cut into {micro_batches} micro-batches: the plan "
+                        f"needs at least {micro_batches} samples per step and data-parallel replica")
+    small, extra = divmod(size, micro_batches)
+    bounds = [0]
+    for i in range(micro_batches):
+        bounds.append(bounds[-1] + small + (1 if i < extra else 0))
 
     def piece(i: int) -> Any:
         return pytree.tree_map(
-            lambda x: x[i * step:(i + 1) * step] if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == size
+            lambda x: x[bounds[i]:bounds[i + 1]] if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == size
             else x, batch)
 
     return [piece(i) for i in range(micro_batches)]

@@ -496,24 +496,41 @@ def _region_lines(region: _Region, number: int, em: "_Emitter", ind: str) -> lis
 
 def write_and_load(program: Program, device: int, cache_dir: str) -> tuple[Any, str]:
     """Generate (or reuse) the rank's file under cache_dir/<key>/ and import it."""
-    key = cache_key(program)
-    d = os.path.join(cache_dir, key)
+    d = os.path.join(cache_dir, cache_key(program))
     path = os.path.join(d, f"rank{device}.py")
     if not os.path.exists(path):
-        os.makedirs(d, exist_ok=True)
-        src = generate(program, device)
-        fd, tmp = tempfile.mkstemp(prefix=".gen-", dir=d, suffix=".py")
-        with os.fdopen(fd, "w") as f:
-            f.write(src)
-        os.replace(tmp, path)
-    modname = f"nnscaler_gen_{key}_rank{device}"
+        _write(d, path, generate(program, device))
+    return _import(program, path, f"nnscaler_gen_{cache_key(program)}_rank{device}"), path
+
+
+def load_source(program: Program, device: int, cache_dir: str, source: str, tag: str) -> Any:
+    """Import another file for the rank (the program fitted for other input sizes, see
+    shape_template.py), kept next to the rank's own under `tag`."""
+    key = cache_key(program)
+    tag = "".join(c if c.isalnum() else "_" for c in tag)
+    d = os.path.join(cache_dir, key)
+    path = os.path.join(d, f"rank{device}_{tag}.py")
+    if not os.path.exists(path):
+        _write(d, path, source)
+    return _import(program, path, f"nnscaler_gen_{key}_rank{device}_{tag}")
+
+
+def _write(d: str, path: str, src: str) -> None:
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".gen-", dir=d, suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(src)
+    os.replace(tmp, path)
+
+
+def _import(program: Program, path: str, modname: str) -> Any:
     if modname in sys.modules:
         sys.modules[modname].__dict__.update(bound_targets(program))  # this capture's classes, not an earlier one's
-        return sys.modules[modname], path
+        return sys.modules[modname]
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     mod.__dict__.update(bound_targets(program))
     spec.loader.exec_module(mod)
     sys.modules[modname] = mod
-    return mod, path
+    return mod

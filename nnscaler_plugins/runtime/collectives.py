@@ -22,7 +22,7 @@ from torch.autograd import Function
 from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
 
 Order = Optional[Sequence[int]]
-# What a one-number header can name when a receiver knows only the shape.
+# The dtypes a transfer's header can name.
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 
@@ -243,20 +243,23 @@ def transfer(x: Optional[torch.Tensor], send_to: Sequence[int], recv_from: Optio
              shape: Sequence[int], keep: bool) -> Optional[torch.Tensor]:
     """Whole tensors to devices outside the source set (pipeline stages), by global rank.
 
-    Receivers know the shape but not the dtype, so a one-number header carries it. This is
-    forward-only: gradients crossing device sets are the pipeline schedule's to send. Returns the
-    received tensor, `x` where this device keeps its own copy, else None."""
+    A header carries the dtype and the shape: receivers hold nothing to read them from, and the
+    shape follows the batch (`shape`, what lowering saw at the example's sizes, is only its rank).
+    This is forward-only: gradients crossing device sets are the pipeline schedule's to send.
+    Returns the received tensor, `x` where this device keeps its own copy, else None."""
     # Receivers hold nothing to take a device from; NCCL only moves GPU tensors.
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else "cpu"
+    ndim = len(shape)
     works = []
     for peer in send_to:
-        header = torch.tensor([_DTYPES.index(x.dtype)], dtype=torch.int64, device=x.device)
+        header = torch.tensor([_DTYPES.index(x.dtype), *x.shape], dtype=torch.int64, device=x.device)
         works += [dist.isend(header, peer), dist.isend(x.detach().contiguous(), peer)]
     out = x if keep else None
     if recv_from is not None:
-        header = torch.empty(1, dtype=torch.int64, device=device)
+        header = torch.empty(1 + ndim, dtype=torch.int64, device=device)
         dist.recv(header, recv_from)
-        out = torch.empty(tuple(shape), dtype=_DTYPES[int(header.item())], device=device)
+        values = header.tolist()
+        out = torch.empty(tuple(values[1:]), dtype=_DTYPES[int(values[0])], device=device)
         dist.recv(out, recv_from)
     for work in works:
         work.wait()

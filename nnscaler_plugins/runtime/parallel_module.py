@@ -27,11 +27,15 @@ from nnscaler_plugins.codegen.generate import write_and_load
 from nnscaler_plugins.lower.layout import Layout
 from nnscaler_plugins.lower.lowering import Program
 from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.capture.skeleton import meta_skeleton
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.runtime.batch_shapes import BatchShapes
 from nnscaler_plugins.runtime.comm import Comm
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
 from nnscaler_plugins.runtime.loss import extract_loss
+from nnscaler_plugins.runtime.loss_items import LossItems
 from nnscaler_plugins.runtime.params_on_use import params_on_use
 from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
 from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
@@ -65,6 +69,14 @@ class ParallelModule(torch.nn.Module):
         self.groups = create_groups(program, world_size)
         self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
         self._gen, self.source_path = write_and_load(program, self.unit_device, cache_dir)
+        # Other batch sizes and lengths than the example's (see batch_shapes.py); the copy has no weights.
+        skeleton = meta_skeleton(model) if model is not None else None
+        with open(self.source_path) as f:
+            self._shapes = BatchShapes(program, self.unit_device, self._gen, f.read(), skeleton, cache_dir,
+                                       "" if model is not None else "the module was built without the model")
+        self._loss_items = LossItems(self.graph, program.loss_index)
+        self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
+        self._micro_weights: list[float] = []
 
         # Local shards: parameters become nn.Parameters, buffers and constants plain buffers.
         rp = program.ranks[self.unit_device]
@@ -110,9 +122,10 @@ class ParallelModule(torch.nn.Module):
             self._scatter_gradients)
         self._executor = PipelineExecutor(StageRuntime(
             program=program, unit_device=self.unit_device, global_rank=self._comm.groups.global_rank,
-            generated=self._gen, comm=self._comm, device=self._device, params_on_use=self._params_on_use,
-            stage_parameters=self._stage_parameters, zero3=self.zero3,
-            loss_scale=lambda: self.loss_scale)) if plan.pipeline is not None else None
+            generated=self._micro_batch_module, comm=self._comm, device=self._device,
+            params_on_use=self._params_on_use, stage_parameters=self._stage_parameters, zero3=self.zero3,
+            loss_scale=lambda: self.loss_scale, boundary_shape=self._boundary_shape,
+            micro_weight=lambda mb: self._micro_weights[mb])) if plan.pipeline is not None else None
 
     # -- set-up ---------------------------------------------------------------------------------
     def _scatter_gradients(self) -> bool:
@@ -209,19 +222,17 @@ class ParallelModule(torch.nn.Module):
             if meta is not None:
                 if not isinstance(x, torch.Tensor):
                     raise TypeError(f"input {key!r} must be a tensor")
-                if tuple(x.shape) != meta.shape:
-                    raise ValueError(f"input {key!r} has shape {tuple(x.shape)} but the plan was made for "
-                                     f"{meta.shape}; plans are for fixed shapes: pad batches to that shape or "
-                                     "parallelize again with example inputs of this shape")
                 x = x.to(self._device)
             vals.append(x)
         return vals
 
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
-        fn = self._gen.forward_loss if loss_only else self._gen.forward
+        inputs = self._flat_inputs(args, kwargs)
+        gen = self._shapes.module_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, before any collective
+        fn = gen.forward_loss if loss_only else gen.forward
         scope = self.zero3.forward_scope() if self.zero3 is not None else contextlib.nullcontext()
         with scope, autocast(self.plan.precision, self._device):
-            flat = fn(self._comm, self._device, self._params_on_use(), *self._flat_inputs(args, kwargs))
+            flat = fn(self._comm, self._device, self._params_on_use(), *inputs)
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -237,19 +248,70 @@ class ParallelModule(torch.nn.Module):
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward on one batch, cut into the plan's micro-batches; returns the
-        (detached) loss, the mean over micro-batches. The optimizer step is the caller's."""
-        micro = split_batch(batch, self.plan.num_micro_batches)
+        (detached) loss of the batch. The optimizer step is the caller's.
+
+        Batches may differ in size and length from the example (see batch_shapes.py). Each
+        micro-batch's loss weighs its share of the step's items (targets not ignored, else samples)
+        over every data-parallel replica, so the gradients are those of one device on the whole
+        batch; the replicas agree on the weights and on any refused size before any of them runs."""
+        try:
+            micro, problem = split_batch(batch, self.plan.num_micro_batches), None
+        except PlanError as e:  # told to the other replicas first, as any refused size is
+            micro, problem = [], str(e)
+        weights = self._agree(micro, problem)
         if self.plan.pipeline is not None:
+            self._micro_weights = weights
             return self._pipeline_step(micro)
         total = None
-        for i, mb in enumerate(micro):
+        for i, (mb, w) in enumerate(zip(micro, weights)):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._loss_of(mb)
-                scale = self.loss_scale / len(micro)
+                scale = self.loss_scale * w
                 (loss * scale if scale != 1.0 else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total / len(micro)
+            part = loss.detach() * w
+            total = part if total is None else total + part
+        return total
+
+    def _agree(self, micro: list[Any], problem: Optional[str]) -> list[float]:
+        """Each micro-batch's weight (its items over the step's, times the replicas: gradients are
+        averaged over them); sizes this plan cannot take are refused on every rank at once."""
+        counts = []
+        for mb in micro:
+            args, kwargs = normalize_inputs(mb, None)
+            flat = self._flat_inputs(args, kwargs)
+            problem = problem or self._shapes.check(flat, args, kwargs)
+            counts.append(self._loss_items.count(flat))
+        mine = float(sum(counts))
+        total = mine * self.dp_size
+        if self.dp_size > 1:
+            t = torch.tensor([mine, 1.0 if problem else 0.0], dtype=torch.float64,
+                             device=self._device if self._device.type != "meta" else "cpu")
+            dist.all_reduce(t)
+            total = t[0].item() / self.plan.unit_size  # every device of a replica counted the same items
+            if t[1].item() > 0 and problem is None:
+                problem = "another data-parallel replica's batch has sizes this plan cannot take (its rank says which)"
+        if problem is not None:
+            raise PlanError(problem)
+        if total <= 0:
+            return [1.0 / len(micro)] * len(micro)
+        return [c * self.dp_size / total for c in counts]
+
+    def loss_weight(self, batch: Any) -> float:
+        """What this replica's mean loss on `batch` is multiplied by before backward so that the
+        averaged gradients are one device's on every replica's batch together (its share of the
+        items, times the replicas); refuses, on every rank at once, sizes the plan cannot take.
+        Collective over all ranks when data-parallel. For adapters that run `forward` + `backward`
+        themselves; `train_step` applies it."""
+        return self._agree([batch], None)[0]
+
+    def _micro_batch_module(self, mb: int) -> Any:
+        """The generated module for pipeline micro-batch `mb`, its sizes set."""
+        args, kwargs, flat = self._step[mb]
+        return self._shapes.module_for(flat, args, kwargs)
+
+    def _boundary_shape(self, value: str, mb: int) -> tuple[int, ...]:
+        return self._shapes.boundary_shape(value, self._step[mb][2])
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
         args, kwargs = normalize_inputs(batch, None)
@@ -263,7 +325,11 @@ class ParallelModule(torch.nn.Module):
         if self.loss_fn is not None or self.program.loss_index is None:
             raise RuntimeError("a pipeline plan needs the loss computed inside the model (a scalar output, .loss or "
                                "'loss'); loss_fn= is not supported with pipelines")
-        inputs = [self._flat_inputs(*normalize_inputs(mb, None)) for mb in micro]
+        self._step = []
+        for mb in micro:
+            args, kwargs = normalize_inputs(mb, None)
+            self._step.append((args, kwargs, self._flat_inputs(args, kwargs)))
+        inputs = [flat for _, _, flat in self._step]
         # Gradients of all micro-batches are reduced once, after the last; ZeRO-3's are reduced by
         # the executor as each stage finishes its backward.
         with self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext():

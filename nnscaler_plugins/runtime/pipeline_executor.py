@@ -48,13 +48,15 @@ class StageRuntime:
     program: Program  # the plan (its pipeline's task lists, precision), stage inputs and sends, boundaries
     unit_device: int  # this device, numbered inside its unit
     global_rank: Callable[[int], int]  # a unit device -> the global rank of it in this replica
-    generated: Any  # this device's generated code: its `stage{k}` and `stage{k}_loss` functions
+    generated: Callable[[int], Any]  # micro-batch -> this device's generated module for its sizes (`stage{k}`, `stage{k}_loss`)
     comm: Any  # what the generated code calls for communication (`runtime/comm.py`)
     device: torch.device  # where stage functions run and received values land
     params_on_use: Callable[[int], Any]  # stage k's `_P` (`runtime/params_on_use.py`)
     stage_parameters: Callable[[int], list[torch.nn.Parameter]]  # what stage k's weight pass differentiates
     zero3: Optional[Zero3Params]  # ZeRO-3's gathered parameters and gradient reduce-scatters, if any
     loss_scale: Callable[[], float]  # read at each loss backward (the optimizer moves it in fp16)
+    boundary_shape: Callable[[str, int], tuple[int, ...]]  # (boundary value, micro-batch) -> its whole shape
+    micro_weight: Callable[[int], float]  # a micro-batch's share of the step's loss
 
 
 @dataclass
@@ -150,11 +152,12 @@ class PipelineExecutor:
             self._pending += [(w, op.tensor) for w, op in zip(works, self._outbox)]
             self._outbox = []
 
-    def _recv(self, src: int, meta_of: str, tag: int, key: tuple) -> "_Incoming":
+    def _recv(self, src: int, meta_of: str, mb: int, tag: int, key: tuple) -> "_Incoming":
         if src == self.device:
             return _Incoming(self._mailbox.pop(key), None)
         meta = self.program.graph.meta(meta_of)
-        buf = torch.empty(meta.shape, dtype=self._wire_dtype(meta.dtype), device=self.rt.device)
+        buf = torch.empty(self.rt.boundary_shape(meta_of, mb), dtype=self._wire_dtype(meta.dtype),
+                          device=self.rt.device)
         return _Incoming(buf, dist.P2POp(dist.irecv, buf, self._global(src), tag=tag))
 
     @staticmethod
@@ -176,7 +179,8 @@ class PipelineExecutor:
     def _recv_forward(self, value: str, stage: int, mb: int, rnd: int) -> "_Incoming":
         b = self.boundary[value]
         src = self._pick(self.groups[b.src], self.groups[stage], self.device)
-        return self._recv(src, value, self._tag(value, stage, 0, mb, rnd), ("f", value, stage, mb, rnd, self.device))
+        return self._recv(src, value, mb, self._tag(value, stage, 0, mb, rnd),
+                          ("f", value, stage, mb, rnd, self.device))
 
     def _send_backward(self, value: str, stage: int, grad: torch.Tensor, mb: int) -> None:
         b = self.boundary[value]
@@ -190,7 +194,7 @@ class PipelineExecutor:
         out = []
         for k in b.dsts:
             src = self._pick(self.groups[k], self.groups[b.src], self.device)
-            out.append(self._recv(src, value, self._tag(value, k, 1, mb, 0), ("b", value, k, mb, self.device)))
+            out.append(self._recv(src, value, mb, self._tag(value, k, 1, mb, 0), ("b", value, k, mb, self.device)))
         return out
 
     # -- tasks ----------------------------------------------------------------------------------------------
@@ -211,7 +215,7 @@ class PipelineExecutor:
                 leaves.append((name, t))
             ins.append(t)
         loss_here = self.loss_stage == s
-        fn = getattr(self.rt.generated, f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
+        fn = getattr(self.rt.generated(mb), f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
         saved = [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -235,7 +239,7 @@ class PipelineExecutor:
             return
         loss = outs[len(sends) + self.loss_index] if loss_here else None
         if loss is not None:
-            self._loss_sum = self._loss_sum + loss.detach()
+            self._loss_sum = self._loss_sum + loss.detach() * self.rt.micro_weight(mb)
         sent = [(v, t) for v, t in zip(sends, outs[:len(sends)])
                 if self.boundary[v].requires_grad and t.requires_grad]
         self._in_flight[(s, mb)] = _InFlight(leaves, sent, loss, saved[0])
@@ -258,7 +262,7 @@ class PipelineExecutor:
             grads.append(total.to(t.dtype))
         if state.loss is not None:  # the loss scale (fp16) is applied here, as train_step does without stages
             roots.append(state.loss)
-            grads.append(torch.full_like(state.loss, self.rt.loss_scale() / self.spec.micro_batches))
+            grads.append(torch.full_like(state.loss, self.rt.loss_scale() * self.rt.micro_weight(mb)))
         return roots, grads
 
     def _backward(self, task: Task) -> None:
@@ -318,4 +322,4 @@ class PipelineExecutor:
         if self._in_flight or self._mailbox:
             raise RuntimeError(f"pipeline step ended with work left: {sorted(self._in_flight)} "
                                f"{sorted(self._mailbox)}")
-        return self._loss_sum / self.spec.micro_batches
+        return self._loss_sum

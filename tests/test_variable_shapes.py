@@ -1,0 +1,149 @@
+"""Batches of other sizes than the example's, under every strategy, against one process.
+
+Each step draws a new global batch: another batch size, another length, replicas holding
+different lengths (each pads only to its own longest, as a per-batch padding collator does) and
+labels of -100 in varying amounts. The reference is one process on the whole batch, padded to the
+longest length with ignored labels (causal models: padding at the end changes nothing before it),
+so the losses and gradients compared are token-weighted over every replica and micro-batch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+
+# (strategy, options, world): the plans of test_equivalence and test_pipeline, at world 2 unless said.
+CASES = [
+    ("dp", {}, 2),
+    ("tp", {}, 2),
+    ("megatron", {"tp": 2, "sequence_parallel": True}, 2),
+    ("dp", {"zero": 1}, 2),
+    ("dp", {"zero": 2}, 2),
+    ("dp", {"zero": 3}, 2),
+    ("gpipe", {"pp": 2, "micro_batches": 2}, 2),
+    ("1f1b", {"pp": 2, "micro_batches": 2}, 2),
+    ("interleaved", {"pp": 2, "virtual_stages": 2, "micro_batches": 2}, 2),
+    ("zero-bubble", {"pp": 2, "micro_batches": 2}, 2),
+    ("coshard", {"chunks": 2}, 2),
+    ("interlaced", {"pp": 2, "micro_batches": 2}, 2),
+    ("auto", {}, 2),
+    ("hybrid", {"tp": 2, "dp": 2}, 4),
+]
+# Per step, each replica's (batch size, length); the example is (2, 16) per replica.
+STEPS = [[(2, 16), (2, 16)], [(2, 10), (1, 14)], [(3, 8), (2, 6)]]
+
+
+def _batch(seed: int, b: int, s: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, models.VOCAB, (b, s), generator=g)
+    labels = ids.clone()
+    labels[:, : int(torch.randint(0, s // 2 + 1, (), generator=g))] = -100  # a prompt that is not trained on
+    return {"input_ids": ids, "labels": labels}
+
+
+def _pad(batch: dict, s: int) -> dict:
+    n = s - batch["input_ids"].shape[1]
+    return {"input_ids": torch.nn.functional.pad(batch["input_ids"], (0, n), value=0),
+            "labels": torch.nn.functional.pad(batch["labels"], (0, n), value=-100)}
+
+
+def run_varying(rank: int, world: int, builder: str, strategy: str, options: dict, steps=STEPS) -> list[str]:
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.runtime.loss import extract_loss
+
+    name, _, layers = builder.partition(":")
+    build = (lambda: getattr(models, name)(int(layers))) if layers else getattr(models, name)
+    torch.manual_seed(0)
+    ref, _ = build()
+    torch.manual_seed(0)
+    model, _ = build()
+    ref.eval()
+    model.eval()
+    m = options.get("micro_batches", 1)  # every micro-batch holds 1 to 3 samples
+    plan = nns.plan(model, strategy=strategy, world_size=world, example_inputs=_batch(0, 2 * m, 16), **options)
+    dp = plan.dp
+    replica = rank // plan.unit_size
+    pm = nns.parallelize(model, _batch(0, 2 * m, 16), plan=plan, cache_dir="/tmp/nns_test_cache")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    problems = []
+    for step, sizes in enumerate(steps):
+        sizes = sizes[:dp] if dp > 1 else [sizes[0]]
+        parts = [_batch(100 * step + r, b * m, s) for r, (b, s) in enumerate(sizes)]
+        longest = max(s for _, s in sizes)
+        whole = {k: torch.cat([_pad(p, longest)[k] for p in parts]) for k in parts[0]}
+        ref_loss = extract_loss(ref(**whole))
+        ref_loss.backward()
+        loss = pm.train_step(parts[replica]).detach().clone()
+        if dp > 1:
+            torch.distributed.all_reduce(loss)
+            loss /= world
+        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"{strategy} step {step} {sizes}: loss {loss.item():.7g} vs {ref_loss.item():.7g}")
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        full = pm.full_state_dict()
+        for k, t in ref.state_dict().items():
+            if k in full and not torch.allclose(full[k], t, rtol=1e-5, atol=1e-6):
+                problems.append(f"{strategy} step {step} {sizes}: {k} max abs diff {(full[k] - t).abs().max():.3g}")
+    return problems
+
+
+@pytest.mark.parametrize("strategy,options,world", CASES, ids=[f"{c[0]}{c[1] or ''}" for c in CASES])
+def test_other_sizes_train_like_one_process(workers2, workers4, strategy, options, world):
+    workers = workers2 if world == 2 else workers4
+    builder = "gpt2_small:4" if strategy == "interleaved" else "gpt2_small"
+    problems = workers.run(run_varying, builder, strategy, options)
+    assert not [p for ps in problems for p in ps], problems
+
+
+def test_llama_other_sizes_under_tp_and_1f1b(workers2):
+    for strategy, options in (("tp", {}), ("1f1b", {"pp": 2, "micro_batches": 2})):
+        problems = workers2.run(run_varying, "llama_small", strategy, options)
+        assert not [p for ps in problems for p in ps], (strategy, problems)
+
+
+def refused_odd_length(rank: int, world: int) -> str:
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    torch.manual_seed(0)
+    model, _ = models.gpt2_small()
+    pm = nns.parallelize(model, _batch(0, 2, 16), plan="megatron", tp=2, sequence_parallel=True,
+                         cache_dir="/tmp/nns_test_cache")
+    pm.train_step(_batch(1, 2, 10))
+    try:
+        pm.train_step(_batch(2, 2, 9))
+    except PlanError as e:
+        pm.train_step(_batch(3, 2, 12))  # nothing was left half-done: the next batch runs
+        return str(e)
+    return "accepted"
+
+
+def test_a_length_the_split_cannot_take_is_refused_by_name(workers2):
+    messages = workers2.run(refused_odd_length)
+    for m in messages:
+        assert "input 'input_ids'.shape[1] is 9" in m and "divisible by 2" in m, m
+
+
+def refused_on_one_replica(rank: int, world: int) -> str:
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    torch.manual_seed(0)
+    model, _ = models.gpt2_small()
+    pm = nns.parallelize(model, _batch(0, 2, 16), plan="dp", micro_batches=2, cache_dir="/tmp/nns_test_cache")
+    try:
+        pm.train_step(_batch(1, 1 if rank == 1 else 2, 16))  # one replica's batch cannot be cut in two
+    except PlanError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_replica_refusing_stops_every_rank_before_any_collective(workers2):
+    first, second = workers2.run(refused_on_one_replica, timeout=120)
+    assert "another data-parallel replica" in first, first
+    assert "cannot be cut into 2 micro-batches" in second, second
