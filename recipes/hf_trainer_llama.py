@@ -23,6 +23,8 @@ import tempfile
 
 import torch
 
+from nnscaler_plugins.progress import Progress
+
 SEQ, VOCAB = 16, 128
 _MARK = "RESULT "  # the Trainer prints its own dicts; results are the lines with this prefix
 
@@ -57,6 +59,27 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": labels}
 
 
+def StepProgress(label: str, steps: int):
+    """A Trainer callback: one progress line per logged loss on the main process (to stderr; stdout
+    carries the recipe's results). Made by a function so transformers is imported only when used."""
+    from transformers import TrainerCallback
+
+    class _StepProgress(TrainerCallback):
+        bar = None
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs and "loss" in logs:
+                if self.bar is None:
+                    self.bar = Progress(label, steps, stream=sys.stderr, delay_s=2.0)
+                self.bar.step(note=f"loss {logs['loss']:.4f}")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+
+    return _StepProgress()
+
+
 def train(model_name: str, out: str, batch: int, steps: int, samples: int, plan=None, resume: str | None = None,
           save_steps: int = 0, max_grad_norm: float = 1.0, accumulate: int = 1):
     """One Trainer run; returns (trainer, per-step losses)."""
@@ -68,14 +91,16 @@ def train(model_name: str, out: str, batch: int, steps: int, samples: int, plan=
                   save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                   gradient_accumulation_steps=accumulate)
     model = build_model(model_name)
+    progress = [StepProgress(f"training {model_name}" + (f" under {plan}" if plan else ""), steps)]
     if plan is None:
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=Tokens(samples))
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=Tokens(samples),
+                          callbacks=progress)
     else:
         from nnscaler_plugins.adapters.hf import NNScalerTrainer, NNScalerTrainingArguments
 
         name, options = parse_plan(plan)
         args = NNScalerTrainingArguments(**common, ddp_backend="gloo", plan=name, plan_options=options)
-        trainer = NNScalerTrainer(model=model, args=args, train_dataset=Tokens(samples))
+        trainer = NNScalerTrainer(model=model, args=args, train_dataset=Tokens(samples), callbacks=progress)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 

@@ -26,6 +26,7 @@ import tempfile
 import torch
 
 import nnscaler_plugins  # noqa: F401  (registers strategy="nnscaler" in Lightning)
+from nnscaler_plugins.progress import Progress
 
 if "--namespace=pytorch_lightning" in sys.argv:  # the same Lightning under its older package name
     import pytorch_lightning as pl
@@ -77,19 +78,29 @@ class Tokens(torch.utils.data.Dataset):
 class LossLog(pl.Callback):
     """Each step's loss averaged over all processes (tensor-parallel ranks hold equal values)."""
 
-    def __init__(self):
+    def __init__(self, steps: int = 0):
         self.losses: list[float] = []
+        self.bar = None
+        self.steps = steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"].detach().float()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+        if trainer.is_global_zero:  # stderr: stdout carries the recipe's JSON lines
+            if self.bar is None:
+                self.bar = Progress("training", self.steps or None, stream=sys.stderr, delay_s=2.0)
+            self.bar.step(note=f"loss {self.losses[-1]:.4f}")
+
+    def on_train_end(self, trainer, pl_module):
+        if self.bar is not None:
+            self.bar.close()
 
 
 def fit(strategy, devices: int, batch_size: int, steps: int, *, samples: int, precision: str = "32-true", accumulate: int = 1,
         clip: float = 0.0, epochs: int = 1, ckpt_dir: str | None = None, ckpt_path: str | None = None):
     torch.manual_seed(0)
     module = GPT2Module()
-    log = LossLog()
+    log = LossLog(steps * epochs)
     callbacks: list = [log]
     if ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1))

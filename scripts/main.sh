@@ -26,6 +26,7 @@ if ! wait "$pid"; then
   echo "[setup] FAILED after $((SECONDS - start)) s; the whole log is $LOG"
   exit 1
 fi
-echo "[setup] done in $((SECONDS - start)) s: $("$PY" -c 'import importlib.metadata as m, torch
-print(f"nnscaler-plugins {m.version(\"nnscaler-plugins\")}, torch {torch.__version__}, transformers {m.version(\"transformers\")}")')"
+VERSIONS="$("$PY" -c 'import importlib.metadata as m; print(", ".join(f"{n} {m.version(n)}" for n in ("nnscaler-plugins", "torch", "transformers")))')"
+echo "[setup] done in $((SECONDS - start)) s: ${VERSIONS}"
+echo "[main job] starting: importing torch and transformers ..."
 exec "$PY" -u recipes/train_gpt2.py "$@"
