@@ -101,11 +101,16 @@ def test_plan_for_another_graph_or_world_size_is_rejected(tmp_path, mlp_graph):
         nns.plan(mlp_graph, strategy=p, world_size=4)
     torch.manual_seed(0)
     other, inputs = models.mlp()
-    inputs = {k: torch.cat([v, v]) for k, v in inputs.items()}  # other batch size -> other graph
-    g2 = nns.capture(other, kwargs=inputs)
+    inputs = {k: torch.cat([v, v]) for k, v in inputs.items()}  # another batch size: the same plan fits
     p.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json", graph=nns.capture(other, kwargs=inputs), world_size=2).ops == p.ops
+    wider, small = models.MLP(hidden=32), models.mlp()[1]  # another model: refused
+    with pytest.raises(PlanError, match="made for another graph"):
+        Plan.load(tmp_path / "p.json", graph=nns.capture(wider, kwargs=small), world_size=2)
+    old = dict(p.to_json(), structure_fingerprint="")  # a file from before plans fitted other sizes
+    (tmp_path / "old.json").write_text(__import__("json").dumps(old, default=str))
     with pytest.raises(PlanError, match=r"made for inputs \{'x': \[4, 16\], 'labels': \[4\]\}.* given \{'x': \[8, 16\]"):
-        Plan.load(tmp_path / "p.json", graph=g2, world_size=2)
+        Plan.load(tmp_path / "old.json", graph=nns.capture(other, kwargs=inputs), world_size=2)
 
 
 def test_unknown_strategy_names_the_registered_ones(mlp_graph):

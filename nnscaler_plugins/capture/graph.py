@@ -187,6 +187,32 @@ class Graph:
         h.update(repr(self.outputs).encode())
         return h.hexdigest()[:16]
 
+    def structure_fingerprint(self) -> str:
+        """The fingerprint with every size that follows the inputs' left out: the ops, their non-integer
+        arguments, dtypes and ranks, and the parameters' and buffers' whole shapes. Graphs of one model
+        captured at other batch sizes or lengths share it, so a plan made at one length serves
+        another (the runtime fits the sizes; validation checks the plan's splits against them)."""
+        def shapeless(x: Any) -> Any:
+            if isinstance(x, bool) or not isinstance(x, int):
+                if isinstance(x, (list, tuple)):
+                    return type(x)(shapeless(a) for a in x)
+                if isinstance(x, dict):
+                    return {k: shapeless(v) for k, v in x.items()}
+                return x
+            return "#"
+
+        h = hashlib.sha256()
+        for v in sorted(self.values.values(), key=lambda v: v.name):
+            m = v.meta
+            meta = m if v.kind in ("param", "buffer", "constant") or m is None else (m.dtype, m.ndim, m.requires_grad)
+            h.update(f"{v.name}|{v.kind}|{v.fqn}|{v.aliases}|{meta}\n".encode())
+        for op in self.ops:
+            args, kwargs = shapeless(_without_devices(op.args)), shapeless(_without_devices(op.kwargs))
+            h.update(f"{op.name}|{op.op_name}|{args!r}|{sorted(kwargs.items())!r}|{op.outputs}|{op.grad_enabled}\n".encode())
+        h.update(repr([i.path for i in self.inputs]).encode())
+        h.update(repr(self.outputs).encode())
+        return h.hexdigest()[:16]
+
     def summary(self) -> str:
         n_params = sum(v.meta.numel for v in self.values.values() if v.kind == "param" and v.meta)
         return (f"Graph({self.model_class}: {len(self.ops)} ops, "

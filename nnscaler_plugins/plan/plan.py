@@ -23,7 +23,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Keys a plan file may hold, per level. Anything else is a typo or a file from another tool, and a
 # key that is silently ignored is a plan that silently runs differently from what its file says.
-_PLAN_KEYS = ("format", "version", "model_class", "graph_fingerprint", "strategy", "options", "world_size",
+_PLAN_KEYS = ("format", "version", "model_class", "graph_fingerprint", "structure_fingerprint", "strategy", "options", "world_size",
               "unit_size", "dp", "estimate", "micro_batches", "zero", "precision", "input_shapes", "pipeline", "ops")
 _OP_KEYS = ("splits", "replicate", "devices", "blocks", "stage", "recompute")
 _PIPELINE_KEYS = ("stage_devices", "stage_rank", "micro_batches", "schedule", "split_backward", "options", "tasks")
@@ -224,6 +224,9 @@ class Plan:
     # with fp32 master weights in the optimizer).
     zero: int = 0
     precision: str = "fp32"
+    # The graph's fingerprint without the sizes that follow its inputs (Graph.structure_fingerprint):
+    # the plan also fits the model captured at another batch size or length.
+    structure_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         self.check_training_knobs()
@@ -267,6 +270,7 @@ class Plan:
             "version": self.version,
             "model_class": self.model_class,
             "graph_fingerprint": self.graph_fingerprint,
+            "structure_fingerprint": self.structure_fingerprint,
             "strategy": self.strategy,
             "options": self.options,
             "world_size": self.world_size,
@@ -325,7 +329,8 @@ class Plan:
                    # files written before `zero` was a field (the search's) carry it in options
                    zero=int(d["zero"] if "zero" in d else (d.get("options") or {}).get("zero", 0) or 0),
                    precision=str(d.get("precision", "fp32")),
-                   input_shapes={k: list(v) for k, v in d.get("input_shapes", {}).items()})
+                   input_shapes={k: list(v) for k, v in d.get("input_shapes", {}).items()},
+                   structure_fingerprint=str(d.get("structure_fingerprint", "")))
 
     @classmethod
     def load(cls, path: str | os.PathLike, graph: Optional[Graph] = None,

@@ -303,6 +303,7 @@ class PlanBuilder:
             raise PlanError("nested op_trans was applied to only some sub-ops; split every sub-op the same way",
                             op=op.name, where=op.where())
         plan = Plan(graph_fingerprint=self.graph.fingerprint(), model_class=self.graph.model_class,
+                    structure_fingerprint=self.graph.structure_fingerprint(),
                     unit_size=self.unit_size, dp=self.dp,
                     ops={h.name: self._placements.get(h.name, OpPlacement()) for h in self.ops},
                     strategy=self.strategy, options=self.options, pipeline=self.pipeline,

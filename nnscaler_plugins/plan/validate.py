@@ -13,7 +13,8 @@ if TYPE_CHECKING:  # for annotations only: plan.py calls this module, not the ot
 
 def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None:
     """Raise PlanError for the first problem found, naming the op and its source line."""
-    if plan.graph_fingerprint != graph.fingerprint():
+    other_sizes = bool(plan.structure_fingerprint) and plan.structure_fingerprint == graph.structure_fingerprint()
+    if plan.graph_fingerprint != graph.fingerprint() and not other_sizes:  # the same model at other sizes fits
         shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])): list(graph.meta(i.name).shape)
                   for i in graph.inputs if graph.values[i.name].meta is not None}
         if plan.input_shapes and plan.input_shapes != shapes:

@@ -459,6 +459,7 @@ class Search:
                     micro_batches=cfg.micro_batches, zero=cfg.zero, precision=self.dtype)
         plan.input_shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
                              list(graph.meta(i.name).shape) for i in graph.inputs if graph.values[i.name].meta is not None}
+        plan.structure_fingerprint = graph.structure_fingerprint()
         plan.graph = graph
         return plan
 
@@ -489,7 +490,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
            global_batch_size: Optional[int] = None, memory_limit: Union[None, float, str] = None,
            progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
            max_simulated: int = 8, max_group: Optional[int] = None, sequence_parallel: bool = False,
-           precision: Optional[str] = None) -> ParetoSet:
+           precision: Optional[str] = None, lengths: Any = None) -> ParetoSet:
     """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
 
     `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one
@@ -505,6 +506,10 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     H100 presets, fp16 on V100, fp32 on `local-cpu`). `sequence_parallel=True` also considers
     Megatron's sequence parallelism: the norms, dropouts and residual adds of the layers split along
     the sequence (the plans carry those splits, as the `megatron` strategy's option of that name does).
+    `lengths`: the sequence lengths to price for, when they differ from the example's: one length,
+    a list of lengths seen in the data, or a `{length: weight}` histogram (see search/lengths.py:
+    searched at the weighted mean, each frontier plan then priced at every length: mean step time,
+    largest peak memory). The plans run at any length; this only says which ones to optimize for.
     """
     from nnscaler_plugins.plugins import get_plugin_manager
 
@@ -516,16 +521,59 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     hooks.nnscaler_search_options(options=options)
     constraints, world_size = options["constraints"], int(options["world_size"])
     spec = _resolve_cluster(options["cluster"], world_size)
+    pairs = None
+    if lengths is not None:
+        from nnscaler_plugins.search.lengths import at_length, histogram, representative
+
+        if isinstance(model_or_graph, Graph) or example_inputs is None:
+            raise SearchError("lengths= needs the model and example_inputs= (a graph is captured at one length)")
+        pairs = histogram(lengths)
+        example_inputs = at_length(example_inputs, representative(pairs))
     graphs = _graphs(model_or_graph, example_inputs, constraints)
     limit = parse_bytes(options["memory_limit"]) if options["memory_limit"] is not None else None
     s = Search(graphs, world_size, spec, constraints, options["global_batch_size"], limit, progress,
                unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
                max_group=max_group, sequence_parallel=sequence_parallel, precision=options["precision"])
     result = s.run()
+    if pairs is not None and len(pairs) > 1:
+        result = _over_lengths(result, pairs, model_or_graph, example_inputs, spec, s)
     hooks.nnscaler_search_result(result=result, options=options)
     if not result.plans:
         raise SearchError("a search plugin removed every plan from the result (nnscaler_search_result hook)")
     return result
+
+
+def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: Any, spec: ClusterSpec,
+                  search: "Search") -> ParetoSet:
+    """The frontier again, each plan priced over the length histogram."""
+    from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
+    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+    from nnscaler_plugins.search.lengths import at_length, price_over_lengths
+
+    full = inputs_batch(example_inputs) or 1
+    graphs: dict[tuple[int, int], Graph] = {}
+
+    def graph_at(plan: Plan, n: int) -> Graph:
+        b = batch_size(plan.graph) or full
+        if (b, n) not in graphs:
+            args, kwargs = normalize_inputs(at_length(_first_rows(example_inputs, b, full), n), None)
+            graphs[(b, n)] = capture(model, args, kwargs)
+        return graphs[(b, n)]
+
+    estimates = price_over_lengths(result.plans, pairs, graph_at,
+                                   lambda p, g: replay_plan(p, spec, g, CostModel(g, spec)))
+    for plan, est in zip(result.plans, estimates):
+        plan.estimate = est.to_json()
+    keep = [i for i, e in enumerate(estimates) if e.max_memory_bytes <= search.memory_limit]
+    if not keep:
+        raise SearchError(f"no plan of the frontier fits {search.memory_limit / 2**30:.1f} GiB at the longest length "
+                          f"({max(n for n, _ in pairs)}); lower the batch or allow more memory")
+    order = [keep[i] for i in frontier([(estimates[i].step_time_s, estimates[i].max_memory_bytes) for i in keep])]
+    out = ParetoSet([result.plans[i] for i in order], [estimates[i] for i in order], result.searched,
+                    result.simulated, result.seconds)
+    out.notes = list(result.notes) + [f"priced over lengths {[n for n, _ in pairs]} (weights "
+                                      f"{[round(w, 3) for _, w in pairs]}): mean step time, largest peak memory"]
+    return out
 
 
 def _precision(precision: Optional[str], cluster: ClusterSpec) -> str:
