@@ -309,9 +309,12 @@ def render_timeline(timeline: Any, path: Optional[str] = None, title: str = "", 
         if label and w > text_width(label, 10) + 4:
             c.text(x0 + w / 2, y0 + row_h * 0.65, label, 10, "middle", "white")
 
+    for r in range(rows):
+        c.raw(f"<rect x='{left}' y='{top + r * (row_h + gap):.1f}' width='{plot_w:.1f}' height='{row_h}' "
+              "fill='#f3f3f3'/>")
+    grid_at = len(c.body)  # grid lines go over the bands and under the boxes
     for r, evs in enumerate(events):
         y0 = top + r * (row_h + gap)
-        c.raw(f"<rect x='{left}' y='{y0:.1f}' width='{plot_w:.1f}' height='{row_h}' fill='#f3f3f3'/>")
         c.text(left - 8, y0 + row_h * 0.65, labels[r], anchor="end")
         for e in evs:
             if window is not None and e.start >= window[0] and e.end <= window[1]:
@@ -351,7 +354,8 @@ def render_timeline(timeline: Any, path: Optional[str] = None, title: str = "", 
         b = c.box(x, axis_y + 4, label, 11, "middle")
         if b[0] < last_right + 6 or b[0] < 0 or b[2] > width or not c.free(b):
             continue
-        c.raw(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{top - 4:.1f}' y2='{axis_y - 8:.1f}' stroke='#ddd'/>")
+        c.body.insert(grid_at, f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{top - 4:.1f}' y2='{axis_y - 8:.1f}' "
+                      "stroke='#ccc'/>")
         c.text(x, axis_y + 4, label, anchor="middle")
         last_right = b[2]
     items = [("forward", COLORS["F"]), ("backward", COLORS["B"]), ("weight gradient", COLORS["W"]),

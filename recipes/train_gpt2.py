@@ -22,6 +22,7 @@ import argparse
 import os
 import queue
 import socket
+import statistics
 import sys
 import time
 from typing import Optional
@@ -266,8 +267,8 @@ def closing_table(rows: list[tuple[str, str, str, str]]) -> str:
 
 def typical_step(times: list[float]) -> float:
     """The median step time, leaving out the first step (warm-up) when there are others."""
-    rest = sorted(times[1:] or times)
-    return rest[len(rest) // 2] if rest else float("nan")
+    rest = times[1:] or times
+    return statistics.median(rest) if rest else float("nan")
 
 
 def step_line(name: str, steps: int, step: int, loss: float, seconds: float, ref: Optional[list[float]] = None) -> str:
