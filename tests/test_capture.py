@@ -112,3 +112,18 @@ def test_plan_zero_override_sticks():
     legacy = q.to_json()
     del legacy["zero"]
     assert Plan.from_json(legacy).zero == 2
+
+
+def test_one_tensor_given_as_two_inputs_stays_two_inputs():
+    """`{"input_ids": ids, "labels": ids}` must not let the graph read labels where the model reads
+    input_ids: a later batch with padded labels (-100) would be embedded as tokens."""
+    import models
+
+    torch.manual_seed(0)
+    model, batch = models.gpt2_small()
+    g = nns.capture(model, {"input_ids": batch["input_ids"], "labels": batch["input_ids"]})
+    embedding = next(op for op in g.ops if op.op_name == "aten.embedding.default")
+    token_ids = g.values[embedding.inputs[1]]
+    while token_ids.kind == "op":  # back through the view to the input it reads
+        token_ids = g.values[g.op(token_ids.producer).inputs[0]]
+    assert token_ids.name == next(i.name for i in g.inputs if i.path[1] == "input_ids")

@@ -68,7 +68,7 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
     A stack of identical layers is traced two layers deep and the rest written as copies (see
     repeated_layers.py); `trace_repeated_layers_once=False` traces every layer.
     """
-    args, kwargs = normalize_inputs(args, kwargs)
+    args, kwargs = _distinct_inputs(*normalize_inputs(args, kwargs))
     pm = get_plugin_manager()
     with contextlib.ExitStack() as stack:
         for ctx in pm.hook.nnscaler_adapt_model_for_capture(model=model, kwargs=kwargs):
@@ -84,6 +84,26 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         ep = _export(model, args, kwargs)
         fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
         return _to_graph(ep, model, args, kwargs)
+
+
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The same tensor passed twice (`{"input_ids": ids, "labels": ids}`) becomes two tensors.
+
+    torch.export gives one tensor object one placeholder's worth of identity, so the graph may read
+    `labels` where the model read `input_ids`; a later batch whose labels differ (padding of -100)
+    would then be embedded as tokens. Copies keep every input its own."""
+    seen: set[int] = set()
+
+    def own(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in seen:
+            return x.clone()
+        seen.add(id(x))
+        return x
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return pytree.tree_unflatten([own(x) for x in leaves], spec)
 
 
 @contextlib.contextmanager
