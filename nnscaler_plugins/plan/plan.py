@@ -350,7 +350,12 @@ class Plan:
     # -- reading ----------------------------------------------------------------------------------
     def explain(self, graph: Optional[Graph] = None) -> str:
         """A short human summary: strategy, degrees, and how ops are split (grouped by pattern)."""
-        lines = [f"Plan for {self.model_class} ({self.strategy}{' ' + str(self.options) if self.options else ''})",
+        from nnscaler_plugins.render import fmt_bytes, fmt_seconds, plan_label
+
+        # the search's internal summary is said in words below; floats rounded for reading
+        shown = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in self.options.items()
+                 if k != "summary"}
+        lines = [f"Plan for {self.model_class} ({self.strategy}{' ' + str(shown) if shown else ''}): {plan_label(self)}",
                  f"  world size {self.world_size} = {self.dp} data-parallel replica(s) x {self.unit_size} "
                  f"device(s) per replica"]
         if self.pipeline is not None:
@@ -381,7 +386,14 @@ class Plan:
             shown = ", ".join(ops[:6]) + (f", ... ({len(ops)} ops)" if len(ops) > 6 else "")
             lines.append(f"  {key:<28} {shown}")
         if self.estimate:
-            lines.append(f"  estimate: {self.estimate}")
+            est, details = self.estimate, self.estimate.get("details") or {}
+            priced = (details.get("training") or {}).get("dtype")
+            lines.append(f"  estimate on {est.get('cluster') or 'its cluster'}: step {fmt_seconds(est['step_time_s'])} "
+                         f"(compute {fmt_seconds(est.get('compute_s', 0))}, communication "
+                         f"{fmt_seconds(est.get('communication_s', 0))}, bubble {fmt_seconds(est.get('bubble_s', 0))}), "
+                         f"peak memory per device {fmt_bytes(est.get('max_memory_bytes', 0))}"
+                         + (f"; priced in {priced}, runs in {self.precision}" if priced and priced != self.precision
+                            else ""))
         return "\n".join(lines)
 
     def timeline(self, duration: Any = None, transfer: Any = None, per_device: bool = False):
