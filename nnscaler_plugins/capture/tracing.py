@@ -38,6 +38,7 @@ from nnscaler_plugins.capture.graph import (
 )
 from nnscaler_plugins.capture.repeated_layers import Stack, find_stack, replicate
 from nnscaler_plugins.plugins import get_plugin_manager
+from nnscaler_plugins.progress import phase
 
 # Ops with no runtime effect in our generated code (export's own shape/dtype assertions).
 _DROPPED = {
@@ -71,6 +72,8 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
     args, kwargs = _distinct_inputs(*normalize_inputs(args, kwargs))
     pm = get_plugin_manager()
     with contextlib.ExitStack() as stack:
+        # a large model takes a while: said when it took more than a couple of seconds
+        stack.enter_context(phase(f"capturing {type(model).__name__}"))
         for ctx in pm.hook.nnscaler_adapt_model_for_capture(model=model, kwargs=kwargs):
             if ctx is not None:
                 stack.enter_context(ctx)
