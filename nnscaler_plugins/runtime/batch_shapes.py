@@ -144,7 +144,8 @@ class BatchShapes:
     def _batch_varied(self) -> Shapes:
         """The example with the dims that vary in practice changed: the leading dim of every input
         of the batch's size, and the length (dim 1) of token-like inputs (integer or bool, 2+ dims)
-        of the first one's length. Scaled by 2 and 3, so the two stay apart when equal."""
+        of the first one's length. Scaled by 2 and 3, so the two stay apart when equal. A batch of 1
+        stays 1 (packed rows: one row of any length; size 1 cannot be fitted, see `_fit`)."""
         first = next((s for s in self.example if s), None)
         if not first:
             return self.example
@@ -159,7 +160,7 @@ class BatchShapes:
                 out.append(None)
                 continue
             s = list(s)
-            if s and s[0] == b:
+            if s and s[0] == b and b != 1:
                 s[0] = 2 * b
             if i in tokens and s[1] == length:
                 s[1] = 3 * length
@@ -264,7 +265,9 @@ class BatchShapes:
             if rest:
                 continue  # nested inputs keep the call's tensors: only top-level ones are resized
             x = holder[key]
-            holder[key] = torch.zeros(shape, dtype=x.dtype)
+            # On the skeleton's device: an input that meets a weight or buffer directly (position ids
+            # times a rotary buffer) must not mix devices; the program made is the same as on the CPU.
+            holder[key] = torch.zeros(shape, dtype=x.dtype, device="meta")
         return tuple(args), kwargs
 
     def _generate(self, symbols: list[list[Position]], sizes: Sequence[int], args: tuple, kwargs: dict,

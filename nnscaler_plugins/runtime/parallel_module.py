@@ -305,6 +305,16 @@ class ParallelModule(torch.nn.Module):
         themselves; `train_step` applies it."""
         return self._agree([batch], None)[0]
 
+    def loss_items(self, batch: Any) -> int:
+        """The items `batch` holds for this module's loss (targets not ignored, else samples), as
+        `train_step` weighs it; no collective. For adapters that weigh several batches against each
+        other (gradient accumulation counted over its whole window)."""
+        total = 0
+        for mb in split_batch(batch, self.plan.num_micro_batches):
+            args, kwargs = normalize_inputs(mb, None)
+            total += self._loss_items.count(self._flat_inputs(args, kwargs))
+        return total
+
     def _micro_batch_module(self, mb: int) -> Any:
         """The generated module for pipeline micro-batch `mb`, its sizes set."""
         args, kwargs, flat = self._step[mb]
