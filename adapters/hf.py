@@ -14,7 +14,10 @@ What changes against a plain Trainer, and why:
   parallel and pipeline devices) read the same batch. The order is accelerate's seedable sampler, so
   the global batch of every step is the one a single process would read.
 - A training step runs the plan's `train_step` (forward and backward, micro-batches and pipeline
-  schedules included); gradient accumulation scales it as the Trainer scales its loss.
+  schedules included), which weighs replicas by the loss's targets; each batch of an accumulation
+  window then weighs its targets over the Trainer's `num_items_in_batch` when the Trainer would pass
+  that count (else 1/k, as the Trainer does), so losses and gradients are a plain single-process
+  Trainer's on the same global batches.
 - Norm clipping uses the norm of the whole model, not of this rank's shards.
 - `save_model` gathers whole tensors (every rank calls it, as the Trainer does) and writes an ordinary
   `save_pretrained` directory; the original model object is kept up to date with the trained weights.
@@ -111,6 +114,7 @@ class NNScalerTrainerMixin:
         check_plan_options(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
         self.nns_module: Any = None  # the ParallelModule, once training starts
         self._nns_wrapped: Optional[_PlannedModel] = None
+        self._nns_shares: Optional[list[float]] = None  # each accumulated batch's share of the window's loss
         super().__init__(*args, **kwargs)
 
     # -- planning ---------------------------------------------------------------------------------------
@@ -211,14 +215,49 @@ class NNScalerTrainerMixin:
             self._nns_parallelize()
         return self._nns_wrapped
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """The Trainer's window of accumulated batches; each batch's share of the window's loss is
+        decided here, where the whole window is known (see `_nns_window_shares`)."""
+        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.nns_module is not None and batches:
+            self._nns_shares = self._nns_window_shares(batches, num_items_in_batch)
+        return batches, num_items_in_batch
+
+    def _nns_window_shares(self, batches: list, num_items_in_batch: Any) -> list[float]:
+        """A plain Trainer divides each batch's summed loss by its own count of the window's label
+        tokens (`num_items_in_batch`) when the model takes it. `train_step` gives each batch's mean
+        over the targets of every replica; times (the batch's targets / the Trainer's count) it is
+        the plain Trainer's loss, whatever that count includes (a model without a `loss_type`
+        counts each row's first label too). Collective: one all-reduce over every rank."""
+        from .hookspecs import example_inputs
+
+        k = len(batches)
+        if not ((self.model_accepts_loss_kwargs or self.compute_loss_func is not None) and num_items_in_batch is not None):
+            return [1.0 / k] * k
+        pm = self.nns_module
+        # The Trainer's count is already summed over processes when it averages tokens across them.
+        summed = bool(self.args.average_tokens_across_devices and self.args.world_size > 1)
+        counts = torch.tensor([float(pm.loss_items(example_inputs(self.model, self._prepare_inputs(b))))
+                               for b in batches] + [0.0 if summed else float(num_items_in_batch)], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        counts /= pm.plan.unit_size  # every device of a replica read the same batches
+        trainer_count = float(num_items_in_batch) / pm.plan.unit_size if summed else float(counts[-1])
+        if trainer_count <= 0:
+            return [1.0 / k] * k
+        return [float(c) / trainer_count for c in counts[:-1]]
+
     def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
-        """The plan's whole step; returns the loss divided by the accumulation count, which is what
-        the Trainer adds up for its logs."""
+        """The plan's whole step; returns the loss times this batch's share of the accumulation
+        window (its share of the window's targets when the Trainer counts them, else 1/k), which is
+        what the Trainer adds up for its logs."""
         from .hookspecs import example_inputs
 
         self._nns_wrapped.train()
         inputs = self._prepare_inputs(inputs)
         k = max(1, int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)))
+        shares = getattr(self, "_nns_shares", None)
+        share = shares.pop(0) if shares else 1.0 / k
         pm = self.nns_module
         params = [p for p in pm.parameters() if p.requires_grad]
         before = [p.grad for p in params] if k > 1 else None
@@ -226,7 +265,7 @@ class NNScalerTrainerMixin:
             for p in params:
                 p.grad = None
         scale = pm.loss_scale
-        pm.loss_scale = scale / k  # this step's share of the accumulated update, wherever its gradients land
+        pm.loss_scale = scale * share  # this step's share of the accumulated update, wherever its gradients land
         try:
             with self.compute_loss_context_manager():
                 loss = pm.train_step(example_inputs(self.model, inputs))
@@ -240,7 +279,7 @@ class NNScalerTrainerMixin:
                             p.grad.add_(old)
                     else:
                         p.grad = old
-        return loss.detach() / k
+        return loss.detach() * share
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         from nnscaler_plugins.runtime.grad_clip import clip_grad_norm_

@@ -84,6 +84,10 @@ class PlannedModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.whole_steps:
+            if self.training and torch.is_grad_enabled():  # Lightning runs backward on this loss itself
+                from .loss_weight import weighed_output
+
+                return weighed_output(self.pmodule, args, kwargs, lambda: self.pmodule(*args, **kwargs))
             return self.pmodule(*args, **kwargs)
         if not (self.training and torch.is_grad_enabled()):
             raise RuntimeError("this plan runs whole training steps (a pipeline or micro-batches); evaluation "

@@ -148,7 +148,12 @@ class DeepSpeedEngine(torch.nn.Module):
             raise RuntimeError("the config's nnscaler plan is a pipeline: it runs whole steps, so call "
                                "engine.train_batch(data_iter) instead of engine(...), backward and step "
                                "(DeepSpeed's PipelineEngine has the same rule)")
-        out = self._pmodule(*args, **kwargs)
+        if self.training and torch.is_grad_enabled():  # the script back-propagates this loss itself
+            from ..loss_weight import weighed_output
+
+            out = weighed_output(self._pmodule, args, kwargs, lambda: self._pmodule(*args, **kwargs))
+        else:
+            out = self._pmodule(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - t0
         return out
 
