@@ -13,7 +13,6 @@ in one process; test_piece_functions.py covers them with real gloo workers.
 from __future__ import annotations
 
 import itertools
-import re
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -237,7 +236,7 @@ class OpChecker:
     # -- one split -------------------------------------------------------------------------------
     def check(self, split: Split) -> list[str]:
         """What differs from the whole op ([] when nothing); raises _Skip when it cannot run here."""
-        sig, call = self.sig, self.call
+        sig = self.sig
         problems: list[str] = []
         pieces: dict[tuple[int, ...], list[Any]] = {}
         grads: dict[tuple[int, ...], dict[str, Any]] = {}
@@ -280,7 +279,7 @@ class OpChecker:
         return problems
 
     def _slice_inputs(self, split: Split, index: tuple[int, ...]) -> tuple[dict[str, Any], dict[str, tuple]]:
-        sig = self.sig
+        sig, call = self.sig, self.call
         local: dict[str, Any] = {}
         shapes: dict[str, tuple] = {}
         for n, pos in self.first.items():
@@ -305,7 +304,7 @@ class OpChecker:
         return local, shapes
 
     def _localize(self, split: Split, index: tuple[int, ...], local: dict[str, Any]):
-        sig, call = self.sig, self.call
+        sig = self.sig
         expected: list[Optional[TensorMeta]] = []
         for m, labels in zip(call.outputs, sig.outputs):
             if m is None:
@@ -727,3 +726,39 @@ def test_plugin_rule_for_a_custom_op_is_used_by_capture_and_checks_out():
         plugins.unregister(plugin)
         refresh()
     assert signature_of(call).note == "replicate-only"  # unregistered: the built-in table again
+
+
+def test_type_as_never_splits_the_tensor_that_only_gives_the_dtype():
+    out = TensorMeta((4, 8), torch.float32)
+    call = OpCall(aten.type_as.default, (Ref("x"), Ref("s")), {}, (out, TensorMeta((), torch.float16)), (out,),
+                  ("x", "s"))
+    sig = signature_of(call)
+    assert sig.inputs[0] == ("d0", "d1") and sig.inputs[1] == ()
+    wider = OpCall(aten.type_as.default, (Ref("x"), Ref("s")), {}, (TensorMeta((), torch.float32),
+                   TensorMeta((3, 5), torch.float16)), (TensorMeta((), torch.float16),), ("x", "s"))
+    assert all(label.startswith("^") for label in signature_of(wider).inputs[1])  # was an IndexError
+
+
+class _BrokenRulePlugin:
+    @hookimpl
+    def nnscaler_register_op_rules(self):
+        def broken(call):
+            raise IndexError("tuple index out of range")
+        return {"aten.relu.default": broken}
+
+
+def test_a_rule_that_fails_leaves_its_op_whole_and_says_which():
+    plugin = _BrokenRulePlugin()
+    plugins.register(plugin)
+    refresh()
+    try:
+        meta = TensorMeta((4, 8), torch.float32)
+        call = OpCall(aten.relu.default, (Ref("x"),), {}, (meta,), (meta,), ("x",))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sig = signature_of(call)
+        assert sig.note == "replicate-only"
+        assert any("aten.relu.default" in str(w.message) and "IndexError" in str(w.message) for w in caught)
+    finally:
+        plugins.unregister(plugin)
+        refresh()

@@ -17,8 +17,8 @@ def broadcast_labels(inp: TensorMeta, out_shape: Sequence[int], tag: str, prefix
     n, m = len(out_shape), inp.ndim
     labs = []
     for j, s in enumerate(inp.shape):
-        i = j + n - m
-        labs.append(f"{prefix}{i}" if s == out_shape[i] else f"^b{tag}_{j}")
+        i = j + n - m  # an input with more dims than the output does not broadcast to it: all frozen
+        labs.append(f"{prefix}{i}" if 0 <= i and s == out_shape[i] else f"^b{tag}_{j}")
     return tuple(labs)
 
 

@@ -25,7 +25,7 @@ UNARY_OR_BROADCAST = [
     "aten.where.self", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.isnan.default",
     # copies, casts, dropout
     "aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
-    "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default", "aten.type_as.default",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default",
     "aten.lift_fresh_copy.default", "aten.dropout.default", "aten.zeros_like.default", "aten.ones_like.default",
     "aten.full_like.default", "aten.empty_like.default", "aten.fill.Scalar",
 ]
@@ -41,6 +41,18 @@ def elementwise(call: OpCall) -> Signature:
         return None
     ins = tuple(broadcast_labels(m, out.shape, str(i)) for i, m in enumerate(call.inputs))
     return Signature(inputs=ins, outputs=(out_labels(out.ndim),))
+
+
+@rule("aten.type_as.default")
+def type_as(call: OpCall) -> Signature:
+    """`x.type_as(other)`: `other` only gives the dtype; its shape has nothing to do with the
+    output's, so it is never split along with it."""
+    out = call.outputs[0]
+    if out is None:
+        return None
+    other = tuple(f"^dtype_{j}" for j in range(call.inputs[1].ndim)) if len(call.inputs) > 1 else ()
+    return Signature(inputs=(broadcast_labels(call.inputs[0], out.shape, "0"),) + ((other,) if other or
+                     len(call.inputs) > 1 else ()), outputs=(out_labels(out.ndim),))
 
 
 @rule("aten.broadcast_tensors.default")

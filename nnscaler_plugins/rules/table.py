@@ -62,7 +62,14 @@ def has_rule(target: Any) -> bool:
 def signature_of(call: OpCall) -> Signature:
     """The signature for a call; replicate-only when no rule exists or the rule declines."""
     fn = _table().get(op_key(call.target))
-    sig = fn(call) if fn is not None else None
+    try:
+        sig = fn(call) if fn is not None else None
+    except Exception as e:  # noqa: BLE001 - a rule that cannot read this call: running the op whole is exact
+        warnings.warn(f"the dimension rule of {op_key(call.target)} failed on inputs "
+                      f"{[tuple(m.shape) for m in call.inputs]} ({type(e).__name__}: {e}); the op runs whole "
+                      "(replicated) where it is. Fix or override the rule through nnscaler_register_op_rules",
+                      ReplicateOnlyWarning, stacklevel=2)
+        sig = None
     return sig if sig is not None else replicate_only(call)
 
 
