@@ -279,7 +279,7 @@ class OpChecker:
         return problems
 
     def _slice_inputs(self, split: Split, index: tuple[int, ...]) -> tuple[dict[str, Any], dict[str, tuple]]:
-        sig, call = self.sig, self.call
+        sig = self.sig
         local: dict[str, Any] = {}
         shapes: dict[str, tuple] = {}
         for n, pos in self.first.items():
@@ -304,7 +304,7 @@ class OpChecker:
         return local, shapes
 
     def _localize(self, split: Split, index: tuple[int, ...], local: dict[str, Any]):
-        sig = self.sig
+        sig, call = self.sig, self.call
         expected: list[Optional[TensorMeta]] = []
         for m, labels in zip(call.outputs, sig.outputs):
             if m is None:
