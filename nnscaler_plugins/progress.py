@@ -9,7 +9,9 @@ no terminal library. It writes to stderr unless told otherwise and adapts to whe
   `inplace=False` asks for lines on a terminal too, for output that mixes progress with other lines.
 
 Nothing is shown before `delay_s` has passed, so work that finishes quickly stays silent; the
-closing line ("done in N s") is printed only if something was shown, or when `always` is set.
+closing line ("done in N s") is printed when something was shown, when the work outlasted
+`delay_s` (a phase with no steps to report along the way still says what took the time), or when
+`always` is set.
 
     bar = Progress("search", total=40)
     bar.set("intra-op choices", total=40)
@@ -120,10 +122,12 @@ class Progress:
         self.shown = True
 
     def close(self, message: str = "") -> None:
-        """The closing line, with the elapsed time; only if anything was shown (or `always`)."""
-        if not self.enabled or not (self.shown or self.always):
+        """The closing line, with the elapsed time; only if anything was shown, the work outlasted
+        the delay, or `always`."""
+        elapsed = time.monotonic() - self.start
+        if not self.enabled or not (self.shown or self.always or elapsed >= self.delay_s):
             return
-        took = seconds(time.monotonic() - self.start)
+        took = seconds(elapsed)
         text = f"{self.label}: done in {took}" + (f". {message}" if message else "")
         if self.inplace:
             self.stream.write("\r" + text.ljust(100) + "\n")

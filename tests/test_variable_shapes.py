@@ -8,27 +8,32 @@ so the losses and gradients compared are token-weighted over every replica and m
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import models
 
 # (strategy, options, world): the plans of test_equivalence and test_pipeline, at world 2 unless said.
+# The default suite runs one plan of each mechanism (its time budget); NNS_TEST_ALL_PLANS=1 runs
+# every strategy the variable-shapes issue names (ZeRO-1/2 and GPipe share their paths with ZeRO-3,
+# dp and 1F1B; hybrid is tp x dp at world 4).
+EVERY = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
 CASES = [
     ("dp", {}, 2),
     ("tp", {}, 2),
     ("megatron", {"tp": 2, "sequence_parallel": True}, 2),
-    ("dp", {"zero": 1}, 2),
-    ("dp", {"zero": 2}, 2),
+    *([("dp", {"zero": 1}, 2), ("dp", {"zero": 2}, 2)] if EVERY else []),
     ("dp", {"zero": 3}, 2),
-    ("gpipe", {"pp": 2, "micro_batches": 2}, 2),
+    *([("gpipe", {"pp": 2, "micro_batches": 2}, 2)] if EVERY else []),
     ("1f1b", {"pp": 2, "micro_batches": 2}, 2),
     ("interleaved", {"pp": 2, "virtual_stages": 2, "micro_batches": 2}, 2),
     ("zero-bubble", {"pp": 2, "micro_batches": 2}, 2),
     ("coshard", {"chunks": 2}, 2),
     ("interlaced", {"pp": 2, "micro_batches": 2}, 2),
     ("auto", {}, 2),
-    ("hybrid", {"tp": 2, "dp": 2}, 4),
+    *([("hybrid", {"tp": 2, "dp": 2}, 4)] if EVERY else []),
 ]
 # Per step, each replica's (batch size, length); the example is (2, 16) per replica.
 STEPS = [[(2, 16), (2, 16)], [(2, 10), (1, 14)], [(3, 8), (2, 6)]]
@@ -98,13 +103,14 @@ def run_varying(rank: int, world: int, builder: str, strategy: str, options: dic
 
 
 @pytest.mark.parametrize("strategy,options,world", CASES, ids=[f"{c[0]}{c[1] or ''}" for c in CASES])
-def test_other_sizes_train_like_one_process(workers2, workers4, strategy, options, world):
-    workers = workers2 if world == 2 else workers4
+def test_other_sizes_train_like_one_process(request, strategy, options, world):
+    workers = request.getfixturevalue("workers2" if world == 2 else "workers4")
     builder = "gpt2_small:4" if strategy == "interleaved" else "gpt2_small"
     problems = workers.run(run_varying, builder, strategy, options)
     assert not [p for ps in problems for p in ps], problems
 
 
+@pytest.mark.skipif(not EVERY, reason="NNS_TEST_ALL_PLANS=1 (Llama's packed rows under dp, tp and 1f1b run always)")
 def test_llama_other_sizes_under_tp_and_1f1b(workers2):
     for strategy, options in (("tp", {}), ("1f1b", {"pp": 2, "micro_batches": 2})):
         problems = workers2.run(run_varying, "llama_small", strategy, options)

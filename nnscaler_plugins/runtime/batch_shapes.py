@@ -82,7 +82,11 @@ class BatchShapes:
             self.symbols = self._symbols()
         key = tuple(tuple(g) for g in self.symbols)
         if key not in self.fitted and not self.fit_failure:
-            self.fitted[key] = self._fit(self.symbols, args, kwargs)
+            from nnscaler_plugins.progress import phase
+
+            with phase(f"{self.graph.model_class}: one program for every size of "
+                       f"{', '.join(self.describe(g[0]) for g in self.symbols)} (once)"):
+                self.fitted[key] = self._fit(self.symbols, args, kwargs)
         fitted = self.fitted.get(key)
         if fitted is None:
             return self.live if shapes == self.example else self._per_shape(shapes, args, kwargs)

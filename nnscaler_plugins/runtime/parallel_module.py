@@ -207,7 +207,9 @@ class ParallelModule(torch.nn.Module):
         return params_on_use(self.program, self.program.ranks[self.unit_device].stages[stage].params,
                              self.local_tensor, self.plan.precision, self.zero3, self._zero3_key)
 
-    def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+    def _flat_inputs(self, args: tuple, kwargs: dict, on_device: bool = True) -> list[Any]:
+        """The graph inputs from a call, on this module's device (`on_device=False`: where the call
+        has them, for counting and checks that need no copy)."""
         vals = []
         for spec in self.graph.inputs:
             where, key, *rest = spec.path
@@ -222,7 +224,7 @@ class ParallelModule(torch.nn.Module):
             if meta is not None:
                 if not isinstance(x, torch.Tensor):
                     raise TypeError(f"input {key!r} must be a tensor")
-                x = x.to(self._device)
+                x = x.to(self._device) if on_device else x
             vals.append(x)
         return vals
 
@@ -279,7 +281,7 @@ class ParallelModule(torch.nn.Module):
         counts = []
         for mb in micro:
             args, kwargs = normalize_inputs(mb, None)
-            flat = self._flat_inputs(args, kwargs)
+            flat = self._flat_inputs(args, kwargs, on_device=False)
             problem = problem or self._shapes.check(flat, args, kwargs)
             counts.append(self._loss_items.count(flat))
         mine = float(sum(counts))
@@ -312,7 +314,7 @@ class ParallelModule(torch.nn.Module):
         total = 0
         for mb in split_batch(batch, self.plan.num_micro_batches):
             args, kwargs = normalize_inputs(mb, None)
-            total += self._loss_items.count(self._flat_inputs(args, kwargs))
+            total += self._loss_items.count(self._flat_inputs(args, kwargs, on_device=False))
         return total
 
     def _micro_batch_module(self, mb: int) -> Any:
