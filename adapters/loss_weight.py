@@ -9,7 +9,10 @@ Lightning's `sync_dist=True` logs), are those of one device on every replica's b
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+import torch
 
 
 def weighed_output(pmodule: Any, args: tuple, kwargs: dict, call: Any) -> Any:
@@ -25,15 +28,31 @@ def weighed_output(pmodule: Any, args: tuple, kwargs: dict, call: Any) -> Any:
 
 
 def _with_loss(output: Any, weight: float) -> Any:
-    """The output with its loss (as `runtime.loss.extract_loss` finds it) multiplied by `weight`."""
-    if hasattr(output, "loss") and not isinstance(output, dict):
+    """The output with its loss (as `runtime.loss.extract_loss` finds it) multiplied by `weight`.
+    Only a scalar is taken for the loss: anything else (logits the script turns into a loss itself)
+    is left as it is, with a warning that replicas then average their own means, as DDP does."""
+    if hasattr(output, "loss") and not isinstance(output, dict) and _scalar(output.loss):
         output.loss = output.loss * weight
         return output
-    if isinstance(output, dict):  # Hugging Face ModelOutputs are dicts whose items are their attributes
-        if "loss" not in output:
-            raise TypeError(f"the model returned a dict without 'loss' (keys: {sorted(output)})")
+    if isinstance(output, dict) and _scalar(output.get("loss")):  # Hugging Face ModelOutputs are dicts too
         output["loss"] = output["loss"] * weight
         return output
-    if isinstance(output, (tuple, list)) and output:
+    if isinstance(output, (tuple, list)) and output and _scalar(output[0]):
         return type(output)([output[0] * weight, *output[1:]])
-    return output * weight
+    if _scalar(output):
+        return output * weight
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn("the model's output holds no scalar loss (.loss, ['loss'], a tuple's first element or a "
+                      "scalar), so replicas holding different numbers of items cannot be weighed: each replica's "
+                      "loss counts alike, as under DDP. Return the loss from the model to train as one device would",
+                      stacklevel=3)
+    return output
+
+
+_warned = False
+
+
+def _scalar(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.ndim == 0
