@@ -8,8 +8,9 @@
     MyTrainer(..., args=SomeArguments(...), plan="1f1b", plan_options={"micro_batches": 2})
 
 What changes against a plain Trainer, and why:
-- The model is captured and parallelized on the first training batch (the per-replica batch shape)
-  when the training dataloader is first asked for; accelerate never wraps it (`_wrap_model`).
+- The model is captured and parallelized on the first training batch, when the training dataloader
+  is first asked for (later batches may have any size and length); accelerate never wraps it
+  (`_wrap_model`).
 - Batches are sharded by data-parallel replica, not by process: ranks of one replica (its tensor-
   parallel and pipeline devices) read the same batch. The order is accelerate's seedable sampler, so
   the global batch of every step is the one a single process would read.
