@@ -17,7 +17,9 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
     if plan.graph_fingerprint != graph.fingerprint() and not other_sizes:  # the same model at other sizes fits
         shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])): list(graph.meta(i.name).shape)
                   for i in graph.inputs if graph.values[i.name].meta is not None}
-        if plan.input_shapes and plan.input_shapes != shapes:
+        # Plans that carry a size-free fingerprint serve any input sizes: for them a mismatch is the
+        # model's, not the batch's. Older plans were made for their inputs' shapes alone.
+        if plan.input_shapes and plan.input_shapes != shapes and not plan.structure_fingerprint:
             raise PlanError(
                 f"plan was made for inputs {plan.input_shapes} (one micro-batch of one data-parallel replica), "
                 f"but the model is given {shapes}; give each replica the batch the plan expects "
@@ -30,8 +32,9 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
             detail = f" (ops only in the graph: {missing}; only in the plan: {extra})"
         raise PlanError(
             f"plan was made for another graph: plan fingerprint {plan.graph_fingerprint} ({plan.model_class}), "
-            f"this graph {graph.fingerprint()} ({graph.model_class}){detail}. The model code, its config or the "
-            "example input shapes changed; make a new plan (nns.plan) for this model.")
+            f"this graph {graph.fingerprint()} ({graph.model_class}){detail}. The model code"
+            + (" or its config changed" if plan.structure_fingerprint else ", its config or the example input shapes "
+               "changed") + "; make a new plan (nns.plan) for this model.")
     names = {op.name for op in graph.ops}
     unknown = [n for n in plan.ops if n not in names]
     if unknown:
