@@ -185,6 +185,19 @@ def _cluster(name: str, world: int, nodes: Optional[int]):
     return spec
 
 
+def parse_lengths(text: str) -> dict[int, float]:
+    """`--lengths 512,1024,4096` (equal weights) or `512:6,2048:3,8192:1` (length:weight)."""
+    out: dict[int, float] = {}
+    for part in text.split(","):
+        length, _, weight = part.strip().partition(":")
+        try:
+            out[int(length)] = out.get(int(length), 0.0) + (float(weight) if weight else 1.0)
+        except ValueError:
+            raise UsageError(f"--lengths {text!r}: write lengths as 512,1024 or length:weight pairs as "
+                             "512:6,2048:1") from None
+    return out
+
+
 # -- commands ------------------------------------------------------------------------------------------------
 def cmd_search(a) -> int:
     from nnscaler_plugins.render import render_pareto
@@ -196,7 +209,8 @@ def cmd_search(a) -> int:
     constraints = [parse_constraint(c, model) for c in a.constraint]
     spec = _cluster(a.cluster, a.world_size, a.nodes)
     plans = search(model, world_size=a.world_size, cluster=spec, constraints=constraints, example_inputs=inputs,
-                   global_batch_size=a.global_batch, memory_limit=a.memory_limit, progress=not a.no_progress)
+                   global_batch_size=a.global_batch, memory_limit=a.memory_limit, progress=not a.no_progress,
+                   precision=a.precision, lengths=parse_lengths(a.lengths) if a.lengths else None)
     print(f"{len(plans)} plan(s) on the Pareto frontier for {a.world_size} devices of {spec.name} "
           f"({plans.searched} candidates priced, {plans.simulated} simulated, {plans.seconds:.1f} s):")
     print(plans.table())
@@ -426,6 +440,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--memory-limit", help="peak memory per device, e.g. 40GiB (default: the device's memory)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="what plans are priced and run in (default: the cluster's training dtype)")
+    p.add_argument("--lengths", help="sequence lengths to price for: 512,2048 or a histogram 512:6,2048:1 "
+                                     "(default: --seq alone)")
     p.add_argument("--constraint", "-c", action="append", default=[], help=", ".join(CONSTRAINT_FORMS))
     p.add_argument("--out", help="directory for plan_*.json and pareto.svg (an earlier search's files there are "
                                  "replaced)")

@@ -68,3 +68,13 @@ def test_search_out_replaces_an_earlier_search_and_refuses_foreign_plan_files(mo
     assert search(model_dir, other) == 2
     assert "already holds plan_0.json" in capsys.readouterr().err
     assert (other / "plan_0.json").read_text() == "{}"
+
+
+def test_search_takes_a_precision_and_a_length_histogram(model_dir, tmp_path, capsys):
+    assert search(model_dir, tmp_path / "p", n=8, extra=("--precision", "fp32", "--lengths", "32:3,64:1")) == 0
+    capsys.readouterr()
+    plan = json.loads((tmp_path / "p" / "plan_0.json").read_text())
+    assert plan["precision"] == "fp32"
+    assert sorted(map(int, plan["estimate"]["details"]["lengths"])) == [32, 64]
+    assert cli(["search", "--model", model_dir, "-n", "8", "--lengths", "long", "--no-progress"]) != 0
+    assert "--lengths 'long'" in capsys.readouterr().err
