@@ -158,3 +158,42 @@ def test_a_replica_refusing_stops_every_rank_before_any_collective(workers2):
     first, second = workers2.run(refused_on_one_replica, timeout=120)
     assert "another data-parallel replica" in first, first
     assert "cannot be cut into 2 micro-batches" in second, second
+
+
+class _Windowed(torch.nn.Module):
+    """Reads at most the last `window` positions: a size the model clamps (min(S, window)) is S
+    for every length the fit saw, and the window beyond them."""
+
+    window = 40
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        s = min(x.shape[1], self.window)
+        keep = torch.nn.functional.pad(x.new_ones(1, s, 1), (0, 0, 0, x.shape[1] - s))  # the first s positions
+        return torch.nn.functional.mse_loss((self.lin(x) * keep).sum(1) / s, y)
+
+
+def clamped_length(rank: int, world: int) -> list[float]:
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model = _Windowed()
+    ref = _Windowed()
+    ref.load_state_dict(model.state_dict())
+    pm = nns.parallelize(model, {"x": torch.randn(2, 16, 8), "y": torch.randn(2, 8)}, plan="dp",
+                         cache_dir="/tmp/nns_test_cache")
+    diffs = []
+    for s in (20, 48, 36):  # 48 lies beyond the sizes the fit saw, where the model clamps to 40
+        g = torch.Generator().manual_seed(s)
+        batch = {"x": torch.randn(2, s, 8, generator=g), "y": torch.randn(2, 8, generator=g)}
+        with torch.no_grad():
+            diffs.append(abs(pm(**batch).item() - ref(**batch).item()))
+    return diffs
+
+
+def test_a_size_beyond_the_fitted_range_is_checked_before_it_runs(workers2):
+    for diffs in workers2.run(clamped_length):
+        assert max(diffs) < 1e-6, diffs

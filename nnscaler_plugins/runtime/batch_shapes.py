@@ -32,11 +32,27 @@ Position = tuple[int, int]  # (graph input index, dim)
 class _Fitted:
     """One program for a set of symbols: its module, its polynomials and boundary shapes."""
 
-    def __init__(self, module: Any, template: Any, symbols: list[list[Position]], boundary: dict[str, list[Any]]):
+    def __init__(self, module: Any, template: Any, symbols: list[list[Position]], boundary: dict[str, list[Any]],
+                 points: Sequence[Sequence[int]]):
         self.module = module
         self.template = template
         self.symbols = symbols
         self.boundary = boundary  # boundary value -> per dim a Poly
+        # Per symbol, the sizes the fit was checked between. A size outside is checked once more
+        # before it runs: a literal that is min(S, window) in the model is S inside the range the fit
+        # saw and the window beyond it, and only a program generated out there tells them apart.
+        self.lo = [min(p[i] for p in points) for i in range(len(symbols))]
+        self.hi = [max(p[i] for p in points) for i in range(len(symbols))]
+        self.checked: set[tuple[int, ...]] = set()  # sizes outside the range found to fit
+
+    def covers(self, values: Sequence[int]) -> bool:
+        return all(lo <= v <= hi for v, lo, hi in zip(values, self.lo, self.hi)) or tuple(values) in self.checked
+
+    def widen(self, values: Sequence[int]) -> None:
+        """The fit held at `values`: every size between the old range and them is covered too."""
+        self.checked.add(tuple(values))
+        self.lo = [min(v, lo) for v, lo in zip(values, self.lo)]
+        self.hi = [max(v, hi) for v, hi in zip(values, self.hi)]
 
 
 class BatchShapes:
@@ -93,6 +109,10 @@ class BatchShapes:
         values = [shapes[g[0][0]][g[0][1]] for g in self.symbols]
         if shapes != self.example:
             self._check_divisible(fitted, values)
+            if shapes in self.per_shape:
+                return self.per_shape[shapes]
+            if not fitted.covers(values) and not self._holds_at(fitted, values, args, kwargs):
+                return self._per_shape(shapes, args, kwargs)
         fitted.module._S[:] = values
         return fitted.module
 
@@ -249,7 +269,26 @@ class BatchShapes:
         module = self._load(template.render([self.describe(g[0]) for g in symbols]), "shapes_" + "_".join(
             "-".join(f"{i}.{d}" for i, d in g) for g in symbols))
         self.rebuild_seconds.append(time.perf_counter() - start)
-        return _Fitted(module, template, symbols, boundary)
+        return _Fitted(module, template, symbols, boundary, list(points) + [check])
+
+    def _holds_at(self, fitted: _Fitted, values: list[int], args: tuple, kwargs: dict) -> bool:
+        """Whether the fitted program is the one generated at sizes outside the range it was
+        checked on (widening the range when it is); once per new smallest or largest size."""
+        from nnscaler_plugins.codegen.shape_template import same_code
+
+        # Size 1 traces into another program (broadcasting specializes it), which the general one
+        # still computes right; the check is made at 2 there.
+        probe = [2 if v == 1 else v for v in values]
+        made = self._generate(self.symbols, probe, args, kwargs)
+        holds = not isinstance(made, str) and same_code(fitted.template.at(probe), made[0]) and all(
+            tuple(int(p(probe)) for p in fitted.boundary[v]) == made[1][v] for v in fitted.boundary)
+        if holds:
+            fitted.widen(probe)
+            fitted.checked.add(tuple(values))
+        elif not self.fit_failure:
+            self.fit_failure = (f"at sizes {values} the model's program is not the fitted one (a size the model "
+                                "clamps, or code that branches on a length)")
+        return holds
 
     def _inputs_at(self, symbols: list[list[Position]], sizes: Sequence[int], args: tuple, kwargs: dict,
                    exact: Optional[Shapes] = None) -> tuple[tuple, dict]:
