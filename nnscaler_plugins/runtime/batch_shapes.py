@@ -276,16 +276,32 @@ class BatchShapes:
         checked on (widening the range when it is); once per new smallest or largest size."""
         from nnscaler_plugins.codegen.shape_template import same_code
 
-        # Size 1 traces into another program (broadcasting specializes it), which the general one
-        # still computes right; the check is made at 2 there.
-        probe = [2 if v == 1 else v for v in values]
-        made = self._generate(self.symbols, probe, args, kwargs)
-        holds = not isinstance(made, str) and same_code(fitted.template.at(probe), made[0]) and all(
-            tuple(int(p(probe)) for p in fitted.boundary[v]) == made[1][v] for v in fitted.boundary)
-        if holds:
-            fitted.widen(probe)
-            fitted.checked.add(tuple(values))
-        elif not self.fit_failure:
+        def fits(probe: list[int]) -> bool:
+            made = self._generate(self.symbols, probe, args, kwargs)
+            return not isinstance(made, str) and same_code(fitted.template.at(probe), made[0]) and all(
+                tuple(int(p(probe)) for p in fitted.boundary[v]) == made[1][v] for v in fitted.boundary)
+
+        # First a leap: twice past the old range (or half below it), so a stream of lengths stops
+        # paying for checks after its first few records; a clamp inside the leap fails it, and the
+        # sizes themselves are checked instead. Size 1 traces into another program (broadcasting
+        # specializes it), which the general one still computes right: it is checked at 2.
+        step = math.lcm(*(p.divisor for p in fitted.template.polys)) if fitted.template.polys else 1
+        leap = []
+        for v, lo, hi in zip(values, fitted.lo, fitted.hi):
+            if v > hi:
+                v = -(-max(v, 2 * hi) // step) * step
+            elif v < lo:
+                v = max(step, min(v, lo // 2) // step * step)
+            leap.append(v)
+        exact = [2 if v == 1 else v for v in values]
+        holds = False
+        for probe in ([leap, exact] if leap != exact else [exact]):
+            if fits(probe):
+                fitted.widen(probe)
+                fitted.checked.add(tuple(values))
+                holds = True
+                break
+        if not holds and not self.fit_failure:
             self.fit_failure = (f"at sizes {values} the model's program is not the fitted one (a size the model "
                                 "clamps, or code that branches on a length)")
         return holds
