@@ -17,6 +17,23 @@ def replica_batch(batch: dict, replica: int, dp: int) -> dict:
     return {k: v[replica * n:(replica + 1) * n] for k, v in batch.items()}
 
 
+def step_and_compare(pm: Any, ref: torch.nn.Module, opts: tuple, loss: torch.Tensor, ref_loss: torch.Tensor,
+                     label: str) -> list[str]:
+    """Compare the global loss with the reference's, step both optimizers, then compare every whole
+    parameter (fp32, relative 1e-5): the check every SGD equivalence test makes after a step."""
+    problems = []
+    if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
+        problems.append(f"{label}: loss {loss.item():.7g} vs {ref_loss.item():.7g}")
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    full = pm.full_state_dict()
+    for k, t in ref.state_dict().items():
+        if k in full and not torch.allclose(full[k].float(), t.float(), rtol=1e-5, atol=1e-6):
+            problems.append(f"{label}: {k} max abs diff {(full[k].float() - t.float()).abs().max().item():.3g}")
+    return problems
+
+
 def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Module, dict]], strategy: Any,
                     options: dict, dp: int, steps: int = 2, lr: float = 0.1, what: str = "",
                     cache_dir: str = "/tmp/nns_test_cache") -> list[str]:
@@ -44,15 +61,5 @@ def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Mo
             loss /= world
         ref_loss = extract_loss(ref(**batch))
         ref_loss.backward()
-        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
-            problems.append(f"{label} step {step}: loss {loss.item():.7g} vs {ref_loss.item():.7g}")
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        full = pm.full_state_dict()
-        for k, t in ref.state_dict().items():
-            if k in full and not torch.allclose(full[k].float(), t.float(), rtol=1e-5, atol=1e-6):
-                problems.append(f"{label} step {step}: {k} max abs diff "
-                                f"{(full[k].float() - t.float()).abs().max().item():.3g}")
+        problems += step_and_compare(pm, ref, (opt, ref_opt), loss, ref_loss, f"{label} step {step}")
     return problems

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import models
+from sgd_check import step_and_compare
 
 # Per step, each replica's documents: a list of rows, each row a list of document lengths.
 ONE_ROW = [[[[5, 7, 4]], [[9, 3, 2, 6]]],
@@ -79,16 +80,7 @@ def run_packed(rank: int, world: int, builder: str, strategy: str, options: dict
         if dp > 1:
             torch.distributed.all_reduce(loss)
             loss /= world
-        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
-            problems.append(f"{builder} {strategy} step {step}: loss {loss.item():.7g} vs {ref_loss.item():.7g}")
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        full = pm.full_state_dict()
-        for k, t in ref.state_dict().items():
-            if k in full and not torch.allclose(full[k], t, rtol=1e-5, atol=1e-6):
-                problems.append(f"{builder} {strategy} step {step}: {k} max abs diff {(full[k] - t).abs().max():.3g}")
+        problems += step_and_compare(pm, ref, (opt, ref_opt), loss, ref_loss, f"{builder} {strategy} step {step}")
     if pm._shapes.per_shape or pm._shapes.fit_failure:
         problems.append(f"{builder} {strategy}: a program per shape ({pm._shapes.fit_failure})")
     return problems

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import models
+from sgd_check import step_and_compare
 
 # (strategy, options, world): the plans of test_equivalence and test_pipeline, at world 2 unless said.
 # The default suite runs one plan of each mechanism (its time budget); NNS_TEST_ALL_PLANS=1 runs
@@ -89,16 +90,7 @@ def run_varying(rank: int, world: int, builder: str, strategy: str, options: dic
         if dp > 1:
             torch.distributed.all_reduce(loss)
             loss /= world
-        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
-            problems.append(f"{strategy} step {step} {sizes}: loss {loss.item():.7g} vs {ref_loss.item():.7g}")
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        full = pm.full_state_dict()
-        for k, t in ref.state_dict().items():
-            if k in full and not torch.allclose(full[k], t, rtol=1e-5, atol=1e-6):
-                problems.append(f"{strategy} step {step} {sizes}: {k} max abs diff {(full[k] - t).abs().max():.3g}")
+        problems += step_and_compare(pm, ref, (opt, ref_opt), loss, ref_loss, f"{strategy} step {step} {sizes}")
     return problems
 
 
