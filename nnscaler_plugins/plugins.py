@@ -61,21 +61,43 @@ class _CoreDefaults:
     @hookspecs.hookimpl(trylast=True)
     def nnscaler_adapt_model_for_capture(self, model: Any, kwargs: dict) -> Optional[Any]:
         # Models with a `config.use_cache` (Hugging Face style) would otherwise return a KV cache
-        # object from forward, which is neither capturable nor useful in training.
-        cfg = getattr(model, "config", None)
-        if cfg is not None and getattr(cfg, "use_cache", False):
-            return _temporarily(cfg, "use_cache", False)
-        return None
+        # object from forward, which is neither capturable nor useful in training. Submodules may
+        # hold their own copy of the config (T5's decoder stack keeps a deep copy with the cache
+        # on), so the switch goes to every config in the module tree.
+        return _temporarily(_configs_of(model), "use_cache", False)
+
+
+def _configs_of(model: Any) -> list[Any]:
+    """Every distinct `config` object held by the model or one of its submodules (nested configs
+    too: an encoder-decoder's `encoder_config`, a multimodal model's `text_config`)."""
+    found: dict[int, Any] = {}
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    for m in modules:
+        cfg = getattr(m, "config", None)
+        stack = [cfg] if cfg is not None else []
+        while stack:
+            c = stack.pop()
+            if id(c) in found or isinstance(c, (str, bytes, int, float, bool, dict, list, tuple)):
+                continue
+            found[id(c)] = c
+            fields = vars(c) if hasattr(c, "__dict__") else {}
+            stack.extend(v for k, v in fields.items() if k.endswith("config") and hasattr(v, "__dict__"))
+    return list(found.values())
 
 
 @contextlib.contextmanager
-def _temporarily(obj: Any, attr: str, value: Any):
-    old = getattr(obj, attr)
-    setattr(obj, attr, value)
+def _temporarily(objs: list[Any], attr: str, value: Any):
+    """Set `attr` to `value` on every object that has it, and restore each one afterwards."""
+    changed = []
     try:
+        for obj in objs:
+            if hasattr(obj, attr) and getattr(obj, attr) != value:
+                changed.append((obj, getattr(obj, attr)))
+                setattr(obj, attr, value)
         yield
     finally:
-        setattr(obj, attr, old)
+        for obj, old in reversed(changed):
+            setattr(obj, attr, old)
 
 
 def _env_flag(name: str) -> bool:

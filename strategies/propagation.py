@@ -563,3 +563,44 @@ def matmul_roles(builder: PlanBuilder, plan: Plan) -> dict[str, str]:
         else:
             out[op.name] = "other"
     return out
+
+
+def matmul_flops(graph: Graph, op) -> int:
+    """Multiply-add FLOPs of an op that contracts a dim (a reduce label two of its inputs carry:
+    linear, the matmuls, convolutions, grouped expert matmuls) or of attention; 0 for every other op.
+
+    2 x (elements of the first output) x (length of every contracted dim); attention counts its
+    two products, 2 x B.H.L.S.(E + Ev).
+    """
+    sig = signature_for(graph, op)
+    call = op_call(graph, op)
+    if "scaled_dot_product_attention" in str(op.target) and call.inputs[0].ndim >= 2:
+        q, k, v = call.inputs[:3]
+        return 2 * (q.numel // q.shape[-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    # contracted: a reduce label two inputs carry (a mean or a lookup reduces over one input only)
+    reduce = [l for l in sig.reduce if len({i for i, _ in sig.dims_of(l)[0]}) >= 2]
+    out = call.outputs[0] if call.outputs else None
+    if not reduce or out is None:
+        return 0
+    k = 1
+    for l in dict.fromkeys(reduce):
+        ins, _ = sig.dims_of(l)
+        if ins:
+            i, d = ins[0]
+            k *= call.inputs[i].shape[d]
+    return 2 * out.numel * k
+
+
+def split_matmul_flops(graph: Graph, plan: Plan) -> tuple[int, int]:
+    """(FLOPs of matmuls the plan splits, FLOPs of all matmuls): how tensor parallel a plan is.
+
+    A matmul counts as split when its op is split along any label (its FLOPs are then divided
+    among the pieces); one that runs whole on every device of the unit is not split.
+    """
+    done = total = 0
+    for op in graph.ops:
+        f = matmul_flops(graph, op)
+        total += f
+        if f and plan.ops[op.name].splits:
+            done += f
+    return done, total
