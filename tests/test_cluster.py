@@ -21,7 +21,11 @@ def test_presets():
     assert a100.inter_node.bandwidth / a100.devices_per_node == pytest.approx(25e9)  # 200 Gb/s HDR per GPU
     h100 = nns.cluster("h100-dgx", nodes=2)
     assert h100.peak_flops["bf16"] == 989e12 and h100.num_devices == 16
-    assert set(presets()) == {"v100-p3", "a100-dgx", "h100-dgx", "local-cpu"}
+    h200 = nns.cluster("h200", nodes=2)
+    assert h200.peak_flops["bf16"] == h100.peak_flops["bf16"] and h200.memory_bandwidth > h100.memory_bandwidth
+    assert h200.memory_bytes > h100.memory_bytes and h200.kernels is not None
+    assert h100.efficiency.tp_comm_overlap and not a100.efficiency.tp_comm_overlap  # today's stack vs 2021's
+    assert set(presets()) == {"v100-p3", "a100-dgx", "h100-dgx", "h200", "local-cpu"}
 
 
 @pytest.mark.parametrize("ext", ["yaml", "json"])

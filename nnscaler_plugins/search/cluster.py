@@ -21,7 +21,10 @@ memory bandwidth) a real kernel reaches is `Efficiency`, the only constants the 
 The presets are the clusters the calibration points were measured on (docs/cost-model.md):
 `v100-p3` (p3.16xlarge: 8 x V100-16GB, NVLink, 25 Gbps per node), `a100-dgx` (8 x A100-80GB on
 NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node), `h100-dgx` (8 x H100-80GB, NVLink4, 8 x 400 Gb/s
-per node), and `local-cpu`, which measures the machine it runs on (see `calibrate.py`).
+per node), `h200` (8 x H200-141GB, the H100's compute and network with HBM3e at 4.8 TB/s), and
+`local-cpu`, which measures the machine it runs on (see `calibrate.py`). Each GPU preset carries its
+device class's kernel table (`search/kernel_tables.py`) and the software stack it assumes
+(`STACK_2021` for V100 and A100, as the papers they are calibrated on; `STACK_CURRENT` for Hopper).
 """
 from __future__ import annotations
 
@@ -30,6 +33,18 @@ from dataclasses import replace
 from typing import Optional
 
 from nnscaler_plugins.search.cluster_spec import ClusterError, ClusterSpec, GiB, Link  # noqa: F401 - the spec types are this module's API too
+from nnscaler_plugins.search.efficiency import GPU_EFFICIENCY
+from nnscaler_plugins.search.kernel_tables import kernel_table
+
+# The software stacks the presets assume (what each overlaps; see search/overlap.py). `sustained` is the
+# one fitted number (benchmarks/simulator_fidelity.py --fit), shared by every preset.
+SUSTAINED = 0.88
+# Megatron-LM as in the 2021 papers the A100 and V100 calibration points come from: gradient all-reduce
+# in buckets during the backward, pipeline p2p beside compute, tensor-parallel collectives synchronous.
+STACK_2021 = replace(GPU_EFFICIENCY, sustained=SUSTAINED, tp_comm_overlap=False, attention_kernel="flash2")
+# Megatron-Core / torchtitan on Hopper: tp-comm-overlap or async TP, distributed-optimizer / FSDP overlap of
+# reduce-scatter and all-gather, cuDNN / FlashAttention-3 class attention.
+STACK_CURRENT = replace(GPU_EFFICIENCY, sustained=SUSTAINED, tp_comm_overlap=True, attention_kernel="flash3")
 
 
 # -- presets -----------------------------------------------------------------------------------------------
@@ -42,7 +57,8 @@ def _v100_p3(nodes: int) -> ClusterSpec:
         # directly linked, so a ring reaches about what 6 links give one GPU).
         intra_node=Link("nvlink2", 150e9, 8e-6),
         inter_node=Link("ethernet-25gbps", 25e9 / 8, 30e-6, per_node=True),
-        dtype="fp16", notes="AWS p3.16xlarge, as in Alpa's benchmarks")
+        dtype="fp16", notes="AWS p3.16xlarge, as in Alpa's benchmarks",
+        efficiency=STACK_2021, kernels=kernel_table("v100"))
 
 
 def _a100_dgx(nodes: int) -> ClusterSpec:
@@ -52,7 +68,8 @@ def _a100_dgx(nodes: int) -> ClusterSpec:
         memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
         intra_node=Link("nvswitch3", 300e9, 6e-6),
         inter_node=Link("hdr-infiniband", 8 * 200e9 / 8, 10e-6, per_node=True),
-        dtype="bf16", notes="DGX A100 80GB (Selene): NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node")
+        dtype="bf16", notes="DGX A100 80GB (Selene): NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node",
+        efficiency=STACK_2021, kernels=kernel_table("a100"))
 
 
 def _h100_dgx(nodes: int) -> ClusterSpec:
@@ -62,10 +79,23 @@ def _h100_dgx(nodes: int) -> ClusterSpec:
         memory_bytes=80 * GiB, memory_bandwidth=3.35e12,
         intra_node=Link("nvlink4", 450e9, 5e-6),
         inter_node=Link("ndr-infiniband", 8 * 400e9 / 8, 10e-6, per_node=True),
-        dtype="bf16", notes="DGX H100: NVLink4/NVSwitch, 8 x 400 Gb/s NDR InfiniBand per node")
+        dtype="bf16", notes="DGX H100: NVLink4/NVSwitch, 8 x 400 Gb/s NDR InfiniBand per node",
+        efficiency=STACK_CURRENT, kernels=kernel_table("h100"))
 
 
-PRESETS = {"v100-p3": _v100_p3, "a100-dgx": _a100_dgx, "h100-dgx": _h100_dgx}
+def _h200(nodes: int) -> ClusterSpec:
+    return ClusterSpec(
+        name="h200", nodes=nodes, devices_per_node=8, device="H200-SXM-141GB",
+        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12, "fp32": 67e12},
+        memory_bytes=141e9, memory_bandwidth=4.8e12,
+        intra_node=Link("nvlink4", 450e9, 5e-6),
+        inter_node=Link("ndr-infiniband", 8 * 400e9 / 8, 10e-6, per_node=True),
+        dtype="bf16", notes="HGX/DGX H200: the H100's compute with 141 GB HBM3e at 4.8 TB/s; NVLink4/NVSwitch, "
+                            "8 x 400 Gb/s NDR InfiniBand per node",
+        efficiency=STACK_CURRENT, kernels=kernel_table("h200"))
+
+
+PRESETS = {"v100-p3": _v100_p3, "a100-dgx": _a100_dgx, "h100-dgx": _h100_dgx, "h200": _h200}
 LOCAL = "local-cpu"
 
 
@@ -73,7 +103,7 @@ def cluster(name: str | os.PathLike, nodes: Optional[int] = None, *, devices: Op
             measure: bool = True, cache_dir: Optional[str] = None) -> ClusterSpec:
     """A cluster by preset name or from a YAML/JSON file.
 
-    Presets: "v100-p3", "a100-dgx", "h100-dgx" (`nodes` of 8 devices each, default 1) and
+    Presets: "v100-p3", "a100-dgx", "h100-dgx", "h200" (`nodes` of 8 devices each, default 1) and
     "local-cpu": this machine, `devices` processes on one node (default: one per CPU core), with
     matmul throughput, memory bandwidth and gloo bandwidth and latency measured once and cached
     under `cache_dir` (default ~/.cache/nnscaler-plugins); `measure=False` skips the measurement

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 from nnscaler_plugins.search.efficiency import GPU_EFFICIENCY, Efficiency
+from nnscaler_plugins.search.kernel_tables import KernelTable, kernel_table
 
 GiB = 1024 ** 3
 
@@ -56,6 +57,9 @@ class ClusterSpec:
     dtype: str = "bf16"  # the training precision plans are costed in unless a plan says otherwise
     efficiency: Efficiency = field(default_factory=lambda: GPU_EFFICIENCY)
     notes: str = ""
+    # Per-kernel efficiencies of the device class (search/kernel_tables.py); None: the two constants of
+    # `efficiency` (matmul, memory) price every kernel alike.
+    kernels: Optional[KernelTable] = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -69,7 +73,7 @@ class ClusterSpec:
     def __hash__(self) -> int:
         return hash((self.name, self.nodes, self.devices_per_node, self.device, tuple(sorted(self.peak_flops.items())),
                      self.memory_bytes, self.memory_bandwidth, self.intra_node, self.inter_node, self.dtype,
-                     self.efficiency))
+                     self.efficiency, self.kernels))
 
     @property
     def num_devices(self) -> int:
@@ -100,7 +104,9 @@ class ClusterSpec:
                 "device": self.device, "peak_flops": dict(self.peak_flops), "memory_bytes": self.memory_bytes,
                 "memory_bandwidth": self.memory_bandwidth, "intra_node": self.intra_node.to_json(),
                 "inter_node": self.inter_node.to_json(), "dtype": self.dtype,
-                "efficiency": self.efficiency.to_json(), "notes": self.notes}
+                "efficiency": self.efficiency.to_json(), "notes": self.notes,
+                **({"kernels": self.kernels.name if self.kernels.name and not self.kernels.name.endswith(".json")
+                    else self.kernels.to_json()} if self.kernels is not None else {})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], source: str = "") -> "ClusterSpec":
@@ -119,7 +125,9 @@ class ClusterSpec:
                        intra_node=Link.from_json(d["intra_node"]), inter_node=Link.from_json(d["inter_node"]),
                        dtype=str(d.get("dtype", "bf16")),
                        efficiency=Efficiency.from_json(d["efficiency"]) if "efficiency" in d else GPU_EFFICIENCY,
-                       notes=str(d.get("notes", "")))
+                       notes=str(d.get("notes", "")),
+                       kernels=(kernel_table(d["kernels"]) if isinstance(d["kernels"], str)
+                                else KernelTable.from_json(d["kernels"])) if d.get("kernels") else None)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ClusterError):
                 raise

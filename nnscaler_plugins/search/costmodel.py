@@ -166,6 +166,9 @@ class CostModel:
         self._reshard_direct: dict = {}
         self._spans: dict = {}
         self._allreduce: dict = {}
+        self._kernels = cluster.kernels
+        if self._kernels is not None:  # streaming kernels (the optimizer step) at the table's bandwidth fraction
+            self._mem_rate = cluster.memory_bandwidth * self._kernels.memory_fraction
 
     def matmul_rate(self, dtype: str) -> float:
         r = self._mm_rate.get(dtype)
@@ -174,6 +177,46 @@ class CostModel:
         return r
 
     # -- compute ----------------------------------------------------------------------------------------
+    def _table_mem_rate(self, nbytes: float) -> float:
+        return self.cluster.memory_bandwidth * max(self._kernels.memory_efficiency(nbytes), 1e-3)
+
+    def _table_rates(self, c: OpCost, p: Placement, dtype: str, shard: int) -> tuple[float, float, float]:
+        """FLOP/s of a matmul piece's forward, input-gradient and weight-gradient kernels, from the
+        cluster's kernel table at the piece's own GEMM shape (or flash-attention lengths)."""
+        tbl, eff = self._kernels, self.cluster.efficiency
+        peak = self.cluster.flops(dtype) * eff.sustained
+        counts = p.label_counts()
+        if c.attn:
+            label, sq, sk, hd, causal = c.attn
+            seq = max(1.0, sq / counts.get(label, 1))
+            f = tbl.attention_efficiency(seq, hd, False, causal, eff.attention_kernel)
+            if f is not None:
+                b = tbl.attention_efficiency(seq, hd, True, causal, eff.attention_kernel)
+                # the FLOPs are counted over the whole score matrix; a causal kernel computes half of it
+                scale = 2.0 if causal else 1.0
+                return peak * f * scale, peak * b * scale, peak * b * scale
+            # no flash kernel on this device: the scores and the weighted values as two batched matmuls
+            e = tbl.matmul_efficiency(seq, sk, hd, 1, dtype)
+            return peak * e, peak * e, peak * e
+        if not c.gemm:
+            side = max(1.0, (c.flops / max(p.pieces * shard, 1) / 2) ** (1 / 3))
+            e = tbl.matmul_efficiency(side, side, side, 1, dtype)
+            return peak * e, peak * e, peak * e
+        sizes, ml, nl, kl, bl = c.gemm
+        size = dict(sizes)
+
+        def local(labels) -> float:
+            out = 1.0
+            for x in labels:
+                out *= size[x] / counts.get(x, 1)
+            return out
+
+        m, n, k, batch = local(ml) / shard, local(nl), local(kl), local(bl)
+        fwd = tbl.matmul_efficiency(m, n, k, batch, dtype)  # Y = X W: m x n, contracting k
+        bi = tbl.matmul_efficiency(m, k, n, batch, dtype)  # dX = dY W^T: m x k, contracting n
+        bw = tbl.matmul_efficiency(k, n, m * batch, 1, dtype)  # dW = X^T dY: k x n, contracting the tokens
+        return peak * max(fwd, 1e-3), peak * max(bi, 1e-3), peak * max(bw, 1e-3)
+
     def _local_bytes(self, c: OpCost, p: Placement, itemsize: int) -> float:
         counts = p.label_counts()
         total = 0.0
@@ -207,12 +250,16 @@ class CostModel:
         isz = training.act_bytes
         nbytes = self._local_bytes(c, p, isz) / shard
         oh = self._overhead
+        mem_rate = self._mem_rate if self._kernels is None else self._table_mem_rate(nbytes)
         if c.kind == "matmul":
-            rate = self.matmul_rate(training.dtype)
             flops = c.flops / pieces
-            fwd = max(flops / rate, nbytes / self._mem_rate) + oh
-            bi = max(c.flops_input_grad / pieces / rate, nbytes / self._mem_rate) + oh if c.flops_input_grad else 0.0
-            bw = max(c.flops_weight_grad / pieces / rate, nbytes / self._mem_rate) + oh if c.flops_weight_grad else 0.0
+            if self._kernels is None:
+                rf = ri = rw = self.matmul_rate(training.dtype)
+            else:
+                rf, ri, rw = self._table_rates(c, p, training.dtype, shard)
+            fwd = max(flops / rf, nbytes / mem_rate) + oh
+            bi = max(c.flops_input_grad / pieces / ri, nbytes / mem_rate) + oh if c.flops_input_grad else 0.0
+            bw = max(c.flops_weight_grad / pieces / rw, nbytes / mem_rate) + oh if c.flops_weight_grad else 0.0
             t = OpTime(fwd, bi, bw, flops)
         else:
             name_ = self.graph.op(name).short_name
@@ -225,8 +272,10 @@ class CostModel:
                     for l in logits.labels or ():
                         div *= counts.get(l, 1)
                     nbytes = max(nbytes, 3 * logits.numel * isz / div / shard)
-            fwd = nbytes / self._mem_rate + oh
-            bwd = 2 * nbytes / self._mem_rate + oh if c.needs_grad else 0.0
+            if self._kernels is not None:
+                mem_rate = self._table_mem_rate(nbytes)
+            fwd = nbytes / mem_rate + oh
+            bwd = 2 * nbytes / mem_rate + oh if c.needs_grad else 0.0
             if name_ == "embedding" and c.needs_grad and c.inputs:
                 # the gradient of the table is dense: zeroed and accumulated into at every step
                 table = c.inputs[0]
@@ -234,7 +283,7 @@ class CostModel:
                 counts = p.label_counts()
                 for l in table.labels or ():
                     div *= counts.get(l, 1)
-                bwd += table.numel * training.grad_bytes / div / self._mem_rate
+                bwd += table.numel * training.grad_bytes / div / mem_rate
                 t = OpTime(fwd, 0.0, bwd)
             else:
                 t = OpTime(fwd, bwd, 0.0)

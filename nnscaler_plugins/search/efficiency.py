@@ -45,14 +45,33 @@ class Efficiency:
     # Whether communication runs beside compute (GPUs: copy engines and NICs) or takes the same cores
     # (gloo between processes on CPU cores): then gradient reduction adds to the step instead of hiding.
     comm_overlap: bool = True
+    # With a kernel table (`ClusterSpec.kernels`): the fraction of the table's kernel-benchmark speed a whole
+    # training step sustains (FITTED, one number for every device: clocks under hours of full power draw
+    # are below a microbenchmark's boost clocks, and the step has gaps between kernels a benchmark has not).
+    sustained: float = 1.0
+    # The flash-attention kernel family the stack runs ("flash3": cuDNN / FlashAttention-3 class on Hopper,
+    # as Megatron-Core with Transformer Engine; "flash2": FlashAttention-2 class, as PyTorch SDPA); "" the
+    # table's first.
+    attention_kernel: str = ""
+    # Overlap the stack does by default (a plan's options of the same names override them; see overlap.py):
+    tp_comm_overlap: bool = False  # tensor-parallel collectives pipelined with the neighbouring matmuls
+    overlap_grad_reduce: bool = True  # gradient reduce(-scatter) in buckets during the backward
+    overlap_param_gather: bool = True  # ZeRO weight all-gathers prefetched under the forward / backward
+    overlap_p2p: bool = True  # pipeline sends and receives asynchronous, beside compute
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Efficiency":
-        return cls(**{k: (bool(v) if k in ("fused_elementwise", "comm_overlap") else float(v)) for k, v in d.items()
-                      if k in cls.__dataclass_fields__})
+        def conv(k: str, v: Any) -> Any:
+            kind = cls.__dataclass_fields__[k].type
+            if kind in ("bool", bool):
+                return bool(v)
+            if kind in ("str", str):
+                return str(v)
+            return float(v)
+        return cls(**{k: conv(k, v) for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 GPU_EFFICIENCY = Efficiency(matmul=0.75, memory=0.6, network=0.8, op_overhead_s=5e-6)

@@ -94,6 +94,10 @@ class OpCost:
     # element-wise chains fused into one kernel: inputs not read from / outputs not written to memory
     fused_in: frozenset = frozenset()
     fused_out: frozenset = frozenset()
+    # matmuls: the GEMM's dims as signature labels, for kernel tables ((label, size) pairs; M, N, K and
+    # batch labels); attention kernels: (query-length label, query length, key length, head size, causal)
+    gemm: tuple = ()
+    attn: tuple = ()
 
     def saved_uses(self) -> list[TensorUse]:
         return [self.inputs[i] if i >= 0 else self.outputs[~i] for i in self.saved]
@@ -133,6 +137,43 @@ def _matmul_flops(op: OpNode, graph: Graph) -> float:
         return 2.0 * out.numel * a.shape[-1]
     # einsum and anything else: bound by the largest input times the output's size ratio
     return 2.0 * max(m.numel for m in metas) * max(1, out.numel // max(1, max(m.numel for m in metas)))
+
+
+def _gemm_dims(op: OpNode, g: Graph, ins: list, outs: list, big: list) -> tuple:
+    """(sizes, M, N, K, batch labels) of a matmul from its two big operands' and its output's labels:
+    K is contracted (in both operands, not the output), batch in all three, M only in the first
+    operand and the output, N only in the second. () when the labels do not say."""
+    if len(big) < 2 or not outs or outs[0].labels is None:
+        return ()
+    a, b = sorted(big)[:2]
+    la, lb, lo = ins[a].labels, ins[b].labels, outs[0].labels
+    if la is None or lb is None:
+        return ()
+    sizes: dict[str, int] = {}
+    for use in (ins[a], ins[b], outs[0]):
+        shape = g.values[use.value].meta.shape
+        if len(shape) != len(use.labels):
+            return ()
+        for label, n in zip(use.labels, shape):
+            sizes[label] = int(n)
+    sa, sb, so = set(la), set(lb), set(lo)
+    k = tuple(x for x in la if x in sb and x not in so)
+    batch = tuple(x for x in lo if x in sa and x in sb)
+    m = tuple(x for x in lo if x in sa and x not in sb)
+    n = tuple(x for x in lo if x in sb and x not in sa)
+    if not k:
+        return ()
+    return tuple(sorted(sizes.items())), m, n, k, batch
+
+
+def _attention_dims(op: OpNode, g: Graph, ins: list) -> tuple:
+    if len(ins) < 2 or ins[0].labels is None:
+        return ()
+    q, k = g.values[ins[0].value].meta.shape, g.values[ins[1].value].meta.shape
+    if len(q) < 2 or len(ins[0].labels) != len(q):
+        return ()
+    causal = bool(op.kwargs.get("is_causal", op.args[5] if len(op.args) > 5 and isinstance(op.args[5], bool) else False))
+    return ins[0].labels[-2], int(q[-2]), int(k[-2]), int(q[-1]), causal
 
 
 def _itemsize(dtype: torch.dtype) -> Optional[int]:
@@ -209,7 +250,9 @@ class OpCosts:
                      and any(grads[j] for j in big if j != i)] if needs_grad else []
             if name in ATTENTION and needs_grad:
                 saved = list(range(min(3, len(ins)))) + [~0]
-            return OpCost(op.name, "matmul", flops, a_grad, w_grad, ins, outs, needs_grad, saved, key=key)
+            return OpCost(op.name, "matmul", flops, a_grad, w_grad, ins, outs, needs_grad, saved, key=key,
+                          gemm=_gemm_dims(op, g, ins, outs, big) if name not in ATTENTION else (),
+                          attn=_attention_dims(op, g, ins) if name in ATTENTION else ())
         saved: list[int] = []
         masks = 0
         if needs_grad and name not in VIEWS:  # copies (clone, casts, reshapes that copy) keep nothing

@@ -30,6 +30,7 @@ from nnscaler_plugins.plan.timeline import Timeline
 from nnscaler_plugins.search.cluster import ClusterSpec, GiB
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.overlap import Overlap, not_run_as_priced
 from nnscaler_plugins.search.segments import Walker
 from nnscaler_plugins.search.stages import (
     Part,
@@ -191,7 +192,8 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     for i, seg in enumerate(segments):
         per_stage[seg_stage[i]].append(Part(seg, 1, mode))
     split = plan.pipeline is not None and plan.pipeline.split_backward
-    stages = compose(cm, training, per_stage, stage_devices, plan.dp, plan.unit_size, m, split)
+    overlap = Overlap.of(plan.options, cluster)
+    stages = compose(cm, training, per_stage, stage_devices, plan.dp, plan.unit_size, m, split, overlap=overlap)
     boundary: dict[tuple[int, int], float] = {}
     boundary_grad: dict[tuple[int, int], float] = {}
     for (a, b), x in walker.boundary.items():
@@ -201,13 +203,26 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
         key = (seg_stage[a], seg_stage[b])
         boundary_grad[key] = boundary_grad.get(key, 0.0) + x
     transfer = Transfers(cm, stage_devices, boundary, boundary_grad)
+    if not overlap.p2p:
+        # blocking sends: the sender waits for each transfer too (the receiver always does)
+        for k in range(len(stages)):
+            for j in range(len(stages)):
+                if j != k and (min(j, k), max(j, k)) in boundary:
+                    if j > k:
+                        stages[k].F += transfer(k, j, False)
+                    else:
+                        stages[k].B += transfer(k, j, True)
     if plan.pipeline is not None:
         lists, shape = plan.pipeline.task_lists(), plan.pipeline.shape()
     else:
         shape = PipelineShape(1, 1, m)
         lists = [[task for mb in range(m) for task in (Task(0, mb, FORWARD), Task(0, mb, BACKWARD))]]
     step = replay_step(stages, lists, shape, transfer, overlap_factor(cluster), keep_timeline)
-    return estimate_of(plan, cluster, training, stages, step, m)
+    est = estimate_of(plan, cluster, training, stages, step, m)
+    missing = not_run_as_priced(plan.options, cluster)
+    if missing:
+        est.details["not_run_as_priced"] = missing
+    return est
 
 
 class Transfers:

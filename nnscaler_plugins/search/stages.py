@@ -22,6 +22,7 @@ from nnscaler_plugins.plan.schedules import (
 )
 from nnscaler_plugins.plan.timeline import Timeline, replay
 from nnscaler_plugins.search.costmodel import BUCKET_BYTES, CostModel, Training
+from nnscaler_plugins.search.overlap import Overlap
 from nnscaler_plugins.search.segments import Segment
 
 
@@ -38,7 +39,10 @@ class StageCost:
     transient: float = 0.0  # extra during a backward (the layer rebuilt under full recomputation)
     states: dict = field(default_factory=lambda: {"params": 0.0, "grads": 0.0, "optimizer": 0.0})
     buffers: float = 0.0
-    sync: float = 0.0  # gradient reduction after the last backward
+    sync: float = 0.0  # gradient reduction (or reduce-scatter) at the end of the last backward
+    sync_gather: float = 0.0  # ZeRO-1/2: all-gather of the updated weights (hides under the next forward)
+    sync_overlap: bool = True  # the reduction runs in buckets during the last backward
+    gather_overlap: bool = True  # the weight all-gather runs during the next step's first forward
     optimizer: float = 0.0  # optimizer step
 
     @property
@@ -88,10 +92,12 @@ def _param_devices_uncached(parts: Sequence[Part], group: Sequence[int]) -> tupl
 
 def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]], devices: Sequence[Sequence[int]],
             dp: int, unit: int, micro_batches: int, split_backward: bool = False,
-            to_global: Callable[[int], int] = lambda d: d) -> list[StageCost]:
-    """Stage costs of a pipeline whose stage k holds `stages[k]` on unit devices `devices[k]`."""
+            to_global: Callable[[int], int] = lambda d: d, overlap: Optional[Overlap] = None) -> list[StageCost]:
+    """Stage costs of a pipeline whose stage k holds `stages[k]` on unit devices `devices[k]`;
+    `overlap` says what communication hides behind compute (default: the cluster's stack)."""
     t = training
-    kappa = overlap_factor(cm.cluster)
+    ov = overlap if overlap is not None else Overlap.of({}, cm.cluster)
+    kappa = ov.kappa
     out = []
     for parts, group in zip(stages, devices):
         sc = StageCost(list(group))
@@ -122,7 +128,7 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
         # unit's replicas. ZeRO shards each parameter's states over the replicas of its device only
         # (the runtime's `FlatShard`: `Plan.dp` chunks; nothing to shard with one replica).
         worst = max(group, key=lambda d: elems[d]) if group else 0
-        gather = gather_b = sync_time = 0.0
+        gather = gather_b = sync_time = sync_gather = 0.0
         for (members, partition), el in sync.items():
             shard = partition * dp
             if shard <= 1:
@@ -139,17 +145,23 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
                 gather += ag
                 gather_b += ag + (cm.net.all_reduce(nbytes, span) if partition > 1
                                   else cm.net.reduce_scatter(nbytes, replicas))
+            elif t.zero in (1, 2) and dp > 1:
+                # distributed optimizer: reduce-scatter the gradients, all-gather the updated weights
+                ar = cm.net.all_reduce(nbytes, span)
+                sync_time += ar / 2
+                sync_gather += ar / 2
             else:
                 sync_time += cm.net.all_reduce(nbytes, span)
             sync_time += (buckets - 1) * (cm.net.alpha_in if span.local else cm.net.alpha_x)
         states = _states(t, parts, worst, dp)
         sc.states = states
         act += sum(shared.values())
-        f = fwd + fcomm
-        b = bwd_in + bcomm + rec + rec_comm
+        ways = max(1, len(group))
+        f = fwd + ov.tp_exposed(fcomm, fwd, ways)
+        b = bwd_in + rec + ov.tp_exposed(bcomm + rec_comm, bwd_in + bwd_w + rec, ways)
         w = bwd_w
         if gather:
-            if kappa is None:  # communication takes the cores compute would use
+            if kappa is None or not ov.param_gather:  # communication takes the cores compute would use
                 f, b = f + gather, b + gather_b
             else:
                 f = max(f, gather) * kappa
@@ -162,6 +174,8 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
         sc.flops = flops
         sc.act, sc.transient = act, transient
         sc.sync = sync_time
+        sc.sync_gather = sync_gather
+        sc.sync_overlap, sc.gather_overlap = ov.grad_reduce, ov.param_gather
         per_param = t.param_bytes * 2 + t.grad_bytes + (t.master_bytes + t.optimizer_bytes) * 2
         opt_elems = sc.states["optimizer"] / max(1, t.master_bytes + t.optimizer_bytes)
         sc.optimizer = opt_elems * per_param / cm._mem_rate
@@ -209,7 +223,15 @@ def _finish(stages: list[StageCost], rank_stages: list[list[int]], ends: list[fl
     for rank, ks in enumerate(rank_stages):
         sync = sum(stages[k].sync for k in ks)
         window = last_b[rank]
-        extra = sync if kappa is None else max(0.0, sync - window) + (kappa - 1.0) * min(sync, window)
+        overlapped = kappa is not None and all(stages[k].sync_overlap for k in ks)
+        extra = max(0.0, sync - window) + (kappa - 1.0) * min(sync, window) if overlapped else sync
+        gather = sum(stages[k].sync_gather for k in ks)
+        if gather:
+            first_f = sum(stages[k].F for k in ks)
+            if kappa is not None and all(stages[k].gather_overlap for k in ks):
+                extra += max(0.0, gather - first_f) + (kappa - 1.0) * min(gather, first_f)
+            else:
+                extra += gather
         opt = max((stages[k].optimizer for k in ks), default=0.0)
         total.append(ends[rank] + extra + opt)
         exposed.append(extra)
