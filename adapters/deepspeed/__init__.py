@@ -44,9 +44,10 @@ from .schedulers import (
     WarmupLR,
     build_scheduler,
 )
+from . import zero
 from .zero_optimizer import ZeroOptimizer
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError", "zero",
            "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 PLUGIN_NAME = "builtin_deepspeed"
@@ -109,18 +110,21 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
                collate_fn: Optional[Callable] = None, config: Union[str, os.PathLike, dict, None] = None,
-               mesh_param: Any = None, config_params: Optional[dict] = None
+               mesh_param: Any = None, config_params: Optional[dict] = None, example_inputs: Any = None
                ) -> tuple[DeepSpeedEngine, Any, Any, Any]:
     """DeepSpeed's `initialize`: returns (engine, optimizer, training_dataloader, lr_scheduler).
 
     `optimizer` and `lr_scheduler` may be objects or callables (params -> optimizer, optimizer ->
     scheduler) and take precedence over the config's sections, as in DeepSpeed. The config is
     checked whole before the process group is touched.
+
+    `example_inputs` (this engine's addition: what one forward takes, per the project's convention)
+    or `training_data` (its loader's first micro-batch) let the model be parallelized here; without
+    either it is parallelized at the first forward, and every engine method works before that.
     """
+    assert model is not None, "deepspeed.initialize requires a model"
     raw = load_config(config, config_params, args)
     settings = _settings_of(raw)
-    if model is None:
-        raise DeepSpeedConfigError("deepspeed.initialize needs model=")
     if not isinstance(model, torch.nn.Module):
         raise DeepSpeedConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None:
@@ -134,6 +138,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if lr_scheduler is not None and settings.scheduler is not None:
         warnings.warn(f"an lr_scheduler was passed to initialize, so the config's scheduler section "
                       f"({settings.scheduler['type']}) is not used (DeepSpeed does the same)", stacklevel=2)
+
+    if settings.zero_stage in (1, 2):  # DeepSpeed's ZeRO-1/2 optimizer asserts it
+        assert settings.allgather_bucket_size % 2 == 0, (
+            "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2 ")
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):  # DeepSpeed asserts it too
+        assert isinstance(optimizer, torch.optim.Optimizer), (
+            "a client lr_scheduler object needs the client optimizer object it was made on (pass optimizer=)")
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -149,7 +160,18 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                              unit_size=unit, dp_size=dp)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    if example_inputs is None and engine.training_dataloader is not None:
+        example_inputs = _first_batch(engine.training_dataloader)
+    if example_inputs is not None:
+        engine.parallelize(example_inputs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _first_batch(loader: Any) -> Any:
+    """The loader's first micro-batch as example inputs: a list (what a TensorDataset yields) is the
+    forward's positional arguments."""
+    batch = next(iter(loader), None)
+    return tuple(batch) if isinstance(batch, list) else batch
 
 
 def _make_optimizer(given: Any, settings: Settings, params: list) -> Any:

@@ -35,6 +35,8 @@ class Settings:
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False
     managed_gradient_accumulation: bool = True
+    tag_validation: str = "WARN"              # checkpoint.tag_validation: IGNORE | WARN | FAIL
+    allgather_bucket_size: int = 500_000_000
     plan: Any = "dp"
     plan_options: dict = field(default_factory=dict)
 
@@ -61,12 +63,50 @@ def load_config(config: Union[str, os.PathLike, dict, None], config_params: Opti
         return json.loads(json.dumps(config))  # a private deep copy; the caller's dict stays as it is
     path = os.fspath(config)
     if not os.path.isfile(path):
-        raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} does not exist")
+        text = _base64_config(path)
+        if text is None:
+            raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} does not exist (a config is a dict, a path to "
+                                       "a JSON or hjson file, or the file's text in base64)")
+        return _parse(text, "the base64 config")
     with open(path) as f:
+        return _parse(f.read(), f"DeepSpeed config file {path!r}")
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """DeepSpeed refuses a key given twice (a JSON reader would keep the last one silently)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: dict = {}
+        for k, _ in pairs:
+            seen[k] = seen.get(k, 0) + 1
+        raise ValueError("Duplicate keys in DeepSpeed config: {}".format([k for k, n in seen.items() if n > 1]))
+    return d
+
+
+def _parse(text: str, what: str) -> dict:
+    """JSON, or hjson (comments, unquoted keys, trailing commas) as DeepSpeed reads its files."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as json_error:
         try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise DeepSpeedConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+            import hjson
+        except ImportError:
+            raise DeepSpeedConfigError(f"{what} is not valid JSON ({json_error}); DeepSpeed also reads hjson, which "
+                                       "needs the 'hjson' package: pip install hjson (or the deepspeed extra)") from None
+        try:
+            return hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except hjson.HjsonDecodeError as e:
+            raise DeepSpeedConfigError(f"{what} is neither valid JSON nor hjson: {e}") from None
+
+
+def _base64_config(value: str) -> Optional[str]:
+    import base64
+    import binascii
+
+    try:
+        return base64.urlsafe_b64decode(value).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
 
 
 def translate(config: dict) -> Settings:
@@ -88,6 +128,8 @@ def translate(config: dict) -> Settings:
     s.wall_clock_breakdown = bool(config.get("wall_clock_breakdown", False))
     s.dataloader_drop_last = bool(config.get("dataloader_drop_last", False))
     s.managed_gradient_accumulation = bool(config.get("managed_gradient_accumulation", True))
+    s.tag_validation = _tag_validation(config.get("checkpoint") or {})
+    s.allgather_bucket_size = int((config.get("zero_optimization") or {}).get("allgather_bucket_size", 5e8))
     _check_reduction_keys(config)
     s.plan, s.plan_options = _nnscaler_section(config.get("nnscaler"))
     return s
@@ -250,6 +292,7 @@ def _precision(config: dict) -> tuple[str, dict]:
 
 
 def _zero_stage(section: dict) -> int:
+    _check_zero_values(section)
     stage = section.get("stage", 0)
     if stage == AUTO:  # DeepSpeed drops "auto" zero values and keeps the default
         stage = 0
@@ -268,6 +311,40 @@ def _zero_stage(section: dict) -> int:
         raise DeepSpeedConfigError("zero_optimization.zero_hpz_partition_size > 1 (hierarchical partitioning) is not "
                                    "supported; set it to 1")
     return int(stage)
+
+
+_TAG_MODES = ("IGNORE", "WARN", "FAIL")
+
+
+def _tag_validation(section: dict) -> str:
+    mode = section.get("tag_validation", "Warn")
+    if not isinstance(mode, str) or mode.upper() not in _TAG_MODES:
+        raise DeepSpeedConfigError(f"Checkpoint config contains invalid tag_validation value of {mode}, expecting one "
+                                   f"of {list(_TAG_MODES)}")
+    if section.get("load_universal"):
+        raise DeepSpeedConfigError("checkpoint.load_universal=true is not supported: this engine's checkpoints load "
+                                   "under any plan or world size without conversion; set it to false")
+    return mode.upper()
+
+
+def _check_zero_values(section: dict) -> None:
+    """The value checks DeepSpeed's zero_optimization model makes (types and bounds)."""
+    from . import keys as keys_table
+
+    for key, value in section.items():
+        kind = keys_table.ZERO_VALUE_TYPES.get(key)
+        if kind is None or value == AUTO or value is None:
+            continue
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise DeepSpeedConfigError(f"zero_optimization.{key} must be true or false, got {value!r}")
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
+        if not number:
+            raise DeepSpeedConfigError(f"zero_optimization.{key} must be an integer, got {value!r}")
+        if (kind == "int>0" and value <= 0) or (kind == "int>=0" and value < 0):
+            bound = "> 0" if kind == "int>0" else ">= 0"
+            raise DeepSpeedConfigError(f"zero_optimization.{key} must be {bound}, got {value!r}")
 
 
 def _check_reduction_keys(config: dict) -> None:

@@ -1,7 +1,13 @@
 """The engine a DeepSpeed script drives: forward, backward, step, with DeepSpeed's accumulation rules.
 
-The model is parallelized on the first forward (or `train_batch`), with that micro-batch as the
-example inputs, under the plan the config's "nnscaler" section names (data parallel by default).
+The model is parallelized under the plan the config's "nnscaler" section names (data parallel by
+default) as soon as example inputs are known: at `initialize` when it was given `example_inputs=`
+or `training_data=` (the loader's first micro-batch), otherwise at the first forward (or
+`train_batch`). Until then every method works on the model itself: `parameters()`, checkpoints
+saved and loaded (the loaded weights go into the model at once, the optimizer state once it is
+parallelized). Once parallelized, the model's parameters share storage with this rank's pieces
+where those are whole, so tensors a script took from the model before stay the trained ones.
+
 The optimizer the script holds stays the same object: it is made over the model's own parameters
 and, when the model is parallelized, its param groups are pointed at this rank's shards (nothing
 has stepped yet, so there is no state to move). Schedulers made on it keep working.
@@ -77,7 +83,41 @@ class DeepSpeedEngine(torch.nn.Module):
         self._data_iter: Optional[Iterator] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._model_params = dict(model.named_parameters())
         self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        if settings.precision != "fp32":  # DeepSpeed's bf16/fp16 engines hold the model in that dtype
+            from nnscaler_plugins.runtime.precision import compute_dtype
+
+            model.to(compute_dtype(settings.precision))
+        from .zero import register_engine
+
+        register_engine(self)
+
+    # -- the model's own parameters (zero.GatheredParameters) ---------------------------------------
+    def owns_model_parameter(self, param: torch.Tensor) -> bool:
+        return id(param) in self._model_param_names
+
+    def refresh_model_parameters(self, params: list) -> None:
+        """Write the whole, current values into these model parameters (collective once parallelized)."""
+        if self._pmodule is None:
+            return
+        whole = self._pmodule.full_state_dict()
+        with torch.no_grad():
+            for p in params:
+                value = whole[self._model_param_names[id(p)]]
+                if p.is_meta or p.shape != value.shape:
+                    p.data = value.to(p.dtype).clone()
+                elif p.data_ptr() != value.data_ptr():
+                    p.data.copy_(value)
+
+    def apply_model_parameters(self, params: list) -> None:
+        """Train on these model parameters' values from now on (every rank passes the same values)."""
+        if self._pmodule is None:
+            return
+        whole = self._pmodule.full_state_dict()
+        for p in params:
+            whole[self._model_param_names[id(p)]] = p.detach()
+        self._pmodule.load_full_state_dict(whole)
 
     # -- the module ---------------------------------------------------------------------------------
     @property
@@ -85,26 +125,54 @@ class DeepSpeedEngine(torch.nn.Module):
         """The parallelized module once built (it holds the weights that train), the model before."""
         return self._pmodule if self._pmodule is not None else self._model
 
+    def parallelize(self, example_inputs: Any) -> None:
+        """Parallelize the model now, on these example inputs (what one forward takes: a dict is
+        keyword arguments, a tuple positional ones, a tensor the single one). `initialize` calls it
+        when it was given example_inputs or training_data."""
+        if self._pmodule is None:
+            self._build(example_inputs)
+
     def _build(self, example_inputs: Any, micro_batches: int = 1) -> None:
         s = self._settings
         options = dict(s.plan_options, zero=s.zero_stage, precision=s.precision)
         if micro_batches > 1:
             options["micro_batches"] = micro_batches
-        object.__setattr__(self, "_pmodule", nns.parallelize(self._model, example_inputs, plan=s.plan,
-                                                             cache_dir=self._cache_dir, **options))
-        pm = self._pmodule
+        pm = nns.parallelize(self._model, example_inputs, plan=s.plan, cache_dir=self._cache_dir, **options)
+        acc = self.gradient_accumulation_steps()
+        if pm.plan.pipeline is not None and micro_batches == 1 and acc > 1:
+            # a pipeline's micro-batches are the accumulation steps: its example is acc micro-batches
+            options["micro_batches"] = acc
+            pm = nns.parallelize(self._model, _concat([example_inputs] * acc), plan=s.plan, cache_dir=self._cache_dir,
+                                 **options)
+        object.__setattr__(self, "_pmodule", pm)
         if pm.dp_size != self.dp_world_size:
             raise DeepSpeedConfigError(f"the plan has data-parallel size {pm.dp_size}, the batch sizes were resolved for "
                                        f"{self.dp_world_size}; give nnscaler.dp explicitly")
         pm.train(self._model.training)
         if isinstance(self.optimizer, ZeroOptimizer):
-            self.optimizer.adopt(pm, s.loss_scale)
+            self.optimizer.adopt(pm, self._model_param_names, s.loss_scale)
         elif self.optimizer is not None:
             self._rebind_optimizer()
         if self._pending_load is not None:
             path, with_optimizer, strict = self._pending_load
             self._pending_load = None
-            ckpt.load(path, pm, self._stepping_optimizer() if with_optimizer else None, strict)
+            ckpt.load_parallel(path, pm, self._stepping_optimizer() if with_optimizer else None, strict)
+        self._share_storage()
+
+    def _share_storage(self) -> None:
+        """The model's parameters become views of this rank's pieces where a piece is the whole
+        tensor, so the model a script still holds trains along (and its tensors get gradients)."""
+        pairs = []
+        for name, p in self._model_params.items():
+            local = self._pmodule.parameter(name)
+            if local is not None and local.shape == p.shape and local.dtype == p.dtype:
+                p.data = local.data
+                pairs.append((p, local))
+        self._shared = pairs
+
+    def _share_grads(self) -> None:
+        for p, local in getattr(self, "_shared", ()):
+            p.grad = local.grad
 
     def _stepping_optimizer(self) -> Any:
         """The optimizer whose state is saved: the plan's one under the ZeRO wrapper."""
@@ -154,6 +222,11 @@ class DeepSpeedEngine(torch.nn.Module):
             out = weighed_output(self._pmodule, args, kwargs, lambda: self._pmodule(*args, **kwargs))
         else:
             out = self._pmodule(*args, **kwargs)
+        if self._settings.precision != "fp32":  # DeepSpeed's half-precision model returns half-precision outputs
+            from nnscaler_plugins.runtime.precision import compute_dtype
+
+            dtype = compute_dtype(self._settings.precision)
+            out = pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, out)
         self._times["forward"] += time.perf_counter() - t0
         return out
 
@@ -165,10 +238,24 @@ class DeepSpeedEngine(torch.nn.Module):
         return self
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
-        return self.module.parameters(recurse)
+        for _, p in self.named_parameters():
+            yield p
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        return self.module.named_parameters(*args, **kwargs)
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The weights that train under the model's own names: the model's before it is
+        parallelized, this rank's pieces after (a parameter this rank holds none of is left out)."""
+        if self._pmodule is None:
+            yield from self._model.named_parameters(prefix, recurse, remove_duplicate)
+            return
+        for name in self._model_params:
+            local = self._pmodule.parameter(name)
+            if local is not None:
+                yield (f"{prefix}.{name}" if prefix else name), local
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed frees ZeRO-3's gathered parameters here; this engine gathers them per use, so
+        there is nothing held to free."""
 
     # -- accumulation -------------------------------------------------------------------------------
     def gradient_accumulation_steps(self) -> int:
@@ -195,14 +282,15 @@ class DeepSpeedEngine(torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction for the backwards inside (DeepSpeed refuses it with ZeRO 2 and 3,
         whose gradients are partitioned; so does this engine, to run the same scripts the same way)."""
-        if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
-                               f"stage {self.zero_optimization_stage()}")
-        old, self._in_no_sync = self._in_no_sync, True
+        assert not self.zero_optimization_stage() >= 2, (  # DeepSpeed asserts these; so does this engine
+            f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage "
+            f"{self.zero_optimization_stage()}")
+        assert not self._in_no_sync, "no_sync context manager reentry is unsupported"
+        self._in_no_sync = True
         try:
             yield
         finally:
-            self._in_no_sync = old
+            self._in_no_sync = False
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss / gradient_accumulation_steps (unless scale_wrt_gas=False) backward; gradients are
@@ -217,14 +305,14 @@ class DeepSpeedEngine(torch.nn.Module):
         scale = self.optimizer.loss_scale if isinstance(self.optimizer, ZeroOptimizer) else 1.0
         with contextlib.nullcontext() if sync else self._pmodule.no_sync():
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._share_grads()
         self._times["backward"] += time.perf_counter() - t0
         return loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """At the boundary: clip, step the optimizer and the scheduler, zero the gradients, count
         the step. Off the boundary it only counts the micro-step."""
-        if self._in_no_sync:
-            raise RuntimeError("It is illegal to call Engine.step() inside no_sync context manager")
+        assert not self._in_no_sync, "It is illegal to call Engine.step() inside no_sync context manager"
         t0 = time.perf_counter()
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
@@ -245,6 +333,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self._share_grads()
         skipped = isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.last_step_skipped
         if skipped:  # fp16 overflow: DeepSpeed skips the step and holds the schedule
             self.skipped_steps += 1
@@ -274,6 +363,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._share_grads()
 
     # -- pipelines ----------------------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
@@ -367,21 +457,34 @@ class DeepSpeedEngine(torch.nn.Module):
                                            drop_last=self._settings.dataloader_drop_last)
 
     # -- state --------------------------------------------------------------------------------------
-    def module_state_dict(self) -> dict:
-        """Whole weights under the model's own names (collective once parallelized)."""
-        return self._pmodule.full_state_dict() if self._pmodule is not None else self._model.state_dict()
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """Whole weights under the model's own names, in the training dtype (collective once
+        parallelized)."""
+        state = self._pmodule.full_state_dict() if self._pmodule is not None else \
+            {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+        if exclude_frozen_parameters:
+            state = {k: v for k, v in state.items() if k not in self._frozen_names()}
+        return {prefix + k: v for k, v in state.items()}
 
-    def load_module_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+    def load_module_state_dict(self, checkpoint: dict, strict: bool = True, custom_load_fn: Any = None,
+                               fetch_z3_params: bool = False) -> None:
+        """Whole weights (or a DeepSpeed checkpoint dict holding them under "module") into the model."""
+        state = checkpoint["module"] if "module" in checkpoint and isinstance(checkpoint["module"], dict) \
+            else checkpoint
         if self._pmodule is not None:
-            self._pmodule.load_full_state_dict(state_dict)
+            self._pmodule.load_full_state_dict(state)
         else:
-            self._model.load_state_dict(state_dict, strict=strict)
+            self._model.load_state_dict(state, strict=strict)
+
+    def _frozen_names(self) -> set:
+        return {n for n, p in self._model_params.items() if not p.requires_grad}
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Whole weights in one file, written by rank 0 (every rank must call it). Kept in the
         training dtype: fp32 stays fp32."""
-        state = self.module_state_dict()
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
@@ -389,33 +492,88 @@ class DeepSpeedEngine(torch.nn.Module):
             dist.barrier()
         return True
 
+    def _check_tag(self, tag: str) -> None:
+        """checkpoint.tag_validation: every rank must save under the same tag (DeepSpeed's check)."""
+        mode = self._settings.tag_validation
+        if mode == "IGNORE" or not dist.is_initialized() or self.world_size == 1:
+            return
+        tags: list = [None] * self.world_size
+        dist.all_gather_object(tags, str(tag))
+        if len(set(tags)) > 1:
+            msg = f"checkpoint tag {tag!r} is not consistent across all ranks: {tags}"
+            if mode == "FAIL":
+                raise AssertionError(msg)
+            log.warning(msg)
+
+    def _groups_and_masters(self) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
+        """Each optimizer group's trainable parameter names, and their fp32 master values (collective)."""
+        opt = self.optimizer
+        if self._pmodule is None or opt is None:
+            groups = [[self._model_param_names[id(p)] for p in g["params"]
+                       if id(p) in self._model_param_names and p.requires_grad] for g in opt.param_groups] \
+                if opt is not None else [[n for n, p in self._model_params.items() if p.requires_grad]]
+            whole = {n: p.detach().float() for n, p in self._model_params.items()}
+            if self._pmodule is not None:
+                whole = {n: t.float() for n, t in self._pmodule.full_state_dict().items()}
+            return groups, {n: whole[n] for g in groups for n in g}
+        if isinstance(opt, ZeroOptimizer):
+            full = opt.inner.full_state_dict()
+            groups = [list(g) for g in opt.group_names]
+            whole = None
+            masters = {}
+            for g in groups:
+                for n in g:
+                    m = full["state"].get(n, {}).get("master_param")
+                    if m is None:
+                        whole = whole if whole is not None else self._pmodule.full_state_dict()
+                        m = whole[n]
+                    masters[n] = m.float()
+            return groups, masters
+        whole = self._pmodule.full_state_dict()
+        groups = [[self._model_param_names[id(p)] for p in g["params"] if id(p) in self._model_param_names]
+                  for g in opt.param_groups]
+        return groups, {n: whole[n].float() for g in groups for n in g}
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's layout (`latest`, `<tag>/`) around a sharded checkpoint; every rank must call it
-        (a rank that does not is named in the others' error instead of hanging them)."""
-        if self._pmodule is None:
-            raise RuntimeError("save_checkpoint before the first forward: the model is parallelized on the first "
-                               "batch, so there is nothing of this engine's to save yet")
+        """DeepSpeed's layout (`latest`, `<tag>/` with its model and optimizer state files) around a
+        reshardable checkpoint of this engine; every rank must call it. Works before the first
+        forward too (the model as it is, no optimizer state yet)."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self._check_tag(tag)
+        groups, masters = self._groups_and_masters()
+        module_state = self.module_state_dict()
+        frozen_names = self._frozen_names()
+        frozen = {} if exclude_frozen_parameters else {n: module_state[n].float() for n in frozen_names
+                                                      if n in module_state}
         if exclude_frozen_parameters:
-            raise NotImplementedError("exclude_frozen_parameters=True is not supported; checkpoints hold every tensor")
-        tag = f"global_step{self.global_steps}" if tag is None else tag
-        extra = {"client_state": dict(client_state or {}), "engine": self._counters(),
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                 "ds_config": self._config}
-        ckpt.save(save_dir, tag, self._pmodule, self._stepping_optimizer(), extra, save_latest)
+            module_state = {k: v for k, v in module_state.items() if k not in frozen_names}
+        buffers = [n for n, _ in self._model.named_buffers()]
+        extra = dict(client_state or {})
+        extra.update({"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                      "ds_config": self._config, **self._counters()})
+        ckpt.save(save_dir, tag, module_state=module_state, buffer_names=buffers, groups=groups, masters=masters,
+                  frozen=frozen, extra=extra, zero_stage=self.zero_optimization_stage(),
+                  precision=self._settings.precision, dp=self.dp_world_size, dp_rank=self.dp_rank,
+                  parallel=self._pmodule, optimizer=self._stepping_optimizer() if self._pmodule is not None else None,
+                  save_latest=save_latest)
         return True
 
     def _counters(self) -> dict:
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}
 
+    _ENGINE_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+                    "shared_params", "dp_world_size", "mp_world_size", "ds_version", "lr_scheduler", "ds_config",
+                    "global_steps", "global_samples", "micro_steps", "skipped_steps", "optimizer")
+
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Optional[Callable] = None
                         ) -> tuple[Optional[str], Optional[dict]]:
         """Returns (path, client_state), or (None, None) when `load_dir` has no `latest` and no tag was
-        given. Before the first forward, the tensors are loaded right after the model is parallelized
-        (under whatever plan and world size this job has); counters, scheduler and client_state at once."""
+        given. The weights apply at once (into the model before it is parallelized); the optimizer
+        state, under whatever plan and world size this job has, once it is parallelized."""
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported; load the state yourself from the path "
                                       "engine.load_checkpoint returns")
@@ -425,19 +583,32 @@ class DeepSpeedEngine(torch.nn.Module):
                         "explicit tag or make sure 'latest' exists", os.path.join(load_dir, ckpt.LATEST))
             return None, None
         path = os.path.join(load_dir, tag)
-        extra = ckpt.read_extras(path)
+        states = ckpt.read_states(path)
+        parallel_dir = ckpt.nns_dir(path)
         with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
+        module_state = states["module"]
         if self._pmodule is not None:
-            ckpt.load(path, self._pmodule, self._stepping_optimizer() if with_optimizer else None,
-                      load_module_strict)
+            if parallel_dir is not None:
+                ckpt.load_parallel(parallel_dir, self._pmodule,
+                                   self._stepping_optimizer() if with_optimizer else None, load_module_strict)
+            else:
+                self._pmodule.load_full_state_dict({**self._pmodule.full_state_dict(), **module_state})
         else:
-            self._pending_load = (path, with_optimizer, load_module_strict)
+            missing = self._model.load_state_dict(module_state, strict=False)
+            absent = [k for k in missing.missing_keys if k not in self._frozen_names()]
+            if load_module_strict and (absent or missing.unexpected_keys):
+                raise RuntimeError(f"Error(s) in loading state_dict: missing keys {absent}, unexpected keys "
+                                   f"{missing.unexpected_keys}")
+            if parallel_dir is not None and with_optimizer:
+                self._pending_load = (parallel_dir, True, load_module_strict)
         if not load_module_only:
-            if load_lr_scheduler_states and self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
-                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-            for k, v in (extra.get("engine") or {}).items():
-                setattr(self, k, v)
-        return path, extra.get("client_state", {})
+            if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+            for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+                if k in states:
+                    setattr(self, k, states[k])
+        client = {k: v for k, v in states.items() if k not in self._ENGINE_KEYS}
+        return path, client
 
     def destroy(self) -> None:
         """Nothing to release beyond what garbage collection does; kept for DeepSpeed's API."""

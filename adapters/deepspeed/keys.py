@@ -46,7 +46,7 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "compile": (WARN, "the generated per-rank code runs eagerly"),
     "autotuning": (WARN, "DeepSpeed's autotuner is not run; use 'nnscaler': {'plan': 'auto'}"),
     "aio": (WARN, "no NVMe offload here"),
-    "checkpoint": (WARN, "tag validation and node-local storage options are not reproduced"),
+    "checkpoint": (ACCEPT, "tag_validation; load_universal only false"),
     "activation_checkpointing": (WARN, "deepspeed.checkpointing is not reproduced; use the plan's recompute= option"),
     "disable_allgather": (WARN, "a communication tuning knob with no effect here"),
     "pipeline": (WARN, "choose a pipeline with 'nnscaler': {'plan': '1f1b', 'pp': N} instead"),
@@ -95,7 +95,9 @@ for _k in ("contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_
            "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_module_granularity_threshold",
            "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "log_trace_cache_warnings",
            "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-           "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save"):
+           "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+           "pipeline_loading_checkpoint", "override_module_apply", "enable_sanity_checks", "parameter_alignment",
+           "legacy_stage1", "save_muon_momentum_buffer_in_memory"):
     ZERO.setdefault(_k, (WARN, "a DeepSpeed communication/memory tuning knob with no effect on results here"))
 
 FP16: dict[str, tuple[str, str]] = {
@@ -118,4 +120,32 @@ BF16: dict[str, tuple[str, str]] = {
     "bf16_optimizer_states": (ACCEPT, "only false: optimizer states are fp32"),
 }
 
-SECTIONS = {"zero_optimization": ZERO, "fp16": FP16, "bf16": BF16, "bfloat16": BF16}
+CHECKPOINT: dict[str, tuple[str, str]] = {
+    "tag_validation": (ACCEPT, "Ignore, Warn or Fail when ranks save under different tags"),
+    "load_universal": (ACCEPT, "only false: checkpoints here load under any plan without conversion"),
+    "use_node_local_storage": (WARN, "every rank writes its own files here anyway"),
+    "parallel_write": (WARN, "a DeepSpeed I/O tuning knob with no effect here"),
+    "writer": (WARN, "a DeepSpeed I/O tuning knob with no effect here"),
+}
+
+# DeepSpeed's zero_optimization model checks these values' types and bounds; so does this engine.
+ZERO_VALUE_TYPES: dict[str, str] = {
+    "reduce_bucket_size": "int>0",
+    **dict.fromkeys(("allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "param_persistence_threshold",
+                     "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance",
+                     "max_reuse_distance", "zero_hpz_partition_size"), "int>=0"),
+    **dict.fromkeys(("stage3_model_persistence_threshold", "model_persistence_threshold",
+                     "stage3_module_granularity_threshold"), "int"),
+    **dict.fromkeys(("contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce",
+                     "allgather_partitions", "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint",
+                     "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+                     "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+                     "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+                     "round_robin_gradients", "parameter_alignment", "zero_quantized_weights",
+                     "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "memory_efficient_linear",
+                     "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+                     "enable_sanity_checks", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"), "bool"),
+}
+
+SECTIONS = {"zero_optimization": ZERO, "fp16": FP16, "bf16": BF16, "bfloat16": BF16, "checkpoint": CHECKPOINT}

@@ -18,18 +18,25 @@ from .errors import DeepSpeedConfigError
 LOG, LINEAR = "log", "linear"
 
 
+def _number(value: Any) -> Any:
+    """A learning rate held as a tensor (torch allows one, e.g. for capturable optimizers), as the
+    number the schedule computes with."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
 def _per_group(optimizer: torch.optim.Optimizer, value: Any, name: str) -> list:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
             raise ValueError(f"expected {len(optimizer.param_groups)} values for {name}, got {len(value)}")
-        return list(value)
-    return [value] * len(optimizer.param_groups)
+        return [_number(v) for v in value]
+    return [_number(value)] * len(optimizer.param_groups)
 
 
 def _set_lr(optimizer: torch.optim.Optimizer, lrs: list) -> list:
     for group, lr in zip(optimizer.param_groups, lrs):
+        lr = _number(lr)
         if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
+            group["lr"].fill_(lr)  # the tensor stays the one the optimizer holds
         else:
             group["lr"] = lr
     return [g["lr"] for g in optimizer.param_groups]

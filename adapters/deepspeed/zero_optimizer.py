@@ -23,12 +23,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """A torch optimizer in every way schedulers and scripts use one; the stepping is delegated."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):  # noqa: D107 - torch's __init__ is not called on purpose
-        if len(optimizer.param_groups) != 1:
-            raise ValueError(f"ZeRO and bf16/fp16 step one param group here, the optimizer has "
-                             f"{len(optimizer.param_groups)}: give every parameter the same hyperparameters, or use "
-                             "zero_optimization.stage 0 in fp32, where param groups are kept")
         self.__dict__["_inner"] = optimizer
         self.__dict__["_parallel"] = False
+        self.__dict__["group_names"] = None  # per param group, the model names of its parameters (once adopted)
 
     # What LR schedulers and scripts read and write.
     @property
@@ -61,8 +58,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def last_step_skipped(self) -> bool:
         return bool(getattr(self._inner, "last_step_skipped", False))
 
-    def adopt(self, module: Any, loss_scale: Optional[dict] = None) -> None:
-        """Switch to the plan's optimizer for the parallelized `module` (before any step)."""
+    def adopt(self, module: Any, names: dict[int, str], loss_scale: Optional[dict] = None) -> None:
+        """Switch to the plan's optimizer for the parallelized `module` (before any step). `names`
+        maps each model parameter (by id) to its name in the model: every param group keeps its
+        parameters, by name, and its own hyperparameters."""
         old = self._inner
         if any(len(s) for s in old.state.values()):
             raise RuntimeError("the optimizer stepped before the model was parallelized; it must not (the first "
@@ -70,15 +69,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cls = type(old)
         accepted = inspect.signature(cls.__init__).parameters
         kwargs = {k: v for k, v in old.defaults.items() if k in accepted}
-        new = nns.build_optimizer(module, cls, **kwargs)
-        for key, value in old.param_groups[0].items():
-            if key != "params":
-                new.param_groups[0][key] = value
+        trainable = {fqn for fqn in module.zero_shards}
+        group_names, spec = [], []
+        for i, group in enumerate(old.param_groups):
+            mine = []
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is None:
+                    raise ValueError(f"param group {i} holds a tensor that is not a parameter of the model; build the "
+                                     "optimizer over model.parameters() (or param groups of them)")
+                if name in trainable and name not in mine:
+                    mine.append(name)
+            group_names.append(mine)
+            spec.append({**{k: v for k, v in group.items() if k != "params" and k in accepted}, "params": mine})
+        placed = {n for g in group_names for n in g}
+        left = sorted(trainable - placed)
+        if left:
+            raise ValueError(f"trainable parameters in no param group of the optimizer: {left[:8]}; DeepSpeed would "
+                             "leave them unchanged, this engine steps every trainable parameter: pass them in a "
+                             "group, or set requires_grad=False")
+        new = nns.build_optimizer(module, cls, param_groups=spec, **kwargs)
+        for old_group, new_group in zip(old.param_groups, new.param_groups):
+            for key, value in old_group.items():  # what a scheduler set (initial_lr, lr as a tensor, ...)
+                if key != "params":
+                    new_group[key] = value
         if loss_scale and getattr(new, "scaler", None) is not None:  # fp16: DeepSpeed's scaling rules
             new.scaler = DeepSpeedLossScaler(**loss_scale)
             module.loss_scale = new.scaler.scale
         self.__dict__["_inner"] = new
         self.__dict__["_parallel"] = True
+        self.__dict__["group_names"] = group_names
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self._inner.clip_grad_norm_(max_norm)
