@@ -225,7 +225,7 @@ def test_export_and_offline_merge(saved, tmp_path):
 
     root, want = saved
     model_state = want["tp4"][0]
-    sizes = [os.path.getsize(os.path.join(root, "tp4", f"rank-{r:05d}.pt")) for r in range(4)]
+    sizes = [os.path.getsize(os.path.join(root, "tp4", f"rank-{r:05d}.bin")) for r in range(4)]
     assert max(sizes) < 1.1 * min(sizes), sizes  # every rank writes about a quarter of the bytes
     merged = str(tmp_path / "merged.pt")
     assert main(["merge-checkpoint", os.path.join(root, "tp4"), merged]) == 0
@@ -284,18 +284,18 @@ def test_corrupt_or_wrong_paths_give_clear_errors(saved, tmp_path):
 
     # a file inside the checkpoint names the checkpoint (a common mistake on resume)
     assert read_metadata(os.path.join(bad, "metadata.json"))[0] == bad
-    with open(os.path.join(bad, "rank-00002.pt"), "r+b") as f:  # one byte changed, same size
+    with open(os.path.join(bad, "rank-00002.bin"), "r+b") as f:  # one byte changed, same size
         f.seek(2000)
         byte = f.read(1)
         f.seek(2000)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CheckpointError, match="rank-00002.pt is corrupt"):
+    with pytest.raises(CheckpointError, match="rank-00002.bin is corrupt"):
         nns.checkpoint.load(bad, models.gpt2_small(2)[0])
-    with open(os.path.join(bad, "rank-00001.pt"), "r+b") as f:
+    with open(os.path.join(bad, "rank-00001.bin"), "r+b") as f:
         f.truncate(100)
     gpt2, _ = models.gpt2_small(2)  # the same names as the saved module: only the damage is in the way
     before = {k: v.clone() for k, v in gpt2.state_dict().items()}
-    with pytest.raises(CheckpointError, match="rank-00001.pt has 100 bytes.*truncated"):
+    with pytest.raises(CheckpointError, match="rank-00001.bin has 100 bytes.*truncated"):
         nns.checkpoint.load(bad, gpt2)
     assert all(torch.equal(v, gpt2.state_dict()[k]) for k, v in before.items())
     with open(os.path.join(bad, "metadata.json"), "w") as f:

@@ -1,85 +1,231 @@
 """`load`: checks the checkpoint against the module (and optimizer) first, then each rank reads
-the whole tensors and keeps its own pieces under the module's current plan."""
+only the elements of the pieces it holds under the module's current plan.
+
+The same reading serves every source of weights: a directory `save` wrote, a Hugging Face
+`save_pretrained` directory (hf_weights.py) and a torch.distributed.checkpoint directory (dcp.py).
+Each is a `WeightSource`: names with whole shapes and dtypes, and a box reader.
+"""
 from __future__ import annotations
 
 import os
-from typing import Any
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 
 from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.format import (
+    OPTIM_GROUPS_KEY,
     TensorReader,
-    model_tensors,
-    optimizer_tensors,
+    dtype_of,
+    model_key,
+    optim_key,
     read_extra,
     read_metadata,
     verify_files,
 )
-from nnscaler_plugins.checkpoint.model_state import (
-    expected_model_tensors,
-    load_model_state,
+from nnscaler_plugins.checkpoint.model_state import expected_model_tensors
+from nnscaler_plugins.checkpoint.optimizer_state import check_optimizer_matches
+from nnscaler_plugins.checkpoint.pieces import (
+    aliases,
+    knows_plan_pieces,
+    model_slots,
+    optimizer_slots,
 )
-from nnscaler_plugins.checkpoint.optimizer_state import (
-    check_optimizer_matches,
-    load_optimizer_state,
-)
+from nnscaler_plugins.checkpoint.regions import Box, read_piece
 
 
-def model_mismatch(meta: dict[str, Any], module: torch.nn.Module, strict: bool = True) -> list[str]:
-    """Missing, unexpected and differently shaped tensors between a checkpoint and a module."""
+class WeightSource:
+    """Whole tensors by name, read box by box. `tensors` maps every name (tied names included) to
+    (whole shape, dtype); `read(name, box)` returns those elements only."""
+
+    kind = "checkpoint"
+
+    def __init__(self, where: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 read: Callable[[str, Box], torch.Tensor], origin: str = ""):
+        self.where, self.tensors, self.read, self.origin = where, tensors, read, origin
+
+
+def checkpoint_source(directory: str, meta: dict[str, Any], reader: TensorReader) -> WeightSource:
+    model = meta["model"]
+    tensors = {}
+    for name, entry in model.items():
+        src = model[entry["alias_of"]] if "alias_of" in entry else entry
+        tensors[name] = (tuple(src["shape"]), dtype_of(src) if "dtype" in src else torch.float32)
+
+    def read(name: str, box: Box) -> torch.Tensor:
+        entry = model[name]
+        stored = entry.get("alias_of", name)
+        return reader.read(model_key(stored), model[stored], box)
+
+    saved = meta.get("plan", {})
+    origin = f"saved from {saved.get('model_class') or 'another model'}, strategy {saved.get('strategy')!r}"
+    return WeightSource(directory, tensors, read, origin)
+
+
+def _names_of(module: torch.nn.Module) -> dict[str, list[str]]:
+    """Every state name of the module -> its tied names (itself first)."""
+    tied = aliases(module)
+    groups: dict[str, list[str]] = {}
+    for alias, name in tied.items():
+        groups.setdefault(name, [name]).append(alias)
+    return {n: g for g in groups.values() for n in g}
+
+
+def model_mismatch(source: WeightSource, module: torch.nn.Module, strict: bool = True) -> list[str]:
+    """Missing, unexpected and differently shaped tensors between a source and a module. A name the
+    source lacks is found under a name tied to it (a tied output embedding saved once)."""
     want = expected_model_tensors(module)
-    have: dict[str, tuple[int, ...]] = {}
-    for name, entry in meta["model"].items():
-        src = meta["model"][entry["alias_of"]] if "alias_of" in entry else entry
-        have[name] = tuple(src["shape"])
+    tied = _names_of(module)
+    have = {n: shape for n, (shape, _) in source.tensors.items()}
+    found = {n: next((t for t in tied.get(n, [n]) if t in have), None) for n in want}
     problems = []
-    missing = [n for n in want if n not in have]
-    unexpected = [n for n in have if n not in want]
-    shapes = [n for n in want if n in have and want[n] != have[n]]
+    missing = [n for n, f in found.items() if f is None]
+    used = set(found.values())
+    unexpected = [n for n in have if n not in want and n not in used]
+    shapes = [n for n, f in found.items() if f is not None and tuple(want[n]) != tuple(have[f])]
     if missing:
-        problems.append(f"missing from the checkpoint ({len(missing)}): " +
+        problems.append(f"missing from the {source.kind} ({len(missing)}): " +
                         ", ".join(f"{n} {list(want[n])}" for n in missing[:20]) + (" ..." if len(missing) > 20 else ""))
     if unexpected and strict:
-        problems.append(f"in the checkpoint but not in the module ({len(unexpected)}): " +
+        problems.append(f"in the {source.kind} but not in the module ({len(unexpected)}): " +
                         ", ".join(f"{n} {list(have[n])}" for n in unexpected[:20]) +
                         (" ..." if len(unexpected) > 20 else ""))
     for n in shapes[:20]:
-        problems.append(f"{n}: checkpoint has shape {list(have[n])}, the module {list(want[n])}")
+        problems.append(f"{n}: the {source.kind} has shape {list(have[found[n]])}, the module {list(want[n])}")
     return problems
+
+
+def load_model_pieces(module: torch.nn.Module, source: WeightSource) -> list[str]:
+    """Each held piece of the module's state read from `source` (only its elements); returns the
+    dtype conversions made, in words."""
+    tied = _names_of(module)
+    conversions: dict[tuple[str, str], int] = {}
+    local_of = _local_tensors(module)
+    with torch.no_grad():
+        for slot in model_slots(module):
+            local = local_of(slot)
+            if slot.zeroed:
+                local.zero_()
+                continue
+            name = next((t for t in tied.get(slot.name, [slot.name]) if t in source.tensors), None)
+            if name is None:
+                continue  # strict=False and not in the source (checked before)
+            stored = source.tensors[name][1]
+            if stored != local.dtype:
+                pair = (str(stored).removeprefix("torch."), str(local.dtype).removeprefix("torch."))
+                conversions[pair] = conversions.get(pair, 0) + 1
+            p = slot.piece
+            flat = read_piece(p.region, lambda box, n=name: source.read(n, box), local.dtype, p.lo, p.hi)
+            local.copy_(flat.view(local.shape))
+    return [f"{n} tensor(s) from {a} to {b}" for (a, b), n in sorted(conversions.items())]
+
+
+def _local_tensors(module: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+    if getattr(module, "program", None) is not None and hasattr(module, "local_tensor"):
+        return lambda slot: module.local_tensor(slot.key)
+    state = module.state_dict(keep_vars=True)
+    return lambda slot: state[slot.name]
+
+
+def _read_optimizer(module: Any, optimizer: Any, meta: dict[str, Any], reader: TensorReader) -> None:
+    """This rank's pieces of the saved optimizer state into `optimizer`."""
+    saved_state = meta["optimizer"]["state"]
+    groups = reader.get(OPTIM_GROUPS_KEY, {"file": meta["optimizer"]["param_groups_file"], "object": True})
+
+    def state_of(slot: Any) -> dict[str, Any]:
+        out = {}
+        for key, entry in saved_state.get(slot.fqn, {}).items():
+            k = optim_key(slot.fqn, key)
+            if not entry.get("object") and tuple(entry["shape"]) == slot.shape and len(slot.shape) >= 1:
+                out[key] = read_piece(slot.region, lambda box, k=k, e=entry: reader.read(k, e, box), dtype_of(entry),
+                                      slot.lo, slot.hi)
+            else:
+                out[key] = reader.get(k, entry)
+        return out
+
+    slots = optimizer_slots(module, optimizer)  # plain optimizers: in param_groups order
+    if knows_plan_pieces(optimizer):
+        for slot in slots:
+            optimizer.load_local_state(slot.fqn, state_of(slot))
+        for g, saved in zip(optimizer.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        return
+    sd = optimizer.state_dict()
+    new_state: dict[int, dict[str, Any]] = {}
+    order = iter(slots)
+    for g, sg in zip(optimizer.param_groups, sd["param_groups"]):
+        for p, i in zip(g["params"], sg["params"]):
+            st = state_of(next(order))
+            new_state[i] = {k: (v.reshape(p.shape).clone() if torch.is_tensor(v) and v.dim() >= 1
+                                and v.numel() == p.numel() else v) for k, v in st.items()}
+    new_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": sg["params"]}
+                  for saved, sg in zip(groups, sd["param_groups"])]
+    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 
 
 def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *, strict: bool = True
          ) -> dict[str, Any]:
-    """Load a checkpoint written by `save` into `module` (and `optimizer`), under whatever plan and
-    world size they have now; returns the `extra` values given to save. Call on every rank.
+    """Load a checkpoint into `module` (and `optimizer`), under whatever plan and world size they
+    have now; returns the `extra` values given to save. Call on every rank.
 
-    Nothing is changed unless the checkpoint fits: names and shapes are compared first and every
+    `path` is a directory `nns.checkpoint.save` wrote, a Hugging Face `save_pretrained`
+    directory (model.safetensors, sharded with model.safetensors.index.json, or pytorch_model.bin;
+    weights only) or a torch.distributed.checkpoint directory (weights, and optimizer state in
+    the layout `export_dcp` writes). Each rank reads only the elements of the pieces it holds.
+    Nothing is changed unless the source fits: names and shapes are compared first and every
     mismatch is listed; damaged files are detected by size and SHA-256 before reading.
     `strict=False` ignores tensors the module does not have.
     """
-    directory, meta = read_metadata(os.fspath(path))
-    problems = model_mismatch(meta, module, strict)
+    from nnscaler_plugins.checkpoint.dcp import is_dcp_dir
+    from nnscaler_plugins.checkpoint.hf_weights import hf_source, is_hf_dir, matched_to
+
+    where = os.fspath(path)
+    if is_hf_dir(where) or is_dcp_dir(where):
+        from nnscaler_plugins.checkpoint.dcp import dcp_source
+        if optimizer is not None and is_hf_dir(where):
+            raise CheckpointError(f"{where} is a Hugging Face save_pretrained directory: it holds weights only; load "
+                                  "it without optimizer=")
+        source = hf_source(where) if is_hf_dir(where) else dcp_source(where)
+        if is_hf_dir(where):
+            source = matched_to(source, set(expected_model_tensors(module)))
+        _check(source, module, strict, [])
+        notes = load_model_pieces(module, source)
+        if optimizer is not None:
+            from nnscaler_plugins.checkpoint.dcp import load_dcp_optimizer
+            load_dcp_optimizer(where, module, optimizer)
+        _state_conversions(notes, source)
+        return {}
+    directory, meta = read_metadata(where)
+    reader = TensorReader(directory)
+    source = checkpoint_source(directory, meta, reader)
+    problems = []
     if optimizer is not None:
         if meta.get("optimizer") is None:
             problems.append("the checkpoint holds no optimizer state (it was saved without optimizer=); "
                             "load it without optimizer= or save one that has it")
         else:
             problems += check_optimizer_matches(module, optimizer, [{"params": g} for g in meta["optimizer"]["groups"]])
-    if problems:
-        saved = meta.get("plan", {})
-        origin = saved.get("model_class") or "another model"
-        raise CheckpointError(f"checkpoint {directory} (saved from {origin}, strategy {saved.get('strategy')!r}) does "
-                              f"not fit this module; nothing was loaded:\n  " + "\n  ".join(problems))
+    _check(source, module, strict, problems)
     verify_files(directory, meta)
-    reader = TensorReader(directory)
-    state = model_tensors(directory, meta, reader)
-    if not strict:
-        want = expected_model_tensors(module)
-        state = {k: v for k, v in state.items() if k in want}
-    optim = optimizer_tensors(directory, meta, reader) if optimizer is not None else None
     extra = read_extra(directory, meta)
-    load_model_state(module, state)
+    load_model_pieces(module, source)
     if optimizer is not None:
-        load_optimizer_state(module, optimizer, optim)
+        _read_optimizer(module, optimizer, meta, reader)
     return extra
+
+
+def _check(source: WeightSource, module: torch.nn.Module, strict: bool, problems: list[str]) -> None:
+    problems = model_mismatch(source, module, strict) + problems
+    if problems:
+        origin = f" ({source.origin})" if source.origin else ""
+        raise CheckpointError(f"{source.kind} {source.where}{origin} does not fit this module; nothing was loaded:\n  "
+                              + "\n  ".join(problems))
+
+
+def _state_conversions(notes: list[str], source: WeightSource, rank: Optional[int] = None) -> None:
+    """Dtype conversions are said once (rank 0), not done silently."""
+    from nnscaler_plugins.checkpoint.agreement import world
+
+    if notes and world()[0] == 0:
+        warnings.warn(f"nns.checkpoint.load: converted {', '.join(notes)} while reading {source.where}", stacklevel=3)

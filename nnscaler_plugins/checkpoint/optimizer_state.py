@@ -77,7 +77,7 @@ def full_optimizer_state(module: torch.nn.Module, optimizer: Any, keep: Optional
         if world > 1:  # pipeline stages list only their own parameters in their groups
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, [{"params": list(g["params"])} for g in full["param_groups"]])
-            names = _merge_groups(everyone)
+            names = merge_groups(everyone)
             full["param_groups"] = [{**g, "params": n["params"]} for g, n in zip(full["param_groups"], names)]
         return full
     state, groups = _local(module, optimizer)
@@ -88,6 +88,24 @@ def full_optimizer_state(module: torch.nn.Module, optimizer: Any, keep: Optional
     return _gather(module, state, groups, world, keep)
 
 
+def group_names(module: torch.nn.Module, optimizer: Any) -> list[dict]:
+    """The optimizer's parameter groups with parameters by model name (this rank's parameters;
+    pipeline stages' lists are joined by `merge_groups`). No communication."""
+    if hasattr(optimizer, "group_names"):
+        return optimizer.group_names()
+    index = _param_index(module)
+    groups = []
+    for g in optimizer.param_groups:
+        names = []
+        for p in g["params"]:
+            if id(p) not in index:
+                raise CheckpointError("the optimizer holds a tensor that is not a parameter of this module; build "
+                                      "it over module.parameters() of the module being saved")
+            names.append(index[id(p)][0])
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    return groups
+
+
 def _describe(state: dict) -> dict:
     out = {}
     for fqn, (lay, st) in state.items():
@@ -96,7 +114,7 @@ def _describe(state: dict) -> dict:
     return out
 
 
-def _merge_groups(all_groups: list[list[dict]]) -> list[dict]:
+def merge_groups(all_groups: list[list[dict]]) -> list[dict]:
     """Pipeline stages each see only their own parameters: a group's names are the union."""
     counts = {len(g) for g in all_groups}
     if len(counts) != 1:
@@ -155,7 +173,7 @@ def _gather(module: Any, state: dict, groups: list[dict], world: int, keep: Opti
                 torch.empty(whole.shape, dtype=whole.dtype, device="meta")
             del whole
         out[s.fqn] = entries
-    return {"state": out, "param_groups": _merge_groups([g for _, g in everyone])}
+    return {"state": out, "param_groups": merge_groups([g for _, g in everyone])}
 
 
 def check_optimizer_matches(module: torch.nn.Module, optimizer: Any, saved_groups: list[dict]) -> list[str]:

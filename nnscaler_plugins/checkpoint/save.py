@@ -1,12 +1,12 @@
-"""`save`: every rank gathers whole tensors, writes the ones it owns, and rank 0 publishes the
-directory atomically once every rank reports its file written and synced."""
+"""`save`: every rank writes the pieces of the state it is the first holder of, as they are in its
+memory (no whole tensor is gathered), and rank 0 publishes the directory atomically once every
+rank reports its file written and synced and the pieces cover every tensor exactly once."""
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import shutil
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -28,19 +28,28 @@ from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.format import (
     EXTRA_FILE,
     FORMAT,
+    OBJECTS_FILE,
     OPTIM_GROUPS_KEY,
     VERSION,
+    PieceWriter,
     file_digest,
-    model_key,
     object_entry,
     optim_key,
+    piece_entry,
     rank_file,
-    tensor_entry,
+    stored_tensor_entry,
     write_metadata,
 )
-from nnscaler_plugins.checkpoint.model_state import full_model_state
-from nnscaler_plugins.checkpoint.optimizer_state import full_optimizer_state
-from nnscaler_plugins.checkpoint.ownership import assign_owners, loads
+from nnscaler_plugins.checkpoint.optimizer_state import group_names, merge_groups
+from nnscaler_plugins.checkpoint.pieces import (
+    aliases,
+    is_piece_tensor,
+    model_data,
+    model_slots,
+    optimizer_slots,
+    partial_keys,
+)
+from nnscaler_plugins.checkpoint.regions import Region
 
 WHAT = "nns.checkpoint.save"
 
@@ -56,90 +65,77 @@ def plan_summary(module: Any) -> dict[str, Any]:
             "options": {k: v for k, v in plan.options.items() if isinstance(v, (int, float, str, bool))}}
 
 
-def _model_items(model: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Stored model tensors by file key, and tied names (stored once) -> the name that is stored."""
-    items: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    for name, t in model.items():
-        if id(t) in first_name:
-            aliases[name] = first_name[id(t)]
-        else:
-            first_name[id(t)] = name
-            items[model_key(name)] = t
-    return items, aliases
+class _Written:
+    """What one rank wrote: per stored tensor its shape, dtype and pieces; small values by key."""
+
+    def __init__(self, writer: PieceWriter, file: str):
+        self.writer, self.file = writer, file
+        self.tensors: dict[str, tuple[list[int], str, list[dict]]] = {}
+        self.objects: dict[str, Any] = {}
+        self.peak_piece_bytes = 0  # the largest copy made to write a piece (a dtype conversion)
+
+    def piece(self, key: str, shape: tuple[int, ...], data: torch.Tensor, region: Region, lo: int, hi: int,
+              copied: bool) -> None:
+        if copied:
+            self.peak_piece_bytes = max(self.peak_piece_bytes, data.numel() * data.element_size())
+        offset = self.writer.add(data)
+        entry = self.tensors.setdefault(key, (list(shape), str(data.dtype).removeprefix("torch."), []))
+        entry[2].append(piece_entry(self.file, offset, region, lo, hi))
 
 
-def _nbytes(items: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {k: t.numel() * t.element_size() for k, t in items.items()}
+def _write_model(module: Any, out: _Written, rank: int) -> None:
+    for slot in model_slots(module, rank):
+        if slot.writes:
+            data = model_data(module, slot)
+            p = slot.piece
+            copied = slot.key is not None and data.data_ptr() != module.local_tensor(slot.key).data_ptr()
+            out.piece(f"model/{p.name}", p.shape, data, p.region, p.lo, p.hi, copied)
+    for v in partial_keys(module):  # partial sums are summed first (collective over the unit)
+        s = module.program.shards[v]
+        dtype = module.graph.meta(s.value).dtype
+        local = module.local_tensor(v).detach().to(dtype) if v in module.held_keys else None
+        whole = module.whole_tensor(v, local, dtype).detach().cpu()
+        if module.dp_rank == 0 and module.unit_device == s.layout.group[0]:
+            out.piece(f"model/{s.fqn}", tuple(s.layout.shape), whole, Region.whole(whole.shape), 0, whole.numel(),
+                      True)
 
 
-def _optimizer_keep(model_items: dict[str, torch.Tensor], rank: int, world_size: int):
-    """What this rank keeps of the optimizer state: what it will write (see ownership.py)."""
-    start = loads(assign_owners(_nbytes(model_items), world_size), _nbytes(model_items), world_size)
-
-    def keep(sizes: dict[tuple[str, str], int]) -> set[tuple[str, str]]:
-        owners = assign_owners({optim_key(n, k): b for (n, k), b in sizes.items()}, world_size, start)
-        return {(n, k) for (n, k) in sizes if owners[optim_key(n, k)] == rank}
-    return keep
-
-
-def _layout_files(model: dict[str, torch.Tensor], optim: Optional[dict[str, Any]], world_size: int
-                  ) -> tuple[dict[str, tuple[Any, int]], dict[str, Any], Optional[dict[str, Any]]]:
-    """Every stored item with its owning rank, and the metadata entries naming where each lives."""
-    items, aliases = _model_items(model)
-    owners = assign_owners(_nbytes(items), world_size)
-    placed: dict[str, tuple[Any, int]] = {k: (t, owners[k]) for k, t in items.items()}
-    model_meta = {name: {"alias_of": aliases[name]} if name in aliases else
-                  tensor_entry(t, rank_file(owners[model_key(name)])) for name, t in model.items()}
-    if optim is None:
-        return placed, model_meta, None
-    tensors = {optim_key(n, k): v for n, keys in optim["state"].items() for k, v in keys.items()
-               if isinstance(v, torch.Tensor)}
-    owners.update(assign_owners(_nbytes(tensors), world_size, loads(owners, _nbytes(items), world_size)))
-    state_meta: dict[str, Any] = {}
-    for name, keys in optim["state"].items():
-        state_meta[name] = {}
-        for key, v in keys.items():
-            k = optim_key(name, key)
-            if isinstance(v, torch.Tensor):
-                placed[k] = (v, owners[k])
-                state_meta[name][key] = tensor_entry(v, rank_file(owners[k]))
-            else:  # small Python values: rank 0
-                placed[k] = (v, 0)
-                state_meta[name][key] = object_entry(rank_file(0))
-    placed[OPTIM_GROUPS_KEY] = (optim["param_groups"], 0)
-    optim_meta = {"groups": [list(g["params"]) for g in optim["param_groups"]], "state": state_meta,
-                  "param_groups_file": rank_file(0)}
-    return placed, model_meta, optim_meta
+def _write_optimizer(module: Any, optimizer: Any, out: _Written, rank: int) -> None:
+    for slot in optimizer_slots(module, optimizer, rank):
+        if not slot.writes:
+            continue
+        for key, value in slot.state.items():
+            k = optim_key(slot.fqn, key)
+            if is_piece_tensor(value, slot):
+                data = value.detach()
+                out.piece(k, slot.shape, data.cpu(), slot.region, slot.lo, slot.hi, data.device.type != "cpu")
+            elif slot.lo == 0:  # per-parameter values (a step count): once, by the first chunk's writer
+                out.objects[k] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _mine(placed: dict[str, tuple[Any, int]], rank: int) -> dict[str, Any]:
-    out = {}
-    for k, (v, owner) in placed.items():
-        if owner == rank:
-            if isinstance(v, torch.Tensor) and v.is_meta:
-                raise RuntimeError(f"{k} is owned by rank {rank} but was not kept when gathered")
-            out[k] = v.contiguous() if isinstance(v, torch.Tensor) else v
-    return out
-
-
-def _refusal(final: str) -> str:
-    """Why `final` must not be replaced by a checkpoint ("" when it may): only an earlier checkpoint
-    or an empty directory is ever swapped out, never a file or a directory of other things."""
-    if os.path.isfile(final):
-        return f"{final} is a file; a checkpoint is a directory, choose another path"
-    if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, METADATA)):
-        return (f"{final} is a directory that is not an nnscaler checkpoint; refusing to replace it, "
-                "choose a new path (or an earlier checkpoint's)")
-    return ""
+def _metadata_parts(module: Any, written: list[dict]) -> tuple[dict, Any]:
+    """The model's metadata entries from every rank's pieces; problems if they do not cover each
+    tensor exactly once."""
+    tensors: dict[str, tuple[list[int], str, list[dict]]] = {}
+    for w in written:
+        for key, (shape, dtype, pieces) in w["tensors"].items():
+            tensors.setdefault(key, (shape, dtype, []))[2].extend(pieces)
+    problems = []
+    for key, (shape, _, pieces) in tensors.items():
+        have, want = sum(p["hi"] - p["lo"] for p in pieces), 1
+        for n in shape:
+            want *= n
+        if have != want:
+            problems.append(f"{key}: the ranks wrote {have} of its {want} elements")
+    return tensors, problems
 
 
 def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *,
          sync_timeout_s: float = 600.0, **extra: Any) -> str:
     """Write a sharded checkpoint directory at `path` (collective: call on every rank, same path).
 
-    Model and optimizer state are stored as whole tensors, each written by one rank, so the
+    Each rank writes the pieces of the model and optimizer state it holds (each element once,
+    whatever the plan's replication), so saving needs no memory beyond those pieces; the
     checkpoint loads under any plan or world size. `extra` (step counters, RNG and scheduler
     states, anything picklable) is taken from rank 0 and returned by `load`. The previous
     checkpoint at `path` stays whole until the new one is complete. A rank that does not call
@@ -162,44 +158,58 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     token = begun[0][1]
     tmp = temp_dir(final, token)
 
-    model_state = full_model_state(module)  # collectives: every rank takes part
-    optim_state = None if optimizer is None else full_optimizer_state(
-        module, optimizer, keep=_optimizer_keep(_model_items(model_state)[0], rank, world_size))
-    status, digest = "ok", None
+    status, report = "ok", {}
+    writer = None
     try:
-        placed, model_meta, optim_meta = _layout_files(model_state, optim_state, world_size)
         os.makedirs(tmp, exist_ok=True)
-        file = os.path.join(tmp, rank_file(rank))
-        torch.save(_mine(placed, rank), file)
-        fsync_file(file)
-        digest = file_digest(file)
+        file = rank_file(rank)
+        writer = PieceWriter(os.path.join(tmp, file))
+        out = _Written(writer, file)
+        _write_model(module, out, rank)
+        groups = None
+        if optimizer is not None:
+            _write_optimizer(module, optimizer, out, rank)
+            groups = group_names(module, optimizer)
+        digest = writer.close()
+        writer = None
         if rank == 0:
             extra_path = os.path.join(tmp, EXTRA_FILE)
             torch.save(dict(extra), extra_path)
             fsync_file(extra_path)
+        report = {"digest": digest, "tensors": out.tensors, "objects": out.objects, "groups": groups,
+                  "peak_piece_bytes": out.peak_piece_bytes}
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised everywhere
         status = f"{type(e).__name__}: {e}"
-    # Every rank must have placed the same tensors on the same owners, or files and metadata disagree.
-    listing = hashlib.sha256(repr(sorted((k, owner, tuple(v.shape) if isinstance(v, torch.Tensor) else None)
-                                         for k, (v, owner) in placed.items())).encode()).hexdigest() \
-        if status == "ok" else None
-    written = exchange(round_no, "written", (status, digest, listing), sync_timeout_s, WHAT)
-    failed = {r: s for r, (s, _, _) in enumerate(written) if s != "ok"}
-    if not failed and len({lst for _, _, lst in written}) > 1:
-        failed = {r: "ranks gathered different tensors to save (a full_state_dict that is not the whole state on "
-                     "every rank?)" for r in range(world_size)}
+    finally:
+        if writer is not None:
+            writer.abort()
+    written = exchange(round_no, "written", (status, report), sync_timeout_s, WHAT)
+    failed = {r: s for r, (s, _) in enumerate(written) if s != "ok"}
     if not failed and rank == 0:
         try:
-            files = {rank_file(r): d for r, (_, d, _) in enumerate(written)}
+            reports = [w for _, w in written]
+            tensors, problems = _metadata_parts(module, reports)
+            if problems:
+                raise CheckpointError("the pieces written do not cover the state exactly once: " + "; ".join(problems[:5]))
+            files = {rank_file(r): w["digest"] for r, w in enumerate(reports)}
             unseen = [f for f in files if not os.path.exists(os.path.join(tmp, f))]
             if unseen:
                 raise CheckpointError(f"rank 0 cannot see {unseen[:4]} that other ranks wrote under {tmp}: the path "
                                       "must be on a file system every rank shares")
+            meta_model, meta_optim = _model_and_optimizer_meta(module, tensors, reports, optimizer is not None)
+            if meta_optim is not None:
+                objects = {k: v for w in reports for k, v in w["objects"].items()}
+                objects[OPTIM_GROUPS_KEY] = meta_optim.pop("param_groups")
+                obj_path = os.path.join(tmp, OBJECTS_FILE)
+                torch.save(objects, obj_path)
+                fsync_file(obj_path)
+                files[OBJECTS_FILE] = file_digest(obj_path)
             files[EXTRA_FILE] = file_digest(os.path.join(tmp, EXTRA_FILE))
             write_metadata(tmp, {"format": FORMAT, "version": VERSION, "world_size": world_size,
-                                 "plan": plan_summary(module), "model": model_meta, "optimizer": optim_meta,
+                                 "plan": plan_summary(module), "model": meta_model, "optimizer": meta_optim,
                                  "optimizer_class": None if optimizer is None else type(optimizer).__qualname__,
-                                 "files": files, "extra_keys": sorted(extra)})
+                                 "files": files, "extra_keys": sorted(extra),
+                                 "peak_piece_bytes": [w["peak_piece_bytes"] for w in reports]})
             fsync_dir(tmp)
             swap_into_place(tmp, final, token)
             remove_stale(final)
@@ -215,3 +225,40 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
         raise CheckpointError(f"{WHAT} to {final} failed ({detail}); the previous checkpoint there, if any, is "
                               "untouched")
     return final
+
+
+def _model_and_optimizer_meta(module: Any, tensors: dict, reports: list[dict], with_optimizer: bool
+                              ) -> tuple[dict, Any]:
+    model_meta: dict[str, Any] = {}
+    for key, (shape, dtype, pieces) in tensors.items():
+        if key.startswith("model/"):
+            model_meta[key[len("model/"):]] = {**stored_tensor_entry(shape, getattr(torch, dtype), pieces)}
+    for alias, name in aliases(module).items():
+        model_meta[alias] = {"alias_of": name}
+    if not with_optimizer:
+        return model_meta, None
+    groups = merge_groups([w["groups"] for w in reports])
+    state: dict[str, dict[str, Any]] = {n: {} for g in groups for n in g["params"]}
+    for key, (shape, dtype, pieces) in tensors.items():
+        if key.startswith("optim/"):
+            name, k = key[len("optim/"):].rsplit("/", 1)
+            state.setdefault(name, {})[k] = stored_tensor_entry(shape, getattr(torch, dtype), pieces)
+    for w in reports:
+        for key in w["objects"]:
+            name, k = key[len("optim/"):].rsplit("/", 1)
+            state.setdefault(name, {})[k] = object_entry(OBJECTS_FILE)
+    return model_meta, {"groups": [list(g["params"]) for g in groups], "state": state,
+                        "param_groups_file": OBJECTS_FILE, "param_groups": groups}
+
+
+def _refusal(final: str) -> str:
+    """Why `final` must not be replaced by a checkpoint ("" when it may): only an earlier checkpoint
+    or an empty directory is ever swapped out, never a file or a directory of other things."""
+    if os.path.isfile(final):
+        return f"{final} is a file; a checkpoint is a directory, choose another path"
+    if os.path.isdir(final) and os.listdir(final) and not os.path.exists(os.path.join(final, METADATA)):
+        return (f"{final} is a directory that is not an nnscaler checkpoint; refusing to replace it, "
+                "choose a new path (or an earlier checkpoint's)")
+    return ""
+
+

@@ -297,6 +297,48 @@ class ParallelOptimizer(torch.optim.Optimizer):
             return out.view(e.shard.shape)
         return t.detach().reshape(e.shard.shape)
 
+    def local_state(self) -> dict[str, tuple[Optional[tuple[int, int]], dict[str, Any]]]:
+        """This rank's state per parameter, without communication, for sharded checkpoints: the
+        ZeRO chunk [lo, hi) of the device's piece its tensors cover (None: the whole piece) and
+        {key: tensor or value}; in bf16/fp16 the fp32 masters under "master_param"."""
+        out = {}
+        for e in self.entries:
+            chunk = (e.shard.lo, e.shard.hi) if e.mode in ("chunk", "zero3") and e.shard.size > 1 else None
+            st = dict(self.state.get(e.master, {}))
+            if self.precision != "fp32":
+                st["master_param"] = e.master
+            out[e.fqn] = (chunk, st)
+        return out
+
+    def load_local_state(self, fqn: str, state: dict[str, Any]) -> None:
+        """Install one parameter's state as `local_state` gives it (tensors of this rank's chunk or
+        piece). Without "master_param" a master that is a copy is re-read from the parameter (load
+        the module first)."""
+        e = next((e for e in self.entries if e.fqn == fqn), None)
+        if e is None:
+            raise KeyError(f"this rank's optimizer holds no parameter {fqn!r}")
+        st = {}
+        with torch.no_grad():
+            for k, val in state.items():
+                if k == "master_param":
+                    if e.master is not e.param:
+                        e.master.copy_(val.reshape(e.master.shape))
+                    continue
+                if torch.is_tensor(val) and val.dim() >= 1 and val.numel() == e.master.numel():
+                    val = val.reshape(e.master.shape).to(e.master.dtype)
+                st[k] = val
+            if e.master is not e.param and "master_param" not in state:
+                src = e.param.detach().reshape(-1)
+                e.master.copy_(e.shard.owned(src) if e.mode == "chunk" else src.view_as(e.master))
+        self.state[e.master] = st
+        e.version = e.param._version
+
+    def group_names(self) -> list[dict[str, Any]]:
+        """The parameter groups with parameters by name (this rank's parameters only)."""
+        fqn_of = {id(e.master): e.fqn for e in self.entries}
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(t)] for t in g["params"]]}
+                for g in self.param_groups]
+
     def load_full_state_dict(self, sd: dict[str, Any]) -> None:
         """Keep this rank's pieces of a whole optimizer state (as `full_state_dict` writes it)."""
         m = self.module
