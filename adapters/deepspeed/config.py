@@ -319,7 +319,8 @@ _TAG_MODES = ("IGNORE", "WARN", "FAIL")
 def _tag_validation(section: dict) -> str:
     mode = section.get("tag_validation", "Warn")
     if not isinstance(mode, str) or mode.upper() not in _TAG_MODES:
-        raise DeepSpeedConfigError(f"Checkpoint config contains invalid tag_validation value of {mode}, expecting one "
+        raise DeepSpeedConfigError(f"Checkpoint config contains invalid tag_validation value of "
+                                   f"{mode.upper() if isinstance(mode, str) else mode}, expecting one "
                                    f"of {list(_TAG_MODES)}")
     if section.get("load_universal"):
         raise DeepSpeedConfigError("checkpoint.load_universal=true is not supported: this engine's checkpoints load "

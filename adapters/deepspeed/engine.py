@@ -551,7 +551,9 @@ class DeepSpeedEngine(torch.nn.Module):
         buffers = [n for n, _ in self._model.named_buffers()]
         extra = dict(client_state or {})
         extra.update({"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                      "ds_config": self._config, **self._counters()})
+                      "ds_config": self._config, **self._counters(),
+                      "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                       for g in self.optimizer.param_groups] if self.optimizer is not None else None})
         ckpt.save(save_dir, tag, module_state=module_state, buffer_names=buffers, groups=groups, masters=masters,
                   frozen=frozen, extra=extra, zero_stage=self.zero_optimization_stage(),
                   precision=self._settings.precision, dp=self.dp_world_size, dp_rank=self.dp_rank,
@@ -565,7 +567,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     _ENGINE_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                     "shared_params", "dp_world_size", "mp_world_size", "ds_version", "lr_scheduler", "ds_config",
-                    "global_steps", "global_samples", "micro_steps", "skipped_steps", "optimizer")
+                    "global_steps", "global_samples", "micro_steps", "skipped_steps", "optimizer",
+                    "param_groups")
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -601,6 +604,8 @@ class DeepSpeedEngine(torch.nn.Module):
                                    f"{missing.unexpected_keys}")
             if parallel_dir is not None and with_optimizer:
                 self._pending_load = (parallel_dir, True, load_module_strict)
+        if with_optimizer and states.get("param_groups") is not None:  # the hyperparameters apply at once
+            self._set_hyperparameters(states["param_groups"])
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(states["lr_scheduler"])
@@ -609,6 +614,17 @@ class DeepSpeedEngine(torch.nn.Module):
                     setattr(self, k, states[k])
         client = {k: v for k, v in states.items() if k not in self._ENGINE_KEYS}
         return path, client
+
+    def _set_hyperparameters(self, saved: list) -> None:
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(saved)} param groups, this one "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, values in zip(self.optimizer.param_groups, saved):
+            for k, v in values.items():
+                if isinstance(group.get(k), torch.Tensor) and not isinstance(v, torch.Tensor):
+                    group[k].fill_(v)
+                else:
+                    group[k] = v
 
     def destroy(self) -> None:
         """Nothing to release beyond what garbage collection does; kept for DeepSpeed's API."""

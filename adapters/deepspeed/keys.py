@@ -137,7 +137,7 @@ ZERO_VALUE_TYPES: dict[str, str] = {
                      "max_reuse_distance", "zero_hpz_partition_size"), "int>=0"),
     **dict.fromkeys(("stage3_model_persistence_threshold", "model_persistence_threshold",
                      "stage3_module_granularity_threshold"), "int"),
-    **dict.fromkeys(("contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce",
+    **dict.fromkeys(("contiguous_gradients", "reduce_scatter", "overlap_comm", "use_multi_rank_bucket_allreduce",
                      "allgather_partitions", "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint",
                      "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
                      "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
