@@ -22,8 +22,10 @@ from nnscaler_plugins.plugins import get_strategy, strategies
 PlanLike = Union[str, os.PathLike, Callable, Plan]
 
 #: Options every strategy takes, whatever it declares: `nns.plan` consumes them itself (the training
-#: knobs set on the plan, the micro-batch count, and what planning for a cluster needs).
-COMMON_OPTIONS = frozenset({"zero", "precision", "micro_batches", "micro_batch_size", "cluster", "constraints"})
+#: knobs set on the plan, the micro-batch count, and what planning for a cluster needs), or records them
+#: in `Plan.options` for the simulator (the overlap switches of `search/overlap.py`).
+COMMON_OPTIONS = frozenset({"zero", "precision", "micro_batches", "micro_batch_size", "cluster", "constraints",
+                            "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p"})
 
 
 @dataclass(frozen=True)

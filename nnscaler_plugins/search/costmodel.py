@@ -168,7 +168,7 @@ class CostModel:
         self._allreduce: dict = {}
         self._kernels = cluster.kernels
         if self._kernels is not None:  # streaming kernels (the optimizer step) at the table's bandwidth fraction
-            self._mem_rate = cluster.memory_bandwidth * self._kernels.memory_fraction
+            self._mem_rate = cluster.memory_bandwidth * self._kernels.memory_fraction * eff.sustained
 
     def matmul_rate(self, dtype: str) -> float:
         r = self._mm_rate.get(dtype)
@@ -178,7 +178,8 @@ class CostModel:
 
     # -- compute ----------------------------------------------------------------------------------------
     def _table_mem_rate(self, nbytes: float) -> float:
-        return self.cluster.memory_bandwidth * max(self._kernels.memory_efficiency(nbytes), 1e-3)
+        return self.cluster.memory_bandwidth * max(self._kernels.memory_efficiency(nbytes), 1e-3) * \
+            self.cluster.efficiency.sustained
 
     def _table_rates(self, c: OpCost, p: Placement, dtype: str, shard: int) -> tuple[float, float, float]:
         """FLOP/s of a matmul piece's forward, input-gradient and weight-gradient kernels, from the

@@ -46,8 +46,9 @@ class Efficiency:
     # (gloo between processes on CPU cores): then gradient reduction adds to the step instead of hiding.
     comm_overlap: bool = True
     # With a kernel table (`ClusterSpec.kernels`): the fraction of the table's kernel-benchmark speed a whole
-    # training step sustains (FITTED, one number for every device: clocks under hours of full power draw
-    # are below a microbenchmark's boost clocks, and the step has gaps between kernels a benchmark has not).
+    # training step sustains, for every kernel (FITTED, one number for every device: clocks under hours of
+    # full power draw are below a microbenchmark's boost clocks, and a step has gaps between kernels that a
+    # benchmark timing one kernel back to back has not).
     sustained: float = 1.0
     # The flash-attention kernel family the stack runs ("flash3": cuDNN / FlashAttention-3 class on Hopper,
     # as Megatron-Core with Transformer Engine; "flash2": FlashAttention-2 class, as PyTorch SDPA); "" the

@@ -20,8 +20,9 @@ preset assumes):
 - ``overlap_param_gather``: ZeRO's weight all-gathers hidden under compute: ZeRO-3 gathers the next
   weights while the current ones compute (prefetch); ZeRO-1/2 gather the updated weights during the
   next step's first forward (Megatron's overlap-param-gather) instead of after the optimizer step.
-  The runtime gathers ZeRO-1/2 weights right after the optimizer step and ZeRO-3 weights on use, so
-  with this runtime the option is honoured as "off" for ZeRO-1/2 gathers; priced as asked otherwise.
+  The runtime does it for ZeRO-3 (`runtime/zero.py` launches the next weight's all-gather
+  asynchronously while the current one computes, forward and backward) but gathers ZeRO-1/2 weights
+  right after the optimizer step, so for ZeRO-1/2 plans it runs as "off" (and `simulate` says so).
 - ``overlap_p2p``: pipeline sends and receives asynchronous, beside compute (the runtime's pipeline
   executor posts them with batch_isend_irecv and waits only when the data is needed). Off: the sender
   also waits for each transfer.
@@ -33,7 +34,7 @@ from typing import Any, Mapping, Optional
 
 OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p")
 # What this repository's runtime does with each switch (for messages and `Estimate.details`).
-RUNTIME_DOES = {"tp_comm_overlap": False, "overlap_grad_reduce": True, "overlap_param_gather": False,
+RUNTIME_DOES = {"tp_comm_overlap": False, "overlap_grad_reduce": True, "overlap_param_gather": True,
                 "overlap_p2p": True}
 
 
@@ -79,9 +80,14 @@ class Overlap:
         return max(0.0, comm - window) + (self.kappa - 1.0) * min(comm, window)
 
 
-def not_run_as_priced(options: Mapping[str, Any], cluster) -> list[str]:
-    """The switches a plan is priced with that this runtime does not do (empty when it runs as priced)."""
+def not_run_as_priced(options: Mapping[str, Any], cluster, zero: int = 0, tp: bool = True) -> list[str]:
+    """The switches a plan is priced with that this runtime does not do (empty when it runs as priced):
+    tensor-parallel overlap when the plan has tensor-parallel communication (`tp`), the ZeRO-1/2 weight
+    all-gather under the next forward."""
     o = Overlap.of(options, cluster)
-    asked = {"tp_comm_overlap": o.tp_comm, "overlap_grad_reduce": o.grad_reduce,
-             "overlap_param_gather": o.param_gather, "overlap_p2p": o.p2p}
-    return [k for k, v in asked.items() if v and not RUNTIME_DOES[k]]
+    out = []
+    if o.tp_comm and tp and not RUNTIME_DOES["tp_comm_overlap"]:
+        out.append("tp_comm_overlap")
+    if o.param_gather and zero in (1, 2):
+        out.append("overlap_param_gather")
+    return out

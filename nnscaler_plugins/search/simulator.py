@@ -219,7 +219,7 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
         lists = [[task for mb in range(m) for task in (Task(0, mb, FORWARD), Task(0, mb, BACKWARD))]]
     step = replay_step(stages, lists, shape, transfer, overlap_factor(cluster), keep_timeline)
     est = estimate_of(plan, cluster, training, stages, step, m)
-    missing = not_run_as_priced(plan.options, cluster)
+    missing = not_run_as_priced(plan.options, cluster, training.zero, any(s.comm > 0 for s in stages))
     if missing:
         est.details["not_run_as_priced"] = missing
     return est
