@@ -5,9 +5,12 @@
     nns.checkpoint.export("model.pt", module)                # one ordinary state dict
     nns.checkpoint.export("hf_dir", module, hf_model=model)  # save_pretrained output
     nns.checkpoint.merge("ckpt_dir", "model.pt")             # offline, no processes
+    nns.checkpoint.load("hf_dir", module)                    # a save_pretrained directory, read per shard
+    nns.checkpoint.export_dcp("dcp_dir", module, optimizer)  # torch.distributed.checkpoint; load reads it back
 
-save, load and export are collective (every rank calls them); merge runs anywhere.
+save, load, export and export_dcp are collective (every rank calls them); merge runs anywhere.
 """
+from nnscaler_plugins.checkpoint.dcp import export_dcp
 from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.export import export
 from nnscaler_plugins.checkpoint.load import load
@@ -19,5 +22,5 @@ from nnscaler_plugins.checkpoint.optimizer_state import (
 )
 from nnscaler_plugins.checkpoint.save import save
 
-__all__ = ["save", "load", "export", "merge", "CheckpointError", "full_model_state", "full_optimizer_state",
+__all__ = ["save", "load", "export", "export_dcp", "merge", "CheckpointError", "full_model_state", "full_optimizer_state",
            "load_optimizer_state"]

@@ -130,18 +130,29 @@ def _local_tensors(module: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
 
 def _read_optimizer(module: Any, optimizer: Any, meta: dict[str, Any], reader: TensorReader) -> None:
     """This rank's pieces of the saved optimizer state into `optimizer`."""
-    saved_state = meta["optimizer"]["state"]
+    entries = {optim_key(fqn, key): e for fqn, keys in meta["optimizer"]["state"].items() for key, e in keys.items()}
+    saved = {fqn: {key: None if e.get("object") else tuple(e["shape"]) for key, e in keys.items()}
+             for fqn, keys in meta["optimizer"]["state"].items()}
     groups = reader.get(OPTIM_GROUPS_KEY, {"file": meta["optimizer"]["param_groups_file"], "object": True})
+    read_optimizer_state(module, optimizer, saved, lambda name, box: reader.read(name, entries[name], box),
+                         lambda name: reader.get(name, entries[name]), groups, optim_key)
+
+
+def read_optimizer_state(module: Any, optimizer: Any, saved: dict[str, dict[str, Optional[tuple[int, ...]]]],
+                         read_box: Callable[[str, Box], torch.Tensor], read_whole: Callable[[str], Any],
+                         groups: list[dict], name_of: Callable[[str, str], str]) -> None:
+    """Install this rank's pieces of a saved optimizer state. `saved` gives per parameter and key
+    the whole shape of a stored tensor (None for a stored value); a tensor shaped like the
+    parameter is read box by box for the piece (or ZeRO chunk) this rank holds."""
 
     def state_of(slot: Any) -> dict[str, Any]:
         out = {}
-        for key, entry in saved_state.get(slot.fqn, {}).items():
-            k = optim_key(slot.fqn, key)
-            if not entry.get("object") and tuple(entry["shape"]) == slot.shape and len(slot.shape) >= 1:
-                out[key] = read_piece(slot.region, lambda box, k=k, e=entry: reader.read(k, e, box), dtype_of(entry),
-                                      slot.lo, slot.hi)
+        for key, shape in saved.get(slot.fqn, {}).items():
+            name = name_of(slot.fqn, key)
+            if shape is not None and tuple(shape) == slot.shape and len(shape) >= 1:
+                out[key] = read_piece(slot.region, lambda box, n=name: read_box(n, box), None, slot.lo, slot.hi)
             else:
-                out[key] = reader.get(k, entry)
+                out[key] = read_whole(name)
         return out
 
     slots = optimizer_slots(module, optimizer)  # plain optimizers: in param_groups order

@@ -144,15 +144,17 @@ def _merged(dims: list[tuple[Range, ...]]) -> tuple[tuple[Range, ...], ...]:
 ReadBox = Callable[[Box], torch.Tensor]
 
 
-def read_piece(region: Region, read: ReadBox, dtype: torch.dtype, lo: int = 0, hi: Optional[int] = None
-               ) -> torch.Tensor:
+def read_piece(region: Region, read: ReadBox, dtype: Optional[torch.dtype], lo: int = 0,
+               hi: Optional[int] = None) -> torch.Tensor:
     """Flat elements `[lo, hi)` of the piece `region`, filled box by box from `read`: only the
-    whole tensor's elements the piece holds are ever asked for."""
+    whole tensor's elements the piece holds are ever asked for. `dtype` None keeps the stored one."""
     hi = region.numel if hi is None else hi
-    out = torch.empty(max(hi - lo, 0), dtype=dtype)
+    out: Optional[torch.Tensor] = None
     for box, off, pairs in region.blocks(lo, hi):
         n = box_numel(box)
-        dest = out[off:off + n].view(tuple(e - s for s, e in box))
         for whole_box, piece_box in pairs:
-            dest[box_slices(piece_box, box)] = read(whole_box).to(dtype)
-    return out
+            data = read(whole_box)
+            if out is None:
+                out = torch.empty(max(hi - lo, 0), dtype=dtype or data.dtype)
+            out[off:off + n].view(tuple(e - s for s, e in box))[box_slices(piece_box, box)] = data.to(out.dtype)
+    return out if out is not None else torch.empty(0, dtype=dtype or torch.float32)
