@@ -61,7 +61,7 @@ __all__ = ["capture", "CaptureError", "plan", "parallelize", "strategies", "Plan
 __all__ += ["search", "cluster", "simulate", "ClusterSpec", "Estimate", "ParetoSet", "SearchError", "constraints"]
 __all__ += ["checkpoint"]
 __all__ += ["build_optimizer"]
-__all__ += ["ParallelModule"]
+__all__ += ["ParallelModule", "init_weights"]
 
 
 def __getattr__(name: str):
@@ -70,4 +70,7 @@ def __getattr__(name: str):
     if name == "ParallelModule":
         from nnscaler_plugins.runtime.parallel_module import ParallelModule
         return ParallelModule
+    if name == "init_weights":  # the one-process reference of a meta-device model's initialization
+        from nnscaler_plugins.runtime.materialize import init_weights
+        return init_weights
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

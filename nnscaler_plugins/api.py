@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.capture.microbatch import resolve_micro_batches, split_batch
@@ -29,7 +30,15 @@ def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1) 
         raise TypeError("planning a model needs example_inputs= (what its forward takes)")
     first = split_batch(example_inputs, micro_batches)[0] if micro_batches > 1 else example_inputs
     args, kwargs = normalize_inputs(first, None)
+    if _on_meta(model_or_graph):  # inputs beside meta weights: an op mixing devices would refuse to trace
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     return capture(model_or_graph, args, kwargs)
+
+
+def _on_meta(model: Any) -> bool:
+    from nnscaler_plugins.runtime.materialize import has_meta_tensors
+
+    return isinstance(model, torch.nn.Module) and has_meta_tensors(model)
 
 
 def plan(model_or_graph: Any, *, strategy: PlanLike = "tp", world_size: int, example_inputs: Any = None,
@@ -105,13 +114,22 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
 
 def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike = "tp",
                 world_size: Optional[int] = None, device: Optional[Union[str, torch.device]] = None,
-                cache_dir: str = ".nnscaler_cache", loss_fn: Optional[Callable] = None, **options: Any):
+                cache_dir: str = ".nnscaler_cache", loss_fn: Optional[Callable] = None,
+                init_seed: Optional[int] = None, **options: Any):
     """Capture, plan, lower and generate code for this rank; returns its ParallelModule.
 
     Call on every rank with the same model (same initial weights) and example inputs. Initializes
     torch.distributed from the launcher's environment when it is not initialized yet; the backend
     comes from the `nnscaler_choose_backend` hook (NCCL for CUDA, gloo for CPU by default).
+
+    A model built on the meta device (`with torch.device("meta")`, HF `from_config` under it,
+    accelerate's `init_empty_weights`) is never made whole: each rank initializes only the tensors
+    it holds pieces of, module by module, by the model's own initialization, each module seeded
+    from `init_seed` and its name (runtime/materialize.py), so the weights are the same under any
+    plan and equal `nns.init_weights(model, init_seed)` in one process. `init_seed` defaults to
+    rank 0's `torch.initial_seed()`.
     """
+    from nnscaler_plugins.runtime.materialize import has_meta_tensors
     from nnscaler_plugins.runtime.parallel_module import ParallelModule
 
     source = resolve(plan)
@@ -129,8 +147,20 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike =
                                       options.pop("micro_batch_size", None))
     graph = _capture_on_every_rank(model, example_inputs, micro, rank, world_size)
     _, program = _plan_and_program(graph, source, world_size, micro, options, lower_now=lambda p: True)
+    seed = _agreed_init_seed(init_seed, dev, world_size) if has_meta_tensors(model) else None
     return ParallelModule(program, model, rank=rank, world_size=world_size, device=dev, cache_dir=cache_dir,
-                          loss_fn=loss_fn)
+                          loss_fn=loss_fn, init_seed=seed)
+
+
+def _agreed_init_seed(init_seed: Optional[int], device: torch.device, world_size: int) -> int:
+    """The base seed of a meta model's initialization: `init_seed`, else rank 0's
+    `torch.initial_seed()`, the same on every rank (processes seeded differently still agree)."""
+    seed = torch.initial_seed() if init_seed is None else int(init_seed)
+    if world_size > 1:
+        t = torch.tensor([seed & (2**63 - 1)], dtype=torch.int64, device=device if device.type != "meta" else "cpu")
+        dist.broadcast(t, src=0)
+        seed = int(t.item())
+    return seed
 
 
 # After a capture error, how long a rank other than 0 waits for the launcher to stop it (torchrun,

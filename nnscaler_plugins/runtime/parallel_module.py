@@ -36,6 +36,7 @@ from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
 from nnscaler_plugins.runtime.loss import extract_loss
 from nnscaler_plugins.runtime.loss_items import LossItems
+from nnscaler_plugins.runtime.materialize import InitError, has_meta_tensors, materialize, move_tensor
 from nnscaler_plugins.runtime.params_on_use import params_on_use
 from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
 from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
@@ -51,7 +52,7 @@ def _safe(fqn: str) -> str:
 class ParallelModule(torch.nn.Module):
     def __init__(self, program: Program, model: Optional[torch.nn.Module], *, rank: int, world_size: int,
                  device: Optional[torch.device] = None, cache_dir: str = ".nnscaler_cache",
-                 loss_fn: Optional[Callable] = None):
+                 loss_fn: Optional[Callable] = None, init_seed: Optional[int] = None):
         super().__init__()
         plan = program.plan
         if world_size != plan.world_size:
@@ -84,14 +85,22 @@ class ParallelModule(torch.nn.Module):
         self.shards = torch.nn.ParameterDict()
         state = _full_tensors(model) if model is not None else {}
         dtype = compute_dtype(plan.precision)
+        # A model on the meta device: shards are shapes until `_materialize` fills them below.
+        on_meta = model is not None and has_meta_tensors(model)
+        chunked = plan.zero >= 3 and plan.dp > 1  # trainable parameters are replaced by ZeRO-3 chunks
         for v in self._held:
             s = program.shards[v]
             full = state.get(s.fqn) if s.kind != "constant" else self.graph.constants.get(s.fqn)
             lay = s.layout
-            if full is None or full.is_meta:
+            if on_meta and full is not None and full.is_meta:
+                local = torch.empty(lay.local_shape(), dtype=self.graph.meta(s.value).dtype, device="meta")
+            elif full is None or full.is_meta:
                 local = torch.empty(lay.local_shape(), dtype=self.graph.meta(s.value).dtype, device=self._device)
+            elif chunked and s.kind == "param" and self.graph.meta(s.value).requires_grad:
+                # only its ZeRO-3 chunk is kept (copied by chunk_parameters): no copy of the whole piece
+                local = lay.slice_full(full.detach(), self.unit_device).to(self._device)
             else:
-                local = lay.slice_full(full.detach(), self.unit_device).to(self._device).clone()
+                local = lay.slice_full(full.detach(), self.unit_device).to(self._device, copy=True)
             if s.kind == "param":
                 if local.is_floating_point():  # bf16 / fp16: the module holds the compute-dtype copy
                     local = local.to(dtype)
@@ -116,6 +125,8 @@ class ParallelModule(torch.nn.Module):
             for fqn, chunk in chunks.items():
                 self.shards[_safe(fqn)] = chunk
             self._zero3_key = {fqn: i for i, fqn in enumerate(chunks)}
+        if on_meta:
+            self.init_peak_bytes = self._materialize(model, torch.initial_seed() if init_seed is None else init_seed)
         # ZeRO-3 reduces its gradients from the gathers' backward
         self._reducer = None if self.zero3 is not None else build_reducer(
             program, trainable, self.parameter, self.unit_device, self.groups, self.zero_shards,
@@ -128,6 +139,37 @@ class ParallelModule(torch.nn.Module):
             micro_weight=lambda mb: self._micro_weights[mb])) if plan.pipeline is not None else None
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _materialize(self, model: torch.nn.Module, seed: int) -> int:
+        """Fill the shards of a meta-device model by its own initialization (materialize.py): each
+        whole tensor this device holds a piece of is made on CPU, sliced into the piece (under
+        ZeRO-3 the chunk this replica owns) and freed. Returns the peak bytes of whole tensors held."""
+        wanted: dict[str, list[str]] = {}
+        for v in self._held:
+            s = self.program.shards[v]
+            t = self.local_tensor(v)
+            if s.kind == "constant" or not t.is_meta:
+                continue
+            move_tensor(t, self._device)
+            for n in (s.fqn, *s.aliases):
+                wanted.setdefault(n, []).append(v)
+        filled: set[str] = set()
+
+        def take(names: list[str], full: torch.Tensor) -> None:
+            for v in dict.fromkeys(v for n in names for v in wanted.get(n, ())):
+                s = self.program.shards[v]
+                piece = s.layout.slice_full(full, self.unit_device)
+                if s.fqn in self._zero3_key:
+                    piece = self.zero_shards[s.fqn].owned(piece.reshape(-1))
+                with torch.no_grad():
+                    self.local_tensor(v).copy_(piece)
+                filled.add(v)
+        peak = materialize(model, seed, take, names=set(wanted))
+        missing = sorted({self.program.shards[v].fqn for ns in wanted.values() for v in ns} -
+                         {self.program.shards[v].fqn for v in filled})
+        if missing:
+            raise InitError(f"the meta-device model's initialization gave no value for {missing[:8]}")
+        return peak
+
     def _scatter_gradients(self) -> bool:
         """Whether ZeRO-2 keeps only this replica's chunk of each gradient (outside `.grad`) in this
         reduction. Only the optimizer `nns.build_optimizer` made reads the chunks; a plain torch
