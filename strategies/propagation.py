@@ -40,6 +40,7 @@ from nnscaler_plugins.rules.anchors import (
     VocabAnchor,
     matmul_anchor,
     vocab_anchor,
+    weight_source,
 )
 
 _STATIC = ("param", "buffer", "constant")
@@ -129,6 +130,7 @@ class Lookahead:
     ok: bool
     stop: Optional[OpHandle] = None
     demand: Optional[Choice] = None
+    ends: tuple = ()  # the ops where a split path ended in a partial sum (row-parallel matmuls)
 
 
 def supports_blocked_splits(builder: PlanBuilder) -> bool:
@@ -172,6 +174,9 @@ class TensorParallelPropagation:
         self.roles: dict[str, str] = {}  # matmul anchors: "column" | "row" | "replicated"
         self.seeds: dict[str, Choice] = {}  # ops that may start a split a whole matmul could not
         self.stopped: dict[str, OpHandle] = {}  # matmul -> where its column split's path stopped
+        # values computed from the output of such a matmul by ops that ran whole: where a split
+        # may still start (`_seed_candidates`)
+        self.whole_after_matmul: set[str] = set()
         self._matmul: dict[str, Optional[MatmulAnchor]] = {}
         self._vocab: dict[str, Optional[VocabAnchor]] = {}
         self._calls = {op.name: op_call(self.graph, op.node) for op in self.ops}
@@ -268,14 +273,20 @@ class TensorParallelPropagation:
         return choice.label in op.signature.comm_labels
 
     # -- look-ahead -----------------------------------------------------------------------------------
-    def simulate(self, start: OpHandle, choice: Choice) -> Lookahead:
+    def simulate(self, start: OpHandle, choice: Choice, seed: bool = False) -> Lookahead:
         """Follow the split outputs of `start` forward with the same local choices the walk makes.
 
         ok when every path reaches a row-parallel matmul, a group-aware kernel or a model output
         without a gather; otherwise `stop` is the op where a path stopped and `demand` the
         choice (a blocked split) it would have accepted instead, if there is one.
+
+        With `seed`, a split that starts at an op that is not a matmul (see `_seed_candidates`)
+        must end in a row-parallel matmul or a group-aware kernel: reaching another matmul that
+        would not reduce over it, or a model output, means it is not a tensor-parallel path
+        (a batch or sequence split that would spread over the rest of the model).
         """
         pending: dict[str, TPLayout] = {}
+        ends: list[OpHandle] = []
         frontier: set[str] = set()
         horizon = -1  # position of the last op that reads a split value; nothing after it matters
         _, outs = self.required(start, choice)
@@ -296,17 +307,24 @@ class TensorParallelPropagation:
             costs = self.cost(op, c, current)
             if any(costs[i] for i in affected):
                 return Lookahead(False, op, self._demanded_split(op, current, affected))
+            anchor = self.matmul_anchor(op)
+            if seed and anchor is not None and c.label != anchor.k:
+                return Lookahead(False, op)
             _, outs = self.required(op, c)
             for name, lay in zip(op.node.outputs, outs):
                 if name is None or lay is None:
                     continue
                 pending[name] = lay
                 if lay.kind is TPKind.SPLIT:
+                    if seed and name in self.graph.outputs:
+                        return Lookahead(False, op)
                     frontier.add(name)
                     horizon = max(horizon, self._last_use.get(name, -1))
-                elif lay.kind is TPKind.PARTIAL and not self._partial_ends_path(op, c):
-                    return Lookahead(False, op)
-        return Lookahead(True)
+                elif lay.kind is TPKind.PARTIAL:
+                    if not self._partial_ends_path(op, c):
+                        return Lookahead(False, op)
+                    ends.append(op)
+        return Lookahead(bool(ends) or not seed, ends=tuple(ends))
 
     def _demanded_split(self, op: OpHandle, current: list[Optional[TPLayout]], affected: list[int]) -> Optional[Choice]:
         """A split of `op` that takes the stopped inputs on the same dim, only with another block factor."""
@@ -348,6 +366,46 @@ class TensorParallelPropagation:
                     # the op that wanted the blocks may start the split itself (a local slice).
                     self.seeds[result.stop.name] = Choice(result.demand.label)
         return None
+
+    def _seed_candidates(self, op: OpHandle, current: list[Optional[TPLayout]]) -> Optional[Choice]:
+        """A split that starts here, on whole inputs, and reaches a row-parallel matmul.
+
+        Tried on the ops after a matmul whose column split could not travel (its outputs are
+        whole): a fused QKV projection whose sections are not equal (multi-query or grouped
+        heads, Falcon, GPT-BigCode, Phi-3) stays whole, but the query heads cut out of it can
+        still be split by heads from the whole tensor (a local slice), with the key/value heads
+        whole on every device as Megatron keeps them when there are fewer of them than devices;
+        attention and the output projection then run split.
+        """
+        if any(c is not None and c.kind is not TPKind.REPLICATED for c in current):
+            return None
+        for c in self.candidates(op, current):
+            if c.label is None or c.block > 1 or any(x == COMM for x in self.cost(op, c, current)):
+                continue
+            result = self.simulate(op, c, seed=True)
+            if result.ok and not any(self._column_would_travel(end) for end in result.ends):
+                return c
+        return None
+
+    def _column_would_travel(self, op: OpHandle) -> bool:
+        """Whether a matmul fed whole could run column-parallel itself (what `_try_column` checks,
+        without recording anything): then a split started before it would take its place."""
+        anchor = self.matmul_anchor(op)
+        if anchor is None or anchor.n is None:
+            return False
+        blocks, tried = [1], set()
+        while blocks:
+            b = blocks.pop()
+            tried.add(b)
+            c = Choice(anchor.n, b)
+            if not self.divides(op, c):
+                continue
+            result = self.simulate(op, c)
+            if result.ok:
+                return True
+            if result.demand is not None and self.blocked and result.demand.block not in tried:
+                blocks.append(result.demand.block)
+        return False
 
     def _try_seed(self, op: OpHandle, seed: Choice, current: list[Optional[TPLayout]]) -> Optional[Choice]:
         """Split an op whose inputs are whole, when its split outputs reach row-parallel partners."""
@@ -411,6 +469,8 @@ class TensorParallelPropagation:
             if act is not None and act.kind is TPKind.REPLICATED and anchor.n is not None:
                 c = self._try_column(op, anchor)
                 self.roles[op.name] = "column" if c else "replicated"
+                if c is None and op.name in self.stopped:
+                    self.whole_after_matmul.update(o for o in op.node.outputs if o is not None)
                 return c or REPLICATE
             c = self.best(op, current)
             if c.label is None:
@@ -425,13 +485,54 @@ class TensorParallelPropagation:
             c = self._try_seed(op, self.seeds[op.name], current)
             if c is not None:
                 return c
-        return self.best(op, current)
+        c = self.best(op, current)
+        if c.label is None and any(v in self.whole_after_matmul for v in op.node.inputs):
+            seeded = self._seed_candidates(op, current)
+            if seeded is not None:
+                return seeded
+            self.whole_after_matmul.update(o for o in op.node.outputs if o is not None)
+        return c
+
+    def _pull_into_weight_view(self, value: str, wanted: TPLayout) -> None:
+        """Make the ops that turn a parameter into `value` (a transpose, a cast) produce it as
+        `wanted`, so a matmul splitting a weight view reads its chunk without a slice of a whole
+        copy (and its gradient needs no gather): the parameter itself is then stored split."""
+        v = self.graph.values[value]
+        if v.kind != "op" or v.producer is None or len(self._consumers.get(value, ())) != 1:
+            return
+        if weight_source(self.graph, value) is None:
+            return
+        producer = next((op for op in self.ops if op.name == v.producer), None)
+        if producer is None or self.choices.get(producer.name) != REPLICATE:
+            return
+        for c in self.candidates(producer, [None] * len(producer.node.inputs)):
+            if c.label is None:
+                continue
+            ins, outs = self.required(producer, c)
+            if outs[0] != wanted:
+                continue
+            src = producer.node.inputs[0]
+            if self._is_static(src):
+                if len(self._consumers.get(src, ())) != 1:
+                    return
+                self.stored[src] = ins[0]
+            else:
+                self._pull_into_weight_view(src, ins[0])
+                if self.layout.get(src) != ins[0]:
+                    return
+            self.choices[producer.name] = c
+            self.layout[value] = wanted
+            return
 
     def run(self) -> dict[str, Choice]:
         for op in self.ops:
             c = self.decide(op)
             self.choices[op.name] = c
             ins, outs = self.required(op, c)
+            for v, req in zip(op.node.inputs, ins):
+                if (req.kind is TPKind.SPLIT and not self._is_static(v)
+                        and self.layout.get(v) == REPLICATED):
+                    self._pull_into_weight_view(v, req)
             for v, req in zip(op.node.inputs, ins):
                 if self._is_static(v) and v not in self.stored:
                     self.stored[v] = REPLICATED if req.kind is TPKind.PARTIAL else req

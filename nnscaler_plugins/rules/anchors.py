@@ -18,6 +18,34 @@ from nnscaler_plugins.rules import Signature
 
 _STATIC = ("param", "buffer", "constant")
 
+# Ops that hand a parameter on as the same numbers in another layout or dtype: a matmul reading
+# `weight.T` (Falcon's linear, transformers' expert weights) or `weight.to(dtype)` still multiplies
+# by a parameter, so its weight dims are where tensor parallelism splits.
+_WEIGHT_VIEWS = frozenset({
+    "aten.t.default", "aten.numpy_T.default", "aten.transpose.int", "aten.permute.default",
+    "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.contiguous.default",
+    "aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.to.dtype",
+    "aten.to.dtype_layout", "aten._to_copy.default",
+})
+
+
+def weight_source(graph: Graph, value: str) -> Optional[str]:
+    """The parameter a value is a view (or a cast) of, through ops that only move its numbers;
+    None when the value is computed from anything else."""
+    seen = 0
+    while seen < 8:
+        v = graph.values[value]
+        if v.kind == "param":
+            return value
+        if v.kind != "op" or v.producer is None:
+            return None
+        op = graph.op(v.producer)
+        if str(op.target) not in _WEIGHT_VIEWS or len(op.inputs) != 1:
+            return None
+        value = op.inputs[0]
+        seen += 1
+    return None
+
 
 @dataclass(frozen=True)
 class MatmulAnchor:
@@ -40,8 +68,8 @@ def matmul_anchor(graph: Graph, op: OpNode, sig: Signature) -> Optional[MatmulAn
         if sig.is_frozen(k):
             continue
         carriers = sorted({i for i, _ in sig.dims_of(k)[0]})
-        weights = [i for i in carriers if graph.values[names[i]].kind == "param"]
-        acts = [i for i in carriers if graph.values[names[i]].kind not in _STATIC]
+        weights = [i for i in carriers if weight_source(graph, names[i]) is not None]
+        acts = [i for i in carriers if graph.values[names[i]].kind not in _STATIC and i not in weights]
         if len(weights) != 1 or len(acts) != 1:
             continue
         w, a = weights[0], acts[0]

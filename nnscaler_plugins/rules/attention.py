@@ -1,6 +1,7 @@
 """Scaled dot-product attention: batch and heads are spatial (grouped-query attention splits the
-key/value heads with the query heads: piece i's query heads use exactly piece i's kv heads);
-sequence and feature dims stay whole."""
+key/value heads with the query heads: piece i's query heads use exactly piece i's kv heads; a
+single key/value head, multi-query attention, stays whole and serves every piece); sequence and
+feature dims stay whole."""
 from __future__ import annotations
 
 from nnscaler_plugins.rules.registry import rule
@@ -21,7 +22,11 @@ def sdpa(call: OpCall) -> Signature:
         labs = []
         for i in range(lead):
             if i == lead - 1 and lead >= 2:
-                labs.append("h" if (t.shape[i] == heads or gqa) else f"^{tag}h")
+                # one key/value head serves every query head (multi-query attention): it stays
+                # whole on every piece, as Megatron keeps K/V heads when there are fewer of them
+                # than devices, and the query heads split alone
+                mqa = gqa and t.shape[i] == 1 and heads != 1
+                labs.append(f"^{tag}h" if mqa else "h" if (t.shape[i] == heads or gqa) else f"^{tag}h")
             else:
                 labs.append(f"d{i}" if t.shape[i] == q.shape[i] else f"^{tag}{i}")
         return tuple(labs) + (f"^{tag}s", f"^{tag}e")

@@ -27,7 +27,15 @@ UNARY_OR_BROADCAST = [
     "aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
     "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default",
     "aten.lift_fresh_copy.default", "aten.dropout.default", "aten.zeros_like.default", "aten.ones_like.default",
-    "aten.full_like.default", "aten.empty_like.default", "aten.fill.Scalar",
+    "aten.full_like.default", "aten.empty_like.default", "aten.fill.Scalar", "aten.fill.Tensor",
+    "aten.copy.default",
+    # scalar forms, integer division, min/max against another tensor
+    "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar", "aten.floor_divide.default",
+    "aten.floor_divide.Scalar", "aten.remainder.Scalar", "aten.remainder.Tensor", "aten.min.other",
+    "aten.max.other", "aten.fmod.Scalar", "aten.fmod.Tensor", "aten.floor.default", "aten.ceil.default",
+    "aten.round.default", "aten.sign.default", "aten.gelu_backward.default", "aten.logical_xor.default",
+    "aten.bitwise_xor.Tensor", "aten.clamp.Tensor", "aten.clamp_max.default", "aten.log1p.default",
+    "aten.expm1.default", "aten.atan.default", "aten.pow.Scalar",
 ]
 
 

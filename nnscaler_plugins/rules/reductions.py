@@ -87,3 +87,16 @@ def along_dim(call: OpCall) -> Signature:
             return None
         dim = dim[0]
     return _along_dim(call, norm_dim(dim, x.ndim))
+
+
+@rule("aten.histc.default")
+def histc(call: OpCall) -> Signature:
+    """Counts of values in `bins` equal bins of [min, max]: with a fixed range, the counts of the
+    pieces of the input add up to the counts of the whole, so every input dim is a reduction.
+    With min == max the range is the data's own minimum and maximum: kept whole."""
+    x = call.inputs[0]
+    lo, hi = call.arg(2, "min", 0), call.arg(3, "max", 0)
+    if lo == hi:
+        return None
+    ins = tuple(f"r{i}" for i in range(x.ndim))
+    return Signature(inputs=(ins,), outputs=(("^bins",),), reduce=frozenset(ins))

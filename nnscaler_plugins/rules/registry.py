@@ -27,6 +27,22 @@ def op_key(target: Any) -> str:
     return str(target)
 
 
+# In-place ops whose functional form has another name than the one without the trailing '_'.
+_FUNCTIONAL_OF = {"aten.copy_.default": "aten.copy.default", "aten.index_put_.default": "aten.index_put.default"}
+
+
+def functional_key(key: str) -> Optional[str]:
+    """The functional op an in-place aten op computes ('aten.add_.Tensor' -> 'aten.add.Tensor'),
+    or None when `key` is not an in-place aten op. Its rule is the in-place op's rule: the pieces
+    run the in-place op on their own chunks, which compute what the functional op's pieces do."""
+    if key in _FUNCTIONAL_OF:
+        return _FUNCTIONAL_OF[key]
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_"):
+        return f"aten.{parts[1][:-1]}.{parts[2]}"
+    return None
+
+
 def rule(*targets: Any) -> Callable[[RuleFn], RuleFn]:
     """Register a built-in rule for one or more overloads (objects or 'aten.x.overload' strings)."""
 

@@ -128,8 +128,9 @@ def transpose(call: OpCall) -> Signature:
     return Signature(inputs=(tuple(ins),), outputs=(tuple(outs),))
 
 
-@rule("aten.t.default")
+@rule("aten.t.default", "aten.numpy_T.default")
 def t(call: OpCall) -> Signature:
+    """`x.t()` and `x.T` (numpy_T): the dims in reverse order."""
     x = call.inputs[0]
     ins = tuple(f"d{i}" for i in range(x.ndim))
     return Signature(inputs=(ins,), outputs=(tuple(reversed(ins)),))
@@ -226,9 +227,71 @@ def pad(call: OpCall) -> Signature:
 
 
 @rule("aten.index.Tensor", "aten.gather.default", "aten.index_select.default", "aten.masked_select.default",
-      "aten.nonzero.default", "aten.scatter.src", "aten.scatter_add.default", "aten.index_put.default")
+      "aten.nonzero.default", "aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default",
+      "aten.repeat_interleave.self_Tensor", "aten.repeat_interleave.Tensor")
 def gather_like(call: OpCall) -> Signature:
     """Data-dependent indexing: kept whole (replicated) by design; cheap in the graphs where it
     appears (masks and position ids)."""
     return Signature(inputs=tuple(None for _ in call.inputs), outputs=tuple(None for _ in call.outputs),
                      note="data-dependent indexing runs whole")
+
+
+@rule("aten.repeat.default")
+def repeat(call: OpCall) -> Signature:
+    """`x.repeat(*sizes)`: a dim repeated once keeps its data in place and may be split; a dim
+    repeated r > 1 times holds r copies one after the other, so a contiguous chunk of the output is
+    not a chunk of the input: it stays whole, as do the leading dims `sizes` adds."""
+    x, out = call.inputs[0], call.outputs[0]
+    reps = list(call.arg(1, "repeats"))
+    lead = len(reps) - x.ndim
+    ins = tuple(f"d{j + lead}" if reps[j + lead] == 1 else f"^r{j}" for j in range(x.ndim))
+    outs = tuple(f"d{i}" if i >= lead and reps[i] == 1 else f"^o{i}" for i in range(out.ndim))
+    return Signature(inputs=(ins,), outputs=(outs,))
+
+
+@rule("aten.repeat_interleave.self_int")
+def repeat_interleave(call: OpCall) -> Signature:
+    """`x.repeat_interleave(r, dim)` with an int r: output index j reads input index j // r, so
+    chunk i of the output is exactly the repetition of chunk i of the input, along every dim
+    (the repeated dim carries one label with sizes L and L * r). Without `dim` the input is
+    flattened first: kept whole."""
+    x = call.inputs[0]
+    dim = call.arg(2, "dim", None)
+    if dim is None:
+        return Signature(inputs=(None,), outputs=(None,), note="repeat_interleave of the flattened input")
+    labs = tuple(f"d{i}" for i in range(x.ndim))
+    return Signature(inputs=(labs,), outputs=(labs,))
+
+
+@rule("aten.roll.default")
+def roll(call: OpCall) -> Signature:
+    """Rolled dims move data between chunks: whole; the others may be split. A roll without dims
+    rolls the flattened tensor: every dim whole."""
+    x = call.inputs[0]
+    dims = call.arg(2, "dims", [])
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    rolled = {norm_dim(d, x.ndim) for d in dims} if dims else set(range(x.ndim))
+    ins = tuple(f"^r{i}" if i in rolled else f"d{i}" for i in range(x.ndim))
+    outs = tuple(f"^o{i}" if i in rolled else f"d{i}" for i in range(x.ndim))
+    return Signature(inputs=(ins,), outputs=(outs,))
+
+
+@rule("aten.index_put.default")
+def index_put(call: OpCall) -> Signature:
+    """`x[indices] = values`: the indexed (leading) dims of `x` are addressed by data and stay
+    whole, as do the indices; the dims after them are plain slices, split alike in `x`, `values`
+    (where it has them at full size) and the output. The indices tensors, `accumulate` and their
+    broadcast only decide where values land, never the size of a trailing dim."""
+    x = call.inputs[0]
+    indices = call.arg(1, "indices")
+    k = len(indices)
+    labels = tuple(f"^i{i}" if i < k else f"d{i}" for i in range(x.ndim))
+    n_index = sum(1 for i in indices if i is not None and call.input_index(i) is not None)
+    idx = tuple(tuple(f"^x{t}_{j}" for j in range(call.inputs[1 + t].ndim)) for t in range(n_index))
+    values = call.inputs[1 + n_index]
+    trailing = x.ndim - k
+    vl = []
+    for j, s in enumerate(values.shape):
+        i = x.ndim - values.ndim + j  # values broadcast against x[indices], whose trailing dims are x's
+        vl.append(f"d{i}" if j >= values.ndim - trailing and i >= k and s == x.shape[i] else f"^v{j}")
+    return Signature(inputs=(labels,) + idx + (tuple(vl),), outputs=(labels,))

@@ -11,7 +11,13 @@ from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
 from nnscaler_plugins.plugins import get_plugin_manager, plugins_generation
-from nnscaler_plugins.rules.registry import BUILTIN, RuleFn, op_key, rule  # noqa: F401 - rule and op_key are part of this module's API
+from nnscaler_plugins.rules.registry import (  # noqa: F401 - rule and op_key are part of this module's API
+    BUILTIN,
+    RuleFn,
+    functional_key,
+    op_key,
+    rule,
+)
 from nnscaler_plugins.rules.signature import OpCall, Signature, replicate_only
 
 
@@ -25,10 +31,12 @@ def _load_builtins() -> None:
         attention,
         elementwise,
         embedding,
+        experts,
         factories,
         losses,
         matmul,
         norms,
+        pooling,
         reductions,
         shape_ops,
     )
@@ -55,13 +63,22 @@ def refresh() -> None:
     _table_for.cache_clear()
 
 
+def _rule_for(key: str) -> Optional[RuleFn]:
+    """The op's own rule, else (for an in-place op) the rule of the functional op it computes."""
+    table = _table()
+    fn = table.get(key)
+    if fn is None and functional_key(key) is not None:
+        fn = table.get(functional_key(key))
+    return fn
+
+
 def has_rule(target: Any) -> bool:
-    return op_key(target) in _table()
+    return _rule_for(op_key(target)) is not None
 
 
 def signature_of(call: OpCall) -> Signature:
     """The signature for a call; replicate-only when no rule exists or the rule declines."""
-    fn = _table().get(op_key(call.target))
+    fn = _rule_for(op_key(call.target))
     try:
         sig = fn(call) if fn is not None else None
     except Exception as e:  # noqa: BLE001 - a rule that cannot read this call: running the op whole is exact
@@ -80,12 +97,41 @@ def op_call(graph: Graph, op: OpNode) -> OpCall:
 
 
 def signature_for(graph: Graph, op: OpNode) -> Signature:
-    return signature_of(op_call(graph, op))
+    call = op_call(graph, op)
+    if _mutation_read_elsewhere(graph, op):
+        return replicate_only(call)
+    return signature_of(call)
+
+
+def _mutation_read_elsewhere(graph: Graph, op: OpNode) -> bool:
+    """Whether an in-place op's mutated tensor is also read without going through the op's output.
+
+    The pieces of a split in-place op each mutate their own chunk. That is what the functional op
+    computes as long as the result is only read through the op's output; a later op reading the
+    mutated tensor by its old name (a statement `x.add_(y)` without assignment), a model output, or
+    a parameter, buffer or input being mutated would see chunks instead of the whole mutated tensor,
+    so such an op runs whole, exactly as eager.
+    """
+    key = op_key(op.target)
+    if key in _table() or functional_key(key) is None or not op.inputs:
+        return False
+    target = op.inputs[0]
+    if graph.values[target].kind != "op":
+        return True
+    if target in graph.outputs:
+        return True
+    seen = False
+    for other in graph.ops:
+        if other is op:
+            seen = True
+            continue
+        if seen and target in other.inputs:
+            return True
+    return False
 
 
 def unruled_ops(graph: Graph) -> list[OpNode]:
-    table = _table()
-    return [op for op in graph.ops if op_key(op.target) not in table and any(o for o in op.outputs)]
+    return [op for op in graph.ops if _rule_for(op_key(op.target)) is None and any(o for o in op.outputs)]
 
 
 def warn_replicate_only(graph: Graph) -> None:
