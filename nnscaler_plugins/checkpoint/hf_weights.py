@@ -91,7 +91,7 @@ def hf_source(directory: str) -> Any:
         return f.get_slice(name)[box_slices(box)]
 
     source = WeightSource(directory, tensors, read, "a Hugging Face save_pretrained directory")
-    source.kind = "pretrained weights"
+    source.kind = "pretrained checkpoint"
     return source
 
 
@@ -115,7 +115,7 @@ def _bin_source(directory: str) -> Any:
     tensors = {n: (tuple(state(f)[n].shape), state(f)[n].dtype) for n, f in files.items()}
     read: Callable[[str, Box], torch.Tensor] = lambda name, box: state(files[name])[box_slices(box)].clone()  # noqa: E731
     source = WeightSource(directory, tensors, read, "a Hugging Face save_pretrained directory")
-    source.kind = "pretrained weights"
+    source.kind = "pretrained checkpoint"
     return source
 
 
