@@ -68,7 +68,18 @@ def _configs() -> dict:
                                "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
                                "zero_optimization": {"stage": 1},
                                "zero_allow_untested_optimizer": True}  # DeepSpeed's ZeRO wants it for SGD
+    # bf16: DeepSpeed's bf16 engine holds the model in bf16 (fp32 master weights) and returns bf16 losses
+    for stage in (0, 2):
+        cfg = json.loads(json.dumps(base))
+        cfg.update(zero_optimization={"stage": stage}, gradient_accumulation_steps=1, bf16={"enabled": True})
+        out[f"zero{stage}_bf16"] = cfg
     return out
+
+
+def _tolerance(name: str, x: float) -> float:
+    """fp32: rounding only. bf16: a loss is a bf16 number (8 bits of mantissa), so two engines whose
+    kernels round differently agree within a few of its units; they stay there over 10 steps."""
+    return 4 * 2.0 ** -8 * abs(x) if name.endswith("bf16") else 1e-5 * abs(x)
 
 
 def _free_port() -> int:
@@ -109,10 +120,10 @@ def test_same_losses_as_deepspeed_for_zero_0_to_3(tmp_path: Path) -> None:
             acc = _configs()[name]["gradient_accumulation_steps"]
             assert len(a["losses"]) == len(b["losses"]) == 10 * acc
             for step, (x, y) in enumerate(zip(a["losses"], b["losses"])):
-                assert abs(x - y) <= 1e-5 * abs(x), f"{name} rank {rank} micro-step {step}: DeepSpeed {x}, ours {y}"
+                assert abs(x - y) <= _tolerance(name, x), f"{name} rank {rank} micro-step {step}: DeepSpeed {x}, ours {y}"
             assert b["global_steps"] == a["global_steps"] == 10, name
             assert b["lr"] == pytest.approx(a["lr"], rel=1e-6), name
             if a.get("grad_norm") is not None:  # DeepSpeed reports it for ZeRO stages only
-                assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
+                assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2 if name.endswith("bf16") else 1e-4), name
         # the losses of the two ranks differ: each trains on its own micro-batches, as in DeepSpeed
         assert ours[rank]["zero0_accum1"]["losses"] != ours[1 - rank]["zero0_accum1"]["losses"]
