@@ -114,6 +114,8 @@ def save_under_tp4_and_pipeline(rank: int, world: int, root: str):
         _train(pm, opt, sched, range(2))
         nns.checkpoint.save(os.path.join(root, name), pm, opt, step=2, scheduler=sched.state_dict(), plan=name)
         out[name] = _states(pm, opt)
+        if name == "zero3":  # the same state as torch.distributed.checkpoint, written from the pieces
+            nns.checkpoint.export_dcp(os.path.join(root, "zero3_dcp"), pm, opt)
         if name == "tp4":
             nns.checkpoint.export(os.path.join(root, "tp4.pt"), pm)
             nns.checkpoint.export(os.path.join(root, "tp4_hf"), pm, hf_model=model)
@@ -130,11 +132,14 @@ def load_on_two(rank: int, world: int, root: str, want: dict, m: int) -> tuple[l
     problems = []
     # ZeRO-1's optimizer also takes the plain AdamW state saved under tp 4: one format for both.
     built = None
-    for saved, name in (("zero3", "zero1"), ("tp4", "zero1"), ("tp4", "dp2")):
+    for saved, name in (("zero3_dcp", "zero1"), ("zero3", "zero1"), ("tp4", "zero1"), ("tp4", "dp2")):
         if built is None or built[0] != name:
             built = (name, *_build(rank, world, name, seed=1))
         _, _, pm, opt, sched = built
         extra = nns.checkpoint.load(os.path.join(root, saved), pm, opt)
+        if saved.endswith("_dcp"):  # weights and optimizer state only
+            problems += _differences(_states(pm, opt), want[saved[:-4]], f"{saved} -> {name}")
+            continue
         sched.load_state_dict(extra["scheduler"])
         problems += _differences(_states(pm, opt), want[saved], f"{saved} -> {name}")
         for e in getattr(opt, "entries", ()):  # ZeRO-1's fp32 masters are copies: they must be the loaded weights
@@ -239,6 +244,14 @@ def test_export_and_offline_merge(saved, tmp_path):
     assert full["extra"]["step"] == 2
     assert all(torch.equal(full["optimizer"]["state"][n][k], v)
                for n, keys in want["tp4"][1]["state"].items() for k, v in keys.items())
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(os.path.join(root, "zero3_dcp"), str(tmp_path / "from_dcp.pt"))  # torch's own reader
+    from_dcp = torch.load(str(tmp_path / "from_dcp.pt"), weights_only=False)
+    assert all(torch.equal(from_dcp[k], v) for k, v in want["zero3"][0].items())
+    assert all(torch.equal(from_dcp[f"optimizer.state.{n}.{k}"], v)
+               for n, keys in want["zero3"][1]["state"].items() for k, v in keys.items())
 
     from transformers import AutoModelForCausalLM
 
