@@ -598,3 +598,112 @@ def test_training_data_loader_and_last_shorter_batch(workers2) -> None:
     for r in workers2.run(_data):
         assert r[False] == ([2, 2, 1], 3, True)  # 5 samples per rank: the last batch has 1
         assert r[True] == ([2, 2], 2, True)
+
+
+# -- checkpoint/test_zero_optimizer.py: frozen weights, immediate save/load, save mid-accumulation ------
+
+class FrozenModel(SimpleModel):
+    """DeepSpeed's SimpleFrozenModel: the first layer's weight does not train."""
+
+    def __init__(self):
+        super().__init__()
+        self.linears[0].weight.requires_grad = False
+
+
+def _frozen(rank, world, tmp, stage, how):
+    torch.manual_seed(0)
+    model = FrozenModel()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=_config(stage), model_parameters=model.parameters())
+    _train(engine, _batches(2, rank))
+    engine.save_checkpoint(tmp, exclude_frozen_parameters=how == "exclude_frozen")
+    torch.manual_seed(0)  # the same frozen weight: it is not in an exclude_frozen checkpoint
+    other = FrozenModel()
+    loaded, _, _, _ = deepspeed.initialize(model=other, config=_config(stage), model_parameters=other.parameters())
+    loaded.load_checkpoint(tmp, load_optimizer_states=how != "no_optimizer", load_module_only=how == "module_only")
+    saved = torch.load(os.path.join(tmp, "global_step2", "mp_rank_00_model_states.pt" if stage < 3 else
+                                    "zero_pp_rank_0_mp_rank_00_model_states.pt"), weights_only=False)["module"]
+    out = {"module": _same(_state(engine), _state(loaded)), "saved_keys": sorted(saved)}
+    more = _batches(1, rank + 3)
+    out["next_equal"] = _train(engine, more) == _train(loaded, more) and _same(_state(engine), _state(loaded))
+    return out
+
+
+def test_frozen_weights_round_trip(workers2, tmp_path) -> None:
+    cases = [(1, "full"), (3, "no_optimizer"), (2, "module_only"), (2, "exclude_frozen")]
+    if ALL:
+        cases = [(s, h) for s in (1, 2, 3) for h in ("full", "no_optimizer", "module_only", "exclude_frozen")]
+    every = ["linears.0.bias", "linears.0.weight", "linears.1.bias", "linears.1.weight"]
+    for i, (stage, how) in enumerate(cases):
+        for r in workers2.run(_frozen, str(tmp_path / f"f{i}"), stage, how):
+            assert r["module"], (stage, how)
+            if how == "exclude_frozen":
+                assert r["saved_keys"] == [k for k in every if k != "linears.0.weight"]
+            else:
+                assert r["saved_keys"] == every
+            if how in ("full", "exclude_frozen"):
+                assert r["next_equal"], (stage, how)
+
+
+def _edge_cases(rank, world, tmp, stage):
+    out = {}
+    cfg = _config(stage, "bf16")
+    # test_immediate_save_load: save and load on the same engine before any step
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+    engine.save_checkpoint(os.path.join(tmp, "a"))
+    engine.load_checkpoint(os.path.join(tmp, "a"), load_optimizer_states=False, load_lr_scheduler_states=False)
+    out["immediate"] = _same(_state(engine), {k: v.float() for k, v in model.state_dict().items()})
+    # test_load_immediate_save: train, save; a fresh engine on the same model loads and saves at once
+    _train(engine, _batches(1, rank, torch.bfloat16))
+    engine.save_checkpoint(os.path.join(tmp, "b"))
+    fresh, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+    fresh.load_checkpoint(os.path.join(tmp, "b"), load_optimizer_states=False, load_lr_scheduler_states=False)
+    fresh.save_checkpoint(os.path.join(tmp, "b"))
+    out["load_immediate_save"] = _same(_state(engine), _state(fresh))
+    # test_save_before_accum_grad_is_done: one micro-step of two, then save_16bit_model and a checkpoint
+    acc = _config(stage, "bf16", gradient_accumulation_steps=2)
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=acc)
+    x, y = _batches(1, rank, torch.bfloat16)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.empty_partition_cache()
+    engine.save_16bit_model(os.path.join(tmp, "c"), "model.pt")
+    engine.save_checkpoint(os.path.join(tmp, "c"))
+    saved = torch.load(os.path.join(tmp, "c", "model.pt"))
+    out["mid_accumulation"] = (engine.global_steps, all(v.dtype == torch.bfloat16 for v in saved.values()))
+    return out
+
+
+def test_save_and_load_edge_cases(workers2, tmp_path) -> None:
+    for stage in ((0, 1, 2, 3) if ALL else (1, 3)):
+        for r in workers2.run(_edge_cases, str(tmp_path / f"s{stage}"), stage):
+            assert r["immediate"] and r["load_immediate_save"], stage
+            assert r["mid_accumulation"] == (0, True), stage
+
+
+# -- test_no_sync_ctxt.py test_multiple_ctxts: the same losses and gradients in two no_sync blocks -------
+
+def _multiple_ctxts(rank, world, precision):
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=_config(1, precision))
+    params = list(engine.parameters())
+    batches = _batches(3, rank, _dtype(precision))
+    runs = []
+    for _ in range(2):
+        engine.zero_grad()
+        losses, norms = [], []
+        with engine.no_sync():
+            for x, y in batches:
+                loss = engine(x, y)
+                losses.append(loss.item())
+                engine.backward(loss)
+                norms.append(sum(deepspeed.utils.safe_get_full_grad(p).float().norm() for p in params).item())
+        runs.append((losses, norms))
+    return runs
+
+
+def test_no_sync_blocks_repeat(workers2) -> None:
+    for precision in ("fp32", "bf16"):
+        for first, second in workers2.run(_multiple_ctxts, precision):
+            assert first == second, precision

@@ -44,10 +44,10 @@ from .schedulers import (
     WarmupLR,
     build_scheduler,
 )
-from . import zero
+from . import utils, zero
 from .zero_optimizer import ZeroOptimizer
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError", "zero",
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError", "zero", "utils",
            "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 PLUGIN_NAME = "builtin_deepspeed"

@@ -94,13 +94,51 @@ class DeepSpeedEngine(torch.nn.Module):
         register_engine(self)
 
     # -- the model's own parameters (zero.GatheredParameters) ---------------------------------------
-    def owns_model_parameter(self, param: torch.Tensor) -> bool:
-        return id(param) in self._model_param_names
+    def name_of(self, param: torch.Tensor) -> Optional[str]:
+        """The model's name of `param`: one of the model's parameters, or this rank's piece of one."""
+        name = self._model_param_names.get(id(param))
+        if name is None and self._pmodule is not None:
+            name = next((n for n in self._model_params if self._pmodule.parameter(n) is param), None)
+        return name
+
+    def _piece_of(self, param: torch.Tensor) -> tuple[str, Optional[torch.Tensor]]:
+        name = self.name_of(param)
+        return name, (self._pmodule.parameter(name) if self._pmodule is not None else None)
+
+    def full_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The whole gradient of a parameter as this rank holds it (deepspeed.utils.safe_get_full_grad)."""
+        name, local = self._piece_of(param)
+        if local is None:
+            return self._model_params[name].grad
+        if local.shape != self._model_params[name].shape:
+            raise NotImplementedError(f"{name}: this rank holds a piece of it under the plan (tensor parallel or "
+                                      "ZeRO-3); its whole gradient is not gathered here")
+        if local.grad is None and self._pmodule.plan.zero >= 2 and self.dp_world_size > 1:
+            raise NotImplementedError(f"{name}: under ZeRO-2 each rank keeps only its chunk of the gradient")
+        return local.grad
+
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole fp32 value of a parameter: the master weight under bf16/fp16 (collective)."""
+        name, _ = self._piece_of(param)
+        if self._pmodule is None:
+            return self._model_params[name].detach().float()
+        if isinstance(self.optimizer, ZeroOptimizer):
+            master = self.optimizer.inner.full_state_dict()["state"].get(name, {}).get("master_param")
+            if master is not None:
+                return master.float()
+        return self._pmodule.full_state_dict()[name].float()
 
     def refresh_model_parameters(self, params: list) -> None:
         """Write the whole, current values into these model parameters (collective once parallelized)."""
         if self._pmodule is None:
             return
+        pieces = [p for p in params if id(p) not in self._model_param_names]
+        for p in pieces:
+            name, local = self._piece_of(p)
+            if local.shape != self._model_params[name].shape:
+                raise NotImplementedError(f"GatheredParameters: {name} is this rank's piece of the parameter; pass "
+                                          "the model's own parameters (model.parameters()) to see it whole")
+        params = [p for p in params if id(p) in self._model_param_names]
         whole = self._pmodule.full_state_dict()
         with torch.no_grad():
             for p in params:
@@ -116,7 +154,9 @@ class DeepSpeedEngine(torch.nn.Module):
             return
         whole = self._pmodule.full_state_dict()
         for p in params:
-            whole[self._model_param_names[id(p)]] = p.detach()
+            name = self.name_of(p)
+            if id(p) in self._model_param_names:
+                whole[name] = p.detach()
         self._pmodule.load_full_state_dict(whole)
 
     # -- the module ---------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ def register_engine(engine: Any) -> None:
     _ENGINES.add(engine)
 
 
-def _engine_of(param: torch.Tensor) -> Optional[Any]:
+def engine_of(param: torch.Tensor) -> Optional[Any]:
     for engine in list(_ENGINES):
-        if engine.owns_model_parameter(param):
+        if engine.name_of(param) is not None:
             return engine
     return None
 
@@ -78,7 +78,7 @@ class GatheredParameters:
     def _by_engine(self) -> dict:
         out: dict = {}
         for p in self.params:
-            engine = _engine_of(p)
+            engine = engine_of(p)
             if engine is not None:
                 out.setdefault(id(engine), (engine, []))[1].append(p)
         return out
@@ -100,5 +100,5 @@ class GatheredParameters:
             engine.apply_model_parameters(params)
         if many:
             for p in self.params:  # parameters of no engine: DeepSpeed still makes every rank see rank r's values
-                if _engine_of(p) is None:
+                if engine_of(p) is None:
                     dist.broadcast(p.data, src=self.modifier_rank)

@@ -1,0 +1,32 @@
+"""`deepspeed.utils`' accessors of whole tensors behind a parameter: `safe_get_full_grad`,
+and `safe_get_full_fp32_param`.
+
+DeepSpeed scripts pass the parameters they took from the engine or the model; each is traced to
+the engine training it. Under ZeRO DeepSpeed gathers the pieces; so do these where a piece is not
+the whole tensor (collective then: every rank calls them, as in DeepSpeed).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .zero import engine_of
+
+
+def _engine(param: torch.Tensor):
+    engine = engine_of(param)
+    if engine is None:
+        raise ValueError("this tensor is not a parameter of a model an engine trains (pass one from "
+                         "engine.parameters() or from the model given to initialize)")
+    return engine
+
+
+def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The whole gradient of `param` as this rank holds it (None before a backward)."""
+    return _engine(param).full_grad(param)
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    """The whole fp32 value of `param` (the master weight in bf16/fp16)."""
+    return _engine(param).full_fp32_param(param)
