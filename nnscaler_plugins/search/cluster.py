@@ -36,15 +36,18 @@ from nnscaler_plugins.search.cluster_spec import ClusterError, ClusterSpec, GiB,
 from nnscaler_plugins.search.efficiency import GPU_EFFICIENCY
 from nnscaler_plugins.search.kernel_tables import kernel_table
 
-# The software stacks the presets assume (what each overlaps; see search/overlap.py). `sustained` is the
-# one fitted number (benchmarks/simulator_fidelity.py --fit), shared by every preset.
-SUSTAINED = 0.88
-# Megatron-LM as in the 2021 papers the A100 and V100 calibration points come from: gradient all-reduce
-# in buckets during the backward, pipeline p2p beside compute, tensor-parallel collectives synchronous.
-STACK_2021 = replace(GPU_EFFICIENCY, sustained=SUSTAINED, tp_comm_overlap=False, attention_kernel="flash2")
-# Megatron-Core / torchtitan on Hopper: tp-comm-overlap or async TP, distributed-optimizer / FSDP overlap of
-# reduce-scatter and all-gather, cuDNN / FlashAttention-3 class attention.
-STACK_CURRENT = replace(GPU_EFFICIENCY, sustained=SUSTAINED, tp_comm_overlap=True, attention_kernel="flash3")
+# The software stacks the presets assume (what each overlaps: search/overlap.py). `sustained` is the one
+# fitted number of a stack (benchmarks/simulator_fidelity.py --fit fits each on its own calibration rows and
+# holds the others out): the fraction of the kernel tables' speed whole steps of that software reach.
+SUSTAINED_2021 = 0.88
+SUSTAINED_CURRENT = 0.88
+# Megatron-LM as in the 2021 papers the A100 and V100 calibration points come from (CUDA 11.0 era): gradient
+# all-reduce in buckets during the backward, pipeline p2p beside compute, tensor-parallel collectives
+# synchronous, attention written out as matmuls and a fused softmax.
+STACK_2021 = replace(GPU_EFFICIENCY, sustained=SUSTAINED_2021, tp_comm_overlap=False, attention_kernel="flash2")
+# Megatron-Core / torchtitan / FSDP today: tp-comm-overlap or async TP, distributed-optimizer / FSDP overlap
+# of reduce-scatter and all-gather, flash attention (cuDNN / FlashAttention-3 class on Hopper).
+STACK_CURRENT = replace(GPU_EFFICIENCY, sustained=SUSTAINED_CURRENT, tp_comm_overlap=True, attention_kernel="flash3")
 
 
 # -- presets -----------------------------------------------------------------------------------------------

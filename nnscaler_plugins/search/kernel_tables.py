@@ -45,11 +45,28 @@ class MatmulCurve:
     k_half: float = 128.0
     tile_m: int = 128
     tile_n: int = 128
+    # CPUs: packing the operands costs in proportion to k(m + n) against the m n k of the product, so
+    # efficiency falls as 1 / (1 + mn_half (1/m + 1/n)); 0 for GPU tables (their loss is the SM fill).
+    mn_half: float = 0.0
+    # CPUs: a product whose operands and result fit in the cache (`KernelTable.cache_bytes`) runs this much
+    # faster than one streaming them from DRAM; 1 for GPU tables.
+    cache_speedup: float = 1.0
 
-    def efficiency(self, m: float, n: float, k: float, batch: float, sms: int) -> float:
-        tiles = math.ceil(max(m, 1.0) / self.tile_m) * math.ceil(max(n, 1.0) / self.tile_n) * max(batch, 1.0)
+    def efficiency(self, m: float, n: float, k: float, batch: float, sms: int, cache_bytes: float = 0.0,
+                   itemsize: int = 4) -> float:
+        m, n = max(m, 1.0), max(n, 1.0)
+        tiles = math.ceil(m / self.tile_m) * math.ceil(n / self.tile_n) * max(batch, 1.0)
         fill = min(1.0, tiles / max(sms, 1))
-        return self.peak_fraction * fill * k / (k + self.k_half)
+        packing = 1.0 / (1.0 + self.mn_half * (1.0 / m + 1.0 / n))
+        eff = self.peak_fraction * fill * packing * k / (k + self.k_half)
+        if self.cache_speedup != 1.0 and cache_bytes > 0:
+            eff *= cached(self.cache_speedup, (m * k + k * n + m * n) * itemsize, cache_bytes)
+        return eff
+
+
+def cached(speedup: float, nbytes: float, cache_bytes: float) -> float:
+    """Throughput factor of a working set of `nbytes`: `speedup` well inside the cache, 1 well outside."""
+    return 1.0 + (speedup - 1.0) / (1.0 + (nbytes / cache_bytes) ** 2)
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,9 @@ class KernelTable:
     attention: Mapping[str, AttentionCurve] = field(default_factory=dict)  # by kernel: "flash2", "flash3"
     memory_fraction: float = 0.8
     memory_bytes_half: float = 1.0e6
+    # CPUs: element-wise ops on tensors that fit in the cache run `cache_speedup` times the DRAM rate
+    cache_bytes: float = 0.0
+    cache_speedup: float = 1.0
     sources: tuple = ()
     points: tuple = ()  # reference points as dicts: {"kind", shape fields, "dtype", "efficiency", "source"}
     measured: str = ""  # date and software versions when measured; "" for tables from public sources
@@ -83,12 +103,12 @@ class KernelTable:
 
     def __hash__(self) -> int:
         return hash((self.device, self.sms, tuple(sorted(self.matmul.items())), tuple(sorted(self.attention.items())),
-                     self.memory_fraction,
+                     self.memory_fraction, self.cache_bytes, self.cache_speedup,
                      self.memory_bytes_half))
 
     def matmul_efficiency(self, m: float, n: float, k: float, batch: float, dtype: str) -> float:
         curve = self.matmul.get(dtype) or self.matmul.get("bf16") or next(iter(self.matmul.values()))
-        return curve.efficiency(m, n, k, batch, self.sms)
+        return curve.efficiency(m, n, k, batch, self.sms, self.cache_bytes)
 
     def attention_efficiency(self, seq: float, head_dim: float, backward: bool, causal: bool,
                              kernel: str = "") -> Optional[float]:
@@ -99,7 +119,10 @@ class KernelTable:
         return curve.efficiency(seq, head_dim, backward, causal) if curve is not None else None
 
     def memory_efficiency(self, nbytes: float) -> float:
-        return self.memory_fraction * nbytes / (nbytes + self.memory_bytes_half)
+        eff = self.memory_fraction * nbytes / (nbytes + self.memory_bytes_half)
+        if self.cache_speedup != 1.0 and self.cache_bytes > 0:
+            eff *= cached(self.cache_speedup, nbytes, self.cache_bytes)
+        return eff
 
     def point_efficiency(self, p: Mapping[str, Any]) -> float:
         """What the curves give at one reference point (for checking a table against its points)."""
@@ -116,7 +139,8 @@ class KernelTable:
     def to_json(self) -> dict:
         out: dict[str, Any] = {"device": self.device, "sms": self.sms,
                                "matmul": {k: vars(v).copy() for k, v in self.matmul.items()},
-                               "memory": {"peak_fraction": self.memory_fraction, "bytes_half": self.memory_bytes_half}}
+                               "memory": {"peak_fraction": self.memory_fraction, "bytes_half": self.memory_bytes_half,
+                                          "cache_bytes": self.cache_bytes, "cache_speedup": self.cache_speedup}}
         if self.attention:
             out["attention"] = {k: vars(v).copy() for k, v in self.attention.items()}
         if self.measured:
@@ -130,13 +154,15 @@ class KernelTable:
         att = d.get("attention")
         mem = d.get("memory", {})
         return cls(device=str(d["device"]), sms=int(d["sms"]),
-                   matmul={str(k): MatmulCurve(**{f: v[f] for f in ("peak_fraction", "k_half", "tile_m", "tile_n") if f in v})
+                   matmul={str(k): MatmulCurve(**{f: v[f] for f in ("peak_fraction", "k_half", "tile_m", "tile_n",
+                                                                     "mn_half", "cache_speedup") if f in v})
                            for k, v in d["matmul"].items()},
                    attention={str(k): AttentionCurve(**{f: v[f] for f in ("forward", "backward", "s_half", "d_half",
                                                                          "causal_fraction") if f in v})
                               for k, v in (att or {}).items()},
                    memory_fraction=float(mem.get("peak_fraction", 0.8)),
                    memory_bytes_half=float(mem.get("bytes_half", 1.0e6)),
+                   cache_bytes=float(mem.get("cache_bytes", 0.0)), cache_speedup=float(mem.get("cache_speedup", 1.0)),
                    sources=tuple(d.get("sources", ())), points=tuple(dict(p) for p in d.get("points", ())),
                    measured=str(d.get("measured", "")), name=name)
 
