@@ -76,13 +76,16 @@ def has_rule(target: Any) -> bool:
     return _rule_for(op_key(target)) is not None
 
 
-def signature_of(call: OpCall) -> Signature:
-    """The signature for a call; replicate-only when no rule exists or the rule declines."""
+def signature_of(call: OpCall, where: str = "") -> Signature:
+    """The signature for a call; replicate-only when no rule exists or the rule declines.
+
+    `where` says where the op is in the model (its name, module path and source line) for the
+    warning given when the rule itself fails."""
     fn = _rule_for(op_key(call.target))
     try:
         sig = fn(call) if fn is not None else None
     except Exception as e:  # noqa: BLE001 - a rule that cannot read this call: running the op whole is exact
-        warnings.warn(f"the dimension rule of {op_key(call.target)} failed on inputs "
+        warnings.warn(f"the dimension rule of {op_key(call.target)}{f' at {where}' if where else ''} failed on inputs "
                       f"{[tuple(m.shape) for m in call.inputs]} ({type(e).__name__}: {e}); the op runs whole "
                       "(replicated) where it is. Fix or override the rule through nnscaler_register_op_rules",
                       ReplicateOnlyWarning, stacklevel=2)
@@ -100,7 +103,7 @@ def signature_for(graph: Graph, op: OpNode) -> Signature:
     call = op_call(graph, op)
     if _mutation_read_elsewhere(graph, op):
         return replicate_only(call)
-    return signature_of(call)
+    return signature_of(call, op.where())
 
 
 def _mutation_read_elsewhere(graph: Graph, op: OpNode) -> bool:
