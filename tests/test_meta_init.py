@@ -6,6 +6,8 @@ buffers computed in constructors are recomputed; what nothing reproduces is refu
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,10 +15,11 @@ import models
 from harness import Workers
 
 SEED = 1234
-# name -> (strategy, options, data-parallel replicas); every plan runs on 4 processes
+LAYERS = 2  # a pipeline's two stages hold one block each
+# name -> (strategy, options, data-parallel replicas); every plan runs on 4 processes (the pipeline's
+# two replicas are the data-parallel case)
 PLANS = {
     "tp4": ("tp", {}, 1),
-    "tp2-dp2": ("tp", {"tp": 2}, 2),
     "dp4-zero3": ("dp", {"zero": 3}, 4),
     "1f1b-pp2-dp2": ("1f1b", {"pp": 2, "micro_batches": 2}, 2),
 }
@@ -29,15 +32,15 @@ def workers():
     w.close()
 
 
-def _meta(builder, **kw):
+def _meta(builder):
     with torch.device("meta"):
-        model, inputs = builder(**kw)
+        model, inputs = builder(layers=LAYERS)
     return model.eval(), inputs  # no dropout: losses compare exactly
 
 
 def _inputs(builder):
     torch.manual_seed(0)
-    return builder()[1]
+    return builder(layers=LAYERS)[1]
 
 
 def _reference(builder) -> tuple[dict[str, torch.Tensor], float]:
@@ -45,7 +48,7 @@ def _reference(builder) -> tuple[dict[str, torch.Tensor], float]:
     import nnscaler_plugins as nns
     from nnscaler_plugins.runtime.loss import extract_loss
 
-    model = builder()[0].eval()
+    model = builder(layers=LAYERS)[0].eval()
     nns.init_weights(model, SEED)
     with torch.no_grad():
         loss = extract_loss(model(**_inputs(builder))).item()
@@ -86,6 +89,11 @@ def _held_bytes(pm) -> int:
     return sum(pm.local_tensor(k).numel() * pm.local_tensor(k).element_size() for k in pm.held_keys)
 
 
+# GPT-2 (tied head, a parent's init rewriting a child's weight) under every plan by default; Llama
+# (rotary buffers) in one process by default, under every plan with NNS_TEST_ALL_PLANS=1.
+ALL = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
+
+
 @pytest.mark.parametrize("builder_name", ["gpt2_small", "llama_small"])
 def test_meta_model_gets_the_same_weights_under_every_plan(workers, builder_name):
     import nnscaler_plugins as nns
@@ -101,6 +109,8 @@ def test_meta_model_gets_the_same_weights_under_every_plan(workers, builder_name
     one_loss = pm.train_step(_inputs(builder)).item()
     assert one_loss == pytest.approx(ref_loss, rel=1e-5)
 
+    if builder_name != "gpt2_small" and not ALL:
+        return
     results = workers.run(_parallel_weights, builder_name)
     biggest = max(v.numel() * v.element_size() for v in ref.values())
     for rank, r in enumerate(results):
@@ -115,8 +125,9 @@ def test_meta_model_gets_the_same_weights_under_every_plan(workers, builder_name
 def test_init_weights_is_deterministic_per_module_and_keeps_ties():
     import nnscaler_plugins as nns
 
-    a, _ = models.gpt2_small()
-    b, _ = _meta(models.gpt2_small)
+    a, _ = models.gpt2_small(layers=2)
+    with torch.device("meta"):
+        b, _ = models.gpt2_small(layers=2)
     nns.init_weights(a, 7)
     nns.init_weights(b, 7)
     assert b.lm_head.weight is b.transformer.wte.weight
