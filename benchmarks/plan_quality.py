@@ -211,13 +211,13 @@ MODELS = [("GPT, 24 x 2048, vocabulary 256k", gpt_256k, 32, 256),
           ("MoE, 12 layers x 32 experts (top-1), 2048 hidden", moe, 32, 256)]
 
 
-def part_b(limits=(80 * GiB, 24 * GiB), save: bool = True) -> None:
+def part_b(limits=(80 * GiB, 24 * GiB), save: bool = True, clusters=("a100-dgx", "h100-dgx")) -> None:
     rows = []
-    for name, build, world, batch in MODELS:
+    for (name, build, world, batch), preset in [(m, c) for m in MODELS for c in clusters]:
         model, inputs = build()
         g = nns.capture(model, kwargs=inputs)
         b = next(t.shape[0] for t in inputs.values())
-        spec = nns.cluster("a100-dgx", nodes=world // 8)
+        spec = nns.cluster(preset, nodes=world // 8)
         cm = CostModel(g, spec)
         base = {}
         for r, dp in (("dp", world), ("zero-3", world), ("megatron", world // 8)):
@@ -240,13 +240,14 @@ def part_b(limits=(80 * GiB, 24 * GiB), save: bool = True) -> None:
             # the model's ops alone, spread evenly (data parallelism does no redundant work): no communication,
             # no bubble, no optimizer step -- every plan does at least this much per device
             bound = base["dp"].compute_s - base["dp"].details.get("optimizer_s", 0.0)
-            rows.append((name, f"{world}", f"{batch}", f"{limit / GiB:.0f}", f"{bound:.3g} s", recipes,
+            rows.append((name, preset, f"{world}", f"{batch}", f"{limit / GiB:.0f}", f"{bound:.3g} s", recipes,
                          f"{best_r[0]} {best_r[1].step_time_s:.3g} s" if best_r else "none fits",
                          f"{s.step_time_s:.3g} s / {s.peak_memory_gib:.1f} GiB" if s else "-", speed, summary))
             print(" | ".join(rows[-1]), flush=True)
     if save:
-        record("plan_quality.py part B: search vs fixed recipes at the same memory limit (simulated, A100 preset)", rows,
-           ("model", "GPUs", "global batch", "memory limit GiB", "compute-only bound", "recipes (time / peak)",
+        record("plan_quality.py part B: search vs fixed recipes at the same memory limit (simulated, A100 and H100 "
+               "presets)", rows,
+           ("model", "cluster", "GPUs", "global batch", "memory limit GiB", "compute-only bound", "recipes (time / peak)",
             "best fitting recipe",
             "search best", "speed-up (target 1.3x)", "search's plan"),
            NOTES_B)
@@ -272,11 +273,12 @@ def main() -> None:
     ap.add_argument("--part", choices=("A", "B", "both"), default="both")
     ap.add_argument("--quick", action="store_true", help="part A only up to 512 GPUs")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--clusters", default="a100-dgx,h100-dgx", help="part B's presets, comma-separated")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.part in ("B", "both"):
-        part_b(save=not args.no_record)
+        part_b(save=not args.no_record, clusters=tuple(args.clusters.split(",")))
     if args.part in ("A", "both"):
         part_a(args.quick, save=not args.no_record)
 
