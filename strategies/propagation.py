@@ -105,6 +105,10 @@ REPLICATE = Choice()
 # forward communication, a gather of the gradient in backward) from "a collective per step".
 FREE, SLICE, COMM = 0, 1, 4
 
+# How many ops after a matmul that stayed whole a split may still start (`_seed_candidates`):
+# the views and slices that cut heads out of a fused projection, not the rest of the model.
+SEED_HOPS = 6
+
 
 def conversion_cost(current: Optional[TPLayout], required: TPLayout) -> int:
     """Cost of handing a value held as `current` to an op that needs `required`.
@@ -176,7 +180,7 @@ class TensorParallelPropagation:
         self.stopped: dict[str, OpHandle] = {}  # matmul -> where its column split's path stopped
         # values computed from the output of such a matmul by ops that ran whole: where a split
         # may still start (`_seed_candidates`)
-        self.whole_after_matmul: set[str] = set()
+        self.whole_after_matmul: dict[str, int] = {}  # value -> ops since the matmul
         self._matmul: dict[str, Optional[MatmulAnchor]] = {}
         self._vocab: dict[str, Optional[VocabAnchor]] = {}
         self._calls = {op.name: op_call(self.graph, op.node) for op in self.ops}
@@ -470,7 +474,7 @@ class TensorParallelPropagation:
                 c = self._try_column(op, anchor)
                 self.roles[op.name] = "column" if c else "replicated"
                 if c is None and op.name in self.stopped:
-                    self.whole_after_matmul.update(o for o in op.node.outputs if o is not None)
+                    self.whole_after_matmul.update((o, 0) for o in op.node.outputs if o is not None)
                 return c or REPLICATE
             c = self.best(op, current)
             if c.label is None:
@@ -486,11 +490,13 @@ class TensorParallelPropagation:
             if c is not None:
                 return c
         c = self.best(op, current)
-        if c.label is None and any(v in self.whole_after_matmul for v in op.node.inputs):
+        hops = [self.whole_after_matmul[v] for v in op.node.inputs if v in self.whole_after_matmul]
+        if c.label is None and hops:
             seeded = self._seed_candidates(op, current)
             if seeded is not None:
                 return seeded
-            self.whole_after_matmul.update(o for o in op.node.outputs if o is not None)
+            if min(hops) < SEED_HOPS:
+                self.whole_after_matmul.update((o, min(hops) + 1) for o in op.node.outputs if o is not None)
         return c
 
     def _pull_into_weight_view(self, value: str, wanted: TPLayout) -> None:

@@ -1,0 +1,106 @@
+"""The model zoo under every plan: which architectures capture, and which train at world 2 exactly
+like one process (SGD, fp32, relative 1e-5) under dp, tp, 1f1b and zero3; for tp, the fraction of
+the model's matmul FLOPs the plan splits.
+
+    python benchmarks/model_zoo.py [name ...]
+
+The zoo is tests/zoo_models.py (small configurations of Hugging Face architectures, random
+weights, no downloads); the reference is the same model in one process on the global batch
+(tests/sgd_check.py). Writes the table into benchmarks/RESULTS.md under "benchmarks/model_zoo.py".
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+
+import common  # noqa: E402
+
+PLANS = [("dp", {}, 2), ("tp", {}, 1), ("1f1b", {"pp": 2, "micro_batches": 2}, 1), ("zero3", {}, 2)]
+
+
+def _eval_build(name: str):
+    import zoo_models
+
+    def build():
+        model, batch = zoo_models.build(name)
+        model.eval()
+        return model, batch
+    return build
+
+
+def _short(e: BaseException) -> str:
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first[:90]}".replace("|", "/")
+
+
+def _train_all(rank: int, world: int, names: list[str]) -> dict:
+    from sgd_check import sgd_equivalence
+
+    out = {}
+    warnings.simplefilter("ignore")
+    for name in names:
+        for plan, options, dp in PLANS:
+            started = time.perf_counter()
+            try:
+                problems = sgd_equivalence(rank, world, _eval_build(name), plan, dict(options), dp,
+                                           what=f"{name} {plan}", cache_dir=f"/tmp/nns_zoo_bench_{rank}")
+                out[(name, plan)] = "exact" if not problems else f"differs: {problems[0][:80]}"
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                out[(name, plan)] = f"fails: {_short(e)}"
+            out[(name, plan, "s")] = time.perf_counter() - started
+    return out
+
+
+def _capture_and_tp(name: str) -> tuple[str, str]:
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.capture.tracing import capture
+    from nnscaler_plugins.strategies.propagation import split_matmul_flops
+
+    model, batch = _eval_build(name)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            graph = capture(model, batch)
+        except Exception as e:  # noqa: BLE001
+            return f"no ({_short(e)})", "-"
+        try:
+            plan = nns.plan(graph, strategy="tp", world_size=2)
+        except Exception as e:  # noqa: BLE001
+            return "yes", f"plan fails: {_short(e)}"
+    done, total = split_matmul_flops(graph, plan)
+    return "yes", f"{done / total:.1%}" if total else "no matmuls"
+
+
+def main(names: list[str]) -> None:
+    import zoo_models
+
+    names = names or list(zoo_models.ZOO)
+    started = time.perf_counter()
+    static = {n: _capture_and_tp(n) for n in names}
+    trainable = [n for n in names if static[n][0] == "yes"]
+    trained = common.spawn(_train_all, 2, trainable) if trainable else {}
+    rows = []
+    for n in names:
+        captured, fraction = static[n]
+        cells = [trained.get((n, p), "-") for p, _, _ in PLANS]
+        tp = f"{cells[1]}, splits {fraction}" if cells[1] != "-" else fraction
+        rows.append((n, zoo_models.FAMILY[n], captured, cells[0], tp, cells[2], cells[3]))
+        print(" | ".join(rows[-1]), flush=True)
+    exact = sum(1 for (k, v) in trained.items() if len(k) == 2 and v == "exact")
+    runs = sum(1 for k in trained if len(k) == 2)
+    notes = (f"{len(names)} architectures, {exact}/{runs} plan runs exact against one process on the global batch "
+             f"(2 gloo processes, 2 SGD steps, fp32, relative 1e-5); tp's fraction is the share of the model's "
+             f"matmul FLOPs (linear, matmuls, convolutions, grouped expert matmuls, attention) its plan splits. "
+             f"Whole run {time.perf_counter() - started:.0f} s.")
+    print(common.record("benchmarks/model_zoo.py: architectures under every plan",
+                        rows, ("architecture", "family", "captured", "dp", "tp (matmul FLOPs split)", "1f1b",
+                               "zero3"), notes))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
