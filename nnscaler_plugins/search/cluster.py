@@ -39,15 +39,16 @@ from nnscaler_plugins.search.kernel_tables import kernel_table
 # The software stacks the presets assume (what each overlaps: search/overlap.py). `sustained` is the one
 # fitted number of a stack (benchmarks/simulator_fidelity.py --fit fits each on its own calibration rows and
 # holds the others out): the fraction of the kernel tables' speed whole steps of that software reach.
-SUSTAINED_2021 = 0.88
-SUSTAINED_CURRENT = 0.88
+SUSTAINED_2021 = 0.80
+SUSTAINED_CURRENT = 0.92
 # Megatron-LM as in the 2021 papers the A100 and V100 calibration points come from (CUDA 11.0 era): gradient
 # all-reduce in buckets during the backward, pipeline p2p beside compute, tensor-parallel collectives
 # synchronous, attention written out as matmuls and a fused softmax.
 STACK_2021 = replace(GPU_EFFICIENCY, sustained=SUSTAINED_2021, tp_comm_overlap=False, attention_kernel="flash2")
 # Megatron-Core / torchtitan / FSDP today: tp-comm-overlap or async TP, distributed-optimizer / FSDP overlap
 # of reduce-scatter and all-gather, flash attention (cuDNN / FlashAttention-3 class on Hopper).
-STACK_CURRENT = replace(GPU_EFFICIENCY, sustained=SUSTAINED_CURRENT, tp_comm_overlap=True, attention_kernel="flash3")
+STACK_CURRENT = replace(GPU_EFFICIENCY, sustained=SUSTAINED_CURRENT, tp_comm_overlap=True, attention_kernel="flash3",
+                        fused_attention=True)
 
 
 # -- presets -----------------------------------------------------------------------------------------------
@@ -61,7 +62,9 @@ def _v100_p3(nodes: int) -> ClusterSpec:
         intra_node=Link("nvlink2", 150e9, 8e-6),
         inter_node=Link("ethernet-25gbps", 25e9 / 8, 30e-6, per_node=True),
         dtype="fp16", notes="AWS p3.16xlarge, as in Alpa's benchmarks",
-        efficiency=STACK_2021, kernels=kernel_table("v100"))
+        efficiency=STACK_2021, kernels=kernel_table("v100"),
+        # 488 GiB host memory, PCIe gen3 x16 (about 12 GB/s achieved), 2 x Xeon E5-2686 v4 (4 x DDR4-2400 each)
+        host_memory_bytes=488 * GiB, host_bandwidth=12e9, host_memory_bandwidth=2 * 76.8e9)
 
 
 def _a100_dgx(nodes: int) -> ClusterSpec:
@@ -72,7 +75,9 @@ def _a100_dgx(nodes: int) -> ClusterSpec:
         intra_node=Link("nvswitch3", 300e9, 6e-6),
         inter_node=Link("hdr-infiniband", 8 * 200e9 / 8, 10e-6, per_node=True),
         dtype="bf16", notes="DGX A100 80GB (Selene): NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node",
-        efficiency=STACK_2021, kernels=kernel_table("a100"))
+        efficiency=STACK_2021, kernels=kernel_table("a100"),
+        # 2 TB host memory, PCIe gen4 x16 (about 25 GB/s achieved), 2 x EPYC 7742 (8 x DDR4-3200 each)
+        host_memory_bytes=2e12, host_bandwidth=25e9, host_memory_bandwidth=2 * 204.8e9)
 
 
 def _h100_dgx(nodes: int) -> ClusterSpec:
@@ -83,7 +88,9 @@ def _h100_dgx(nodes: int) -> ClusterSpec:
         intra_node=Link("nvlink4", 450e9, 5e-6),
         inter_node=Link("ndr-infiniband", 8 * 400e9 / 8, 10e-6, per_node=True),
         dtype="bf16", notes="DGX H100: NVLink4/NVSwitch, 8 x 400 Gb/s NDR InfiniBand per node",
-        efficiency=STACK_CURRENT, kernels=kernel_table("h100"))
+        efficiency=STACK_CURRENT, kernels=kernel_table("h100"),
+        # 2 TB host memory, PCIe gen5 x16 (about 50 GB/s achieved), 2 x Xeon 8480C (8 x DDR5-4800 each)
+        host_memory_bytes=2e12, host_bandwidth=50e9, host_memory_bandwidth=2 * 307.2e9)
 
 
 def _h200(nodes: int) -> ClusterSpec:
@@ -95,7 +102,8 @@ def _h200(nodes: int) -> ClusterSpec:
         inter_node=Link("ndr-infiniband", 8 * 400e9 / 8, 10e-6, per_node=True),
         dtype="bf16", notes="HGX/DGX H200: the H100's compute with 141 GB HBM3e at 4.8 TB/s; NVLink4/NVSwitch, "
                             "8 x 400 Gb/s NDR InfiniBand per node",
-        efficiency=STACK_CURRENT, kernels=kernel_table("h200"))
+        efficiency=STACK_CURRENT, kernels=kernel_table("h200"),
+        host_memory_bytes=2e12, host_bandwidth=50e9, host_memory_bandwidth=2 * 307.2e9)  # as the DGX H100
 
 
 PRESETS = {"v100-p3": _v100_p3, "a100-dgx": _a100_dgx, "h100-dgx": _h100_dgx, "h200": _h200}

@@ -181,6 +181,36 @@ class CostModel:
         return self.cluster.memory_bandwidth * max(self._kernels.memory_efficiency(nbytes), 1e-3) * \
             self.cluster.efficiency.sustained
 
+    def _fused_core_time(self, c: OpCost, p: Placement, dtype: str, shard: int) -> Optional[OpTime]:
+        """An op of an attention core on a stack that fuses the core into one flash kernel: its two
+        matmuls at the flash table's efficiency (sequence length = the scores' rows, head size = the
+        smaller of the other two dims), its element-wise ops free (inside the kernel). None when the
+        device has no flash kernel or the matmul's dims are unknown."""
+        if c.kind != "matmul":
+            return OpTime(0.0, 0.0, 0.0)
+        if not c.gemm:
+            return None
+        sizes, ml, nl, kl, bl = c.gemm
+        size, counts = dict(sizes), p.label_counts()
+
+        def local(labels) -> float:
+            out = 1.0
+            for x in labels:
+                out *= size[x] / counts.get(x, 1)
+            return out
+
+        seq, hd = local(ml) / shard, min(local(nl), local(kl))
+        eff = self.cluster.efficiency
+        f = self._kernels.attention_efficiency(seq, hd, False, c.core_causal, eff.attention_kernel)
+        if f is None:
+            return None
+        b = self._kernels.attention_efficiency(seq, hd, True, c.core_causal, eff.attention_kernel)
+        peak = self.cluster.flops(dtype) * eff.sustained * (2.0 if c.core_causal else 1.0)
+        flops = c.flops / (p.pieces * shard)
+        oh = self._overhead / 2  # two matmuls, one kernel
+        return OpTime(flops / (peak * f) + oh, c.flops_input_grad / (p.pieces * shard) / (peak * b) + oh
+                      if c.flops_input_grad else 0.0, 0.0, flops)
+
     def _table_rates(self, c: OpCost, p: Placement, dtype: str, shard: int) -> tuple[float, float, float]:
         """FLOP/s of a matmul piece's forward, input-gradient and weight-gradient kernels, from the
         cluster's kernel table at the piece's own GEMM shape (or flash-attention lengths)."""
@@ -244,6 +274,11 @@ class CostModel:
             return t
         if self.profiler is not None:
             t = self.profiler.time(self, name, p, training, shard)
+            if t is not None:
+                self._time[key] = t
+                return t
+        if c.core and self._kernels is not None and self.cluster.efficiency.fused_attention:
+            t = self._fused_core_time(c, p, training.dtype, shard)
             if t is not None:
                 self._time[key] = t
                 return t

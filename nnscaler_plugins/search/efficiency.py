@@ -54,6 +54,11 @@ class Efficiency:
     # as Megatron-Core with Transformer Engine; "flash2": FlashAttention-2 class, as PyTorch SDPA); "" the
     # table's first.
     attention_kernel: str = ""
+    # Whether the stack runs attention written out as matmuls and a softmax (an "attention core") as one
+    # flash kernel (Megatron-Core with Transformer Engine does; 2021 Megatron-LM did not): the core's
+    # matmuls are priced at the flash table's efficiency, its element-wise ops inside the kernel, and the
+    # score matrices are never stored.
+    fused_attention: bool = False
     # Overlap the stack does by default (a plan's options of the same names override them; see overlap.py):
     tp_comm_overlap: bool = False  # tensor-parallel collectives pipelined with the neighbouring matmuls
     overlap_grad_reduce: bool = True  # gradient reduce(-scatter) in buckets during the backward

@@ -59,6 +59,10 @@ LINEAR = frozenset({"add", "sub", "neg", "sum", "mean", "cat", "stack", "pad", "
 SAVES_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "exp", "tanh", "sigmoid", "relu",
                           "rsqrt", "sqrt", "reciprocal"})
 DROPOUT = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
+# Ops that mask attention scores (where / masked_fill with a boolean mask, add with an additive one)
+MASKING = frozenset({"where", "masked_fill", "add"})
+# Ops that make a mask triangular (a causal mask is built from these, a padding mask is not)
+TRIANGULAR = frozenset({"tril", "triu", "arange"})
 
 
 def is_floating(dtype: torch.dtype) -> bool:
@@ -90,6 +94,7 @@ class OpCost:
     saved: list[int]  # indices into inputs (>= 0) or ~index of outputs (< 0) kept for backward
     saved_masks: int = 0  # elements of one-byte masks kept (dropout)
     core: bool = False  # part of an attention core (dropped by selective recomputation)
+    core_causal: bool = False  # the core it belongs to masks its scores (a decoder's causal attention)
     key: tuple = ()  # same key = same cost under the same placement (identical layers share it)
     # element-wise chains fused into one kernel: inputs not read from / outputs not written to memory
     fused_in: frozenset = frozenset()
@@ -380,6 +385,23 @@ class OpCosts:
         return len(op.inputs) >= 2 and all(k not in ("param", "buffer", "constant") for k in kinds[:2]) \
             and "param" not in kinds
 
+    def _triangular(self, op: OpNode, scores: OpNode, producer: dict) -> bool:
+        """Whether `op` masks the scores with a mask built from a triangle or positions (causal)."""
+        seen, todo = set(), [i for i in op.inputs if i not in scores.outputs]
+        while todo and len(seen) < 64:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            src = producer.get(v)
+            if src is None:
+                continue
+            if src.short_name in TRIANGULAR:
+                return True
+            if self.ops[src.name].kind != "matmul":
+                todo.extend(src.inputs)
+        return False
+
     def _mark_cores(self) -> None:
         g = self.graph
         producer = {o: op for op in g.ops for o in op.outputs if o is not None}
@@ -418,8 +440,11 @@ class OpCosts:
                 if any(x.name in start_names or x.name in leads for o in outs for x in consumers.get(o, ())):
                     leads.add(c.name)
             # the closing matmul (probabilities @ v) belongs too: it is what keeps the probabilities
+            causal = any(reach[n].short_name in MASKING and self._triangular(reach[n], start, producer)
+                         for n in leads)
             for n in [start.name] + sorted(leads) + ends:
                 self.ops[n].core = True
+                self.ops[n].core_causal = causal
 
 
 NOT_FUSABLE = frozenset({"embedding", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "index", "index_select",

@@ -115,7 +115,9 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
             rc, rcomm = s.recompute_time(part.recompute)
             rec += n * rc
             rec_comm += n * rcomm
-            kept, kept_shared = s.kept(part.recompute)
+            # a stack that fuses attention cores into flash kernels never stores their score matrices
+            fused = cm.cluster.efficiency.fused_attention and cm.cluster.kernels is not None
+            kept, kept_shared = s.kept("selective" if fused and part.recompute == "none" else part.recompute)
             act += n * sum(kept.values())
             for k, b in kept_shared.items():
                 shared[k] = max(shared.get(k, 0.0), b)
