@@ -69,6 +69,7 @@ def _plan_and_program(graph: Graph, source: PlanSource, world_size: int, micro: 
     (cross-device problems surface at once; `parallelize` keeps what was lowered)."""
     # Training knobs every strategy takes: set on the plan, not handed to the strategy function.
     zero, precision = options.pop("zero", None), options.pop("precision", None)
+    offload = options.pop("offload", None)
     if source.plan is not None:
         p = source.plan
     else:
@@ -82,6 +83,8 @@ def _plan_and_program(graph: Graph, source: PlanSource, world_size: int, micro: 
     if (zero is not None and zero != p.zero) or (precision is not None and precision != p.precision):
         p = dataclasses.replace(p, zero=p.zero if zero is None else zero,
                                 precision=p.precision if precision is None else precision)
+    if offload is not None and offload != p.offload:
+        p = dataclasses.replace(p, offload=offload)
     p.check_runnable()
     validate(p, graph, world_size=world_size)
     return p, (lower(graph, p) if lower_now(p) else None)
