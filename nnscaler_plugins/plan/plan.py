@@ -20,11 +20,15 @@ from nnscaler_plugins.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16")
+# What a plan may keep in host memory instead of the device's (None: nothing). "params" (ZeRO-3
+# only) also keeps the optimizer there.
+OFFLOADS = (None, "optimizer", "params")
 
 # Keys a plan file may hold, per level. Anything else is a typo or a file from another tool, and a
 # key that is silently ignored is a plan that silently runs differently from what its file says.
 _PLAN_KEYS = ("format", "version", "model_class", "graph_fingerprint", "structure_fingerprint", "strategy", "options", "world_size",
-              "unit_size", "dp", "estimate", "micro_batches", "zero", "precision", "input_shapes", "pipeline", "ops")
+              "unit_size", "dp", "estimate", "micro_batches", "zero", "precision", "offload", "input_shapes", "pipeline",
+              "ops")
 _OP_KEYS = ("splits", "replicate", "devices", "blocks", "stage", "recompute")
 _PIPELINE_KEYS = ("stage_devices", "stage_rank", "micro_batches", "schedule", "split_backward", "options", "tasks")
 
@@ -224,6 +228,9 @@ class Plan:
     # with fp32 master weights in the optimizer).
     zero: int = 0
     precision: str = "fp32"
+    # Host-memory offload: None, "optimizer" (optimizer state and step on the host) or "params"
+    # (ZeRO-3 parameter chunks on the host too, fetched to the device when used).
+    offload: Optional[str] = None
     # The graph's fingerprint without the sizes that follow its inputs (Graph.structure_fingerprint):
     # the plan also fits the model captured at another batch size or length.
     structure_fingerprint: str = ""
@@ -238,6 +245,15 @@ class Plan:
                             "2 (+ gradients) or 3 (+ parameters)")
         if self.precision not in PRECISIONS:
             raise PlanError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.offload == "nvme":
+            raise PlanError("offload='nvme' is not supported: parameters and optimizer state can be offloaded to "
+                            "host memory only; use offload='optimizer' or offload='params'")
+        if self.offload not in OFFLOADS:
+            raise PlanError(f"offload={self.offload!r}: choose None, 'optimizer' (optimizer state and step in host "
+                            "memory) or 'params' (ZeRO-3 parameters too)")
+        if self.offload == "params" and self.zero != 3:
+            raise PlanError(f"offload='params' keeps ZeRO-3's parameter chunks in host memory; this plan has "
+                            f"zero={self.zero}. Use zero=3 with it, or offload='optimizer'")
 
     def check_runnable(self) -> None:
         """What the runtime cannot execute yet (the search may still price such plans)."""
@@ -280,6 +296,7 @@ class Plan:
             "micro_batches": self.micro_batches,
             "zero": self.zero,
             "precision": self.precision,
+            "offload": self.offload,
             "input_shapes": self.input_shapes,
             "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
             "ops": {name: p.to_json() for name, p in self.ops.items()},
@@ -329,6 +346,7 @@ class Plan:
                    # files written before `zero` was a field (the search's) carry it in options
                    zero=int(d["zero"] if "zero" in d else (d.get("options") or {}).get("zero", 0) or 0),
                    precision=str(d.get("precision", "fp32")),
+                   offload=d.get("offload"),
                    input_shapes={k: list(v) for k, v in d.get("input_shapes", {}).items()},
                    structure_fingerprint=str(d.get("structure_fingerprint", "")))
 
@@ -368,8 +386,9 @@ class Plan:
                 lines.append(f"    stage {k}: {rank}, devices {devs}, {n} ops")
         elif self.micro_batches > 1:
             lines.append(f"  {self.micro_batches} micro-batches per step (gradients accumulated)")
-        if self.zero or self.precision != "fp32":
-            lines.append(f"  training: ZeRO stage {self.zero}, precision {self.precision}")
+        if self.zero or self.precision != "fp32" or self.offload:
+            lines.append(f"  training: ZeRO stage {self.zero}, precision {self.precision}"
+                         + (f", {self.offload} offloaded to host memory" if self.offload else ""))
         groups = {p.recompute for p in self.ops.values() if p.recompute is not None}
         if groups:
             n = sum(1 for p in self.ops.values() if p.recompute is not None)

@@ -24,7 +24,7 @@ PlanLike = Union[str, os.PathLike, Callable, Plan]
 #: Options every strategy takes, whatever it declares: `nns.plan` consumes them itself (the training
 #: knobs set on the plan, the micro-batch count, and what planning for a cluster needs), or records them
 #: in `Plan.options` for the simulator (the overlap switches of `search/overlap.py`).
-COMMON_OPTIONS = frozenset({"zero", "precision", "micro_batches", "micro_batch_size", "cluster", "constraints",
+COMMON_OPTIONS = frozenset({"zero", "precision", "offload", "micro_batches", "micro_batch_size", "cluster", "constraints",
                             "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p"})
 
 

@@ -11,6 +11,13 @@ holds:
 - ZeRO 3: the parameter is the chunk already (its fp32 copy in bf16/fp16);
 - bf16/fp16: fp32 copies, written back rounded to the compute dtype after each step.
 
+Offload (the plan's `offload`): "optimizer" keeps every master as an fp32 copy in host memory
+(pinned when a GPU computes), so the optimizer state lives there and the step runs there (give
+the optimizer `fused=True` or `foreach=True` for torch's fast CPU kernels); gradients are copied to
+the host in `_prepare` and the updated masters back to the device after the step. "params"
+(ZeRO-3) also keeps the parameter chunks there (runtime/zero_setup.py), so an fp32 chunk is its
+own master and is fetched to the device only when the forward or backward gathers it.
+
 The inner optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...) once state is
 sharded: a chunk's update may not depend on the other chunks.
 
@@ -38,6 +45,7 @@ import torch.distributed as dist
 from nnscaler_plugins.runtime.grad_clip import clip_, counts, global_norm
 from nnscaler_plugins.runtime.precision import LossScaler
 from nnscaler_plugins.runtime.zero import FlatShard, all_gather_chunks
+from nnscaler_plugins.runtime.zero_setup import host_copy
 
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
 
@@ -67,6 +75,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         module.sharded_optimizer = True  # ZeRO-2 may keep gradients as chunks now: this optimizer reads them
         self.precision = plan.precision
         self.zero = plan.zero if plan.dp > 1 else 0
+        # offload: the masters, their state and the step live in host memory (see module docstring)
+        self.offload = getattr(plan, "offload", None)
         self.entries: list[_Entry] = []
         for fqn, fs in module.zero_shards.items():
             p = module.parameter(fqn)
@@ -76,12 +86,14 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 mode = "chunk"
             else:
                 mode = "whole"
-            if mode != "chunk" and p.dtype == torch.float32:
+            on_host = p.device.type == "cpu" and self.offload == "params"  # ZeRO-3 chunks kept there already
+            if mode != "chunk" and p.dtype == torch.float32 and (self.offload is None or on_host):
                 master, mode = p, ("self" if mode == "whole" else mode)
             elif mode == "chunk":
-                master = fs.owned(p.detach().reshape(-1)).float().clone()
+                master = fs.owned(p.detach().reshape(-1)).float()
+                master = host_copy(master) if self.offload else master.clone()
             else:
-                master = p.detach().float().clone()
+                master = host_copy(p.detach().float()) if self.offload else p.detach().float().clone()
             self.entries.append(_Entry(fqn, p, fs, master, mode))
         groups = _grouped(self.entries, param_groups)
         self.inner = optimizer_cls(groups, **kwargs)
@@ -131,16 +143,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
             if e.mode == "self":
                 continue
             g = self._grad_of(e)
-            if g is not None and g.dtype != torch.float32:  # converted below, all in one foreach copy
-                convert_src.append(g.detach().reshape(e.master.shape))
+            if g is not None and (g.dtype != torch.float32 or g.device != e.master.device):
+                convert_src.append(g.detach().reshape(e.master.shape))  # converted (or copied to host) below
                 convert_dst.append(e)
                 continue
             e.master.grad = None if g is None else g.detach().reshape(e.master.shape)
             if e.master.grad is not None and self.scaler is not None:  # unscaled in place below: not the reducer's
                 e.master.grad = e.master.grad.clone()
         if convert_src:
-            bufs = [torch.empty_like(src, dtype=torch.float32) for src in convert_src]
-            torch._foreach_copy_(bufs, convert_src)
+            bufs = [torch.empty(src.shape, dtype=torch.float32, device=e.master.device,
+                                pin_memory=e.master.is_pinned()) for src, e in zip(convert_src, convert_dst)]
+            copy_all(bufs, convert_src)
             for e, buf in zip(convert_dst, bufs):
                 e.master.grad = buf
         self._overflow = False
@@ -192,12 +205,13 @@ class ParallelOptimizer(torch.optim.Optimizer):
             return loss
         self.inner.step()
         chunked = [e for e in self.entries if e.mode == "chunk"]
-        if chunked:
-            all_gather_chunks([e.shard for e in chunked], [e.master for e in chunked],
+        if chunked:  # offloaded masters travel to the device first: the gather runs there
+            all_gather_chunks([e.shard for e in chunked], [e.master.to(e.param.device, non_blocking=True)
+                                                           for e in chunked],
                               [e.param.detach().view(-1) for e in chunked])
         copies = [e for e in self.entries if e.mode in ("whole", "zero3") and e.master is not e.param]
         if copies:  # rounded back to the compute dtype, one foreach copy rather than a kernel per tensor
-            torch._foreach_copy_([e.param for e in copies], [e.master.view_as(e.param) for e in copies])
+            copy_all([e.param for e in copies], [e.master.view_as(e.param) for e in copies])
         for e in self.entries:
             e.version = e.param._version
         return loss
@@ -292,8 +306,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def _whole_local(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
         """The device's whole (tensor-parallel) piece of a master-shaped tensor: chunks gathered."""
         if e.mode in ("chunk", "zero3") and e.shard.size > 1:
-            out = torch.empty(e.shard.numel, dtype=t.dtype, device=t.device)
-            all_gather_chunks([e.shard], [t.detach()], [out])
+            device = self.module.device if self.offload else t.device  # gathers run on the device
+            out = torch.empty(e.shard.numel, dtype=t.dtype, device=device)
+            all_gather_chunks([e.shard], [t.detach().to(device)], [out])
             return out.view(e.shard.shape)
         return t.detach().reshape(e.shard.shape)
 
@@ -325,7 +340,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
                         e.master.copy_(val.reshape(e.master.shape))
                     continue
                 if torch.is_tensor(val) and val.dim() >= 1 and val.numel() == e.master.numel():
-                    val = val.reshape(e.master.shape).to(e.master.dtype)
+                    val = val.reshape(e.master.shape).to(e.master.device, e.master.dtype)
                 st[k] = val
             if e.master is not e.param and "master_param" not in state:
                 src = e.param.detach().reshape(-1)
@@ -360,7 +375,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
                         piece = s.layout.slice_full(val, m.unit_device).reshape(-1)
                         if e.mode in ("chunk", "zero3") and e.shard.size > 1:
                             piece = e.shard.owned(piece)
-                        piece = piece.reshape(e.master.shape).to(e.master.dtype).clone()
+                        piece = piece.reshape(e.master.shape).to(e.master.device, e.master.dtype, copy=True)
                         if k == "master_param":
                             if e.master is not e.param:
                                 e.master.copy_(piece)
@@ -376,6 +391,18 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 e.version = e.param._version
         for g, saved in zip(self.param_groups, sd.get("param_groups", [])):
             g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i: one foreach copy on one device; between host and device
+    (offload) tensor by tensor, asynchronous from pinned memory, then waited for."""
+    if all(d.device == s.device for d, s in zip(dst, src)):
+        torch._foreach_copy_(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking=True)
+    if any(t.device.type == "cuda" for t in dst + src):
+        torch.cuda.synchronize()
 
 
 def _grouped(entries: list[_Entry], spec: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:

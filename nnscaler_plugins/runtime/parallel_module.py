@@ -121,7 +121,8 @@ class ParallelModule(torch.nn.Module):
         self.zero3: Optional[Zero3Params] = None
         self._zero3_key: dict[str, int] = {}  # fqn -> its key in zero3
         if plan.zero >= 3 and plan.dp > 1:  # each trainable parameter becomes the chunk this replica owns
-            self.zero3, chunks = chunk_parameters(self.zero_shards, self.parameter, plan.dp)
+            self.zero3, chunks = chunk_parameters(self.zero_shards, self.parameter, plan.dp,
+                                                  host=plan.offload == "params", device=self._device)
             for fqn, chunk in chunks.items():
                 self.shards[_safe(fqn)] = chunk
             self._zero3_key = {fqn: i for i, fqn in enumerate(chunks)}

@@ -167,9 +167,14 @@ class _PendingReduce:
 class Zero3Params:
     """Stage-3 parameters: chunk Parameters on this rank, whole tensors only around their use."""
 
-    def __init__(self, shards: list[FlatShard], chunks: list[torch.nn.Parameter], dp: int):
+    def __init__(self, shards: list[FlatShard], chunks: list[torch.nn.Parameter], dp: int,
+                 device: Optional[torch.device] = None):
         self.shards = shards
         self.chunks = chunks
+        # Where whole parameters are gathered, when the chunks live elsewhere (in host memory under
+        # offload="params": each chunk is copied to the device just before its gather); None: the
+        # chunks' own device.
+        self.device = None if device is None or device.type == "meta" else torch.device(device)
         self.scale = 1.0 / dp
         self._sync = True
         self._live: dict[int, int] = {}  # storage pointer of a gathered parameter -> its key
@@ -226,10 +231,10 @@ class Zero3Params:
         """The whole parameters `keys`, outside any forward (whole state dicts), one collective per
         group; the forward gathers through `fetch`."""
         shards = [self.shards[k] for k in keys]
-        outs = [torch.empty(s.numel, dtype=self.chunks[k].dtype, device=self.chunks[k].device)
+        outs = [torch.empty(s.numel, dtype=self.chunks[k].dtype, device=self.device or self.chunks[k].device)
                 for k, s in zip(keys, shards)]
         with torch.no_grad():
-            all_gather_chunks(shards, [self.chunks[k].detach() for k in keys], outs)
+            all_gather_chunks(shards, [self._on_device(self.chunks[k].detach()) for k in keys], outs)
         return {k: flat.view(s.shape) for k, s, flat in zip(keys, shards, outs)}
 
     @contextlib.contextmanager
@@ -275,9 +280,15 @@ class Zero3Params:
 
     def _launch_gather(self, key: int) -> tuple[Any, torch.Tensor]:
         """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done."""
-        s, c = self.shards[key], self.chunks[key].detach()
+        s, c = self.shards[key], self._on_device(self.chunks[key].detach())
         buf = c.new_empty(s.size * s.chunk)
         return all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True), buf
+
+    def _on_device(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A chunk where gathers run (a copy from host memory under offload="params")."""
+        if self.device is None or chunk.device == self.device:
+            return chunk
+        return chunk.to(self.device, non_blocking=True)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         """Backward needs a gathered parameter: reuse it while some node still holds it, else take
@@ -398,7 +409,7 @@ class Zero3Params:
 
     def _add_grad(self, key: int, g: torch.Tensor) -> None:
         c = self.chunks[key]
-        g = g.view_as(c).to(c.dtype)
+        g = g.reshape(c.shape).to(device=c.device, dtype=c.dtype)
         if c.grad is None:
             c.grad = g.clone()
         else:

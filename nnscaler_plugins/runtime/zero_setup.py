@@ -6,7 +6,7 @@ Sharding is across the replicas of each unit device; without ZeRO, or with one r
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -38,11 +38,25 @@ def zero_shards(program: Program, trainable: list[str], parameter: Callable[[str
 
 
 def chunk_parameters(shards: dict[str, FlatShard], parameter: Callable[[str], torch.Tensor],
-                     dp: int) -> tuple[Zero3Params, dict[str, torch.nn.Parameter]]:
+                     dp: int, host: bool = False, device: Optional[torch.device] = None
+                     ) -> tuple[Zero3Params, dict[str, torch.nn.Parameter]]:
     """ZeRO-3: a new Parameter per trainable parameter, the chunk of it this replica owns; returns
-    the `Zero3Params` over them and the chunks by fqn, in `shards` order (Zero3Params' keys)."""
+    the `Zero3Params` over them and the chunks by fqn, in `shards` order (Zero3Params' keys).
+
+    With `host` (the plan's offload="params") the chunks live in host memory (pinned when a GPU
+    computes) and `device` is where they are gathered whole for use."""
     chunks = {}
     for fqn, fs in shards.items():
         whole = parameter(fqn)
-        chunks[fqn] = torch.nn.Parameter(fs.owned(whole.detach().reshape(-1)).clone(), requires_grad=True)
-    return Zero3Params(list(shards.values()), list(chunks.values()), dp), chunks
+        chunk = fs.owned(whole.detach().reshape(-1)).clone()
+        if host and chunk.device.type not in ("cpu", "meta"):
+            chunk = host_copy(chunk)
+        chunks[fqn] = torch.nn.Parameter(chunk, requires_grad=True)
+    return Zero3Params(list(shards.values()), list(chunks.values()), dp, device=device if host else None), chunks
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory, pinned when it comes from a GPU (so copies back overlap)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+    out.copy_(t)
+    return out

@@ -60,6 +60,12 @@ class ClusterSpec:
     # Per-kernel efficiencies of the device class (search/kernel_tables.py); None: the two constants of
     # `efficiency` (matmul, memory) price every kernel alike.
     kernels: Optional[KernelTable] = None
+    # The host side, for offload (search/offload_cost.py): host memory per node, bytes/s between the
+    # host and each device in each direction (PCIe), the host's memory bandwidth per node (a CPU
+    # optimizer step); 0 where not known.
+    host_memory_bytes: float = 0.0
+    host_bandwidth: float = 0.0
+    host_memory_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -105,6 +111,8 @@ class ClusterSpec:
                 "memory_bandwidth": self.memory_bandwidth, "intra_node": self.intra_node.to_json(),
                 "inter_node": self.inter_node.to_json(), "dtype": self.dtype,
                 "efficiency": self.efficiency.to_json(), "notes": self.notes,
+                "host_memory_bytes": self.host_memory_bytes, "host_bandwidth": self.host_bandwidth,
+                "host_memory_bandwidth": self.host_memory_bandwidth,
                 **({"kernels": self.kernels.name if self.kernels.name and not self.kernels.name.endswith(".json")
                     else self.kernels.to_json()} if self.kernels is not None else {})}
 
@@ -126,6 +134,9 @@ class ClusterSpec:
                        dtype=str(d.get("dtype", "bf16")),
                        efficiency=Efficiency.from_json(d["efficiency"]) if "efficiency" in d else GPU_EFFICIENCY,
                        notes=str(d.get("notes", "")),
+                       host_memory_bytes=float(d.get("host_memory_bytes", 0.0)),
+                       host_bandwidth=float(d.get("host_bandwidth", 0.0)),
+                       host_memory_bandwidth=float(d.get("host_memory_bandwidth", 0.0)),
                        kernels=(kernel_table(d["kernels"]) if isinstance(d["kernels"], str)
                                 else KernelTable.from_json(d["kernels"])) if d.get("kernels") else None)
         except (KeyError, TypeError, ValueError) as e:

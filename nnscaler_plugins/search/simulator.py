@@ -30,6 +30,7 @@ from nnscaler_plugins.plan.timeline import Timeline
 from nnscaler_plugins.search.cluster import ClusterSpec, GiB
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.offload_cost import apply_offload
 from nnscaler_plugins.search.overlap import Overlap, not_run_as_priced
 from nnscaler_plugins.search.segments import Walker
 from nnscaler_plugins.search.stages import (
@@ -268,6 +269,8 @@ def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: li
             static[d]["buffers"] += st.buffers
             if step.act_peak[k] >= act[d]:
                 act[d], held[d] = step.act_peak[k], step.act_held[k]
+    offload_s, offloaded = apply_offload(plan, cluster, training, static, [max(
+        (s.optimizer for s in stages if d in s.devices), default=0.0) for d in range(plan.unit_size)], m)
     peaks = [sum(static[d].values()) + act[d] for d in range(plan.unit_size)]
     worst = max(range(plan.unit_size), key=lambda d: peaks[d]) if peaks else 0
     breakdown = dict(static[worst], activations=held[worst], transient=act[worst] - held[worst]) if peaks else {}
@@ -276,7 +279,10 @@ def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: li
                "stage_wgrad_s": [s.W for s in stages], "exposed_grad_sync_s": step.exposed_sync,
                "optimizer_s": max((s.optimizer for s in stages), default=0.0),
                "training": training.to_json()}
-    return Estimate(step_time_s=step.time, compute_s=step.compute, communication_s=step.comm, bubble_s=step.bubble,
+    if plan.offload:
+        details["offload"] = offloaded[worst].to_json()
+    return Estimate(step_time_s=step.time + offload_s, compute_s=step.compute, communication_s=step.comm,
+                    bubble_s=step.bubble,
                     peak_memory_bytes=peaks, memory=breakdown, micro_batches=m, world_size=plan.world_size,
                     flops_per_device=flops, cluster=cluster.name, details=details, timeline=step.timeline)
 
