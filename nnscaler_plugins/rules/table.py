@@ -82,8 +82,11 @@ def signature_of(call: OpCall, where: str = "") -> Signature:
     `where` says where the op is in the model (its name, module path and source line) for the
     warning given when the rule itself fails."""
     fn = _rule_for(op_key(call.target))
+    if fn is None:
+        from nnscaler_plugins.rules.user_functions import function_rule
+        fn = function_rule
     try:
-        sig = fn(call) if fn is not None else None
+        sig = fn(call)
     except Exception as e:  # noqa: BLE001 - a rule that cannot read this call: running the op whole is exact
         warnings.warn(f"the dimension rule of {op_key(call.target)}{f' at {where}' if where else ''} failed on inputs "
                       f"{[tuple(m.shape) for m in call.inputs]} ({type(e).__name__}: {e}); the op runs whole "
