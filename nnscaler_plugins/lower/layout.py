@@ -7,6 +7,13 @@ the lowering can compute where every piece of every operator lives from digits a
 Blocked (strided) splits exist for fused projections: with `blocks` b on a dimension, the dimension
 is seen as b equal blocks and piece j takes the j-th slice of every block, so that a fused QKV output
 split per head still separates into q, k and v on every device.
+
+A negative block count -b is a *mirrored* blocked split: b blocks, piece j takes the j-th slice of
+the even blocks and the (num-1-j)-th slice of the odd ones. With b = 2 on a sequence dim this is
+the causal load balancing of context parallelism: device j of cp holds chunks j and 2cp-1-j of the
+2cp chunks, so every device sees the same amount of unmasked causal attention. Every piece still
+has the same shape and cat/chunk stay exact inverses, so resharding needs nothing else: it passes
+the block count to `chunk_dim` and `cat_dim`, which read the sign.
 """
 from __future__ import annotations
 
@@ -17,15 +24,28 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 
+def block_slices(blocks: int, num: int, index: int) -> list[int]:
+    """Which slice (of `num` per block) piece `index` takes in each block; see the module doc."""
+    count, mirrored = abs(blocks), blocks < 0
+    return [num - 1 - index if mirrored and k % 2 else index for k in range(count)]
+
+
 def chunk_dim(t: torch.Tensor, dim: int, num: int, index: int, blocks: int = 1) -> torch.Tensor:
-    """Piece `index` of `num` along `dim` of a blocked split (a view, not a copy)."""
+    """Piece `index` of `num` along `dim` of a blocked split (a view, not a copy, unless mirrored)."""
     size = t.shape[dim]
-    if size % (blocks * num):
+    count = abs(blocks)
+    if blocks == 0 or size % (count * num):
         raise ValueError(f"dim {dim} of size {size} cannot be cut into {num} pieces of {blocks} blocks")
-    width = size // (blocks * num)
+    width = size // (count * num)
     if blocks == 1:
         return t.narrow(dim, index * width, width)
-    return t.unflatten(dim, (blocks, size // blocks)).narrow(dim + 1, index * width, width).flatten(dim, dim + 1)
+    if blocks > 1:
+        return t.unflatten(dim, (count, size // count)).narrow(dim + 1, index * width, width).flatten(dim, dim + 1)
+    if num == 1:
+        return t
+    per = size // count
+    return torch.cat([t.narrow(dim, k * per + j * width, width)
+                      for k, j in enumerate(block_slices(blocks, num, index))], dim)
 
 
 def cat_dim(pieces: Sequence[torch.Tensor], dim: int, blocks: int = 1) -> torch.Tensor:
@@ -34,8 +54,16 @@ def cat_dim(pieces: Sequence[torch.Tensor], dim: int, blocks: int = 1) -> torch.
         return pieces[0]
     if blocks == 1:
         return torch.cat(list(pieces), dim)
-    views = [p.unflatten(dim, (blocks, p.shape[dim] // blocks)) for p in pieces]
-    return torch.cat(views, dim + 1).flatten(dim, dim + 1)
+    if blocks > 1:
+        views = [p.unflatten(dim, (blocks, p.shape[dim] // blocks)) for p in pieces]
+        return torch.cat(views, dim + 1).flatten(dim, dim + 1)
+    count, num = -blocks, len(pieces)
+    slices = [p.chunk(count, dim) for p in pieces]  # slices[i][k]: piece i's slice in block k
+    out = []
+    for k in range(count):
+        by_slot = {block_slices(blocks, num, i)[k]: slices[i][k] for i in range(num)}
+        out.extend(by_slot[j] for j in range(num))
+    return torch.cat(out, dim)
 
 
 @dataclass(frozen=True)
@@ -60,15 +88,15 @@ class Layout:
         problem = None
         if len(self.splits) != len(self.shape) or len(self.blocks) != len(self.shape):
             problem = f"splits and blocks need one entry per dim of shape {self.shape}"
-        elif min((self.replicas, self.partial) + self.splits + self.blocks, default=1) < 1:
-            problem = "replicas, partial, splits and blocks must be positive"
+        elif min((self.replicas, self.partial) + self.splits, default=1) < 1 or 0 in self.blocks:
+            problem = "replicas, partial and splits must be positive, blocks nonzero (negative: mirrored)"
         elif self.replicas * self.partial * math.prod(self.splits) != len(self.group):
             problem = f"replicas * partial * prod(splits) must equal the {len(self.group)} devices"
         elif len(set(self.group)) != len(self.group):
             problem = "a device appears twice in the group"
         else:
             for d, (s, n, b) in enumerate(zip(self.shape, self.splits, self.blocks)):
-                if s % (n * b):
+                if s % (n * abs(b)):
                     problem = f"dim {d} of size {s} is not divisible by splits {n} x blocks {b}"
         if problem:
             raise ValueError(f"layout {self}: {problem}")
@@ -172,7 +200,7 @@ class Layout:
     # -- text -------------------------------------------------------------------------------------
     def __str__(self) -> str:
         text = f"R{self.replicas} V{self.partial} D({','.join(map(str, self.splits))})"
-        if any(b > 1 for b in self.blocks):
+        if any(b != 1 for b in self.blocks):
             text += f" B({','.join(map(str, self.blocks))})"
         return f"{text} on [{','.join(map(str, self.group))}]"
 
