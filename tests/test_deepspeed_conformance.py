@@ -543,7 +543,7 @@ def test_schedulers_take_a_tensor_learning_rate(name, params) -> None:
 
 # -- zero.Init / GatheredParameters (zero/test_zero_context.py) ------------------------------------------
 
-def _zero_context(rank, world):
+def _zero_context(rank, world, tmp):
     out = {}
     with deepspeed.zero.Init(enabled=False):
         model = _model()
@@ -551,11 +551,27 @@ def _zero_context(rank, world):
     with deepspeed.zero.Init():
         meta_model = SimpleModel()
     out["init_meta"] = all(p.is_meta for p in meta_model.parameters())
-    try:  # materializing a meta model rank by rank is not in this version: refused by name, never run empty
-        deepspeed.initialize(model=meta_model, config=_config(3))
-        out["meta_refused"] = False
-    except DeepSpeedConfigError as e:
-        out["meta_refused"] = "meta device" in str(e)
+    # a model built under zero.Init() trains from the weights nns.init_weights gives in one process
+    reference = SimpleModel()
+    with deepspeed.zero.Init():
+        meta_model = SimpleModel()
+    meta_engine, _, _, _ = deepspeed.initialize(model=meta_model, config=_config(3))
+    seed = torch.tensor([torch.initial_seed() & (2**63 - 1)])
+    torch.distributed.broadcast(seed, 0)  # the engine agrees on rank 0's seed
+    import nnscaler_plugins as nns
+
+    nns.init_weights(reference.to("meta"), int(seed.item()))
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    with deepspeed.zero.Init():
+        early = SimpleModel()
+    early_engine, _, _, _ = deepspeed.initialize(model=early, config=_config(1))
+    early_engine.save_checkpoint(os.path.join(tmp, "meta"))  # before any forward: the weights it will train from
+    saved = torch.load(os.path.join(tmp, "meta", "global_step0", "mp_rank_00_model_states.pt"), weights_only=False)
+    out["meta_saved_early"] = _same(saved["module"], initial)
+    ref_engine, _, _, _ = deepspeed.initialize(model=reference, config=_config(3))
+    batches = _batches(2, rank)
+    out["meta_trains_as_reference"] = _train(meta_engine, batches) == _train(ref_engine, batches)
+    out["meta_no_whole_model"] = all(p.is_meta for p in meta_model.parameters())  # ZeRO-3 pieces only
     engine, _, _, _ = deepspeed.initialize(model=model, config=_config(3))
     _train(engine, _batches(1, rank))
     weight = model.linears[0].weight
@@ -568,9 +584,10 @@ def _zero_context(rank, world):
     return out
 
 
-def test_zero_init_and_gathered_parameters(workers2) -> None:
-    for r in workers2.run(_zero_context):
-        assert r["init_disabled_real"] and r["init_meta"] and r["meta_refused"]
+def test_zero_init_and_gathered_parameters(workers2, tmp_path) -> None:
+    for r in workers2.run(_zero_context, str(tmp_path)):
+        assert r["init_disabled_real"] and r["init_meta"]
+        assert r["meta_trains_as_reference"] and r["meta_no_whole_model"] and r["meta_saved_early"]
         assert r["gathered_current"] and r["modified_everywhere"]
 
 
@@ -707,3 +724,44 @@ def test_no_sync_blocks_repeat(workers2) -> None:
     for precision in ("fp32", "bf16"):
         for first, second in workers2.run(_multiple_ctxts, precision):
             assert first == second, precision
+
+
+# -- offload (test_ds_initialize TestNoOptim, checkpoint tests with cpu_offload) --------------------------
+
+def _offload(rank, world, tmp):
+    batches = _batches(3, rank)
+    out = {}
+    plain = deepspeed.initialize(model=_model(), config=_config(3))[0]
+    reference = _train(plain, batches)
+    for name, zero in [("optimizer", {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+                       ("cpu_offload", {"stage": 2, "cpu_offload": True}),
+                       ("params", {"stage": 3, "offload_param": {"device": "cpu"},
+                                   "offload_optimizer": {"device": "cpu"}})]:
+        engine = deepspeed.initialize(model=_model(), config=_config(zero_optimization=zero))[0]
+        losses = _train(engine, batches)
+        out[name] = (engine.module.plan.offload, losses == reference)
+    engine.save_checkpoint(tmp)
+    loaded = deepspeed.initialize(model=_model(seed=3), config=_config(3))[0]  # without offload
+    loaded.load_checkpoint(tmp)
+    more = _batches(1, rank + 5)
+    out["loads_without_offload"] = _train(engine, more) == _train(loaded, more)
+    return out
+
+
+def test_offload_trains_as_without(workers2, tmp_path) -> None:
+    for r in workers2.run(_offload, str(tmp_path)):
+        assert r["optimizer"] == ("optimizer", True) and r["cpu_offload"] == ("optimizer", True)
+        assert r["params"] == ("params", True) and r["loads_without_offload"]
+
+
+def test_offload_config() -> None:
+    base = {"train_batch_size": 2}
+    with pytest.raises(DeepSpeedConfigError, match="offload_param.device='nvme': NVMe offload is not supported"):
+        translate(dict(base, zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}))
+    with pytest.raises(DeepSpeedConfigError, match=r"offload_optimizer.buffer_size"):
+        translate(dict(base, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_size": 1}}))
+    with pytest.warns(UserWarning, match="offload_param has effect only under ZeRO stage 3"):
+        s = translate(dict(base, zero_optimization={"stage": 0, "offload_param": {"device": "cpu"}}))
+    assert s.offload is None
+    assert translate(dict(base, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}})).offload \
+        == "optimizer"

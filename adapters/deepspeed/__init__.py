@@ -127,11 +127,6 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     settings = _settings_of(raw)
     if not isinstance(model, torch.nn.Module):
         raise DeepSpeedConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise DeepSpeedConfigError(f"the model's parameters are on the meta device ({meta[:4]}...), as zero.Init() "
-                                   "builds them; this version cannot yet materialize them rank by rank: build the model "
-                                   "under zero.Init(enabled=False), or without zero.Init")
     if mpu is not None:
         raise DeepSpeedConfigError("mpu= (Megatron's model-parallel unit) is not supported: the plan decides model "
                                    "parallelism; use the config's nnscaler section, e.g. {'plan': 'tp'}")

@@ -35,6 +35,7 @@ class Settings:
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False
     managed_gradient_accumulation: bool = True
+    offload: Optional[str] = None             # the plan's offload: None | "optimizer" | "params"
     tag_validation: str = "WARN"              # checkpoint.tag_validation: IGNORE | WARN | FAIL
     allgather_bucket_size: int = 500_000_000
     plan: Any = "dp"
@@ -122,6 +123,7 @@ def translate(config: dict) -> Settings:
     s.scheduler = _scheduler_section(config.get("scheduler"))
     s.precision, s.loss_scale = _precision(config)
     s.zero_stage = _zero_stage(config.get("zero_optimization") or {})
+    s.offload = _offload(config.get("zero_optimization") or {}, s.zero_stage)
     s.gradient_clipping = _number(config, "gradient_clipping", 1.0,
                                   auto_hint="the HF Trainer fills it from max_grad_norm; give a number (0 = off)")
     s.steps_per_print = int(_number(config, "steps_per_print", 10, auto_hint="give a number"))
@@ -298,13 +300,7 @@ def _zero_stage(section: dict) -> int:
         stage = 0
     if stage not in (0, 1, 2, 3):
         raise DeepSpeedConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    for key in ("offload_param", "offload_optimizer"):
-        dev = (section.get(key) or {}).get("device", "none")
-        if dev not in (None, "none"):
-            raise DeepSpeedConfigError(f"zero_optimization.{key}.device={dev!r}: offloading is not supported; "
-                                       "remove the section or set device to 'none'")
-    for key in ("cpu_offload", "cpu_offload_param", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                "zero_quantized_gradients"):
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
         if section.get(key):
             raise DeepSpeedConfigError(f"zero_optimization.{key}=true is not supported; set it to false")
     if section.get("zero_hpz_partition_size", 1) not in (1, AUTO):
@@ -346,6 +342,46 @@ def _check_zero_values(section: dict) -> None:
         if (kind == "int>0" and value <= 0) or (kind == "int>=0" and value < 0):
             bound = "> 0" if kind == "int>0" else ">= 0"
             raise DeepSpeedConfigError(f"zero_optimization.{key} must be {bound}, got {value!r}")
+
+
+_OFFLOAD_KEYS = {"offload_optimizer": ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                                       "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc",
+                                       "pipeline"),
+                 "offload_param": ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")}
+
+
+def _offload_device(section: dict, key: str) -> str:
+    sub = section.get(key)
+    if sub is None:
+        return "none"
+    if not isinstance(sub, dict):
+        raise DeepSpeedConfigError(f"zero_optimization.{key} must be an object such as {{'device': 'cpu'}}, got {sub!r}")
+    unknown = [f"zero_optimization.{key}.{k}" for k in sub if k not in _OFFLOAD_KEYS[key]]
+    if unknown:
+        raise DeepSpeedConfigError(f"unknown DeepSpeed config key(s) {unknown}")
+    device = sub.get("device", "none")
+    device = "none" if device is None else str(device)
+    if device == "nvme":
+        raise DeepSpeedConfigError(f"zero_optimization.{key}.device='nvme': NVMe offload is not supported; use 'cpu' "
+                                   "(host memory) or 'none'")
+    if device not in ("none", "cpu"):
+        raise DeepSpeedConfigError(f"zero_optimization.{key}.device={device!r}: choose 'none', 'cpu' or 'nvme'")
+    return device
+
+
+def _offload(section: dict, stage: int) -> Optional[str]:
+    """DeepSpeed's offload sections as the plan's host-memory offload: optimizer state and step on
+    the host ("optimizer"), and under ZeRO-3 the parameter chunks too ("params"). pin_memory and
+    the buffer sizes tune DeepSpeed's copies and are accepted."""
+    optimizer = _offload_device(section, "offload_optimizer") == "cpu" or bool(section.get("cpu_offload"))
+    params = _offload_device(section, "offload_param") == "cpu" or bool(section.get("cpu_offload_param"))
+    if params and stage != 3:  # DeepSpeed offloads parameters only under ZeRO-3 and ignores the section otherwise
+        warnings.warn(f"zero_optimization.offload_param has effect only under ZeRO stage 3 (this config has stage "
+                      f"{stage}), as in DeepSpeed; it is ignored", stacklevel=4)
+        params = False
+    if params:
+        return "params"
+    return "optimizer" if optimizer else None
 
 
 def _check_reduction_keys(config: dict) -> None:

@@ -92,6 +92,15 @@ class DeepSpeedEngine(torch.nn.Module):
         from .zero import register_engine
 
         register_engine(self)
+        # A model built on the meta device (zero.Init) is initialized per piece when parallelized, from
+        # one seed every rank agrees on here, so that saving it before then gives the same weights.
+        self._init_seed: Optional[int] = _agreed_seed() if _has_meta(model) else None
+
+    def _materialize(self) -> None:
+        """The whole model in this process, initialized as parallelizing it would (only for state
+        asked of a meta model before it is parallelized)."""
+        if self._pmodule is None and _has_meta(self._model):
+            nns.init_weights(self._model, self._init_seed)
 
     # -- the model's own parameters (zero.GatheredParameters) ---------------------------------------
     def name_of(self, param: torch.Tensor) -> Optional[str]:
@@ -121,6 +130,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """The whole fp32 value of a parameter: the master weight under bf16/fp16 (collective)."""
         name, _ = self._piece_of(param)
         if self._pmodule is None:
+            self._materialize()
             return self._model_params[name].detach().float()
         if isinstance(self.optimizer, ZeroOptimizer):
             master = self.optimizer.inner.full_state_dict()["state"].get(name, {}).get("master_param")
@@ -175,8 +185,12 @@ class DeepSpeedEngine(torch.nn.Module):
     def _build(self, example_inputs: Any, micro_batches: int = 1) -> None:
         s = self._settings
         options = dict(s.plan_options, zero=s.zero_stage, precision=s.precision)
+        if s.offload is not None:
+            options["offload"] = s.offload
         if micro_batches > 1:
             options["micro_batches"] = micro_batches
+        if self._init_seed is not None:
+            options["init_seed"] = self._init_seed
         pm = nns.parallelize(self._model, example_inputs, plan=s.plan, cache_dir=self._cache_dir, **options)
         acc = self.gradient_accumulation_steps()
         if pm.plan.pipeline is not None and micro_batches == 1 and acc > 1:
@@ -501,6 +515,7 @@ class DeepSpeedEngine(torch.nn.Module):
                           exclude_frozen_parameters: bool = False) -> dict:
         """Whole weights under the model's own names, in the training dtype (collective once
         parallelized)."""
+        self._materialize()
         state = self._pmodule.full_state_dict() if self._pmodule is not None else \
             {k: v.detach().clone() for k, v in self._model.state_dict().items()}
         if exclude_frozen_parameters:
@@ -548,6 +563,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def _groups_and_masters(self) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
         """Each optimizer group's trainable parameter names, and their fp32 master values (collective)."""
         opt = self.optimizer
+        self._materialize()
         if self._pmodule is None or opt is None:
             groups = [[self._model_param_names[id(p)] for p in g["params"]
                        if id(p) in self._model_param_names and p.requires_grad] for g in opt.param_groups] \
@@ -637,6 +653,7 @@ class DeepSpeedEngine(torch.nn.Module):
             else:
                 self._pmodule.load_full_state_dict({**self._pmodule.full_state_dict(), **module_state})
         else:
+            self._materialize()  # a meta model: whole here, as the checkpoint's module state is
             missing = self._model.load_state_dict(module_state, strict=False)
             absent = [k for k in missing.missing_keys if k not in self._frozen_names()]
             if load_module_strict and (absent or missing.unexpected_keys):
@@ -679,6 +696,18 @@ class DeepSpeedEngine(torch.nn.Module):
             if inner is None:
                 raise
             return getattr(inner, name)
+
+
+def _has_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _agreed_seed() -> int:
+    """Rank 0's torch seed, on every rank."""
+    seed = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _repeat(loader: Any) -> Iterator:

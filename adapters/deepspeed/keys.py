@@ -45,7 +45,7 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "timers": (WARN, "DeepSpeed's timers are not reproduced (wall_clock_breakdown works)"),
     "compile": (WARN, "the generated per-rank code runs eagerly"),
     "autotuning": (WARN, "DeepSpeed's autotuner is not run; use 'nnscaler': {'plan': 'auto'}"),
-    "aio": (WARN, "no NVMe offload here"),
+    "aio": (WARN, "no NVMe offload here (host-memory offload needs no aio settings)"),
     "checkpoint": (ACCEPT, "tag_validation; load_universal only false"),
     "activation_checkpointing": (WARN, "deepspeed.checkpointing is not reproduced; use the plan's recompute= option"),
     "disable_allgather": (WARN, "a communication tuning knob with no effect here"),
@@ -70,11 +70,12 @@ REMOVED_TOP_LEVEL = ("nebula", "compression_training", "amp", "quantize_training
 
 ZERO: dict[str, tuple[str, str]] = {
     "stage": (ACCEPT, "0, 1, 2 or 3"),
-    "offload_param": (ACCEPT, "only device 'none': offloading is not supported"),
-    "offload_optimizer": (ACCEPT, "only device 'none': offloading is not supported"),
-    "cpu_offload": (ACCEPT, "only false: offloading is not supported"),
-    "cpu_offload_param": (ACCEPT, "only false: offloading is not supported"),
-    "cpu_offload_use_pin_memory": (WARN, "no offloading here"),
+    "offload_param": (ACCEPT, "device 'cpu': ZeRO-3's parameter chunks (and the optimizer) in host memory; "
+                              "'nvme' is refused"),
+    "offload_optimizer": (ACCEPT, "device 'cpu': optimizer state and step in host memory; 'nvme' is refused"),
+    "cpu_offload": (ACCEPT, "old name of offload_optimizer.device='cpu'"),
+    "cpu_offload_param": (ACCEPT, "old name of offload_param.device='cpu'"),
+    "cpu_offload_use_pin_memory": (ACCEPT, "accepted: host copies are pinned when a GPU computes"),
     "stage3_gather_16bit_weights_on_model_save": (WARN, "checkpoints here always hold whole weights"),
     "stage3_gather_fp16_weights_on_model_save": (WARN, "checkpoints here always hold whole weights"),
     "zero_hpz_partition_size": (ACCEPT, "only 1: hierarchical partitioning (ZeRO++) is not supported"),
