@@ -12,6 +12,7 @@ import nnscaler_plugins as nns
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.kernel_tables import TABLE_DIR, KernelTable, kernel_table
 from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.opcost import OpCosts
 from nnscaler_plugins.search.overlap import Overlap, not_run_as_priced
 
 SHIPPED = ("a100", "h100", "h200", "v100")
@@ -113,6 +114,26 @@ def test_overlap_arithmetic():
     assert not_run_as_priced({}, h100, zero=0, tp=False) == []
     assert not_run_as_priced({}, h100, zero=1, tp=True) == ["tp_comm_overlap", "overlap_param_gather"]
     assert not_run_as_priced({"overlap_param_gather": False}, h100, zero=3, tp=False) == []
+
+
+def test_written_out_attention_priced_as_flash_on_fusing_stacks(graph):
+    """Attention written out (matmul, mask, softmax, matmul) on a stack that fuses it costs what the
+    same model with scaled_dot_product_attention costs; on the 2021 stack it stays unfused (slower, and
+    its score matrices are stored)."""
+    eager = _gpt2("eager")
+    costs = OpCosts.of(eager)
+    core = [op.short_name for op in eager.ops if costs.ops[op.name].core]
+    assert core and all(costs.ops[op.name].core_causal for op in eager.ops if costs.ops[op.name].core)
+
+    def run(g, preset):
+        spec = nns.cluster(preset)
+        return nns.simulate(nns.plan(g, strategy="megatron", world_size=8, tp=8), spec)
+
+    fused, flash = run(eager, "h100-dgx"), run(graph, "h100-dgx")
+    assert fused.step_time_s == pytest.approx(flash.step_time_s, rel=0.05)
+    assert fused.max_memory_bytes == pytest.approx(flash.max_memory_bytes, rel=0.05)
+    unfused, flash_a100 = run(eager, "a100-dgx"), run(graph, "a100-dgx")
+    assert unfused.step_time_s > flash_a100.step_time_s and unfused.max_memory_bytes > flash_a100.max_memory_bytes
 
 
 def test_h200_is_h100_with_more_memory(graph):

@@ -112,7 +112,7 @@ def measure_compute() -> dict:
             u, v = torch.randn(size), torch.randn(size)
             out = torch.empty(size)
             torch.add(u, v, out=out)
-            reps = max(1, int(4e7 // size))
+            reps = max(1, int(8e6 // size))
             dt = _best_time(lambda: [torch.add(u, v, out=out) for _ in range(reps)], 7) / reps
             ew_points.append((3 * size * 4, 3 * size * 4 / max(dt - t, 1e-9)))
         return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "op_overhead_s": t,
@@ -225,18 +225,17 @@ def fit_table(m: dict) -> Optional[KernelTable]:
         return statistics.mean((x - math.log(scale)) ** 2 for x in logs), scale
 
     best = None
-    for cache in (2.5e5, 5e5, 1e6, 2e6, 4e6, 8e6, 16e6):
-        for mem_speed in (1.0, 1.5, 2.0, 3.0, 4.0):
-            mem_err, frac = fitted(lambda: [math.log(r / bw / cached(mem_speed, b, cache)) for b, r in ew])
-            for mm_speed in (1.0, 1.5, 2.0, 3.0):
-                for k_half in (0.0, 16.0, 64.0, 256.0):
-                    for mn_half in (0.0, 8.0, 32.0, 128.0):
-                        c = MatmulCurve(1.0, k_half, 1, 1, mn_half, mm_speed)
-                        mm_err, pf = fitted(lambda: [math.log(f / peak / c.efficiency(a, n, k, 1, 1, cache))
-                                                     for a, n, k, f in mm])
-                        err = mm_err + mem_err
-                        if best is None or err < best[0]:
-                            best = (err, replace(c, peak_fraction=pf), frac, cache, mem_speed)
+    for cache in (2.5e5, 5e5, 1e6, 2e6, 4e6, 8e6, 16e6):  # one cache size for both fits
+        mem = min((fitted(lambda: [math.log(r / bw / cached(sp, b, cache)) for b, r in ew]) + (sp,)
+                   for sp in (1.0, 1.5, 2.0, 3.0, 4.0)), key=lambda x: x[0])
+        for mm_speed in (1.0, 1.5, 2.0, 3.0):
+            for k_half in (0.0, 16.0, 64.0, 256.0):
+                for mn_half in (0.0, 8.0, 32.0, 128.0):
+                    c = MatmulCurve(1.0, k_half, 1, 1, mn_half, mm_speed)
+                    mm_err, pf = fitted(lambda: [math.log(f / peak / c.efficiency(a, n, k, 1, 1, cache))
+                                                 for a, n, k, f in mm])
+                    if best is None or mm_err + mem[0] < best[0]:
+                        best = (mm_err + mem[0], replace(c, peak_fraction=pf), mem[1], cache, mem[2])
     _, curve, frac, cache, mem_speed = best
     points = tuple({"kind": "matmul", "m": a, "n": b, "k": c, "batch": 1, "dtype": "fp32", "efficiency": f / peak,
                     "source": "measured"} for a, b, c, f in mm) + \
