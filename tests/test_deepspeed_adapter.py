@@ -56,7 +56,7 @@ def test_keys_are_accepted_warned_or_refused_by_name() -> None:
         (dict(base, train_batchsize=4), r"unknown DeepSpeed config key\(s\) \['train_batchsize'\]"),
         (dict(base, hybrid_engine={"enabled": True}), "hybrid_engine"),
         (dict(base, amp={"enabled": True}), r"\['amp'\] were removed from DeepSpeed in 0.19"),
-        (dict(base, zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}), "offload_param.device='cpu'"),
+        (dict(base, zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), "offload_param.device='nvme'"),
         (dict(base, zero_optimization={"stage": 4}), "stage must be 0, 1, 2 or 3"),
         (dict(base, fp16={"enabled": True, "scale_power": 8}), r"fp16.scale_power"),
         (dict(base, gradient_clipping="auto"), "gradient_clipping: 'auto' cannot be resolved"),
