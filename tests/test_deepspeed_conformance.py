@@ -765,3 +765,32 @@ def test_offload_config() -> None:
     assert s.offload is None
     assert translate(dict(base, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}})).offload \
         == "optimizer"
+
+
+# -- the project's resharding load under DeepSpeed's layout: saved data parallel, loaded tensor parallel --
+
+def _reshard(rank, world, tmp):
+    full = _batches(2, 0, batch=4)  # tensor-parallel ranks see the same batch: give both the whole one
+    model = _model()
+    dp = deepspeed.initialize(model=model, config=_config(2, train_micro_batch_size_per_gpu=2))[0]
+    _train(dp, [(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]) for x, y in full])
+    dp.save_checkpoint(tmp)
+    tp = deepspeed.initialize(model=_model(seed=4), config=_config(0, train_micro_batch_size_per_gpu=4,
+                                                                   nnscaler={"plan": "tp"}))[0]
+    tp.load_checkpoint(tmp)
+    more = _batches(1, 9, batch=4)[0]
+    a = _train(dp, [(more[0][2 * rank:2 * rank + 2], more[1][2 * rank:2 * rank + 2])])
+    b = _train(tp, [more])
+    import torch.distributed as dist
+
+    mine = torch.tensor(a)
+    dist.all_reduce(mine)
+    return {"module": _same(_state(dp), _state(tp)) or all(torch.allclose(v, _state(tp)[k], atol=1e-6)
+                                                         for k, v in _state(dp).items()),
+            "loss": (mine.item() / world, b[0]), "tp_pieces": tp.module.plan.unit_size}
+
+
+def test_checkpoint_loads_under_another_plan(workers2, tmp_path) -> None:
+    for r in workers2.run(_reshard, str(tmp_path)):
+        assert r["tp_pieces"] == 2 and r["module"]
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
