@@ -148,7 +148,9 @@ class PieceWriter:
         if pad:
             self._write(bytes(pad))
         offset = self._at
-        flat = t.detach().contiguous().reshape(-1)
+        flat = t.detach().reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:  # (a one-element view may keep a stride of its base)
+            flat = torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
         if flat.numel():
             self._write(memoryview(flat.view(torch.uint8).numpy()))
         return offset

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.lower.layout import Layout, block_slices
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]
@@ -86,8 +86,10 @@ class Region:
         _, _, digits = lay.digits(lay.position_of(device))
         dims = []
         for size, n, j, b in zip(lay.shape, lay.splits, digits, lay.blocks):
-            block, width = size // b, size // (b * n)
-            dims.append(tuple((k * block + j * width, k * block + (j + 1) * width) for k in range(b)))
+            count = abs(b)  # negative: mirrored blocks (layout.block_slices says which slice each takes)
+            block, width = size // count, size // (count * n)
+            dims.append(tuple((k * block + i * width, k * block + (i + 1) * width)
+                              for k, i in enumerate(block_slices(b, n, j))))
         return cls(_merged(dims))
 
     @classmethod
