@@ -149,3 +149,29 @@ def os_path_exists_all() -> bool:
     import os
 
     return all(os.path.exists(os.path.join(TABLE_DIR, f"{n}.json")) for n in SHIPPED)
+
+
+def _reduce_after_backward(rank: int, world: int) -> list[str]:
+    """A dp plan with overlap_grad_reduce=False: no bucket starts during backward, and training is
+    exactly one process's."""
+    import models
+    from sgd_check import sgd_equivalence
+
+    import nnscaler_plugins as nns
+
+    def build():
+        model, batch = models.mlp()
+        return model, batch
+
+    model, batch = build()
+    pm = nns.parallelize(model, {k: v[:v.shape[0] // 2] for k, v in batch.items()}, plan="dp",
+                         overlap_grad_reduce=False, cache_dir="/tmp/nns_test_cache")
+    problems = sgd_equivalence(rank, world, build, "dp", {"overlap_grad_reduce": False}, dp=2)
+    if pm.grad_reducer is None or pm.grad_reducer.overlap:
+        problems.append("the reducer overlaps although the plan says overlap_grad_reduce=False")
+    return problems
+
+
+def test_runtime_reduces_after_backward_when_asked(workers2):
+    for problems in workers2.run(_reduce_after_backward):
+        assert problems == []

@@ -12,6 +12,9 @@ The chunks are read only by the optimizer `nns.build_optimizer` makes; a plain t
 the module's parameters reads `.grad`, which stage 2 leaves empty, and would skip those
 parameters. So a bucket is reduce-scattered only while `scatter()` says such an optimizer exists;
 otherwise it is all-reduced whole into `.grad`, as at stage 1, and any optimizer steps exactly.
+
+With `overlap=False` (a plan's `overlap_grad_reduce=False`, see search/overlap.py) no bucket starts
+during backward: all of them are reduced, in the same order, when it ends.
 """
 from __future__ import annotations
 
@@ -45,8 +48,10 @@ class GradReducer:
 
     def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20,
                  first_bucket_bytes: int = 2**20, shards: Optional[dict[int, FlatShard]] = None,
-                 chunk_after: Optional[dict[int, FlatShard]] = None, scatter: Callable[[], bool] = lambda: True):
+                 chunk_after: Optional[dict[int, FlatShard]] = None, scatter: Callable[[], bool] = lambda: True,
+                 overlap: bool = True):
         self.buckets: list[_Bucket] = []
+        self.overlap = overlap  # False: every bucket starts when the backward ends
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._queued = False
@@ -113,7 +118,7 @@ class GradReducer:
         b, i = self._where[id(p)]
         bucket = self.buckets[b]
         bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params):
+        if len(bucket.ready) == len(bucket.params) and self.overlap:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:

@@ -16,7 +16,8 @@ preset assumes):
   produces them (DDP, Megatron's overlap-grad-reduce, FSDP). The runtime does this
   (`runtime/grad_reducer.py`: async bucketed all-reduce / reduce-scatter from backward hooks, waited
   for at the end of the step; in the pipeline executor the last backward's buckets start while the
-  next tasks run). Off: the reduction runs after the backward.
+  next tasks run). Off: the reduction runs after the backward, and so does the runtime's (its reducer
+  then starts every bucket when the backward ends).
 - ``overlap_param_gather``: ZeRO's weight all-gathers hidden under compute: ZeRO-3 gathers the next
   weights while the current ones compute (prefetch); ZeRO-1/2 gather the updated weights during the
   next step's first forward (Megatron's overlap-param-gather) instead of after the optimizer step.
@@ -25,7 +26,8 @@ preset assumes):
   right after the optimizer step, so for ZeRO-1/2 plans it runs as "off" (and `simulate` says so).
 - ``overlap_p2p``: pipeline sends and receives asynchronous, beside compute (the runtime's pipeline
   executor posts them with batch_isend_irecv and waits only when the data is needed). Off: the sender
-  also waits for each transfer.
+  also waits for each transfer. The runtime always sends asynchronously (a blocking send before its
+  peer posts the receive can deadlock a schedule), so "off" is priced but not run.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from typing import Any, Mapping, Optional
 OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p")
 # What this repository's runtime does with each switch (for messages and `Estimate.details`).
 RUNTIME_DOES = {"tp_comm_overlap": False, "overlap_grad_reduce": True, "overlap_param_gather": True,
-                "overlap_p2p": True}
+                "overlap_p2p": True}  # overlap_grad_reduce both ways; overlap_p2p only "on"
 
 
 @dataclass(frozen=True)
@@ -90,4 +92,6 @@ def not_run_as_priced(options: Mapping[str, Any], cluster, zero: int = 0, tp: bo
         out.append("tp_comm_overlap")
     if o.param_gather and zero in (1, 2):
         out.append("overlap_param_gather")
+    if not o.p2p and o.kappa is not None:
+        out.append("overlap_p2p=False")
     return out
