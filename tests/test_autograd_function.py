@@ -291,8 +291,14 @@ def test_a_registered_rule_lets_a_plan_split_the_function(workers2):
 
 
 def test_without_a_rule_the_function_is_replicate_only():
+    """Unless its forward and backward are elementwise ops only (RoundSTE's are), which gives it the
+    elementwise rule read from its code (rules/user_functions.py)."""
     model, batch = build("ste")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = nns.plan(model, strategy=split_functions, world_size=2, example_inputs=batch)
-    assert all(not p.splits for name, p in plan.ops.items() if name.startswith("round_ste"))
+        fused, fused_batch = build("fused_loss")
+        whole = nns.plan(fused, strategy="tp", world_size=2, example_inputs=fused_batch)
+    assert all(p.splits for name, p in plan.ops.items() if name.startswith("round_ste"))
+    assert all(not p.splits for name, p in whole.ops.items() if name.startswith("fused_cross_entropy"))
+    assert any(name.startswith("fused_cross_entropy") for name in whole.ops)

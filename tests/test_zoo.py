@@ -85,3 +85,59 @@ def test_data_dependent_guard_is_refused_in_a_few_lines_naming_the_model_line():
     text = str(info.value)
     assert "labels.max() >= self.config.vocab_size" in text and "modeling_wav2vec2.py" in text
     assert len(text.splitlines()) <= 5, text
+
+
+class _ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, labels):
+        h = torch.relu(self.bn(self.conv(x)))
+        logits = self.head(torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels)}
+
+
+def _bn_dp_against_ddp(rank, world):
+    """Batch norm in training under dp: each replica normalizes with its own shard's statistics
+    and updates its own running statistics, as DDP does without SyncBatchNorm and with
+    broadcast_buffers=False. (DDP's default also copies replica 0's buffers to the others before
+    each forward; replica 0's own statistics, the ones a checkpoint keeps, are the same either way.)"""
+    import nnscaler_plugins as nns
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ref = _ConvBN()
+    model = _ConvBN()
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(8, 3, 6, 6, generator=g), "labels": torch.randint(0, 4, (8,), generator=g)}
+    local = {k: v[rank * 4:(rank + 1) * 4] for k, v in batch.items()}
+    ddp = DistributedDataParallel(ref, broadcast_buffers=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = nns.parallelize(model, local, plan="dp", cache_dir="/tmp/nns_test_cache")
+    opt = nns.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    problems = []
+    for step in range(3):
+        loss = pm.train_step(local).detach()
+        ref_loss = ddp(**local)["loss"]
+        ref_loss.backward()
+        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"rank {rank} step {step}: loss {loss.item()} vs DDP {ref_loss.item()}")
+        opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
+        full = pm.full_state_dict()
+        for k, t in ref.state_dict().items():
+            if k.endswith("num_batches_tracked") and k not in full:
+                continue
+            if not torch.allclose(full[k].float(), t.float(), rtol=1e-5, atol=1e-6):
+                problems.append(f"rank {rank} step {step}: {k} differs from DDP's")
+    return problems
+
+
+def test_batch_norm_trains_under_dp_with_ddp_semantics(workers2):
+    problems = workers2.run(_bn_dp_against_ddp)
+    assert not any(problems), "\n".join(p for ps in problems for p in ps)

@@ -22,7 +22,6 @@ from nnscaler_plugins.rules.elementwise import UNARY_OR_BROADCAST
 from nnscaler_plugins.rules.signature import OpCall, Signature
 
 _ELEMENTWISE = frozenset(UNARY_OR_BROADCAST) - {"aten.dropout.default", "aten.empty_like.default"}
-_SHAPE = (2, 3, 4)  # a small probe: any shape with distinct dims tells an elementwise op from a mixing one
 
 
 def function_rule(call: OpCall) -> Optional[Signature]:
@@ -33,14 +32,16 @@ def function_rule(call: OpCall) -> Optional[Signature]:
     x, out = call.inputs[0], call.outputs[0]
     if out is None or tuple(out.shape) != tuple(x.shape) or not x.dtype.is_floating_point:
         return None
-    if not _is_elementwise(target.cls, x.dtype):
+    if not _is_elementwise(target.cls, tuple(x.shape), x.dtype):
         return None
     labels = out_labels(out.ndim)
     return Signature(inputs=(labels,), outputs=(labels,), note="elementwise Function (read from its code)")
 
 
 @functools.lru_cache(maxsize=64)
-def _is_elementwise(cls: type, dtype: torch.dtype) -> bool:
+def _is_elementwise(cls: type, shape: tuple, dtype: torch.dtype) -> bool:
+    """Traced on fake tensors of the call's own shape (code that branches on shapes is read as it
+    runs for this call; no memory is taken)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def forward_and_backward(x: torch.Tensor, g: torch.Tensor) -> Any:
@@ -49,9 +50,9 @@ def _is_elementwise(cls: type, dtype: torch.dtype) -> bool:
         (gx,) = torch.autograd.grad(y, x, g)
         return y, gx
 
-    probe = torch.randn(_SHAPE, dtype=dtype)
     try:
-        gm = make_fx(forward_and_backward)(probe, torch.randn(_SHAPE, dtype=dtype))
+        gm = make_fx(forward_and_backward, tracing_mode="fake")(torch.empty(shape, dtype=dtype),
+                                                               torch.empty(shape, dtype=dtype))
     except Exception:  # noqa: BLE001 - a Function that does not trace on a probe is not proved elementwise
         return False
     for node in gm.graph.nodes:
@@ -64,9 +65,9 @@ def _is_elementwise(cls: type, dtype: torch.dtype) -> bool:
             return False
         for arg in node.args:
             val = getattr(arg, "meta", {}).get("val") if hasattr(arg, "meta") else None
-            if isinstance(val, torch.Tensor) and val.dim() > 0 and tuple(val.shape) != _SHAPE:
+            if isinstance(val, torch.Tensor) and val.dim() > 0 and tuple(val.shape) != shape:
                 return False
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or tuple(val.shape) != _SHAPE:
+        if not isinstance(val, torch.Tensor) or tuple(val.shape) != shape:
             return False
     return True
