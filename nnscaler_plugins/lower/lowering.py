@@ -465,7 +465,7 @@ class _Lowering:
         renames = dict(zip(op.inputs, local_names))
         unit_p = p.unit_view()
         for idx, dev in enumerate(lays.devices):
-            local = _localize(graph, op, sig, call, unit_p, idx, lays)
+            local = _localize(graph, op, sig, call, unit_p, idx, lays, self.plan.options)
             args, kwargs = _rename(local.args, local.kwargs, renames)
             gkw = None
             if local.group_label is not None:
@@ -637,12 +637,13 @@ def _local_meta(meta: Optional[TensorMeta], lay: Optional[Layout]) -> Optional[T
 
 
 def _localize(graph: Graph, op: OpNode, sig: Signature, call, p: OpPlacement, idx: int,
-              lays: OpLayouts) -> Localized:
+              lays: OpLayouts, options: Optional[dict] = None) -> Localized:
     if not p.splits or sig.localize is None:
         return Localized(op.target, op.args, op.kwargs)
     lc = LocalCall(call=call, splits=p.label_counts(), index=p.label_index(idx),
                    local_inputs=tuple(_local_meta(m, l) for m, l in zip(call.inputs, lays.inputs)),
-                   local_outputs=tuple(_local_meta(m, l) for m, l in zip(call.outputs, lays.outputs)))
+                   local_outputs=tuple(_local_meta(m, l) for m, l in zip(call.outputs, lays.outputs)),
+                   blocks=dict(p.blocks), options=dict(options or {}))
     return sig.localize(lc)
 
 

@@ -124,7 +124,8 @@ def _peers(group: Any) -> tuple[int, int, int, int]:
 
 def _shift(tensors: list[torch.Tensor], nxt: int, prv: int) -> list:
     """Post sends of `tensors` to the next device and receives from the previous one."""
-    recvs = [torch.empty_like(t) for t in tensors]
+    tensors = [t.contiguous() for t in tensors]
+    recvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt) for t in tensors] + \
           [dist.P2POp(dist.irecv, r, prv) for r in recvs]
     return recvs, dist.batch_isend_irecv(ops)

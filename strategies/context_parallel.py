@@ -1,0 +1,157 @@
+"""Context parallelism: the sequence split across the devices of a unit, attention included.
+
+Activations, not weights, run out of memory on long sequences; splitting the sequence of every op
+that carries it divides them by cp. The plan is found by a walk, not by module names: the
+sequence starts at the graph's data inputs (the dim of the attention's length) and at every
+self-attention's sequence label, and follows each op's dimension rule to its outputs. Ops the
+sequence does not reach (position aranges, label shifts, rotary tables) run whole; where their
+outputs meet split ones, the lowering cuts them to the same pieces, so positions and labels stay
+consistent with the split with no special case. Attention pieces run
+`runtime.ring_attention.context_parallel_attention` with the group of the sequence label and the
+plan's `cp_comm` ("ring", "allgather" or "ulysses").
+
+Causal load balancing (on by default when some attention is causal): the sequence is split as a
+mirrored 2-block split, device j holding chunks j and 2cp-1-j of 2cp, on every op the sequence
+reaches; ops that cannot take that split (a reshape merging batch and sequence) get their inputs
+gathered by the lowering, which is exact and costs memory there.
+
+What cannot run exactly is refused before launch, with sizes: a length not divisible by 2cp
+(balanced) or cp, Ulysses with more devices than key/value heads (or query heads), attention
+with a mask tensor (padding, packed documents whose position_ids restart inside a row).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
+from nnscaler_plugins.rules import op_call
+from nnscaler_plugins.rules.attention import SEQUENCE, sequence_split_problem
+
+from .recompute import apply_recompute
+
+MODES = ("ring", "allgather", "ulysses")
+_SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def degrees(world_size: int, cp: Optional[int] = None, dp: Optional[int] = None, **_: Any) -> tuple[int, int]:
+    """(cp, dp): the whole world is one context-parallel unit unless `cp` or `dp` says otherwise."""
+    if cp is None and dp is None:
+        return world_size, 1
+    for name, value in (("cp", cp), ("dp", dp)):
+        if value is not None and (int(value) < 1 or world_size % int(value)):
+            raise PlanError(f"{name}={value} does not divide the world size {world_size}")
+    cp = int(cp) if cp is not None else world_size // int(dp)
+    dp = int(dp) if dp is not None else world_size // cp
+    if cp * dp != world_size:
+        raise PlanError(f"cp={cp} x dp={dp} = {cp * dp}, but the world size is {world_size}")
+    return cp, dp
+
+
+def _is_attention(op: OpHandle) -> bool:
+    return op.node.op_name == _SDPA or str(op.node.target) == _SDPA
+
+
+def attention_ops(builder: PlanBuilder) -> list[OpHandle]:
+    return [op for op in builder.ops if _is_attention(op)]
+
+
+def check_context_parallel(builder: PlanBuilder, cp: int, mode: str, balance: bool) -> int:
+    """The sequence length every attention shares, after refusing what cp cannot run exactly."""
+    if mode not in MODES:
+        raise PlanError(f"cp_comm={mode!r}: use one of {', '.join(MODES)}")
+    attns = attention_ops(builder)
+    if not attns:
+        raise PlanError(f"context parallelism found no scaled_dot_product_attention in {builder.graph.model_class}; "
+                        "cp splits attention's sequence (models with hand-written softmax attention are not "
+                        "supported: use attn_implementation='sdpa')")
+    lengths = set()
+    for op in attns:
+        call = op_call(builder.graph, op.node)
+        why = sequence_split_problem(call)
+        if why is not None:
+            raise PlanError(f"context parallelism cannot split this attention's sequence: {why}. Packed documents "
+                            "(position_ids restarting inside a row) and padding masks are not supported under cp; "
+                            "train them with dp/tp, or pad rows to one document each", op=op.name, where=op.where())
+        q, k = call.inputs[0], call.inputs[1]
+        lengths.add(q.shape[-2])
+        if mode == "ulysses" and (q.shape[-3] % cp or k.shape[-3] % cp):
+            raise PlanError(f"cp_comm='ulysses' over cp={cp} devices needs query heads ({q.shape[-3]}) and key/value "
+                            f"heads ({k.shape[-3]}) divisible by {cp}; use cp_comm='ring' or a cp of at most "
+                            f"{k.shape[-3]} dividing both", op=op.name, where=op.where())
+    if len(lengths) != 1:
+        raise PlanError(f"context parallelism needs one sequence length for every attention; found {sorted(lengths)}")
+    length = lengths.pop()
+    need = 2 * cp if balance else cp
+    if length % need:
+        raise PlanError(f"sequence length {length} is not divisible by {'2 x cp = ' if balance else 'cp = '}{need}"
+                        f"{' (causal load balancing holds chunks i and 2cp-1-i)' if balance else ''}; pad the "
+                        f"sequence to a multiple of {need}" + ("" if not balance else " or pass balance=False"))
+    return length
+
+
+def _label_of(op: OpHandle, i: int, d: int) -> Optional[str]:
+    labs = op.signature.inputs[i] if i < len(op.signature.inputs) else None
+    return None if labs is None or d >= len(labs) else labs[d]
+
+
+def sequence_choices(builder: PlanBuilder, cp: int, length: int, block: int) -> dict[str, Optional[str]]:
+    """The label each op splits for the sequence (None: it runs whole), found by the walk."""
+    graph = builder.graph
+    seq_dim: dict[str, int] = {}
+    for spec in graph.inputs:
+        v = graph.values.get(spec.name)
+        meta = None if v is None else v.meta
+        if meta is not None and v.kind == "input" and len(meta.shape) >= 2 and meta.shape[1] == length:
+            seq_dim[spec.name] = 1
+    choices: dict[str, Optional[str]] = {}
+    for op in builder.ops:
+        sig = op.signature
+        candidates = [SEQUENCE] if _is_attention(op) else []
+        for i, name in enumerate(op.node.inputs):
+            if name in seq_dim:
+                lab = _label_of(op, i, seq_dim[name])
+                if lab is not None and lab not in candidates:
+                    candidates.append(lab)
+        chosen = None
+        for lab in candidates:
+            if sig.is_frozen(lab) or lab in sig.reduce or lab in sig.comm_labels and not _is_attention(op):
+                continue
+            if op.splittable(lab, cp, block):
+                chosen = lab
+                break
+        choices[op.name] = chosen
+        if chosen is None:
+            continue
+        for j, out in enumerate(op.node.outputs):
+            labs = sig.outputs[j] if j < len(sig.outputs) else None
+            dims = [d for d, l in enumerate(labs or ()) if l == chosen]
+            if out is not None and len(dims) == 1:
+                seq_dim[out] = dims[0]
+    return choices
+
+
+def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm: str = "ring",
+                     balance: Optional[bool] = None, **options: Any) -> None:
+    """Split the sequence over the unit's cp devices; see the module doc."""
+    n = builder.unit_size
+    if cp is not None and int(cp) != n:
+        raise PlanError(f"cp={cp} but the plan's unit has {n} devices; the context-parallel degree is the unit size")
+    if balance is None:
+        balance = any(bool(op_call(builder.graph, op.node).arg(5, "is_causal", False))
+                      for op in attention_ops(builder))
+    length = check_context_parallel(builder, n, str(cp_comm), bool(balance))
+    builder.options["cp_comm"] = str(cp_comm)
+    block = -2 if balance else 1
+    choices = sequence_choices(builder, n, length, block)
+    if n > 1 and not any(choices[op.name] for op in attention_ops(builder)):
+        raise PlanError(f"context parallelism could not split the attention's sequence ({length}) {n} ways")
+    for op in builder.ops:
+        label = choices[op.name]
+        if label is None or n == 1:
+            builder.replicate(op)
+            continue
+        subs = builder.op_trans(op, dim=label, num=n, block=block if abs(block) > 1 else 1)
+        for device, sub in enumerate(subs):
+            builder.op_assign(sub, device)
+    apply_recompute(builder, options.get("recompute"))

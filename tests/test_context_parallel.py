@@ -1,0 +1,129 @@
+"""Context parallelism (strategy `cp`): the sequence split across devices, attention by ring,
+all-gather or Ulysses, causal load balancing by default. Each plan trains exactly like one process
+(SGD, fp32, relative 1e-5), the kernels match whole-sequence attention in value and gradient, and
+what cannot run exactly is refused before launch with the sizes named."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sgd_check import sgd_equivalence
+
+ALL = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
+VOCAB = 64
+
+
+class _Attention(torch.nn.Module):
+    """Pre-norm block with grouped-query causal attention written by hand (no library model)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = torch.nn.Linear(hidden, hidden)
+        self.k = torch.nn.Linear(hidden, kv_heads * self.head_dim)
+        self.v = torch.nn.Linear(hidden, kv_heads * self.head_dim)
+        self.o = torch.nn.Linear(hidden, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.ff = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        y = self.norm(x)
+        q = self.q(y).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(y).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(y).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.ff(torch.relu(x))
+
+
+class CausalLM(torch.nn.Module):
+    def __init__(self, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, 32)
+        self.pos = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList([_Attention(32, heads, kv_heads) for _ in range(layers)])
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def causal_lm(batch: int = 2, seq: int = 16, kv_heads: int = 2):
+    model = CausalLM(kv_heads=kv_heads)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return model, {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+
+def llama_gqa(batch: int = 2, seq: int = 16):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+BUILDERS = {"causal": causal_lm, "llama": llama_gqa}
+
+
+def _equivalence(rank, world, model, options, dp):
+    return sgd_equivalence(rank, world, BUILDERS[model], "cp", options, dp, cache_dir="/tmp/nns_test_cache_cp")
+
+
+def _kernel(rank, world, mode, causal, balanced, heads, kv_heads):
+    import torch.distributed as dist
+
+    from nnscaler_plugins.lower.layout import chunk_dim
+    from nnscaler_plugins.runtime.ring_attention import context_parallel_attention
+
+    torch.manual_seed(0)
+    b, s, d = 2, 16, 8
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    g = torch.randn(b, heads, s, d)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != kv_heads)
+    ref.backward(g)
+    blocks = -2 if balanced else 1
+    local = [chunk_dim(t.detach(), 2, world, rank, blocks).clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, is_causal=causal, balanced=balanced, mode=mode, group=dist.group.WORLD)
+    out.backward(chunk_dim(g, 2, world, rank, blocks))
+    errors = [(out - chunk_dim(ref, 2, world, rank, blocks)).abs().max().item()]
+    errors += [(lo.grad - chunk_dim(t.grad, 2, world, rank, blocks)).abs().max().item() for t, lo in zip((q, k, v), local)]
+    return max(errors)
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather", "ulysses"])
+def test_kernels_match_whole_attention_in_value_and_gradient(workers2, mode):
+    for causal, balanced in ((True, True), (True, False), (False, False)):
+        errors = workers2.run(_kernel, mode, causal, balanced, 4, 2)
+        assert max(errors) < 1e-5, (mode, causal, balanced, errors)
+
+
+def test_mirrored_split_is_the_head_tail_balance():
+    from nnscaler_plugins.lower.layout import Layout, cat_dim, chunk_dim
+
+    t = torch.arange(16)
+    assert [chunk_dim(t, 0, 4, j, -2).tolist() for j in range(4)] == \
+        [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert torch.equal(cat_dim([chunk_dim(t, 0, 4, j, -2) for j in range(4)], 0, -2), t)
+    lay = Layout.sharded((2, 16, 3), (0, 1, 2, 3), 1, 4, blocks=-2)
+    x = torch.randn(2, 16, 3)
+    assert torch.equal(lay.assemble({r: lay.slice_full(x, r) for r in range(4)}), x)
+    assert Layout.from_json(lay.to_json()) == lay
+
+
+@pytest.mark.parametrize("model,mode", [("causal", "ring"), ("llama", "ring"), ("causal", "allgather"),
+                                        ("llama", "ulysses")])
+def test_cp_trains_like_one_process_world2(workers2, model, mode):
+    problems = workers2.run(_equivalence, model, {"cp_comm": mode}, 1)
+    assert not any(problems), problems
