@@ -1,6 +1,7 @@
 """The user-facing entry points: plan a model, and parallelize it on every rank."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from nnscaler_plugins.capture.experts import experts_as_one_op, wants_experts_as_one_op
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.capture.microbatch import resolve_micro_batches, split_batch
 from nnscaler_plugins.capture.tracing import capture, normalize_inputs
@@ -22,8 +24,9 @@ from nnscaler_plugins.plan.validate import validate
 from nnscaler_plugins.plugins import get_plugin_manager
 
 
-def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1) -> Graph:
-    """The graph of one micro-batch: a model is captured on the first micro-batch of its inputs."""
+def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1, whole_experts: bool = False) -> Graph:
+    """The graph of one micro-batch: a model is captured on the first micro-batch of its inputs
+    (with `whole_experts`, each mixture-of-experts layer as one op, see capture/experts.py)."""
     if isinstance(model_or_graph, Graph):
         return model_or_graph
     if example_inputs is None:
@@ -32,7 +35,8 @@ def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1) 
     args, kwargs = normalize_inputs(first, None)
     if _on_meta(model_or_graph):  # inputs beside meta weights: an op mixing devices would refuse to trace
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    return capture(model_or_graph, args, kwargs)
+    with experts_as_one_op(model_or_graph) if whole_experts else contextlib.nullcontext():
+        return capture(model_or_graph, args, kwargs)
 
 
 def _on_meta(model: Any) -> bool:
@@ -53,7 +57,7 @@ def plan(model_or_graph: Any, *, strategy: PlanLike = "tp", world_size: int, exa
     source.check_options(options)  # a misspelt option is refused before the model is captured
     micro = resolve_micro_batches(None if isinstance(model_or_graph, Graph) else example_inputs,
                                   options.pop("micro_batches", None), options.pop("micro_batch_size", None))
-    graph = _graph_of(model_or_graph, example_inputs, micro)
+    graph = _graph_of(model_or_graph, example_inputs, micro, wants_experts_as_one_op(source.fn or source.plan))
     if cluster is not None:  # for strategies that plan for a cluster ("auto" searches on it)
         options.setdefault("cluster", cluster)
     if constraints:
@@ -148,7 +152,8 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike =
     else:
         micro = resolve_micro_batches(example_inputs, options.pop("micro_batches", None),
                                       options.pop("micro_batch_size", None))
-    graph = _capture_on_every_rank(model, example_inputs, micro, rank, world_size)
+    graph = _capture_on_every_rank(model, example_inputs, micro, rank, world_size,
+                                   wants_experts_as_one_op(source.fn or source.plan))
     _, program = _plan_and_program(graph, source, world_size, micro, options, lower_now=lambda p: True)
     seed = _agreed_init_seed(init_seed, dev, world_size) if has_meta_tensors(model) else None
     return ParallelModule(program, model, rank=rank, world_size=world_size, device=dev, cache_dir=cache_dir,
@@ -172,13 +177,14 @@ def _agreed_init_seed(init_seed: Optional[int], device: torch.device, world_size
 QUIET_RANK_WAIT_S = 60.0
 
 
-def _capture_on_every_rank(model: Any, example_inputs: Any, micro: int, rank: int, world_size: int) -> Graph:
+def _capture_on_every_rank(model: Any, example_inputs: Any, micro: int, rank: int, world_size: int,
+                           whole_experts: bool = False) -> Graph:
     """The graph every rank captures (same model, same shapes, so a CaptureError happens on all of
     them); rank 0 raises it, the others stay quiet, then raise one line naming rank 0."""
     from nnscaler_plugins.capture.tracing import CaptureError
 
     try:
-        return _graph_of(model, example_inputs, micro)
+        return _graph_of(model, example_inputs, micro, whole_experts)
     except CaptureError as e:
         if rank == 0 or world_size == 1:
             raise

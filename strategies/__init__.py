@@ -37,7 +37,7 @@ from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
 from . import auto as auto_search
-from . import data_parallel, hybrid, pipeline, tensor_parallel, zero
+from . import data_parallel, expert_parallel, hybrid, pipeline, tensor_parallel, zero
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,11 @@ ZERO2 = Strategy("zero2", zero.zero_stage(2), zero.degrees,
 ZERO3 = Strategy("zero3", zero.zero_stage(3), zero.degrees,
                  "data parallel with ZeRO stage 3: optimizer state, gradients and parameters sharded, parameters "
                  "gathered for forward and backward and freed in between", _UNIT)
+EP = Strategy("ep", expert_parallel.expert_parallel, expert_parallel.degrees,
+              "expert parallel: each MoE layer's experts split over ep= devices, tokens moved to them by "
+              "all-to-all; the dense part data-parallel inside the unit; dp= units", ("ep", "dp", "recompute"))
 BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO,
-           ZERO1, ZERO2, ZERO3)
+           ZERO1, ZERO2, ZERO3, EP)
 
 
 @hookimpl

@@ -182,12 +182,7 @@ def opaque_functions() -> Iterator[None]:
     def apply(cls, *args, **kwargs):
         if not _is_user_function(cls):
             return inner(cls, *args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        key = f"fn{next(_COUNTER)}"
-        _CALLS[key] = _Call(cls, spec, [_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
-        outs = torch.ops.nnscaler.autograd_function(key, tensors)
-        return outs[0] if _CALLS[key].single else tuple(outs)
+        return opaque_call(cls, args, kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
     try:
@@ -196,6 +191,17 @@ def opaque_functions() -> Iterator[None]:
         torch.autograd.Function.apply = original
         for key in set(_CALLS) - before:
             del _CALLS[key]
+
+
+def opaque_call(cls: type, args: tuple, kwargs: dict) -> Any:
+    """Record `cls.apply(*args, **kwargs)` as one opaque op (inside `opaque_functions`); the
+    library's own Functions that must stay whole (an experts layer) are recorded this way too."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    key = f"fn{next(_COUNTER)}"
+    _CALLS[key] = _Call(cls, spec, [_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+    outs = torch.ops.nnscaler.autograd_function(key, tensors)
+    return outs[0] if _CALLS[key].single else tuple(outs)
 
 
 def is_opaque_call(target: Any) -> bool:

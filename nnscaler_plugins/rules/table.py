@@ -32,6 +32,7 @@ def _load_builtins() -> None:
         elementwise,
         embedding,
         experts,
+        experts_op,
         factories,
         losses,
         matmul,

@@ -1,0 +1,124 @@
+"""Expert parallelism: each device of a unit of `ep` holds experts / ep of every MoE layer's experts.
+
+The unit of `ep` devices runs the dense part of the model as data parallelism inside the unit
+(every op split along the batch, its weights whole on each device), and each mixture-of-experts
+layer -- captured as one op, `capture/experts.py` -- split along its `t` label: a device keeps its
+own tokens and its share of the experts, and the kernel moves the rows to the experts chosen for
+them and back by all-to-all. The plan's `dp` copies of the unit are expert-data-parallel: an
+expert's gradient is reduced only among the `dp` replicas that hold that expert, a dense weight's
+among all `ep * dp` devices (the unit's batch split gives partial sums the lowering reduces inside
+the unit). ZeRO (`zero=`) shards what each device holds across its `dp` replicas: expert state
+among the replicas of the same experts only.
+
+Why the batch split is found by propagation and not by naming inputs: the batch dim is followed
+from the model's inputs through every op's dimension rule (a reshape of [B, S, H] into [B*S, H]
+keeps it, a loss reduces over it), so models the strategy was never shown are planned the same way.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from nnscaler_plugins.capture.autograd_functions import FunctionTarget
+from nnscaler_plugins.capture.experts import ExpertsCall
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
+
+from .recompute import apply_recompute
+
+EXPERT_LABEL = "t"  # rules/experts_op.py: tokens and experts, split together
+
+
+def is_experts_op(op: OpHandle) -> bool:
+    t = op.node.target
+    return isinstance(t, FunctionTarget) and t.cls is ExpertsCall
+
+
+def degrees(world_size: int, ep: Optional[int] = None, dp: Optional[int] = None, **_: Any) -> tuple[int, int]:
+    """(unit_size, dp) = (ep, world_size / ep); `ep` defaults to world_size / dp, else the world."""
+    if ep is None:
+        ep = world_size // dp if dp else world_size
+    for name, value in (("ep", ep), ("dp", dp)):
+        if value is not None and (int(value) < 1 or world_size % int(value)):
+            raise PlanError(f"strategy 'ep': {name}={value} does not divide the world size {world_size}")
+    ep = int(ep)
+    if dp is not None and ep * int(dp) != world_size:
+        raise PlanError(f"strategy 'ep': ep={ep} x dp={dp} = {ep * int(dp)}, but the world size is {world_size}")
+    return ep, world_size // ep
+
+
+def check_experts(builder: PlanBuilder) -> list[OpHandle]:
+    """The MoE layers of the graph, each checked to split into `ep` shares; refused by name otherwise."""
+    ep = builder.unit_size
+    layers = [op for op in builder.ops if is_experts_op(op)]
+    if not layers:
+        raise PlanError("strategy 'ep': the model has no recognized mixture-of-experts layers (a module whose "
+                        "parameters are stacked along a leading dim of `num_experts`, called with tokens, expert "
+                        "ids and routing weights); use 'dp', 'tp' or 'hybrid' for it")
+    graph = builder.graph
+    for op in layers:
+        x, *_, first = [graph.meta(v) for v in op.node.inputs[:4]]
+        experts = first.shape[0]
+        if experts % ep:
+            raise PlanError(f"strategy 'ep': ep={ep} does not divide the {experts} experts of this layer; choose an "
+                            f"ep among the divisors of {experts}", op=op.name, where=op.where())
+        if x.shape[0] % ep:
+            raise PlanError(f"strategy 'ep': the layer's {x.shape[0]} tokens per replica do not split into ep={ep} "
+                            "devices; give each data-parallel replica a batch divisible by ep", op=op.name,
+                            where=op.where())
+    return layers
+
+
+def batch_choices(builder: PlanBuilder) -> dict[str, Optional[str]]:
+    """For every op, the label carrying the batch dim of its inputs (split `ep` ways), or None (whole).
+
+    Layouts are tracked per value as the split dim (None: whole, a partial sum counts as whole).
+    The model's inputs are split along dim 0 when it has the first input's batch size.
+    """
+    n = builder.unit_size
+    graph = builder.graph
+    inputs = [v for v in graph.values.values() if v.kind == "input" and v.meta is not None and v.meta.ndim >= 1]
+    batch = inputs[0].meta.shape[0] if inputs else None
+    split_dim: dict[str, Optional[int]] = {v.name: (0 if v.meta.shape[0] == batch else None) for v in inputs}
+    choices: dict[str, Optional[str]] = {}
+    for op in builder.ops:
+        sig = op.signature
+        label: Optional[str] = None
+        if is_experts_op(op):
+            label = EXPERT_LABEL
+        else:
+            for i, name in enumerate(op.node.inputs):
+                d = split_dim.get(name)
+                labs = sig.inputs[i] if i < len(sig.inputs) else None
+                if d is None or labs is None or d >= len(labs):
+                    continue
+                cand = labs[d]
+                if not sig.is_frozen(cand) and op.splittable(cand, n):
+                    label = cand
+                    break
+        choices[op.name] = label
+        for j, out in enumerate(op.node.outputs):
+            if out is None:
+                continue
+            labs = sig.outputs[j] if j < len(sig.outputs) else None
+            split_dim[out] = (labs.index(label) if label is not None and labs and label in labs else None)
+    return choices
+
+
+def expert_parallel(builder: PlanBuilder, **options: Any) -> None:
+    """Experts split `ep` ways with their tokens; everything else split along the batch inside the unit."""
+    ep = options.get("ep")
+    if ep is not None and int(ep) != builder.unit_size:
+        raise PlanError(f"strategy 'ep': ep={ep} but the plan's unit has {builder.unit_size} devices")
+    check_experts(builder)
+    builder.options["experts_as_one_op"] = True  # a saved plan is re-applied to the same capture
+    n = builder.unit_size
+    for op, label in zip(builder.ops, batch_choices(builder).values()):
+        if label is None or n == 1:
+            builder.replicate(op)
+        else:
+            builder.split(op, [(label, n)])
+    apply_recompute(builder, options.get("recompute"))
+
+
+# Read by the entry points before capture (capture/experts.py: wants_experts_as_one_op).
+expert_parallel.experts_as_one_op = True  # type: ignore[attr-defined]
