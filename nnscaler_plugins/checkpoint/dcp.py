@@ -31,7 +31,7 @@ from nnscaler_plugins.checkpoint.pieces import (
     optimizer_slots,
     partial_keys,
 )
-from nnscaler_plugins.checkpoint.regions import Box, Region, box_slices, intersect
+from nnscaler_plugins.checkpoint.regions import Box, Region, box_numel, box_slices, intersect
 
 DCP_METADATA = ".metadata"
 OPTIM_STATE = "optimizer.state."
@@ -148,7 +148,7 @@ def _items(module: Any, optimizer: Any, rank: int) -> tuple[list, dict]:
 
     def add_piece(fqn: str, shape: tuple[int, ...], flat: torch.Tensor, region: Region, lo: int, hi: int) -> None:
         for block, off, pairs in region.blocks(lo, hi):
-            view = flat[off:off + _numel(block)].view(tuple(e - s for s, e in block))
+            view = flat[off:off + box_numel(block)].view(tuple(e - s for s, e in block))
             for whole_box, piece_box in pairs:
                 offsets = torch.Size(s for s, _ in whole_box)
                 index = MetadataIndex(fqn, offsets)
@@ -197,13 +197,6 @@ def _items(module: Any, optimizer: Any, rank: int) -> tuple[list, dict]:
                 elif slot.lo == 0:
                     add_bytes(name, value)
     return items, data
-
-
-def _numel(box: Box) -> int:
-    n = 1
-    for s, e in box:
-        n *= e - s
-    return n
 
 
 def export_dcp(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *,

@@ -234,7 +234,7 @@ def _check(source: WeightSource, module: torch.nn.Module, strict: bool, problems
                               + "\n  ".join(problems))
 
 
-def _state_conversions(notes: list[str], source: WeightSource, rank: Optional[int] = None) -> None:
+def _state_conversions(notes: list[str], source: WeightSource) -> None:
     """Dtype conversions are said once (rank 0), not done silently."""
     from nnscaler_plugins.checkpoint.agreement import world
 

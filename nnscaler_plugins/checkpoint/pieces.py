@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -246,5 +246,3 @@ def is_piece_tensor(value: Any, slot: OptimizerSlot) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.numel() == slot.hi - slot.lo \
         and (value.dim() == 1 or tuple(value.shape) == slot.region.shape)
 
-
-Reader = Callable[[str, Region, int, int, torch.dtype], torch.Tensor]

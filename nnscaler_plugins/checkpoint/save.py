@@ -113,7 +113,7 @@ def _write_optimizer(module: Any, optimizer: Any, out: _Written, rank: int) -> N
                 out.objects[k] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _metadata_parts(module: Any, written: list[dict]) -> tuple[dict, Any]:
+def _metadata_parts(written: list[dict]) -> tuple[dict, Any]:
     """The model's metadata entries from every rank's pieces; problems if they do not cover each
     tensor exactly once."""
     tensors: dict[str, tuple[list[int], str, list[dict]]] = {}
@@ -188,7 +188,7 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     if not failed and rank == 0:
         try:
             reports = [w for _, w in written]
-            tensors, problems = _metadata_parts(module, reports)
+            tensors, problems = _metadata_parts(reports)
             if problems:
                 raise CheckpointError("the pieces written do not cover the state exactly once: " + "; ".join(problems[:5]))
             files = {rank_file(r): w["digest"] for r, w in enumerate(reports)}
@@ -232,7 +232,7 @@ def _model_and_optimizer_meta(module: Any, tensors: dict, reports: list[dict], w
     model_meta: dict[str, Any] = {}
     for key, (shape, dtype, pieces) in tensors.items():
         if key.startswith("model/"):
-            model_meta[key[len("model/"):]] = {**stored_tensor_entry(shape, getattr(torch, dtype), pieces)}
+            model_meta[key[len("model/"):]] = stored_tensor_entry(shape, getattr(torch, dtype), pieces)
     for alias, name in aliases(module).items():
         model_meta[alias] = {"alias_of": name}
     if not with_optimizer:
