@@ -684,8 +684,10 @@ def matmul_flops(graph: Graph, op) -> int:
     if "scaled_dot_product_attention" in str(op.target) and call.inputs[0].ndim >= 2:
         q, k, v = call.inputs[:3]
         return 2 * (q.numel // q.shape[-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-    # contracted: a reduce label two inputs carry (a mean or a lookup reduces over one input only)
-    reduce = [l for l in sig.reduce if len({i for i, _ in sig.dims_of(l)[0]}) >= 2]
+    # contracted: a reduce label two float inputs carry (a mean or a lookup reduces over one
+    # input only; a loss reads its labels as integers)
+    reduce = [l for l in sig.reduce
+              if len({i for i, _ in sig.dims_of(l)[0] if call.inputs[i].dtype.is_floating_point}) >= 2]
     out = call.outputs[0] if call.outputs else None
     if not reduce or out is None:
         return 0
