@@ -794,3 +794,151 @@ def test_checkpoint_loads_under_another_plan(workers2, tmp_path) -> None:
     for r in workers2.run(_reshard, str(tmp_path)):
         assert r["tp_pieces"] == 2 and r["module"]
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
+
+
+# -- test_ds_config_dict.py -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch, micro, gas, ok", [(32, 16, 1, True), (32, 8, 2, True), (33, 17, 2, False),
+                                                   (32, 18, 1, False)])
+def test_batch_config(batch, micro, gas, ok) -> None:
+    """TestBatchConfig (2 ranks): any two of the triple, or all three, give the same result;
+    an inconsistent triple is an AssertionError, as DeepSpeed's."""
+    from nnscaler_plugins.adapters.deepspeed.config import resolve_batch
+
+    def run(**given):
+        s = translate({k: v for k, v in {"train_batch_size": given.get("train"),
+                                         "train_micro_batch_size_per_gpu": given.get("micro"),
+                                         "gradient_accumulation_steps": given.get("gas")}.items() if v is not None})
+        try:
+            resolve_batch(s, 2)
+        except AssertionError:
+            return None
+        return s.train_batch_size, s.micro_batch_size, s.gradient_accumulation_steps
+
+    expected = (batch, micro, gas) if ok else None
+    assert run(train=batch, micro=micro, gas=gas) == expected
+    assert run(train=batch, micro=micro) == expected
+    if ok:
+        assert run(train=batch, gas=gas) == expected and run(micro=micro, gas=gas) == expected
+        if gas == 1:
+            assert run(micro=micro) == expected and run(train=batch) == expected
+    else:
+        assert run(gas=gas) is None
+        if gas != 1:
+            assert run(train=batch, gas=gas) is None
+
+
+def _config_loading(rank, world, tmp):
+    import argparse
+
+    import hjson
+
+    base = {"train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+            "bf16": {"enabled": True}}
+    out = {}
+    # TestConfigLoad: dict, JSON file, hjson file
+    path = os.path.join(tmp, f"config{rank}.json")
+    with open(path, "w") as f:
+        json.dump(base, f)
+    hpath = os.path.join(tmp, f"config{rank}.hjson")
+    with open(hpath, "w") as f:
+        hjson.dump(base, f)
+    for name, cfg in (("dict", base), ("json", path), ("hjson", hpath)):
+        model = _model()
+        engine = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())[0]
+        out[name] = engine.bfloat16_enabled() and engine.train_batch_size() == world
+    # TestDeprecatedDeepScaleConfig and TestDistInit: then train
+    args = argparse.ArgumentParser().parse_args(args="")
+    args.deepscale_config, args.local_rank = path, 0
+    model = _model()
+    engine = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                  dist_init_required=True)[0]
+    out["deepscale"] = len(_train(engine, _batches(2, rank, torch.bfloat16, batch=1))) == 2
+    # TestArgs: args=None, and no args
+    for kwargs in ({"args": None}, {}):
+        model = _model()
+        engine = deepspeed.initialize(model=model, config=base, **kwargs)[0]
+        x, y = _batches(1, rank, torch.bfloat16, batch=1)[0]
+        out.setdefault("args", []).append(bool(torch.isfinite(engine(x, y))))
+    # TestInitNoOptimizer: backward and step assert without an optimizer
+    no_opt = {k: v for k, v in base.items() if k not in ("optimizer", "bf16")}
+    engine = deepspeed.initialize(config=no_opt, model=_model())[0]
+    x, y = _batches(1, rank, batch=1)[0]
+    loss = engine(x, y)
+    asserted = []
+    for call in (lambda: engine.backward(loss), engine.step):
+        try:
+            call()
+            asserted.append(False)
+        except AssertionError as e:
+            asserted.append("must provide optimizer" in str(e))
+    out["no_optimizer"] = asserted
+    # TestNoModel: model=None, or the model passed where args go
+    refused = []
+    for call in (lambda: deepspeed.initialize(model=None, config=base),
+                 lambda: deepspeed.initialize(_model(), config=base)):
+        try:
+            call()
+            refused.append(False)
+        except AssertionError:
+            refused.append(True)
+    out["no_model"] = refused
+    return out
+
+
+def test_config_loading_and_initialize_arguments(workers2, tmp_path) -> None:
+    for r in workers2.run(_config_loading, str(tmp_path)):
+        assert r["dict"] and r["json"] and r["hjson"]
+        assert r["deepscale"] and r["args"] == [True, True]
+        assert r["no_optimizer"] == [True, True] and r["no_model"] == [True, True]
+
+
+# -- test_lr_schedulers.py through the engine: lr before training, scheduler/optimizer parity, warmup ends -
+
+SCHEDULES = [("WarmupLR", {"warmup_min_lr": 0.1, "warmup_max_lr": 0.2, "warmup_num_steps": 4,
+                           "warmup_type": "log"}),
+             ("WarmupLR", {"warmup_min_lr": 0.1, "warmup_max_lr": 0.2, "warmup_num_steps": 4,
+                           "warmup_type": "linear"}),
+             ("WarmupDecayLR", {"warmup_min_lr": 0.1, "warmup_max_lr": 0.2, "warmup_num_steps": 4,
+                                "total_num_steps": 8}),
+             ("WarmupCosineLR", {"warmup_num_steps": 4, "total_num_steps": 8}),
+             ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.1, "cycle_first_step_size": 3,
+                           "decay_step_size": 3, "decay_lr_rate": 0.001}),
+             ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 2,
+                              "lr_range_test_staircase": True})]
+
+
+def _schedules(rank, world):
+    out = []
+    for name, params in SCHEDULES:
+        cfg = _config(1, gradient_clipping=1.0, scheduler={"type": name, "params": params})
+        cfg["optimizer"]["params"]["lr"] = 0.00015
+        engine, _, _, sched = deepspeed.initialize(model=_model(), config=cfg)
+        before = [g["lr"] for g in engine.optimizer.param_groups] == sched.get_lr()
+        lrs, parity = [], True
+        for x, y in _batches(9, rank):
+            lrs.append(sched.get_lr()[0])
+            engine.backward(engine(x, y))
+            engine.step()
+            parity &= sched.get_lr() == engine.get_lr()
+        out.append((before, parity, lrs))
+    return out
+
+
+def test_schedules_through_the_engine(workers2) -> None:
+    for r in workers2.run(_schedules):
+        for (name, params), (before, parity, lrs) in zip(SCHEDULES, r):
+            assert before and parity, name
+            if name in ("WarmupLR", "WarmupDecayLR"):
+                # lrs[i] is read before step i; DeepSpeed's test reads after: its step_lrs[n] is lrs[n + 1]
+                assert lrs[0] == lrs[1] == params["warmup_min_lr"]
+                assert lrs[5] == pytest.approx(params["warmup_max_lr"])
+                later = lrs[5:]
+                assert all(b < a for a, b in zip(later, later[1:])) if name == "WarmupDecayLR" else \
+                    all(v == pytest.approx(0.2) for v in later)
+            if name == "OneCycle":
+                assert lrs[0] == 0.001 and lrs[3] == pytest.approx(0.1)
+                assert all(a < b for a, b in zip(lrs[:3], lrs[1:4]))
+                assert all(a > b for a, b in zip(lrs[3:6], lrs[4:7]))
+            if name == "LRRangeTest":
+                assert lrs[0] == 1e-4 and lrs[0] == lrs[1] and lrs[2] > lrs[1]

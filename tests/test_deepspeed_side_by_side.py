@@ -4,8 +4,11 @@ The recipe `recipes/deepspeed_swap/train.py` is run twice with `torchrun --nproc
 once as it is, once with its import line swapped for `import deepspeed` -- the only change a user
 makes. One launch per engine loops over ZeRO stages 0-3, each with and without gradient
 accumulation (2 micro-batches, gradient clipping 0.5) and with DeepSpeed's WarmupLR, plus SGD with
-momentum without a scheduler; 10 optimizer steps each. Every micro-batch's loss must agree (fp32),
-as must the final lr, the step count and (where DeepSpeed reports it) the gradient norm.
+momentum without a scheduler, plus bf16 under ZeRO-2 (the model in bf16 with fp32 master weights in
+both engines) and host-memory offload of parameters and optimizer under ZeRO-3 (with
+NNS_TEST_ALL_PLANS=1 also bf16 under ZeRO-0 and optimizer offload under ZeRO-2); 10 optimizer steps
+each. Every micro-batch's loss must agree (fp32 to 1e-5 relative, bf16 within one unit of bf16's
+last place), as must the final lr, the step count and (where DeepSpeed reports it) the gradient norm.
 
 DeepSpeed is only a reference here (skipped when it is not installed). Its shared-memory comm
 kernel would be JIT-compiled on first use (minutes on a small CPU); the DeepSpeed side switches it
@@ -88,9 +91,10 @@ def _configs() -> dict:
 
 
 def _tolerance(name: str, x: float) -> float:
-    """fp32: rounding only. bf16: a loss is a bf16 number (8 bits of mantissa), so two engines whose
-    kernels round differently agree within a few of its units; they stay there over 10 steps."""
-    return 4 * 2.0 ** -8 * abs(x) if name.endswith("bf16") else 1e-5 * abs(x)
+    """fp32: rounding only. bf16: the model runs in bf16 (8 bits of mantissa) in both engines, whose
+    kernels round differently (autocast here, pure bf16 there): losses agree within one bf16 unit
+    (measured: the first step's loss is identical, at most 8e-5 relative over 10 steps)."""
+    return 2.0 ** -8 * abs(x) if name.endswith("bf16") else 1e-5 * abs(x)
 
 
 def _free_port() -> int:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from . import keys as K
-from .errors import DeepSpeedConfigError  # noqa: F401 - raised here, and importable from here as before
+from .errors import DeepSpeedAssertion, DeepSpeedConfigError  # noqa: F401 - importable from here as before
 
 AUTO = "auto"
 
@@ -192,10 +192,10 @@ def resolve_batch(s: Settings, dp_size: int) -> None:
     elif micro is not None:
         acc, train = 1, micro * dp_size
     else:
-        raise DeepSpeedConfigError("the config needs train_batch_size or train_micro_batch_size_per_gpu (a number; "
-                                   "'auto' only works where a trainer fills it in)")
+        raise DeepSpeedAssertion("the config needs train_batch_size or train_micro_batch_size_per_gpu (a number; "
+                                 "'auto' only works where a trainer fills it in)")
     if micro < 1 or acc < 1 or train != micro * acc * dp_size:
-        raise DeepSpeedConfigError(
+        raise DeepSpeedAssertion(
             f"inconsistent batch sizes: train_batch_size={train} must equal train_micro_batch_size_per_gpu={micro} x "
             f"gradient_accumulation_steps={acc} x data-parallel size {dp_size} (= {micro * acc * dp_size}); fix one "
             "of them or leave one out to have it derived")

@@ -276,13 +276,23 @@ class DeepSpeedEngine(torch.nn.Module):
             out = weighed_output(self._pmodule, args, kwargs, lambda: self._pmodule(*args, **kwargs))
         else:
             out = self._pmodule(*args, **kwargs)
-        if self._settings.precision != "fp32":  # DeepSpeed's half-precision model returns half-precision outputs
-            from nnscaler_plugins.runtime.precision import compute_dtype
-
-            dtype = compute_dtype(self._settings.precision)
-            out = pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, out)
+        if self._settings.precision != "fp32":
+            out = self._in_model_dtypes(out)
         self._times["forward"] += time.perf_counter() - t0
         return out
+
+    def _in_model_dtypes(self, out: Any) -> Any:
+        """Outputs in the dtypes the model itself gives them in bf16/fp16, as DeepSpeed's half-precision
+        engine (no autocast) returns them: the plan computes under autocast, which keeps some ops
+        (losses, softmax) in fp32; the captured graph of the converted model has the model's dtypes."""
+        graph = self._pmodule.graph
+        wanted = [graph.meta(v).dtype if v is not None else None for v in graph.outputs]
+        leaves, spec = pytree.tree_flatten(out)
+        if len(leaves) != len(wanted):
+            return out
+        leaves = [t.to(d) if isinstance(t, torch.Tensor) and d is not None and t.is_floating_point()
+                  and t.dtype != d else t for t, d in zip(leaves, wanted)]
+        return pytree.tree_unflatten(leaves, spec)
 
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         super().train(mode)
@@ -349,6 +359,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """loss / gradient_accumulation_steps (unless scale_wrt_gas=False) backward; gradients are
         reduced across data-parallel ranks only at the accumulation boundary. Returns the scaled loss."""
+        assert self.optimizer is not None, "must provide optimizer during init in order to use backward"
         if self._pmodule is None:
             raise RuntimeError("engine.backward before any forward: run engine(batch) first")
         t0 = time.perf_counter()
@@ -367,6 +378,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """At the boundary: clip, step the optimizer and the scheduler, zero the gradients, count
         the step. Off the boundary it only counts the micro-step."""
         assert not self._in_no_sync, "It is illegal to call Engine.step() inside no_sync context manager"
+        assert self.optimizer is not None, "must provide optimizer during init in order to use step"
         t0 = time.perf_counter()
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
