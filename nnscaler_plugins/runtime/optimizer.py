@@ -77,6 +77,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.zero = plan.zero if plan.dp > 1 else 0
         # offload: the masters, their state and the step live in host memory (see module docstring)
         self.offload = getattr(plan, "offload", None)
+        if self.offload == "params" and module.zero3 is not None:
+            module.zero3.keep_on_host(host_copy)
         self.entries: list[_Entry] = []
         for fqn, fs in module.zero_shards.items():
             p = module.parameter(fqn)

@@ -284,6 +284,16 @@ class Zero3Params:
         buf = c.new_empty(s.size * s.chunk)
         return all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True), buf
 
+    def keep_on_host(self, host_copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Move chunks that live on the device into host memory (offload="params"), in place: the
+        Parameters stay the same objects, so optimizers and module references keep working.
+        Chunks materialized after `chunk_parameters` (a model built on meta) land here."""
+        for c in self.chunks:
+            if c.device.type not in ("cpu", "meta"):
+                if self.device is None:
+                    self.device = c.device
+                c.data = host_copy(c.data)
+
     def _on_device(self, chunk: torch.Tensor) -> torch.Tensor:
         """A chunk where gathers run (a copy from host memory under offload="params")."""
         if self.device is None or chunk.device == self.device:
