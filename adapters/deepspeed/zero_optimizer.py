@@ -3,9 +3,10 @@
 DeepSpeed returns a wrapper (its ZeRO or mixed-precision optimizer) in these modes, not the torch
 optimizer; so does this engine. Until the model is parallelized (first forward) the wrapper holds
 the optimizer made over the model's parameters, so a scheduler can be built on it at once; then
-it switches to `nns.build_optimizer(module, same class, same hyperparameters)`, which shards the
-state per the plan's ZeRO stage and keeps fp32 masters, carrying over every value a scheduler
-may already have set in the param group (lr, initial_lr, betas).
+it switches to `nns.build_optimizer(module, same class, param_groups=...)`, which shards the state
+per the plan's ZeRO stage and keeps fp32 masters: each param group keeps its parameters (by their
+names in the model) and its own hyperparameters, with every value a scheduler may already have
+set in it (lr, initial_lr, betas).
 """
 from __future__ import annotations
 
