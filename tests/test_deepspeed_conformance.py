@@ -171,6 +171,32 @@ def _initialize_cases(rank, world):
             except AssertionError:
                 results[(opt_kind, sched_kind)] = "assert"
     out["lr_schedulers"] = results
+    # TestClientLrSchedulerInit: a client scheduler (object or callable) wins over the config's
+    from torch.optim.lr_scheduler import OneCycleLR, StepLR
+
+    init_results = []
+    for config_sched, make_object, make_callable in (
+            ({"type": "WarmupLR", "params": {}}, lambda o: LambdaLR(o, lam), lambda o: LambdaLR(o, lam)),
+            ({"type": "WarmupLR", "params": {}}, lambda o: LambdaLR(o, lam), lambda o: StepLR(o, step_size=30)),
+            ({"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 0.1}}, lambda o: StepLR(o, step_size=30),
+             lambda o: OneCycleLR(o, max_lr=0.01, total_steps=200))):
+        for kind in ("config", "object", "callable"):
+            model = _model()
+            client_opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            cfg = {"train_batch_size": world}
+            sched = None
+            if kind == "config":
+                cfg["scheduler"] = config_sched
+            elif kind == "object":
+                sched = make_object(client_opt)
+            else:
+                sched = make_callable
+            got = deepspeed.initialize(config=cfg, model=model, model_parameters=list(model.parameters()),
+                                       optimizer=client_opt, lr_scheduler=sched)[3]
+            expected = {"config": config_sched["type"], "object": type(sched).__name__ if kind == "object" else None,
+                        "callable": type(make_callable(torch.optim.Adam(_model().parameters()))).__name__}[kind]
+            init_results.append(type(got).__name__ == expected)
+    out["lr_scheduler_init"] = init_results
     # initialize(model=None) asserts, as DeepSpeed's does
     try:
         deepspeed.initialize(model=None, config={"train_batch_size": world})
@@ -192,6 +218,7 @@ def test_initialize_follows_test_ds_initialize(workers2) -> None:
             expected = "assert" if sched_kind == "object" and opt_kind != "object" else True
             assert ok == expected, (opt_kind, sched_kind)
         assert r["model_none"]
+        assert r["lr_scheduler_init"] == [True] * 9
 
 
 # -- checkpoint/test_*.py: round trips -----------------------------------------------------------------
