@@ -141,3 +141,20 @@ def _bn_dp_against_ddp(rank, world):
 def test_batch_norm_trains_under_dp_with_ddp_semantics(workers2):
     problems = workers2.run(_bn_dp_against_ddp)
     assert not any(problems), "\n".join(p for ps in problems for p in ps)
+
+
+def test_capture_turns_the_cache_off_in_every_nested_config_and_restores_it():
+    """T5's decoder stack keeps its own copy of the config with the cache on; capture failed on the
+    cache object it returned while only the top-level config was switched."""
+    from nnscaler_plugins.capture.tracing import capture
+
+    model, batch = zoo_models.build("t5")
+    model.eval()
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    before = {k: c.use_cache for k, c in configs.items()}
+    assert sum(before.values()) > 1  # the top-level config and the decoder stack's copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(model, batch)
+    assert graph.ops
+    assert {k: c.use_cache for k, c in configs.items()} == before, "use_cache was not restored"

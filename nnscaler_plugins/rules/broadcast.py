@@ -29,3 +29,10 @@ def norm_dim(d: int, ndim: int) -> int:
 def local_size(meta: Optional[TensorMeta]) -> list[int]:
     assert meta is not None
     return list(meta.shape)
+
+
+def provider_labels(meta: TensorMeta, tag: str) -> Labels:
+    """Labels of a tensor input that is not data for the op: it only provides a dtype, a device or
+    a size (`x.type_as(other)`, `x.new_zeros(...)`'s self, `x.view_as(other)`). Its dims have nothing
+    to do with the output's, so they are frozen under their own names and never split with it."""
+    return tuple(f"^{tag}{j}" for j in range(meta.ndim))

@@ -1,7 +1,7 @@
 """Elementwise ops (with broadcasting) and value-preserving copies: every output dim is spatial."""
 from __future__ import annotations
 
-from nnscaler_plugins.rules.broadcast import broadcast_labels, out_labels
+from nnscaler_plugins.rules.broadcast import broadcast_labels, out_labels, provider_labels
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import OpCall, Signature
 
@@ -53,14 +53,13 @@ def elementwise(call: OpCall) -> Signature:
 
 @rule("aten.type_as.default")
 def type_as(call: OpCall) -> Signature:
-    """`x.type_as(other)`: `other` only gives the dtype; its shape has nothing to do with the
-    output's, so it is never split along with it."""
+    """`x.type_as(other)`: `other` only gives the dtype (see `provider_labels`)."""
     out = call.outputs[0]
     if out is None:
         return None
-    other = tuple(f"^dtype_{j}" for j in range(call.inputs[1].ndim)) if len(call.inputs) > 1 else ()
-    return Signature(inputs=(broadcast_labels(call.inputs[0], out.shape, "0"),) + ((other,) if other or
-                     len(call.inputs) > 1 else ()), outputs=(out_labels(out.ndim),))
+    ins = (broadcast_labels(call.inputs[0], out.shape, "0"),)
+    ins += tuple(provider_labels(m, f"dtype{i}_") for i, m in enumerate(call.inputs[1:]))
+    return Signature(inputs=ins, outputs=(out_labels(out.ndim),))
 
 
 @rule("aten.broadcast_tensors.default")

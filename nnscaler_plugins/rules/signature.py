@@ -24,6 +24,12 @@ split: the dim is viewed as `b` equal blocks and every piece takes its chunk of 
 how `split`/`chunk` into `b` equal sections (a fused QKV projection cut into q, k, v) can run on
 pieces: each output section is then split contiguously.
 
+A tensor argument that is not data for the op -- it only provides a dtype, a device or a size
+(`type_as`'s second tensor, the `self` of `new_zeros`, a grouped matmul's offsets) -- never shares
+a label with the output: its dims get frozen labels of their own (`broadcast.provider_labels`), or
+`None` when it must arrive whole. Labelling it like data would ask the plan to split it along with
+the output, which its shape has nothing to do with.
+
 A label may carry different sizes on different tensors (a reshape's merged dim and the leading dim
 it becomes; grouped-query attention's query and key heads): a split must divide all of them.
 
@@ -82,6 +88,8 @@ class LocalCall:
     index: Mapping[str, int]  # label -> this piece's index along it
     local_inputs: tuple[TensorMeta, ...]  # shapes this piece sees
     local_outputs: tuple[Optional[TensorMeta], ...]  # shapes this piece must produce
+    blocks: Mapping[str, int] = field(default_factory=dict)  # label -> the plan's block count (< 0: mirrored)
+    options: Mapping[str, Any] = field(default_factory=dict)  # the plan's options (a kernel choice, cp_comm)
 
 
 @dataclass(frozen=True)
