@@ -1,30 +1,28 @@
-"""The constants of the cost model: how much of the hardware's nominal numbers real kernels reach.
+"""The constants of the cost model, and what the software stack a cluster runs does.
 
 Everything else the simulator uses is either read off the graph (FLOPs, bytes, which tensors the
-backward keeps) or a nominal hardware number from the cluster spec (peak FLOP/s, memory bandwidth,
-link bandwidth and latency). What is left are these physical constants:
+backward keeps), a nominal hardware number from the cluster spec (peak FLOP/s, memory bandwidth,
+link bandwidth and latency) or, for clusters with a kernel table (`ClusterSpec.kernels`, every GPU
+preset), the table's per-kernel efficiencies (search/kernel_tables.py). What is left:
 
-- `matmul` (FITTED): the fraction of peak FLOP/s that large matrix multiplications reach (cuBLAS on
-  transformer-sized GEMMs, including the tile and wave quantization they lose on average).
-- `memory` (FITTED): the fraction of memory bandwidth that memory-bound kernels (element-wise ops,
-  norms, softmax, the optimizer update) reach.
+- `sustained` (FITTED, with a kernel table): the fraction of the table's kernel-benchmark speed that
+  whole training steps of the stack reach. One number per stack, shared by every device:
+  `benchmarks/simulator_fidelity.py --fit` fits the 2021 stack's on four Megatron-LM rows and the
+  current stack's on three llm-foundry rows, and reports every other published run as held out.
+- `matmul`, `memory` (for clusters without a table, e.g. a user's file): the fractions of peak
+  FLOP/s and of memory bandwidth every matmul and every memory-bound op reach.
 - `network` (set, 0.8): the fraction of a link's nominal bandwidth that collectives reach (NCCL's bus
   bandwidth over the wire speed is about that on NVSwitch and InfiniBand).
 - `op_overhead_s` (set, 5 us): the fixed cost of launching one kernel.
 - `overlap_slowdown` (from the literature, 1.15): the factor by which compute and communication slow
   each other down when they overlap (Galvatron's documentation gives 1.1 to 1.3).
 
-Fusion of element-wise chains (`fused_elementwise`) is a property of the software that runs the plan,
-not a constant: on for the GPU presets (the calibration points ran fused kernels), off for the local
-CPU preset (the generated code runs eager PyTorch ops).
-
-How the two fitted constants were fitted: one grid search (matmul 0.60-0.80, memory 0.5-0.8, step
-0.05 / 0.1) minimising the mean absolute percentage error of the step times of the C1 and C2
-calibration points of docs/cost-model.md together (A100 rows, published configurations
-written with the `megatron` strategy); `benchmarks/simulator_fidelity.py --fit` repeats it. Nothing is
-fitted per row, and C3 (V100, Alpa) is not used in the fit: it is a check. The local CPU preset fits
-nothing: it measures its throughputs directly (`calibrate.py`), so its efficiencies are 1 relative to
-the measured numbers.
+Properties of the software, not constants: whether element-wise chains run fused (`fused_elementwise`:
+Megatron's hand-fused kernels, torch.compile; off for eager PyTorch and the local CPU preset), whether
+attention written out is run as one flash kernel (`fused_attention`) and which flash family
+(`attention_kernel`), whether communication can run beside compute at all (`comm_overlap`: not for
+gloo processes on CPU cores), and the four overlap switches a plan may override (search/overlap.py).
+The presets' stacks are in search/cluster.py (`STACK_2021`, `STACK_CURRENT`).
 """
 from __future__ import annotations
 
