@@ -22,6 +22,11 @@ What changes against a plain Trainer, and why:
 - Norm clipping uses the norm of the whole model, not of this rank's shards.
 - `save_model` gathers whole tensors (every rank calls it, as the Trainer does) and writes an ordinary
   `save_pretrained` directory; the original model object is kept up to date with the trained weights.
+- A model too large for one process is built on the meta device (`model=` built under
+  `torch.device("meta")`, or a `model_init` that builds it there): each rank makes only its shards,
+  by the model's own initialization, then reads its pieces of `weights=` (a `save_pretrained`
+  directory or an `nns.checkpoint` directory) when given; it stays on meta (not moved to a device),
+  and `save_model` writes the trained weights from the shards.
 - Checkpoints keep the Trainer's layout; the optimizer state is one file of whole tensors under
   parameter names (`optimizer.nnscaler.pt`), so `resume_from_checkpoint` works under any plan and
   process count (the state is cut again for the resuming plan, as `nns.checkpoint.load` does).
@@ -100,7 +105,7 @@ class NNScalerTrainerMixin:
     `NNScalerTrainingArguments`) or from `plan=`/`plan_options=` here (any other arguments class)."""
 
     def __init__(self, *args: Any, plan: Optional[PlanLike] = None, plan_options: Optional[dict] = None,
-                 **kwargs: Any) -> None:
+                 weights: Optional[str] = None, **kwargs: Any) -> None:
         targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
         if plan is None:
             plan = getattr(targs, "plan", None)
@@ -113,6 +118,10 @@ class NNScalerTrainerMixin:
         self.nns_plan = plan
         self.nns_plan_options = dict(plan_options if plan_options is not None else getattr(targs, "plan_options", {}) or {})
         check_plan_options(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
+        # Weights read into the shards once planned (`nns.checkpoint.load`: a save_pretrained directory
+        # or the library's checkpoint), each rank reading its pieces: with a model built on the meta
+        # device (`model=` or `model_init=`), no process ever holds the whole model.
+        self.nns_weights = weights
         self.nns_module: Any = None  # the ParallelModule, once training starts
         self._nns_wrapped: Optional[_PlannedModel] = None
         self._nns_shares: Optional[list[float]] = None  # each accumulated batch's share of the window's loss
@@ -130,6 +139,8 @@ class NNScalerTrainerMixin:
         self.nns_module = nns.parallelize(model, example, plan=self.nns_plan, device=self.args.device,
                                           cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"),
                                           **self.nns_plan_options)
+        if self.nns_weights is not None:
+            nns.checkpoint.load(self.nns_weights, self.nns_module)
         check_training_state(self.nns_module.plan, type(self).__name__, zero=True)
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
         on_parallelized(self.nns_module, self.nns_module.plan, "hf")
@@ -294,7 +305,19 @@ class NNScalerTrainerMixin:
     def get_tp_size(self) -> int:
         return 1  # batches are sharded by replica here, not by the Trainer's tensor-parallel size
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """A model on the meta device stays there: its shards are made on each rank when planned."""
+        from nnscaler_plugins.runtime.materialize import has_meta_tensors
+
+        if not has_meta_tensors(model):
+            super()._move_model_to_device(model, device)
+
     # -- saving and resuming --------------------------------------------------------------------------------
+    def _nns_on_meta(self) -> bool:
+        from nnscaler_plugins.runtime.materialize import has_meta_tensors
+
+        return has_meta_tensors(self.model)
+
     def _nns_sync_original(self) -> None:
         """Copy the trained weights into the original model (collective)."""
         full = self.nns_module.full_state_dict()
@@ -303,11 +326,25 @@ class NNScalerTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         self._nns_check_optimizer_files(resume_from_checkpoint)  # before the weights are restored
+        if self._nns_on_meta():  # the shards read their pieces of the checkpoint's weights themselves
+            if self.nns_module is None:
+                self.nns_weights = resume_from_checkpoint
+            else:
+                import nnscaler_plugins as nns
+
+                nns.checkpoint.load(resume_from_checkpoint, self.nns_module)
+            return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self.nns_module is not None:  # already planned (a second train()): the shards take the weights
             self.nns_module.load_full_state_dict(self.model.state_dict())
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        if self.nns_module is not None and self._nns_on_meta():
+            # the model object has no weights to keep in sync: the whole tensors go to the writer
+            full = self.nns_module.full_state_dict()
+            if self.args.should_save:
+                self._save(output_dir or self.args.output_dir, state_dict=full)
+            return
         if self.nns_module is not None:
             self._nns_sync_original()
         super().save_model(output_dir, _internal_call)

@@ -9,7 +9,8 @@ How a LightningModule is run: the strategy parallelizes one submodule of it (the
 `training_step` calls, found automatically or named by `module_attr=`), captured on the inputs
 `training_step` passes it for the first training batch. That attribute is replaced by a
 `PlannedModel`, so `training_step`, `configure_optimizers`, logging and Lightning's loops keep
-working unchanged. Plans that run whole steps (pipelines, micro-batches) run forward and backward
+working unchanged. A model built in `configure_model` (Lightning's hook for large models) is built on
+the meta device and each rank makes only its own shards (see `tensor_init_context`). Plans that run whole steps (pipelines, micro-batches) run forward and backward
 inside the model call and hand back the loss; Lightning's own backward on it then adds the gradients
 the step made (see `lightning_model`).
 """
@@ -200,8 +201,24 @@ class NNScalerStrategyMixin:
                                                                         timeout=self._timeout)
 
     def model_to_device(self) -> None:
+        """Tensors on the meta device (built in `configure_model`) stay there: the plan makes their shards."""
         assert self.model is not None
-        self.model.to(self.root_device)
+        device = self.root_device
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        """`configure_model` (and `trainer.init_module()`) build on the meta device, as under FSDP: no
+        process makes the whole model; each rank materializes its shards by the model's own
+        initialization when the plan is set up (`empty_init=False` builds real tensors)."""
+        with (torch.device("meta") if empty_init is not False else contextlib.nullcontext()), \
+                self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Any:
+        with torch.device("meta"):
+            yield
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
@@ -258,6 +275,7 @@ class NNScalerStrategyMixin:
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole
         setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole))
+        self._materialize_rest(model)
         # The replaced module's weights (already on the device) are held only by the reference cycles
         # the capture left; free them now rather than at some later collection (measured on one GPU:
         # 0.47 GiB, GPT-2 small's fp32 weights, still allocated during training otherwise).
@@ -265,6 +283,15 @@ class NNScalerStrategyMixin:
         gc.collect()
         on_parallelized(self.pmodule, self.pmodule.plan, "lightning")
         return model
+
+    def _materialize_rest(self, model: Any) -> None:
+        """What `configure_model` built on the meta device outside the planned submodule (heads, metrics,
+        frozen parts) is made whole on every rank, by the same seeded initialization, then moved."""
+        from nnscaler_plugins.runtime.materialize import has_meta_tensors, materialize_in_place
+
+        if has_meta_tensors(model):
+            materialize_in_place(model, self.pmodule.init_seed if self.pmodule.init_seed is not None else 0)
+            self.model_to_device()
 
     def _record_inputs(self, model: Any, attr: str, batch: Any = None) -> Any:
         """Run `training_step` on the first training batch up to the call of the inner model, and keep

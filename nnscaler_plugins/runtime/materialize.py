@@ -181,6 +181,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def materialize_in_place(model: torch.nn.Module, seed: int) -> None:
+    """The meta tensors of `model` made real on CPU by the same scheme, the real ones left as they
+    are (a module whose initialization writes both rewrites both): for the parts of a model that
+    stay outside a plan (a Lightning module's other submodules built under its meta context)."""
+    meta = {n for n, t in list(model.named_parameters(remove_duplicate=False)) +
+            list(model.named_buffers(remove_duplicate=False)) if t.is_meta}
+    if meta:
+        run_init(model, plan_init(model, meta), seed, take=None, keep=True)
+
+
 def move_tensor(t: torch.Tensor, device: Any, value: Optional[torch.Tensor] = None) -> None:
     """`t` becomes an (uninitialized) tensor on `device`, or `value`, keeping its identity: a tied
     weight is one object under several names, and modules keep pointing at it."""

@@ -126,8 +126,12 @@ class ParallelModule(torch.nn.Module):
             for fqn, chunk in chunks.items():
                 self.shards[_safe(fqn)] = chunk
             self._zero3_key = {fqn: i for i, fqn in enumerate(chunks)}
+        # The base seed a meta-device model was initialized from (None when the model came with weights).
+        self.init_seed: Optional[int] = None
+        self.init_peak_bytes = 0
         if on_meta:
-            self.init_peak_bytes = self._materialize(model, torch.initial_seed() if init_seed is None else init_seed)
+            self.init_seed = torch.initial_seed() if init_seed is None else int(init_seed)
+            self.init_peak_bytes = self._materialize(model, self.init_seed)
         # ZeRO-3 reduces its gradients from the gathers' backward
         self._reducer = None if self.zero3 is not None else build_reducer(
             program, trainable, self.parameter, self.unit_device, self.groups, self.zero_shards,
