@@ -255,6 +255,11 @@ def _round_trip(rank, world, tmp, case):
     dt = _dtype(precision)
     batches = _batches(3, rank, dt)
     sched = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+    if how == "onecycle":  # checkpoint/test_lr_scheduler.py: OneCycle's lr and momentum cycles resume too
+        sched = {"type": "OneCycle", "params": {"cycle_first_step_size": 2, "cycle_first_stair_count": 1,
+                                                "cycle_second_step_size": 2, "decay_step_size": 2,
+                                                "cycle_min_lr": 0.0001, "cycle_max_lr": 0.001, "decay_lr_rate": 0.001,
+                                                "cycle_min_mom": 0.85, "cycle_max_mom": 0.99}}
     cfg = _config(save_stage, precision, scheduler=sched)
     model = _model()
     trained, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=_weight_decay_groups(model))
@@ -286,7 +291,7 @@ def _round_trip(rank, world, tmp, case):
 
 ROUND_TRIPS = [(0, 0, "fp32", "full"), (2, 2, "bf16", "full"), (3, 3, "fp32", "empty_tag"),
                (1, 3, "fp32", "full"), (3, 1, "bf16", "full"), (2, 2, "fp32", "no_optimizer"),
-               (0, 0, "bf16", "module_only"), (1, 1, "fp32", "no_scheduler")]
+               (0, 0, "bf16", "module_only"), (1, 1, "fp32", "no_scheduler"), (2, 2, "fp32", "onecycle")]
 if ALL:
     ROUND_TRIPS += [(s, t, p, h) for s in (0, 1, 2, 3) for t in (0, 1, 2, 3) for p in ("fp32", "bf16")
                     for h in ("full",) if (s, t, p, h) not in ROUND_TRIPS]
@@ -308,7 +313,7 @@ def test_checkpoint_round_trips_follow_deepspeeds_checkpoint_tests(workers2, tmp
             assert r["client"] == 3 and r["steps"] == (3, 3), case
             # compare_lr_scheduler_states: the scheduler's state; the lr itself comes with the optimizer's
             assert (r["scheduler"][0] == r["scheduler"][1]) == (how != "no_scheduler"), case
-            if how in ("full", "empty_tag"):
+            if how in ("full", "empty_tag", "onecycle"):
                 assert r["lr"][0] == r["lr"][1], case
                 assert r["optimizer"] and r["next_loss_equal"] and r["module_after"], case
 
@@ -384,6 +389,7 @@ def _before_first_forward(rank, world, tmp):
     engine, _, _, _ = deepspeed.initialize(model=model, config=_config(1))
     names = [n for n, _ in engine.named_parameters()]
     out["names"] = names == [n for n, _ in model.named_parameters()]
+    out["missing_latest"] = engine.load_checkpoint(os.path.join(tmp, "nothing-here")) == (None, None)
     out["grad_norm"] = engine.get_global_grad_norm()
     engine.save_checkpoint(tmp)  # before any forward: the initial weights, no optimizer state yet
     initial = _state(engine)
@@ -410,7 +416,7 @@ def _before_first_forward(rank, world, tmp):
 
 def test_engine_works_before_the_first_forward(workers2, tmp_path) -> None:
     for r in workers2.run(_before_first_forward, str(tmp_path / "early")):
-        assert r["names"] and r["grad_norm"] is None
+        assert r["names"] and r["grad_norm"] is None and r["missing_latest"]
         assert r["loaded_initial"] and r["same_training"]
         assert r["taken_get_grads"] and r["taken_grads_after_backward"] and r["taken_trained"]
         assert r["eager_built"] and r["eager_losses"]
