@@ -23,6 +23,7 @@ from nnscaler_plugins.capture.experts import ExpertsCall
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 
+from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
 
 EXPERT_LABEL = "t"  # rules/experts_op.py: tokens and experts, split together
@@ -33,8 +34,14 @@ def is_experts_op(op: OpHandle) -> bool:
     return isinstance(t, FunctionTarget) and t.cls is ExpertsCall
 
 
-def degrees(world_size: int, ep: Optional[int] = None, dp: Optional[int] = None, **_: Any) -> tuple[int, int]:
-    """(unit_size, dp) = (ep, world_size / ep); `ep` defaults to world_size / dp, else the world."""
+def degrees(world_size: int, ep: Optional[int] = None, dp: Optional[int] = None, tp: Optional[int] = None,
+            **_: Any) -> tuple[int, int]:
+    """(unit_size, dp) = (ep, world_size / ep); `ep` defaults to world_size / dp, else the world.
+    With `tp`, the dense part is tensor-parallel over the same devices, so tp must equal ep."""
+    if tp is not None and ep is not None and int(tp) != int(ep):
+        raise PlanError(f"strategy 'ep': tp={tp} must equal ep={ep} (attention tensor-parallel over the devices "
+                        "that split the experts); other groupings are not supported yet")
+    ep = ep if ep is not None else tp
     if ep is None:
         ep = world_size // dp if dp else world_size
     for name, value in (("ep", ep), ("dp", dp)):
@@ -112,12 +119,34 @@ def expert_parallel(builder: PlanBuilder, **options: Any) -> None:
     check_experts(builder)
     builder.options["experts_as_one_op"] = True  # a saved plan is re-applied to the same capture
     n = builder.unit_size
-    for op, label in zip(builder.ops, batch_choices(builder).values()):
-        if label is None or n == 1:
-            builder.replicate(op)
-        else:
-            builder.split(op, [(label, n)])
+    if options.get("tp") is not None and n > 1:
+        dense_tensor_parallel(builder)
+    else:
+        for op, label in zip(builder.ops, batch_choices(builder).values()):
+            if label is None or n == 1:
+                builder.replicate(op)
+            else:
+                builder.split(op, [(label, n)])
     apply_recompute(builder, options.get("recompute"))
+
+
+def dense_tensor_parallel(builder: PlanBuilder) -> None:
+    """Megatron's grouping for MoE models: attention and every dense matmul tensor-parallel over the
+    unit (the `tp` strategy's propagation), each MoE layer split along experts over the same devices.
+    The experts op reads its tokens whole from the tensor-parallel part and keeps its own chunk (a
+    local slice); its token-split output is gathered for the next tensor-parallel op."""
+    n = builder.unit_size
+    choices = TensorParallelPropagation(builder).run()
+    for op in builder.ops:
+        if is_experts_op(op):
+            builder.split(op, [(EXPERT_LABEL, n)])
+            continue
+        c = choices[op.name]
+        if c.label is None:
+            builder.replicate(op)
+            continue
+        for device, sub in enumerate(builder.op_trans(op, dim=c.label, num=n, block=c.block)):
+            builder.op_assign(sub, device)
 
 
 # Read by the entry points before capture (capture/experts.py: wants_experts_as_one_op).
