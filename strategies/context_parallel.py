@@ -28,24 +28,30 @@ from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.attention import SEQUENCE, sequence_split_problem
 
+from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
 
 MODES = ("ring", "allgather", "ulysses")
 _SDPA = "aten.scaled_dot_product_attention.default"
 
 
-def degrees(world_size: int, cp: Optional[int] = None, dp: Optional[int] = None, **_: Any) -> tuple[int, int]:
-    """(cp, dp): the whole world is one context-parallel unit unless `cp` or `dp` says otherwise."""
+def degrees(world_size: int, cp: Optional[int] = None, dp: Optional[int] = None, tp: Optional[int] = None,
+            **_: Any) -> tuple[int, int]:
+    """(cp x tp, dp): the whole world is one context-parallel unit unless `cp` or `dp` says otherwise."""
+    tp = 1 if tp is None else int(tp)
+    if tp < 1 or world_size % tp:
+        raise PlanError(f"tp={tp} does not divide the world size {world_size}")
+    rest = world_size // tp
     if cp is None and dp is None:
         return world_size, 1
     for name, value in (("cp", cp), ("dp", dp)):
-        if value is not None and (int(value) < 1 or world_size % int(value)):
-            raise PlanError(f"{name}={value} does not divide the world size {world_size}")
-    cp = int(cp) if cp is not None else world_size // int(dp)
-    dp = int(dp) if dp is not None else world_size // cp
-    if cp * dp != world_size:
-        raise PlanError(f"cp={cp} x dp={dp} = {cp * dp}, but the world size is {world_size}")
-    return cp, dp
+        if value is not None and (int(value) < 1 or rest % int(value)):
+            raise PlanError(f"{name}={value} does not divide the world size {world_size} / tp {tp} = {rest}")
+    cp = int(cp) if cp is not None else rest // int(dp)
+    dp = int(dp) if dp is not None else rest // cp
+    if cp * dp * tp != world_size:
+        raise PlanError(f"cp={cp} x tp={tp} x dp={dp} = {cp * dp * tp}, but the world size is {world_size}")
+    return cp * tp, dp
 
 
 def _is_attention(op: OpHandle) -> bool:
@@ -132,26 +138,64 @@ def sequence_choices(builder: PlanBuilder, cp: int, length: int, block: int) -> 
 
 
 def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm: str = "ring",
-                     balance: Optional[bool] = None, **options: Any) -> None:
-    """Split the sequence over the unit's cp devices; see the module doc."""
-    n = builder.unit_size
+                     balance: Optional[bool] = None, tp: Optional[int] = None, **options: Any) -> None:
+    """Split the sequence over cp devices (x tp: Megatron's cp x tp, tensor parallelism found by
+    `TensorParallelPropagation` inside each sequence chunk's group); see the module doc.
+
+    Device (t, c) of the unit is t * cp + c: the cp devices of one tensor-parallel rank are
+    neighbours, as the ring wants them."""
+    tp = 1 if tp is None else int(tp)
+    if builder.unit_size % tp:
+        raise PlanError(f"tp={tp} does not divide the plan's unit of {builder.unit_size} devices")
+    n = builder.unit_size // tp
     if cp is not None and int(cp) != n:
-        raise PlanError(f"cp={cp} but the plan's unit has {n} devices; the context-parallel degree is the unit size")
+        raise PlanError(f"cp={cp} but the plan's unit has {builder.unit_size} devices for tp={tp}; the "
+                        "context-parallel degree is the unit size / tp")
     if balance is None:
         balance = any(bool(op_call(builder.graph, op.node).arg(5, "is_causal", False))
                       for op in attention_ops(builder))
     length = check_context_parallel(builder, n, str(cp_comm), bool(balance))
     builder.options["cp_comm"] = str(cp_comm)
     block = -2 if balance else 1
-    choices = sequence_choices(builder, n, length, block)
+    choices = sequence_choices(builder, n, length, block) if n > 1 else {op.name: None for op in builder.ops}
     if n > 1 and not any(choices[op.name] for op in attention_ops(builder)):
         raise PlanError(f"context parallelism could not split the attention's sequence ({length}) {n} ways")
+    tp_choices = {}
+    if tp > 1:
+        prop = TensorParallelPropagation(builder, degree=tp)
+        tp_choices = {k: c for k, c in prop.run().items() if c.label is not None}
+        prop.check_something_split()
     for op in builder.ops:
-        label = choices[op.name]
-        if label is None or n == 1:
-            builder.replicate(op)
-            continue
-        subs = builder.op_trans(op, dim=label, num=n, block=block if abs(block) > 1 else 1)
-        for device, sub in enumerate(subs):
-            builder.op_assign(sub, device)
+        seq = choices[op.name]
+        t = tp_choices.get(op.name)
+        if t is not None and seq == t.label:
+            seq = None
+        _place(builder, op, t.label if t else None, t.block if t else 1, tp, seq, block, n)
     apply_recompute(builder, options.get("recompute"))
+
+
+def _place(builder: PlanBuilder, op: OpHandle, tp_label: Optional[str], tp_block: int, tp: int,
+           seq: Optional[str], block: int, cp: int) -> None:
+    """Record op's pieces: (t, c) on device t * cp + c; a dim not split is a replica digit."""
+    if tp_label is None and seq is None:
+        builder.replicate(op)
+        return
+    if tp_label is not None and seq is not None:
+        subs = builder.op_trans(op, dim=tp_label, num=tp, block=tp_block)
+        for sub in list(subs):
+            nested = builder.op_trans(sub, dim=seq, num=cp, block=block)
+        for device, sub in enumerate(nested):
+            builder.op_assign(sub, device)
+        return
+    if seq is not None:
+        subs = builder.op_trans(op, replicate=tp) if tp > 1 else [op]
+        subs = builder.op_trans(op, dim=seq, num=cp, block=block)
+        for device, sub in enumerate(subs):  # replica digit r = t: index r * cp + c
+            builder.op_assign(sub, device)
+        return
+    if cp > 1:
+        builder.op_trans(op, replicate=cp)
+    subs = builder.op_trans(op, dim=tp_label, num=tp, block=tp_block)
+    for index, sub in enumerate(subs):  # index r * tp + t with replica digit r = c
+        r, t = divmod(index, tp)
+        builder.op_assign(sub, t * cp + r)

@@ -36,6 +36,11 @@ def chunk_ids(size: int, index: int, balanced: bool) -> list[int]:
     return [index, 2 * size - 1 - index] if balanced else [index]
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for 16-bit inputs, else the input's own (fp64 stays fp64)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     """Grouped-query attention: query head h reads key/value head h // (heads / kv_heads)."""
     kv = t.shape[-3]
@@ -59,30 +64,30 @@ def _block_mask(qc: int, kc: int, width: int, device: torch.device) -> Optional[
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's output and log-sum-exp (fp32) for all query heads."""
+    """One block's output and log-sum-exp (accumulation dtype) for all query heads."""
     if q.is_cuda:  # untested here: no GPU was available when this was written
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, mask is not None, scale=scale)[:2]
-        return out, lse[..., :q.shape[-2]].float()
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        return out.to(_acc(q)), lse[..., :q.shape[-2]].to(_acc(q))
+    s = torch.matmul(q.to(_acc(q)), k.to(_acc(q)).transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.matmul(p, v.float()).to(q.dtype), lse
+    return torch.matmul(p, v.to(_acc(q))), lse
 
 
 def _merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], o: torch.Tensor, l: torch.Tensor):
     if out is None:
-        return o.float(), l
+        return o, l
     new = torch.logaddexp(lse, l)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + o.float() * torch.exp(l - new).unsqueeze(-1)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1)
     return out, new
 
 
 def _block_backward(q, k, v, o, do, lse, mask, scale):
     """Gradients of one block given the merged output's lse (exact: P = exp(S - lse))."""
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf, kf, vf = q.to(_acc(q)), k.to(_acc(q)), v.to(_acc(q))
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -177,15 +182,15 @@ class _RingAttention(torch.autograd.Function):
         size, me, nxt, prv = _peers(group)
         pairs = _Pairs(size, me, causal, balanced, q.shape[-2])
         heads, kv_heads = q.shape[-3], k.shape[-3]
-        do = dout.float()
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        do = dout.to(_acc(q))
+        dq = torch.zeros_like(q, dtype=_acc(q))
         cur_k, cur_v = k, v
-        dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(v, dtype=torch.float32)
+        dk = torch.zeros_like(k, dtype=_acc(q))
+        dv = torch.zeros_like(v, dtype=_acc(q))
         for step in range(size):
             src = (me - step) % size
             ke, ve = _expand_kv(cur_k, heads), _expand_kv(cur_v, heads)
-            dke, dve = torch.zeros_like(ke, dtype=torch.float32), torch.zeros_like(ve, dtype=torch.float32)
+            dke, dve = torch.zeros_like(ke, dtype=_acc(q)), torch.zeros_like(ve, dtype=_acc(q))
             for a, b, mask in pairs.blocks(src, q.device):
                 g_q, g_k, g_v = _block_backward(pairs.cut(q, a), pairs.cut(ke, b), pairs.cut(ve, b),
                                                 pairs.cut(out, a), pairs.cut(do, a), pairs.cut(lse.unsqueeze(-1), a)
@@ -235,7 +240,7 @@ def _allgather_attention(q, k, v, causal, scale, balanced, group):
     for src in range(size):
         ke, ve = _expand_kv(ks[src], heads), _expand_kv(vs[src], heads)
         for a, b, mask in pairs.blocks(src, q.device):
-            qa, kb, vb = pairs.cut(q, a).float(), pairs.cut(ke, b).float(), pairs.cut(ve, b).float()
+            qa, kb, vb = pairs.cut(q, a).to(_acc(q)), pairs.cut(ke, b).to(_acc(q)), pairs.cut(ve, b).to(_acc(q))
             s = torch.matmul(qa, kb.transpose(-1, -2)) * scale
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))
