@@ -197,3 +197,38 @@ def test_a_matmul_reading_a_transposed_parameter_is_a_matmul_with_a_weight():
     matmuls = [op for op in graph.ops if "matmul" in str(op.target)]
     assert len(matmuls) == 2
     assert all(matmul_anchor(graph, op, signature_for(graph, op)) is not None for op in matmuls)
+
+
+def test_a_rule_whose_piece_cannot_be_localized_refuses_by_name():
+    """No raw exception escapes from a rule: a failing `localize` is a PlanError naming the op and
+    where it is in the model."""
+    from nnscaler_plugins import plugins
+    from nnscaler_plugins.capture.graph import TensorMeta
+    from nnscaler_plugins.errors import PlanError
+    from nnscaler_plugins.hookspecs import hookimpl
+    from nnscaler_plugins.rules import LocalCall, OpCall, Signature, refresh, signature_of
+
+    def broken(call):
+        def localize(lc):
+            raise IndexError("tuple index out of range")
+        return Signature(inputs=(("d0", "d1"),), outputs=(("d0", "d1"),), localize=localize)
+
+    class Plugin:
+        @hookimpl
+        def nnscaler_register_op_rules(self):
+            return {"aten.relu.default": broken}
+
+    plugin = Plugin()
+    plugins.register(plugin)
+    refresh()
+    try:
+        meta = TensorMeta((4, 8), torch.float32)
+        call = OpCall(aten.relu.default, (Ref("x"),), {}, (meta,), (meta,), ("x",))
+        sig = signature_of(call, "relu (aten.relu.default) in block.act at model.py:12")
+        piece = LocalCall(call, {"d0": 2}, {"d0": 1}, (TensorMeta((2, 8), torch.float32),),
+                          (TensorMeta((2, 8), torch.float32),))
+        with pytest.raises(PlanError, match=r"aten\.relu\.default at relu .* in block\.act at model\.py:12"):
+            sig.localize(piece)
+    finally:
+        plugins.unregister(plugin)
+        refresh()

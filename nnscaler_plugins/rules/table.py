@@ -5,11 +5,13 @@ Plugins add or override rules through the `nnscaler_register_op_rules` hook; the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
+from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plugins import get_plugin_manager, plugins_generation
 from nnscaler_plugins.rules.registry import (  # noqa: F401 - rule and op_key are part of this module's API
     BUILTIN,
@@ -18,7 +20,7 @@ from nnscaler_plugins.rules.registry import (  # noqa: F401 - rule and op_key ar
     op_key,
     rule,
 )
-from nnscaler_plugins.rules.signature import OpCall, Signature, replicate_only
+from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature, replicate_only
 
 
 class ReplicateOnlyWarning(UserWarning):
@@ -94,7 +96,30 @@ def signature_of(call: OpCall, where: str = "") -> Signature:
                       "(replicated) where it is. Fix or override the rule through nnscaler_register_op_rules",
                       ReplicateOnlyWarning, stacklevel=2)
         sig = None
-    return sig if sig is not None else replicate_only(call)
+    if sig is None:
+        return replicate_only(call)
+    if sig.localize is not None:
+        sig = dataclasses.replace(sig, localize=_refusing(sig.localize, op_key(call.target), where))
+    return sig
+
+
+def _refusing(localize: Callable[[LocalCall], Localized], key: str, where: str) -> Callable[[LocalCall], Localized]:
+    """`localize` with its failures turned into a PlanError naming the op and where it is: a rule
+    that cannot say what a piece runs refuses the plan before anything is launched."""
+
+    @functools.wraps(localize)
+    def checked(lc: LocalCall) -> Localized:
+        try:
+            return localize(lc)
+        except PlanError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a rule's failure, named
+            splits = ", ".join(f"{l} into {n}" for l, n in lc.splits.items())
+            raise PlanError(f"the dimension rule of {key}{f' at {where}' if where else ''} cannot say what a piece "
+                            f"split {splits} runs ({type(e).__name__}: {e}); plan this op whole, or fix or override "
+                            "its rule through nnscaler_register_op_rules") from e
+
+    return checked
 
 
 def op_call(graph: Graph, op: OpNode) -> OpCall:
@@ -138,7 +163,10 @@ def _mutation_read_elsewhere(graph: Graph, op: OpNode) -> bool:
 
 
 def unruled_ops(graph: Graph) -> list[OpNode]:
-    return [op for op in graph.ops if _rule_for(op_key(op.target)) is None and any(o for o in op.outputs)]
+    """Ops with no rule (a custom Function whose code proves it elementwise has one)."""
+    from nnscaler_plugins.rules.user_functions import function_rule
+    return [op for op in graph.ops if _rule_for(op_key(op.target)) is None and any(o for o in op.outputs)
+            and function_rule(op_call(graph, op)) is None]
 
 
 def warn_replicate_only(graph: Graph) -> None:
