@@ -40,7 +40,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.plan import PRECISIONS, Plan
-from nnscaler_plugins.search.cluster import ClusterSpec
+from nnscaler_plugins.search.cluster import PRESETS, ClusterSpec
 from nnscaler_plugins.search.cluster import cluster as make_cluster
 from nnscaler_plugins.search.constraints import (
     Constraint,
@@ -596,7 +596,7 @@ def _resolve_cluster(cluster: Union[ClusterSpec, str, None], world_size: int) ->
         spec = cluster
     else:
         spec = make_cluster(cluster) if str(cluster) != "local-cpu" else make_cluster(cluster, devices=world_size)
-        if spec.num_devices < world_size and str(cluster) in ("v100-p3", "a100-dgx", "h100-dgx"):
+        if spec.num_devices < world_size and str(cluster) in PRESETS:
             spec = spec.with_nodes(-(-world_size // spec.devices_per_node))
     if spec.num_devices < world_size:
         raise SearchError(f"cluster {spec.name!r} has {spec.num_devices} devices ({spec.nodes} node(s) x "
