@@ -1,0 +1,98 @@
+"""`ep` (experts split, tokens by all-to-all) vs replicated experts (`dp`), gloo processes, same data.
+
+    python benchmarks/expert_parallel.py            # 2 and 4 processes, 8 and 16 experts
+
+A small Mixtral (2 layers, hidden 128, expert FFN 256, top-2, router loss on). Both plans train on
+the same global batch: `dp` gives each rank `b` sequences and keeps every expert on every rank;
+`ep` (ep = processes) gives the unit the whole global batch, each rank computing its `b`
+sequences and its experts / ep experts. Each rank times full training steps (forward, backward,
+gradient reduction, Adam step) of both, alternating step by step; the ratio is the median over
+step pairs of dp / ep. Memory per rank is what the rank holds of the training state (parameters,
+gradients, Adam moments; exact bytes) and its peak resident set (the process, both plans loaded).
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import common  # noqa: E402
+
+HIDDEN, FFN, LAYERS, SEQ, PER_RANK = 128, 256, 2, 64, 4
+
+
+def mixtral(experts: int, seed: int = 0):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=2048, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                        num_attention_heads=8, num_key_value_heads=4, num_local_experts=experts,
+                        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
+                        max_position_embeddings=SEQ)
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(cfg)
+
+
+def state_bytes(module: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """(all training state held here, of which expert state) in bytes after a step."""
+    total = experts = 0
+    for name, p in module.named_parameters():
+        b = p.numel() * p.element_size() * (2 if p.grad is not None else 1)
+        b += sum(t.numel() * t.element_size() for t in opt.state.get(p, {}).values()
+                 if torch.is_tensor(t) and t.ndim > 0)
+        total += b
+        experts += b if "experts" in name else 0
+    return total, experts
+
+
+def bench(rank: int, world: int, experts: int):
+    import torch.distributed as dist
+
+    import nnscaler_plugins as nns
+
+    glob = common.batch(PER_RANK * world, SEQ, seed=7)
+    mine = {k: v[rank * PER_RANK:(rank + 1) * PER_RANK] for k, v in glob.items()}
+    dp = nns.parallelize(mixtral(experts), mine, plan="dp", cache_dir="/tmp/nns_bench_cache")
+    ep = nns.parallelize(mixtral(experts), glob, plan="ep", ep=world, cache_dir="/tmp/nns_bench_cache")
+    opt_d = nns.build_optimizer(dp, torch.optim.Adam, lr=1e-4)
+    opt_e = nns.build_optimizer(ep, torch.optim.Adam, lr=1e-4)
+
+    def dp_step():
+        dp.train_step(mine)
+        opt_d.step()
+        opt_d.zero_grad(set_to_none=False)
+
+    def ep_step():
+        ep.train_step(glob)
+        opt_e.step()
+        opt_e.zero_grad(set_to_none=False)
+
+    t_d, t_e, ratio = common.time_paired(dp_step, ep_step, warmup=2, iters=10, sync=dist.barrier)
+    return (t_d, t_e, ratio, state_bytes(dp, opt_d), state_bytes(ep, opt_e),
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def main() -> None:
+    rows = []
+    for world in (2, 4):
+        for experts in (8, 16):
+            t_d, t_e, ratio, (dp_all, dp_exp), (ep_all, ep_exp), rss = common.spawn(bench, world, experts)
+            mib = 1 / 2**20
+            rows.append((f"{world}", f"{experts}", f"{t_d * 1e3:.0f}", f"{t_e * 1e3:.0f}", f"{ratio:.2f}",
+                         f"{dp_all * mib:.1f} ({dp_exp * mib:.1f})", f"{ep_all * mib:.1f} ({ep_exp * mib:.1f})",
+                         f"{ep_exp / dp_exp:.3f}", f"{rss * mib:.0f}"))
+            print(rows[-1], flush=True)
+    print(common.record(
+        "expert_parallel.py: `ep` vs replicated experts (`dp`), Mixtral 2x128, top-2, gloo processes (train step)",
+        rows, ("processes", "experts", "dp ms", "ep ms", "median per-step ratio dp/ep",
+               "dp state MiB/rank (experts)", "ep state MiB/rank (experts)", "expert state ep/dp",
+               "peak RSS MiB (rank 0, both plans)"),
+        notes="Same global batch for both (4 sequences of 64 tokens per rank). State = parameters + gradients + "
+              "Adam moments held by the rank. On a CPU with gloo the all-to-alls go through loopback TCP; the "
+              "expert matmuls are small, so the step time says how much the exchange costs here, not on GPUs."))
+
+
+if __name__ == "__main__":
+    main()
