@@ -77,29 +77,29 @@ def _capture_and_tp(name: str) -> tuple[str, str]:
 
 
 def main(names: list[str]) -> None:
+    """One model at a time (capture and tp fraction here, the four plans on 2 workers); the table
+    in RESULTS.md is rewritten after each, so a run cut short still records what it measured."""
     import zoo_models
 
     names = names or list(zoo_models.ZOO)
     started = time.perf_counter()
-    static = {n: _capture_and_tp(n) for n in names}
-    trainable = [n for n in names if static[n][0] == "yes"]
-    trained = common.spawn(_train_all, 2, trainable) if trainable else {}
-    rows = []
+    rows, exact, runs = [], 0, 0
     for n in names:
-        captured, fraction = static[n]
+        captured, fraction = _capture_and_tp(n)
+        trained = common.spawn(_train_all, 2, [n]) if captured == "yes" else {}
         cells = [trained.get((n, p), "-") for p, _, _ in PLANS]
+        exact += sum(1 for c in cells if c == "exact")
+        runs += sum(1 for c in cells if c != "-")
         tp = f"{cells[1]}, splits {fraction}" if cells[1] != "-" else fraction
         rows.append((n, zoo_models.FAMILY[n], captured, cells[0], tp, cells[2], cells[3]))
         print(" | ".join(rows[-1]), flush=True)
-    exact = sum(1 for (k, v) in trained.items() if len(k) == 2 and v == "exact")
-    runs = sum(1 for k in trained if len(k) == 2)
-    notes = (f"{len(names)} architectures, {exact}/{runs} plan runs exact against one process on the global batch "
-             f"(2 gloo processes, 2 SGD steps, fp32, relative 1e-5); tp's fraction is the share of the model's "
-             f"matmul FLOPs (linear, matmuls, convolutions, grouped expert matmuls, attention) its plan splits. "
-             f"Whole run {time.perf_counter() - started:.0f} s.")
-    print(common.record("benchmarks/model_zoo.py: architectures under every plan",
-                        rows, ("architecture", "family", "captured", "dp", "tp (matmul FLOPs split)", "1f1b",
-                               "zero3"), notes))
+        done = f"{len(rows)} of {len(names)} architectures" if len(rows) < len(names) else f"{len(rows)} architectures"
+        notes = (f"{done}, {exact}/{runs} plan runs exact against one process on the global batch (2 gloo "
+                 f"processes, 2 SGD steps, fp32, relative 1e-5); tp's fraction is the share of the model's matmul "
+                 f"FLOPs (linear, matmuls, convolutions, grouped expert matmuls, attention) its plan splits. "
+                 f"{time.perf_counter() - started:.0f} s so far.")
+        common.record("benchmarks/model_zoo.py: architectures under every plan", rows,
+                      ("architecture", "family", "captured", "dp", "tp (matmul FLOPs split)", "1f1b", "zero3"), notes)
 
 
 if __name__ == "__main__":
