@@ -1,6 +1,6 @@
 """Pretrained weights from a Hugging Face `save_pretrained` directory, read per shard.
 
-A 2-layer GPT-2 saved with small safetensors shards (and its index) is loaded under tp 2 and
+A 1-layer GPT-2 saved with small safetensors shards (and its index) is loaded under tp 2 and
 ZeRO-3 on 2 gloo processes into a model initialized from another seed: every whole weight and the
 loss equal the saved eager model's, and each rank asks the files for exactly the elements its own
 pieces hold. Mismatched names and shapes are refused before anything changes.
@@ -17,7 +17,7 @@ import models
 
 def _saved(root: str) -> str:
     torch.manual_seed(0)
-    model, _ = models.gpt2_small(2)
+    model, _ = models.gpt2_small(1)
     path = os.path.join(root, "gpt2_hf")
     model.save_pretrained(path, safe_serialization=True, max_shard_size="40KB")
     return path
@@ -37,7 +37,7 @@ def load_under_plans(rank: int, world: int, path: str) -> dict:
     out = {}
     for plan in ("tp", "zero3"):
         torch.manual_seed(123)  # other initial weights than the saved ones
-        model, _ = models.gpt2_small(2)
+        model, _ = models.gpt2_small(1)
         model.eval()
         batch = _batch()
         pm = nns.parallelize(model, batch, plan=plan, world_size=world, cache_dir="/tmp/nns_test_cache")
@@ -64,7 +64,7 @@ def test_sharded_safetensors_load_per_shard_under_tp2_and_zero3(workers2, tmp_pa
     path = _saved(str(tmp_path))
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     torch.manual_seed(0)
-    eager, _ = models.gpt2_small(2)
+    eager, _ = models.gpt2_small(1)
     eager.eval()
     want_loss = eager(**_batch()).loss.detach()
     want = eager.state_dict()
@@ -86,25 +86,32 @@ def test_mismatched_weights_are_refused_by_name_and_dtype_conversion_is_said(tmp
     from transformers import GPT2Config, GPT2LMHeadModel
 
     path = _saved(str(tmp_path))
-    wider = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=models.VOCAB + 2, n_positions=32))
+    wider = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=models.VOCAB + 2, n_positions=32))
     before = {k: v.clone() for k, v in wider.state_dict().items()}
     with pytest.raises(CheckpointError) as e:
         nns.checkpoint.load(path, wider)
     msg = str(e.value)
-    assert "nothing was loaded" in msg and "missing from the pretrained checkpoint" in msg and "transformer.h.2" in msg
+    assert "nothing was loaded" in msg and "missing from the pretrained checkpoint" in msg and "transformer.h.1" in msg
     assert "transformer.wte.weight: the pretrained checkpoint has shape [128, 64], the module [130, 64]" in msg, msg
     assert all(torch.equal(v, wider.state_dict()[k]) for k, v in before.items())
 
     half = str(tmp_path / "bf16")
     torch.manual_seed(0)
-    model, _ = models.gpt2_small(2)
+    model, _ = models.gpt2_small(1)
     model.to(torch.bfloat16).save_pretrained(half)  # one model.safetensors
-    target, _ = models.gpt2_small(2)
+    target, _ = models.gpt2_small(1)
     with pytest.warns(UserWarning, match="converted .* from bfloat16 to float32"):
         nns.checkpoint.load(half, target)
     assert all(torch.equal(target.state_dict()[k], v.float()) for k, v in model.state_dict().items())
+    pickled = str(tmp_path / "bin")  # pytorch_model.bin, memory-mapped
+    model.float().config.save_pretrained(pickled)  # the layout older save_pretrained wrote (tied head saved once)
+    torch.save({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
+               os.path.join(pickled, "pytorch_model.bin"))
+    target, _ = models.gpt2_small(1)
+    nns.checkpoint.load(pickled, target)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in model.state_dict().items())
     base = str(tmp_path / "base")  # a base model's checkpoint (no "transformer." prefix) into the model with a head
     model.float().transformer.save_pretrained(base)
-    target, _ = models.gpt2_small(2)
+    target, _ = models.gpt2_small(1)
     nns.checkpoint.load(base, target, strict=False)
-    assert torch.equal(target.transformer.h[1].mlp.c_fc.weight, model.transformer.h[1].mlp.c_fc.weight)
+    assert torch.equal(target.transformer.h[0].mlp.c_fc.weight, model.transformer.h[0].mlp.c_fc.weight)

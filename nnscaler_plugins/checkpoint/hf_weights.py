@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -113,7 +113,9 @@ def _bin_source(directory: str) -> Any:
     if files is None:
         files = {name: BIN_ONE for name in state(BIN_ONE)}
     tensors = {n: (tuple(state(f)[n].shape), state(f)[n].dtype) for n, f in files.items()}
-    read: Callable[[str, Box], torch.Tensor] = lambda name, box: state(files[name])[box_slices(box)].clone()  # noqa: E731
+    def read(name: str, box: Box) -> torch.Tensor:
+        return state(files[name])[name][box_slices(box)].clone()
+
     source = WeightSource(directory, tensors, read, "a Hugging Face save_pretrained directory")
     source.kind = "pretrained checkpoint"
     return source
