@@ -115,7 +115,7 @@ def _lightning_run(rank: int, world: int, port: int, out: str) -> dict:
 
         def configure_model(self):
             if self.model is None:
-                self.model = _gpt2(meta=False)  # the strategy's context puts it on meta
+                self.model = models.gpt2_small()[0].eval()  # the strategy's context puts it on meta
                 self.head_scale = torch.nn.Linear(1, 1)  # outside the plan: made whole on every rank
                 self.built_on = self.model.transformer.wte.weight.device.type
 
@@ -130,7 +130,7 @@ def _lightning_run(rank: int, world: int, port: int, out: str) -> dict:
             seen["seed"] = self.trainer.strategy.pmodule.init_seed
 
     lm = LM()
-    trainer = pl.Trainer(strategy=NNScalerStrategy(plan="tp"), accelerator="cpu", devices=world, max_steps=1,
+    trainer = pl.Trainer(strategy=NNScalerStrategy(plan="tp", module_attr="model"), accelerator="cpu", devices=world, max_steps=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
     loader = torch.utils.data.DataLoader(_Tokens(), batch_size=2)
