@@ -183,8 +183,14 @@ def main() -> None:
             header.append("error before")
         notes = ("; ".join(summary) + ". Model: per-device kernel tables (nnscaler_plugins/search/tables/*.json, "
                  "public figures, no GPU measured them), overlap switches (search/overlap.py) as each preset's stack "
-                 "or the run's source says, one fitted constant (`sustained`, shared by all devices). Sources of "
-                 "every case: benchmarks/calibration.py. The C2 selective + sequence-parallel activation points "
+                 "or the run's source says, one fitted constant per software stack (`sustained`, shared by all "
+                 "devices: the 2021 stack's fitted on four C1 rows, today's on three llm-foundry rows; rows marked "
+                 "'fit'). 'error before': the model before the kernel tables and overlap switches (two global "
+                 "constants, matmul 0.75 and memory 0.6 of peak, tensor-parallel collectives never overlapped). "
+                 "Sources of every case: benchmarks/calibration.py. The torchtitan memory rows are priced as no "
+                 "checkpointing: their selective per-op checkpointing (save every other matmul output, recompute "
+                 "the rest) is not a recomputation mode here, so they overestimate by 35-55 %. "
+                 "The C2 selective + sequence-parallel activation points "
                  "are about 2.3x the published: this runtime's sequence-parallel plan keeps the gathered input of "
                  "each column-parallel matmul for the weight gradient (Megatron keeps the shard and gathers again); "
                  "the simulator prices the plan as this runtime runs it.")
