@@ -248,3 +248,25 @@ def test_saved_activations_per_device_are_about_one_over_cp(workers4):
     for ours, ref in results:
         # measured: 0.318 (0.25 for the split ops, the rest is the whole-running logits and loss)
         assert ours < 0.35 * ref, (ours, ref, ours / ref)
+
+
+def test_cost_prices_ring_overlapped_and_ulysses_all_to_all():
+    from nnscaler_plugins.search.cluster import cluster as make_cluster
+    from nnscaler_plugins.search.context_parallel_cost import AttentionShape, context_parallel_attention_time
+    from nnscaler_plugins.search.network import Network, span_of
+
+    cluster = make_cluster("h100-dgx")
+    net = Network(cluster)
+    span = span_of(cluster, range(8))
+    shape = AttentionShape(batch=1, heads=32, kv_heads=8, length=131072, head_dim=128)
+    long = context_parallel_attention_time(net, span, shape, 8, "ring", attention_seconds=8.0)
+    # at 128k tokens attention compute dwarfs a key/value hop: the ring hides all but the last hop
+    hop = net.p2p(shape.kv_bytes(8), False)
+    assert long.exposed_comm == pytest.approx(hop)
+    assert long.forward == pytest.approx(1.0, rel=1e-6)
+    short = context_parallel_attention_time(net, span, shape, 8, "ring", attention_seconds=1e-6)
+    assert short.exposed_comm > 10 * hop  # nothing to hide behind: every hop shows
+    uly = context_parallel_attention_time(net, span, shape, 8, "ulysses", attention_seconds=8.0)
+    assert uly.exposed_comm == pytest.approx(2 * net.all_to_all(2 * shape.q_bytes(1) + shape.kv_bytes(1), span))
+    unbalanced = context_parallel_attention_time(net, span, shape, 8, "ring", 8.0, balanced=False)
+    assert unbalanced.forward > 1.8 * long.forward
