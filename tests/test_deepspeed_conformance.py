@@ -975,3 +975,86 @@ def test_schedules_through_the_engine(workers2) -> None:
                 assert all(a > b for a, b in zip(lrs[3:6], lrs[4:7]))
             if name == "LRRangeTest":
                 assert lrs[0] == 1e-4 and lrs[0] == lrs[1] and lrs[2] > lrs[1]
+
+
+# -- zero/test_zero.py: TestZeroToFP32 (uneven sizes, frozen and unused parameters, two SGD groups) and
+#    TestZero3RepeatForwardLoop (one layer run three times) ------------------------------------------------
+
+class UnevenModel(torch.nn.Module):
+    """TestZeroToFP32's model: 4 x 12 + 5 = 53 elements (odd), a classifier the forward never uses."""
+
+    def __init__(self, freeze: bool):
+        super().__init__()
+        self.ll = torch.nn.ModuleList(torch.nn.Linear(3, 3) for _ in range(4))
+        self.classifier = torch.nn.Linear(4, 1)
+        if freeze:
+            self.ll[0].weight.requires_grad = False
+            self.ll[0].bias.requires_grad = False
+
+    def forward(self, x, y):
+        for layer in self.ll:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(x, y)
+
+
+def _uneven(rank, world, tmp, stage, freeze):
+    torch.manual_seed(0)
+    model = UnevenModel(freeze)
+    groups = [{"params": [m.weight for m in model.ll], "weight_decay": 0.01},
+              {"params": [m.bias for m in model.ll] + list(model.classifier.parameters()), "weight_decay": 0.0}]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+           "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                  optimizer=torch.optim.SGD(groups, lr=0.1))[0]
+    engine.empty_partition_cache()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        engine.backward(engine(torch.randn(2, 3, generator=g), torch.randint(0, 3, (2,), generator=g)))
+        engine.step()
+    engine.save_checkpoint(tmp)
+    return _state(engine)
+
+
+def _repeat_forward(rank, world):
+    class AlbertLike(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            hidden = x
+            for _ in range(3):
+                hidden = hidden + self.linear(hidden)
+            return torch.nn.functional.cross_entropy(hidden, y)
+
+    losses = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        engine = deepspeed.initialize(model=AlbertLike(), config=cfg)[0]
+        g = torch.Generator().manual_seed(rank)
+        losses[stage] = []
+        for _ in range(4):
+            loss = engine(torch.randn(2, 4, generator=g), torch.randint(0, 4, (2,), generator=g))
+            engine.backward(loss)
+            engine.step()
+            losses[stage].append(loss.item())
+    return losses
+
+
+def test_zero_to_fp32_uneven_frozen_unused_and_repeated_layers(workers2, tmp_path) -> None:
+    import importlib.util
+
+    cases = [(2, True), (3, False)] if not ALL else [(s, f) for s in (2, 3) for f in (True, False)]
+    states = [workers2.run(_uneven, str(tmp_path / f"u{s}{f}"), s, f)[0] for s, f in cases]
+    if importlib.util.find_spec("deepspeed") is not None:
+        read = _zero_to_fp32([str(tmp_path / f"u{s}{f}") for s, f in cases])
+        for case, state, fp32 in zip(cases, states, read):
+            assert set(fp32) == set(state), case
+            for name, value in state.items():
+                assert torch.allclose(fp32[name], value), (case, name)
+    for r in workers2.run(_repeat_forward):
+        assert r[0] == pytest.approx(r[3], rel=1e-6)
