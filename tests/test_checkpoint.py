@@ -114,8 +114,8 @@ def save_under_tp4_and_pipeline(rank: int, world: int, root: str):
         _train(pm, opt, sched, range(2))
         nns.checkpoint.save(os.path.join(root, name), pm, opt, step=2, scheduler=sched.state_dict(), plan=name)
         out[name] = _states(pm, opt)
-        if name == "zero3":  # the same state as torch.distributed.checkpoint, written from the pieces
-            nns.checkpoint.export_dcp(os.path.join(root, "zero3_dcp"), pm, opt)
+        if name in ("zero3", "tp4"):  # the same state as torch.distributed.checkpoint, written from the pieces
+            nns.checkpoint.export_dcp(os.path.join(root, f"{name}_dcp"), pm, opt)
         if name == "tp4":
             nns.checkpoint.export(os.path.join(root, "tp4.pt"), pm)
             nns.checkpoint.export(os.path.join(root, "tp4_hf"), pm, hf_model=model)
@@ -132,7 +132,8 @@ def load_on_two(rank: int, world: int, root: str, want: dict, m: int) -> tuple[l
     problems = []
     # ZeRO-1's optimizer also takes the plain AdamW state saved under tp 4: one format for both.
     built = None
-    for saved, name in (("zero3_dcp", "zero1"), ("zero3", "zero1"), ("tp4", "zero1"), ("tp4", "dp2")):
+    for saved, name in (("zero3_dcp", "zero1"), ("zero3", "zero1"), ("tp4", "zero1"), ("tp4", "dp2"),
+                        ("tp4_dcp", "dp2")):
         if built is None or built[0] != name:
             built = (name, *_build(rank, world, name, seed=1))
         _, _, pm, opt, sched = built
