@@ -494,6 +494,16 @@ def _errors(rank, world, tmp):
             out[mode] = "saved"
         except AssertionError:
             out[mode] = "assert"
+    # TestZeroUnbalancedGradients flips requires_grad between steps: refused by name, never trained anyway
+    model = _model()
+    engine = deepspeed.initialize(model=model, config=_config(1))[0]
+    _train(engine, _batches(1, rank))
+    model.linears[0].weight.requires_grad = False
+    try:
+        engine(*_batches(1, rank)[0])
+        out["flip"] = "ran"
+    except RuntimeError as e:
+        out["flip"] = str(e)
     # TestIncorectAllgatherBucketSize
     for size in (1000, 1001):
         model = _model()
@@ -515,6 +525,7 @@ def test_deepspeeds_error_types(workers2, tmp_path) -> None:
         for stage in (2, 3):
             assert r[stage][0] == "assert" and "incompatible with gradient partitioning" in r[stage][1]
         assert r["FAIL"] == "assert" and r["WARN"] == "saved" and r["IGNORE"] == "saved"
+        assert "requires_grad of ['linears.0.weight'] changed" in r["flip"]
         assert r[1000] == "ok" and "allgather_bucket_size must be a multiple of nccl_start_alignment_factor" in r[1001]
 
 

@@ -212,6 +212,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self._pending_load = None
             ckpt.load_parallel(path, pm, self._stepping_optimizer() if with_optimizer else None, strict)
         self._share_storage()
+        self._trainable = {n: p.requires_grad for n, p in self._model_params.items()}
 
     def _share_storage(self) -> None:
         """The model's parameters become views of this rank's pieces where a piece is the whole
@@ -223,6 +224,16 @@ class DeepSpeedEngine(torch.nn.Module):
                 p.data = local.data
                 pairs.append((p, local))
         self._shared = pairs
+
+    def _check_trainable(self) -> None:
+        """Which parameters train is fixed when the model is parallelized (its program computes their
+        gradients); DeepSpeed lets a script flip requires_grad between steps. Refused by name rather
+        than training parameters the script froze."""
+        changed = [n for n, p in self._model_params.items() if p.requires_grad != self._trainable[n]]
+        if changed:
+            raise RuntimeError(f"requires_grad of {changed[:4]} changed after the model was parallelized; this engine "
+                               "fixes the trainable parameters then: set requires_grad before initialize (or before "
+                               "the first forward)")
 
     def _share_grads(self) -> None:
         for p, local in getattr(self, "_shared", ()):
@@ -266,6 +277,8 @@ class DeepSpeedEngine(torch.nn.Module):
             else:
                 example = tuple(args)
             self._build(example)
+        else:
+            self._check_trainable()
         if self._pmodule.plan.pipeline is not None:
             raise RuntimeError("the config's nnscaler plan is a pipeline: it runs whole steps, so call "
                                "engine.train_batch(data_iter) instead of engine(...), backward and step "
