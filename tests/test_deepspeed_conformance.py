@@ -543,6 +543,12 @@ def test_config_values_deepspeed_validates() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 translate(dict(base, zero_optimization=dict(stage=2, **zero)))
+    # half_precision/test_loss_scale_validation.py: non-finite scales are refused
+    for fp16, pattern in [({"loss_scale": float("inf")}, "fp16.loss_scale must be finite"),
+                          ({"initial_scale_power": 2000}, "fp16.initial_scale_power must be an integer"),
+                          ({"min_loss_scale": 0}, "fp16.min_loss_scale must be finite and > 0")]:
+        with pytest.raises(ValueError, match=pattern):
+            translate(dict(base, fp16=dict(enabled=True, **fp16)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s = translate(dict(base, zero_optimization={"stage": 3, "pipeline_loading_checkpoint": True,

@@ -284,6 +284,7 @@ def _precision(config: dict) -> tuple[str, dict]:
     scale = {}
     if fp16:
         section = config["fp16"]
+        _check_loss_scale(section)
         scale = {"loss_scale": float(section.get("loss_scale", 0.0)),
                  "initial_scale_power": int(section.get("initial_scale_power", 16)),
                  "loss_scale_window": int(section.get("loss_scale_window", 1000)),
@@ -291,6 +292,24 @@ def _precision(config: dict) -> tuple[str, dict]:
                  "consecutive_hysteresis": bool(section.get("consecutive_hysteresis", False)),
                  "min_loss_scale": float(section.get("min_loss_scale", 1.0))}
     return ("fp16" if fp16 else "bf16" if bf16 else "fp32"), scale
+
+
+def _check_loss_scale(section: dict) -> None:
+    """The values DeepSpeed's loss scaler validates (finite scales, positive window and floor)."""
+    import math
+
+    checks = [("loss_scale", lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0 (0 = dynamic)"),
+              ("initial_scale_power", lambda v: float(v).is_integer() and 0 <= v < 128,
+               "must be an integer in [0, 128) (2**power must be a finite fp32 scale)"),
+              ("loss_scale_window", lambda v: v > 0, "must be > 0"),
+              ("hysteresis", lambda v: float(v).is_integer() and v >= 1, "must be an integer >= 1"),
+              ("min_loss_scale", lambda v: math.isfinite(v) and v > 0, "must be finite and > 0")]
+    for key, ok, what in checks:
+        if key not in section:
+            continue
+        v = section[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise DeepSpeedConfigError(f"fp16.{key} {what}, got {v!r}")
 
 
 def _zero_stage(section: dict) -> int:
