@@ -93,14 +93,18 @@ def _initialize_cases(rank, world):
     from nnscaler_plugins.adapters.deepspeed.zero_optimizer import ZeroOptimizer
 
     out = {}
-    # TestNoOptim: no optimizer at all, forward only (zero.Init(enabled=False) around the model)
+    # TestNoOptim: no optimizer, bf16, offload_param, the model built under zero.Init(enabled=stage == 3)
     for stage in (0, 3):
-        with deepspeed.zero.Init(enabled=False):
-            model = SimpleModel(nlayers=4)
-        engine, opt, _, _ = deepspeed.initialize(model=model, config={"train_batch_size": world,
-                                                                      "zero_optimization": {"stage": stage}})
+        cfg = {"train_batch_size": world, "bf16": {"enabled": True},
+               "zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # offload_param under stage 0 is ignored with a warning, as in DeepSpeed
+            with deepspeed.zero.Init(enabled=stage == 3, config_dict_or_path=cfg):
+                model = SimpleModel(nlayers=4)
+            engine, opt, _, _ = deepspeed.initialize(model=model, config=cfg)
         out[f"no_optim_{stage}"] = (opt is None or isinstance(opt, ZeroOptimizer),
-                                    all(torch.isfinite(engine(x, y)) for x, y in _batches(2, rank, batch=1)))
+                                    all(torch.isfinite(engine(x, y)).item()
+                                        for x, y in _batches(2, rank, torch.bfloat16, batch=1)))
     # TestClientOptimizer: an object is handed back as it is, a callable is called
     model = _model()
     client = torch.optim.Adam(model.parameters())
@@ -464,10 +468,11 @@ def test_several_param_groups_under_every_zero_stage_and_precision(workers2) -> 
 
 def _errors(rank, world, tmp):
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage, precision in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (1, "bf16"),
+                             (2, "bf16"), (3, "bf16")):
         model = _model()
-        engine, _, _, _ = deepspeed.initialize(model=model, config=_config(stage))
-        x, y = _batches(1, rank)[0]
+        engine, _, _, _ = deepspeed.initialize(model=model, config=_config(stage, precision))
+        x, y = _batches(1, rank, _dtype(precision))[0]
         try:
             with engine.no_sync():
                 engine.backward(engine(x, y))
@@ -482,9 +487,9 @@ def _errors(rank, world, tmp):
                     nested = "allowed"
                 except AssertionError as e:
                     nested = str(e)
-            out[stage] = ("ok", stepped, nested)
+            out[(stage, precision)] = ("ok", stepped, nested)
         except AssertionError as e:
-            out[stage] = ("assert", str(e))
+            out[(stage, precision)] = ("assert", str(e))
     # TestCheckpointValidationTag: FAIL with per-rank tags asserts, WARN saves
     for mode in ("FAIL", "WARN", "IGNORE"):
         model = _model()
@@ -518,12 +523,14 @@ def _errors(rank, world, tmp):
 
 def test_deepspeeds_error_types(workers2, tmp_path) -> None:
     for r in workers2.run(_errors, str(tmp_path)):
-        for stage in (0, 1):  # no_sync allowed; step inside it and nesting it assert
-            assert r[stage][0] == "ok"
-            assert "illegal to call Engine.step() inside no_sync" in r[stage][1]
-            assert "reentry is unsupported" in r[stage][2]
-        for stage in (2, 3):
-            assert r[stage][0] == "assert" and "incompatible with gradient partitioning" in r[stage][1]
+        for precision in ("fp32", "bf16"):
+            for stage in (0, 1):  # no_sync allowed; step inside it and nesting it assert
+                assert r[(stage, precision)][0] == "ok"
+                assert "illegal to call Engine.step() inside no_sync" in r[(stage, precision)][1]
+                assert "reentry is unsupported" in r[(stage, precision)][2]
+            for stage in (2, 3):
+                assert r[(stage, precision)][0] == "assert"
+                assert "incompatible with gradient partitioning" in r[(stage, precision)][1]
         assert r["FAIL"] == "assert" and r["WARN"] == "saved" and r["IGNORE"] == "saved"
         assert "requires_grad of ['linears.0.weight'] changed" in r["flip"]
         assert r[1000] == "ok" and "allgather_bucket_size must be a multiple of nccl_start_alignment_factor" in r[1001]
@@ -646,10 +653,10 @@ def test_zero_init_and_gathered_parameters(workers2, tmp_path) -> None:
 def _data(rank, world):
     data = torch.utils.data.TensorDataset(torch.randn(10, HIDDEN), torch.randint(0, HIDDEN, (10,)))
     out = {}
-    for drop_last in (False, True):
+    for micro, drop_last in ((2, False), (2, True), (1, False), (1, True)):  # TestDataLoaderDropLast
         model = _model()
         engine, _, loader, _ = deepspeed.initialize(model=model, config=_config(0, dataloader_drop_last=drop_last,
-                                                                                train_micro_batch_size_per_gpu=2),
+                                                                                train_micro_batch_size_per_gpu=micro),
                                                     training_data=data)
         sizes = []
         for x, y in loader:
@@ -657,14 +664,18 @@ def _data(rank, world):
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-        out[drop_last] = (sizes, engine.global_steps, engine.module is not model)
+        out[(micro, drop_last)] = (sizes, engine.global_steps, engine.module is not model)
+    loader = deepspeed.utils.RepeatingLoader([1, 2, 3])  # test_repeating_loader
+    out["repeating"] = [next(loader) for _ in range(7)]
     return out
 
 
 def test_training_data_loader_and_last_shorter_batch(workers2) -> None:
     for r in workers2.run(_data):
-        assert r[False] == ([2, 2, 1], 3, True)  # 5 samples per rank: the last batch has 1
-        assert r[True] == ([2, 2], 2, True)
+        assert r[(2, False)] == ([2, 2, 1], 3, True)  # 5 samples per rank: the last batch has 1
+        assert r[(2, True)] == ([2, 2], 2, True)
+        assert r[(1, False)] == r[(1, True)] == ([1] * 5, 5, True)
+        assert r["repeating"] == [1, 2, 3, 1, 2, 3, 1]
 
 
 # -- checkpoint/test_zero_optimizer.py: frozen weights, immediate save/load, save mid-accumulation ------

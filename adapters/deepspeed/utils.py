@@ -1,5 +1,5 @@
-"""`deepspeed.utils`' accessors of whole tensors behind a parameter: `safe_get_full_grad`,
-and `safe_get_full_fp32_param`.
+"""What scripts use of `deepspeed.utils`: the accessors of whole tensors behind a parameter,
+`safe_get_full_grad` and `safe_get_full_fp32_param`, and `RepeatingLoader`.
 
 DeepSpeed scripts pass the parameters they took from the engine or the model; each is traced to
 the engine training it. Under ZeRO DeepSpeed gathers the pieces; so do these where a piece is not
@@ -30,3 +30,21 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """The whole fp32 value of `param` (the master weight in bf16/fp16)."""
     return _engine(param).full_fp32_param(param)
+
+
+class RepeatingLoader:
+    """DeepSpeed's `RepeatingLoader`: iterate `loader` forever, starting it over at its end."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
