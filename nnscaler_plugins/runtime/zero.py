@@ -31,6 +31,7 @@ import torch.distributed as dist
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 BUCKET_BYTES = 25 * 2**20
+MAX_IN_FLIGHT = 2  # gradient reductions started and not yet waited for (see Zero3Params.flush)
 
 
 @dataclass
@@ -385,6 +386,12 @@ class Zero3Params:
         self._pending.append(_PendingReduce(work, out, None, keys))
         self._bucket, self._bucket_bytes = [], 0
         self.launched += 1
+        # A reduction in flight holds its bucket's whole gradients: at most MAX_IN_FLIGHT at once
+        # (else every layer's whole gradients live until the end of backward, a whole model's worth).
+        in_flight = [p for p in self._pending if p.work is not None]
+        if len(in_flight) > MAX_IN_FLIGHT:
+            in_flight[0].work.wait()
+            in_flight[0].work = None
 
     def reduce_accumulated(self) -> None:
         """Reduce the gradients kept under no_sync (after a step whose backward ran without sync)."""
