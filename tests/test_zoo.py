@@ -158,3 +158,35 @@ def test_capture_turns_the_cache_off_in_every_nested_config_and_restores_it():
         graph = capture(model, batch)
     assert graph.ops
     assert {k: c.use_cache for k, c in configs.items()} == before, "use_cache was not restored"
+
+
+def split_experts(builder, **_):
+    """A user plan: every grouped expert matmul split along its experts over the unit (each device
+    computes the rows routed to its experts; the outputs are summed), everything else whole."""
+    from nnscaler_plugins import op_assign, op_trans
+
+    for op in builder.ops:
+        if "grouped_mm" in op.node.op_name and "e" in op.signature.splittable() \
+                and op.splittable("e", builder.unit_size):
+            for device, sub in enumerate(op_trans(op, dim="e", num=builder.unit_size)):
+                op_assign(sub, device)
+        else:
+            builder.replicate(op)
+
+
+def _train_split_experts(rank, world):
+    import nnscaler_plugins as nns
+
+    model, batch = _eval_build("mixtral")()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = nns.plan(model, strategy=split_experts, world_size=world, example_inputs=batch)
+    split = [name for name, p in plan.ops.items() if p.splits]
+    return split, sgd_equivalence(rank, world, _eval_build("mixtral"), plan, {}, 1, what="mixtral experts split")
+
+
+def test_experts_split_along_the_expert_dim_train_like_one_process(workers2):
+    results = workers2.run(_train_split_experts)
+    split, _ = results[0]
+    assert len(split) == 4, f"expected the 4 grouped expert matmuls split along experts, got {split}"
+    assert not any(p for _, p in results), "\n".join(x for _, p in results for x in p)
