@@ -357,6 +357,28 @@ def _zero_to_fp32(directories: list) -> list:
     return [torch.load(d + ".fp32.pt") for d in directories]
 
 
+class SharedWeights(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer0 = torch.nn.Linear(10, 10)
+        self.layer1 = torch.nn.Linear(20, 20)
+        self.layer2 = torch.nn.Linear(30, 30)
+        self.layer1.weight = self.layer2.weight  # tied
+
+
+def _shared_weights_model() -> SharedWeights:
+    torch.manual_seed(0)
+    return SharedWeights()
+
+
+def _save_shared_weights(rank, world, tmp):
+    model = _shared_weights_model()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": 2}}
+    engine = deepspeed.initialize(config=cfg, model=model, optimizer=torch.optim.Adam(model.parameters()))[0]
+    engine.save_checkpoint(tmp, tag="checkpoint")  # the model has no forward: saved as it is
+
+
 def test_zero_to_fp32_reads_the_checkpoint(workers2, tmp_path) -> None:
     import importlib.util
 
@@ -377,7 +399,13 @@ def test_zero_to_fp32_reads_the_checkpoint(workers2, tmp_path) -> None:
         assert f"{prefix}zero_pp_rank_1_mp_rank_00_optim_states.pt" in files
         assert ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt") in files
         saved.append(masters)
-    read = _zero_to_fp32([str(tmp_path / f"z{stage}{precision}") for stage, precision in cases])
+    workers2.run(_save_shared_weights, str(tmp_path / "shared"))
+    read = _zero_to_fp32([str(tmp_path / f"z{stage}{precision}") for stage, precision in cases]
+                         + [str(tmp_path / "shared")])
+    shared = read.pop()  # checkpoint/test_shared_weights.py: the tied name comes back, a strict load works
+    model = SharedWeights()
+    model.load_state_dict(shared, strict=True)
+    assert torch.equal(model.layer1.weight, _shared_weights_model().layer2.weight)
     for (stage, precision), masters, fp32 in zip(cases, saved, read):
         assert set(fp32) == set(masters), (stage, precision)
         for name, value in masters.items():

@@ -82,11 +82,12 @@ def _flat_partition_zero3(tensors: list[torch.Tensor], dp: int, dp_rank: int) ->
 
 def save(save_dir: str, tag: str, *, module_state: dict[str, torch.Tensor], buffer_names: list[str],
          groups: list[list[str]], masters: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
-         extra: dict[str, Any], zero_stage: int, precision: str, dp: int, dp_rank: int,
+         shared: dict[str, str], extra: dict[str, Any], zero_stage: int, precision: str, dp: int, dp_rank: int,
          parallel: Any = None, optimizer: Any = None, save_latest: bool = True) -> str:
     """Write `save_dir/<tag>` (every rank calls it) and then, on rank 0, point `latest` at it.
 
-    `groups` names the trainable parameters of each optimizer group, `masters` their fp32 values;
+    `groups` names the trainable parameters of each optimizer group, `masters` their fp32 values,
+    `shared` each tied parameter's other names (name -> the name it is stored under);
     `parallel` (the ParallelModule, when there is one) and `optimizer` go to the `nnscaler` directory."""
     path = os.path.join(save_dir, str(tag))
     if parallel is not None:
@@ -98,7 +99,7 @@ def save(save_dir: str, tag: str, *, module_state: dict[str, torch.Tensor], buff
         frozen = {n: t.reshape(-1) for n, t in frozen.items()}
     states = {"module": module_state, "buffer_names": list(buffer_names), "param_shapes": param_shapes,
               "frozen_param_shapes": frozen_shapes,
-              "frozen_param_fragments": frozen, "shared_params": {}, "dp_world_size": dp, "mp_world_size": 1,
+              "frozen_param_fragments": frozen, "shared_params": dict(shared), "dp_world_size": dp, "mp_world_size": 1,
               "ds_version": DS_VERSION, **extra}
     rank = _rank()
     if zero_stage >= 3:

@@ -82,7 +82,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self._pending_load: Optional[tuple[str, bool, bool]] = None  # a checkpoint to load once parallelized
         self._data_iter: Optional[Iterator] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        # A tied parameter goes by its first name, as named_parameters() and the captured graph name it.
+        self._model_param_names = {id(p): n for n, p in model.named_parameters()}
+        self._tied = {n: self._model_param_names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+                      if self._model_param_names[id(p)] != n}
         self._model_params = dict(model.named_parameters())
         self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
         if settings.precision != "fp32":  # DeepSpeed's bf16/fp16 engines hold the model in that dtype
@@ -636,7 +639,7 @@ class DeepSpeedEngine(torch.nn.Module):
                       "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                        for g in self.optimizer.param_groups] if self.optimizer is not None else None})
         ckpt.save(save_dir, tag, module_state=module_state, buffer_names=buffers, groups=groups, masters=masters,
-                  frozen=frozen, extra=extra, zero_stage=self.zero_optimization_stage(),
+                  frozen=frozen, shared=self._tied, extra=extra, zero_stage=self.zero_optimization_stage(),
                   precision=self._settings.precision, dp=self.dp_world_size, dp_rank=self.dp_rank,
                   parallel=self._pmodule, optimizer=self._stepping_optimizer() if self._pmodule is not None else None,
                   save_latest=save_latest)
