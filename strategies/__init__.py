@@ -110,7 +110,7 @@ ZERO3 = Strategy("zero3", zero.zero_stage(3), zero.degrees,
 EP = Strategy("ep", expert_parallel.expert_parallel, expert_parallel.degrees,
               "expert parallel: each MoE layer's experts split over ep= devices, tokens moved to them by "
               "all-to-all; the dense part data-parallel inside the unit (tensor-parallel with tp=ep); dp= units",
-              ("ep", "dp", "tp", "recompute"))
+              ("ep", "dp", "tp", "pp", "schedule", "recompute"))
 BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO,
            ZERO1, ZERO2, ZERO3, EP)
 

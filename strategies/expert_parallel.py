@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.autograd_functions import FunctionTarget
-from nnscaler_plugins.capture.experts import ExpertsCall
+from nnscaler_plugins.runtime.experts_module import ExpertsCall
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 
 from .propagation import TensorParallelPropagation
@@ -35,27 +36,31 @@ def is_experts_op(op: OpHandle) -> bool:
 
 
 def degrees(world_size: int, ep: Optional[int] = None, dp: Optional[int] = None, tp: Optional[int] = None,
-            **_: Any) -> tuple[int, int]:
+            pp: Optional[int] = None, **_: Any) -> tuple[int, int]:
     """(unit_size, dp) = (ep, world_size / ep); `ep` defaults to world_size / dp, else the world.
     With `tp`, the dense part is tensor-parallel over the same devices, so tp must equal ep."""
     if tp is not None and ep is not None and int(tp) != int(ep):
         raise PlanError(f"strategy 'ep': tp={tp} must equal ep={ep} (attention tensor-parallel over the devices "
                         "that split the experts); other groupings are not supported yet")
     ep = ep if ep is not None else tp
+    pp = int(pp or 1)
     if ep is None:
-        ep = world_size // dp if dp else world_size
+        ep = world_size // (int(dp) * pp) if dp else world_size // pp
     for name, value in (("ep", ep), ("dp", dp)):
         if value is not None and (int(value) < 1 or world_size % int(value)):
             raise PlanError(f"strategy 'ep': {name}={value} does not divide the world size {world_size}")
     ep = int(ep)
-    if dp is not None and ep * int(dp) != world_size:
-        raise PlanError(f"strategy 'ep': ep={ep} x dp={dp} = {ep * int(dp)}, but the world size is {world_size}")
-    return ep, world_size // ep
+    if world_size % (ep * pp):
+        raise PlanError(f"strategy 'ep': ep={ep} x pp={pp} does not divide the world size {world_size}")
+    if dp is not None and ep * pp * int(dp) != world_size:
+        raise PlanError(f"strategy 'ep': ep={ep} x pp={pp} x dp={dp} = {ep * pp * int(dp)}, but the world size is "
+                        f"{world_size}")
+    return ep * pp, world_size // (ep * pp)
 
 
-def check_experts(builder: PlanBuilder) -> list[OpHandle]:
+def check_experts(builder: PlanBuilder, ep: Optional[int] = None) -> list[OpHandle]:
     """The MoE layers of the graph, each checked to split into `ep` shares; refused by name otherwise."""
-    ep = builder.unit_size
+    ep = builder.unit_size if ep is None else ep
     layers = [op for op in builder.ops if is_experts_op(op)]
     if not layers:
         raise PlanError("strategy 'ep': the model has no recognized mixture-of-experts layers (a module whose "
@@ -113,11 +118,17 @@ def batch_choices(builder: PlanBuilder) -> dict[str, Optional[str]]:
 
 def expert_parallel(builder: PlanBuilder, **options: Any) -> None:
     """Experts split `ep` ways with their tokens; everything else split along the batch inside the unit."""
+    pp = int(options.get("pp") or 1)
     ep = options.get("ep")
-    if ep is not None and int(ep) != builder.unit_size:
-        raise PlanError(f"strategy 'ep': ep={ep} but the plan's unit has {builder.unit_size} devices")
-    check_experts(builder)
+    if ep is not None and int(ep) * pp != builder.unit_size:
+        raise PlanError(f"strategy 'ep': ep={ep} x pp={pp} but the plan's unit has {builder.unit_size} devices")
     builder.options["experts_as_one_op"] = True  # a saved plan is re-applied to the same capture
+    if pp > 1:
+        check_experts(builder, builder.unit_size // pp)
+        pipelined(builder, pp, options.get("schedule") or "1f1b")
+        apply_recompute(builder, options.get("recompute"))
+        return
+    check_experts(builder)
     n = builder.unit_size
     if options.get("tp") is not None and n > 1:
         dense_tensor_parallel(builder)
@@ -147,6 +158,34 @@ def dense_tensor_parallel(builder: PlanBuilder) -> None:
             continue
         for device, sub in enumerate(builder.op_trans(op, dim=c.label, num=n, block=c.block)):
             builder.op_assign(sub, device)
+
+
+def pipelined(builder: PlanBuilder, pp: int, schedule: Any) -> None:
+    """The layer stack in `pp` stages of `ep` devices each (as the pipeline strategies cut it); inside
+    a stage the dense ops are tensor-parallel over the stage's devices and each MoE layer is split
+    along experts over them. Values enter and leave a stage whole, as the pipeline executor moves them."""
+    ep = builder.unit_size // pp
+    try:
+        stages = balanced_stages(layer_groups(builder.graph), pp)
+    except ValueError as e:
+        raise PlanError(f"strategy 'ep': cannot cut {builder.graph.model_class} into {pp} pipeline stages: {e}") \
+            from None
+    handles = {op.name: op for op in builder.ops}
+    stage_devices = [list(range(r * ep, (r + 1) * ep)) for r in range(pp)]
+    for ops, devices in zip(stages, stage_devices):
+        segment = [handles[op.name] for op in ops]
+        choices = TensorParallelPropagation(builder, degree=ep, devices_of=lambda op, d=devices: d,
+                                            ops=segment).run() if ep > 1 else {}
+        for op in segment:
+            c = choices.get(op.name)
+            label = EXPERT_LABEL if is_experts_op(op) and ep > 1 else (c.label if c is not None else None)
+            if label is None:
+                builder.replicate(op, devices=devices)
+                continue
+            block = c.block if c is not None and label == c.label else 1
+            for device, sub in zip(devices, builder.op_trans(op, dim=label, num=ep, block=block)):
+                builder.op_assign(sub, device)
+    builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule=schedule)
 
 
 # Read by the entry points before capture (capture/experts.py: wants_experts_as_one_op).

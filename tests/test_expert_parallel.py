@@ -43,11 +43,39 @@ def qwen3_moe():
     return model, {"input_ids": ids, "labels": ids}
 
 
+def qwen2_moe():
+    import transformers
+
+    cfg = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                                      shared_expert_intermediate_size=40, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2, num_experts=EXPERTS,
+                                      num_experts_per_tok=TOP_K, output_router_logits=True, router_aux_loss_coef=0.05,
+                                      max_position_embeddings=64)
+    model = transformers.Qwen2MoeForCausalLM(cfg)
+    ids = torch.randint(0, 64, (4, 8))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def deepseek_v3():
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                                        n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=2, topk_group=1,
+                                        n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                        max_position_embeddings=64)
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    ids = torch.randint(0, 64, (4, 8))
+    return model, {"input_ids": ids, "labels": ids}
+
+
 def mixtral_no_aux():
     return mixtral(aux=False)
 
 
-MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "mixtral_no_aux": mixtral_no_aux}
+MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "mixtral_no_aux": mixtral_no_aux, "qwen2_moe": qwen2_moe,
+          "deepseek_v3": deepseek_v3}
 
 
 def _equivalence(rank, world, name, options, dp):
@@ -55,7 +83,8 @@ def _equivalence(rank, world, name, options, dp):
 
 
 @pytest.mark.parametrize("name,options", [("mixtral", {"ep": 2})]
-                         + ([("qwen3_moe", {"ep": 2}), ("mixtral", {"ep": 2, "tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2})]
+                         + ([("qwen3_moe", {"ep": 2}), ("mixtral", {"ep": 2, "tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2}),
+                             ("qwen2_moe", {"ep": 2}), ("deepseek_v3", {"ep": 2})]
                             if EVERY else []))
 def test_ep_2(workers2, name, options):
     problems = workers2.run(_equivalence, name, options, 1)
@@ -64,7 +93,8 @@ def test_ep_2(workers2, name, options):
 
 @pytest.mark.parametrize("name,options,dp", [("mixtral_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1)]
                          + ([("qwen3_moe", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
-                             ("qwen3_moe", {"ep": 4}, 1), ("mixtral_no_aux", {"ep": 2, "dp": 2, "zero": 1}, 2)]
+                             ("qwen3_moe", {"ep": 4}, 1), ("mixtral_no_aux", {"ep": 2, "dp": 2, "zero": 1}, 2),
+                             ("mixtral", {"ep": 2, "pp": 2, "micro_batches": 2}, 1)]
                             if EVERY else []))
 def test_ep_4(workers4, name, options, dp):
     problems = workers4.run(_equivalence, name, options, dp)
@@ -141,7 +171,8 @@ def _kernel_against_module(rank, world, capacity_factor):
 
     import torch.distributed as dist
 
-    from nnscaler_plugins.capture.experts import register_template, stacked_parameters
+    from nnscaler_plugins.capture.experts import stacked_parameters
+    from nnscaler_plugins.runtime.experts_module import register_template
     from nnscaler_plugins.runtime.expert_dispatch import expert_all_to_all
 
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nnscaler_plugins.capture.experts import ExpertsCall
+from nnscaler_plugins.runtime.experts_module import ExpertsCall
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
 from nnscaler_plugins.runtime import expert_dispatch
