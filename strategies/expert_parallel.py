@@ -80,6 +80,14 @@ def check_experts(builder: PlanBuilder, ep: Optional[int] = None) -> list[OpHand
     return layers
 
 
+def mutates_input(op: OpHandle) -> bool:
+    """An in-place op (`copy_` into a slice of a fresh buffer, as DeepSeek-V3's attention writes its
+    keys). Split along the batch, each piece would update a local chunk of the view while readers of
+    the buffer see it whole and unwritten, so the strategy keeps these whole."""
+    parts = op.node.op_name.split(".")
+    return len(parts) >= 2 and parts[-2].endswith("_") and not parts[-2].startswith("_")
+
+
 def batch_choices(builder: PlanBuilder) -> dict[str, Optional[str]]:
     """For every op, the label carrying the batch dim of its inputs (split `ep` ways), or None (whole).
 
@@ -97,6 +105,8 @@ def batch_choices(builder: PlanBuilder) -> dict[str, Optional[str]]:
         label: Optional[str] = None
         if is_experts_op(op):
             label = EXPERT_LABEL
+        elif mutates_input(op):
+            pass  # whole: a piece would write into a chunk copy, not into the tensor its views share
         else:
             for i, name in enumerate(op.node.inputs):
                 d = split_dim.get(name)

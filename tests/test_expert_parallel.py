@@ -84,7 +84,7 @@ def _equivalence(rank, world, name, options, dp):
 
 @pytest.mark.parametrize("name,options", [("mixtral", {"ep": 2})]
                          + ([("qwen3_moe", {"ep": 2}), ("mixtral", {"ep": 2, "tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2}),
-                             ("qwen2_moe", {"ep": 2}), ("deepseek_v3", {"ep": 2})]
+                             ("qwen2_moe", {"ep": 2}), ("deepseek_v3", {"ep": 2}), ("deepseek_v3", {"ep": 2, "tp": 2})]
                             if EVERY else []))
 def test_ep_2(workers2, name, options):
     problems = workers2.run(_equivalence, name, options, 1)
@@ -94,7 +94,7 @@ def test_ep_2(workers2, name, options):
 @pytest.mark.parametrize("name,options,dp", [("mixtral_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1)]
                          + ([("qwen3_moe", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
                              ("qwen3_moe", {"ep": 4}, 1), ("mixtral_no_aux", {"ep": 2, "dp": 2, "zero": 1}, 2),
-                             ("mixtral", {"ep": 2, "pp": 2, "micro_batches": 2}, 1)]
+                             ("mixtral_no_aux", {"ep": 2, "pp": 2, "micro_batches": 2}, 1)]
                             if EVERY else []))
 def test_ep_4(workers4, name, options, dp):
     problems = workers4.run(_equivalence, name, options, dp)
