@@ -117,8 +117,10 @@ def read_metadata(path: str) -> tuple[str, dict[str, Any]]:
     return directory, meta
 
 
-def verify_files(directory: str, meta: dict[str, Any]) -> None:
-    """Every file the metadata names is there, whole and unchanged (size and SHA-256)."""
+def verify_files(directory: str, meta: dict[str, Any], hashed: Optional[set[str]] = None) -> None:
+    """Every file the metadata names is there and whole (its size), and unchanged (SHA-256): all
+    of them, or those in `hashed` (the files a rank reads from: hashing the others would read
+    every rank's bytes on every rank)."""
     for name, want in meta["files"].items():
         path = os.path.join(directory, name)
         if not os.path.exists(path):
@@ -127,7 +129,7 @@ def verify_files(directory: str, meta: dict[str, Any]) -> None:
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint file {path} has {size} bytes, the metadata says {want['bytes']}: "
                                   "it is truncated or was overwritten; restore it from a copy")
-        if file_digest(path)["sha256"] != want["sha256"]:
+        if (hashed is None or name in hashed) and file_digest(path)["sha256"] != want["sha256"]:
             raise CheckpointError(f"checkpoint file {path} is corrupt (SHA-256 differs from the metadata); "
                                   "restore it from a copy")
 
@@ -241,6 +243,13 @@ class TensorReader:
             raise CheckpointError(f"checkpoint {self.directory}: the pieces stored of {key} cover {filled} of the "
                                   f"{box_numel(box)} elements asked for; the metadata is inconsistent")
         return out
+
+    def files_for(self, entry: dict[str, Any], box: Box) -> set[str]:
+        """The files holding some element of `box` of a stored tensor (or object)."""
+        if "pieces" not in entry:
+            return {entry["file"]}
+        return {file for file, _, _, pairs in self._stored_blocks(entry)
+                if any(intersect(whole_box, box) is not None for whole_box, _ in pairs)}
 
     def _stored_blocks(self, entry: dict[str, Any]) -> list:
         cached = self._blocks.get(id(entry))

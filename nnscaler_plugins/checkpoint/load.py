@@ -218,12 +218,41 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
         else:
             problems += check_optimizer_matches(module, optimizer, [{"params": g} for g in meta["optimizer"]["groups"]])
     _check(source, module, strict, problems)
-    verify_files(directory, meta)
+    verify_files(directory, meta, _files_read(module, optimizer, meta, reader))
     extra = read_extra(directory, meta)
     load_model_pieces(module, source)
     if optimizer is not None:
         _read_optimizer(module, optimizer, meta, reader)
     return extra
+
+
+def _files_read(module: Any, optimizer: Any, meta: dict[str, Any], reader: TensorReader) -> set[str]:
+    """The files this rank reads from: the pieces' files that overlap its own pieces, and the small
+    files every rank reads."""
+    files = {name for name in meta["files"] if not name.endswith(".bin")}
+
+    def add(entry: dict, shape: tuple[int, ...], region: Any, lo: int, hi: int) -> None:
+        if entry.get("object"):
+            return
+        if tuple(entry["shape"]) != tuple(shape) or not shape:  # read whole (a step count)
+            files.update(reader.files_for(entry, tuple((0, n) for n in entry["shape"])))
+            return
+        for _, _, pairs in region.blocks(lo, hi):
+            for whole_box, _ in pairs:
+                files.update(reader.files_for(entry, whole_box))
+
+    model, tied = meta["model"], _names_of(module)
+    for slot in model_slots(module):
+        name = next((t for t in tied.get(slot.name, [slot.name]) if t in model), None)
+        if name is not None and not slot.zeroed:
+            p = slot.piece
+            add(model[model[name].get("alias_of", name)], p.shape, p.region, p.lo, p.hi)
+    if optimizer is not None and meta.get("optimizer") is not None:
+        saved = meta["optimizer"]["state"]
+        for slot in optimizer_slots(module, optimizer):
+            for entry in saved.get(slot.fqn, {}).values():
+                add(entry, slot.shape, slot.region, slot.lo, slot.hi)
+    return files
 
 
 def _check(source: WeightSource, module: torch.nn.Module, strict: bool, problems: list[str]) -> None:
