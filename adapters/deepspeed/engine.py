@@ -82,8 +82,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._pending_load: Optional[tuple[str, bool, bool]] = None  # a checkpoint to load once parallelized
         self._data_iter: Optional[Iterator] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        # A tied parameter goes by its first name, as named_parameters() and the captured graph name it.
-        self._model_param_names = {id(p): n for n, p in model.named_parameters()}
+        # A tied parameter goes by its last name (the one the plan updates; its other names follow).
+        self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._tied = {n: self._model_param_names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
                       if self._model_param_names[id(p)] != n}
         self._model_params = dict(model.named_parameters())
