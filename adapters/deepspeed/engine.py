@@ -596,7 +596,7 @@ class DeepSpeedEngine(torch.nn.Module):
             groups = [[self._model_param_names[id(p)] for p in g["params"]
                        if id(p) in self._model_param_names and p.requires_grad] for g in opt.param_groups] \
                 if opt is not None else [[n for n, p in self._model_params.items() if p.requires_grad]]
-            whole = {n: p.detach().float() for n, p in self._model_params.items()}
+            whole = {n: p.detach().float() for n, p in self._model.named_parameters(remove_duplicate=False)}
             if self._pmodule is not None:
                 whole = {n: t.float() for n, t in self._pmodule.full_state_dict().items()}
             return groups, {n: whole[n] for g in groups for n in g}
