@@ -106,7 +106,7 @@ def unsqueeze(call: OpCall) -> Signature:
 
 @rule("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default")
 def squeeze(call: OpCall) -> Signature:
-    x, out = call.inputs[0], call.outputs[0]
+    x = call.inputs[0]
     dims = call.arg(1, "dim", None)
     if dims is None:
         dims = [i for i, s in enumerate(x.shape) if s == 1]
