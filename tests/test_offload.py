@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 
+import models
 import pytest
 import torch
-
-import models
 
 CASES = [  # (strategy, options): ZeRO-2's chunked masters, ZeRO-3 chunks on the host with bf16 masters
     ("dp", {"zero": 2, "offload": "optimizer"}),
@@ -109,6 +108,7 @@ def test_simulator_prices_offload():
 
     import nnscaler_plugins as nns
     from nnscaler_plugins.search.offload_cost import offload_price
+    from nnscaler_plugins.search.simulator import training_of
 
     model, batch = models.gpt2_small(1)
     cluster = nns.cluster("a100-dgx", nodes=1)
@@ -117,7 +117,7 @@ def test_simulator_prices_offload():
     prices = {}
     for offload in ("optimizer", "params"):
         p = dataclasses.replace(base, offload=offload)
-        price = offload_price(p, cluster, est.memory, micro_batches=est.micro_batches,
+        price = offload_price(p, cluster, est.memory, training=training_of(p, cluster), micro_batches=est.micro_batches,
                               device_step_s=est.details["optimizer_s"])
         got = nns.simulate(p, cluster)
         assert price.device_bytes_saved > 0 and price.transfer_s > 0 and price.seconds > 0, offload
@@ -131,5 +131,6 @@ def test_simulator_prices_offload():
     assert prices["params"].device_bytes_saved == pytest.approx(
         est.memory["optimizer"] + est.memory["params"] + est.memory["grads"])
     slow = dataclasses.replace(cluster, host_bandwidth=cluster.host_bandwidth / 10)
-    assert offload_price(dataclasses.replace(base, offload="optimizer"), slow, est.memory).transfer_s == \
+    opt_plan = dataclasses.replace(base, offload="optimizer")
+    assert offload_price(opt_plan, slow, est.memory, training=training_of(opt_plan, slow)).transfer_s == \
         pytest.approx(10 * prices["optimizer"].transfer_s)

@@ -19,10 +19,19 @@ from typing import Any, Optional
 
 import torch
 
-from nnscaler_plugins.checkpoint.agreement import begin_round, exchange, finish_round, world
+from nnscaler_plugins.checkpoint.agreement import (
+    begin_round,
+    exchange,
+    finish_round,
+    world,
+)
 from nnscaler_plugins.checkpoint.atomic import fsync_dir, sibling, swap_into_place
 from nnscaler_plugins.checkpoint.errors import CheckpointError
-from nnscaler_plugins.checkpoint.optimizer_state import group_names, merge_groups
+from nnscaler_plugins.checkpoint.optimizer_state import (
+    group_names,
+    merge_groups,
+    read_optimizer_state,
+)
 from nnscaler_plugins.checkpoint.pieces import (
     aliases,
     is_piece_tensor,
@@ -31,7 +40,14 @@ from nnscaler_plugins.checkpoint.pieces import (
     optimizer_slots,
     partial_keys,
 )
-from nnscaler_plugins.checkpoint.regions import Box, Region, box_numel, box_slices, intersect
+from nnscaler_plugins.checkpoint.regions import (
+    Box,
+    Region,
+    box_numel,
+    box_slices,
+    intersect,
+)
+from nnscaler_plugins.checkpoint.sources import WeightSource
 
 DCP_METADATA = ".metadata"
 OPTIM_STATE = "optimizer.state."
@@ -108,8 +124,6 @@ class _DcpReader:
 
 def dcp_source(directory: str) -> Any:
     """A DCP directory's model tensors (everything outside "optimizer.") as a `WeightSource`."""
-    from nnscaler_plugins.checkpoint.load import WeightSource
-
     reader = _DcpReader(directory)
     tensors = {n: v for n, v in reader.tensors().items() if not n.startswith("optimizer.")}
     source = WeightSource(directory, tensors, reader.read, "a torch.distributed.checkpoint directory")
@@ -121,7 +135,6 @@ def load_dcp_optimizer(directory: str, module: Any, optimizer: Any) -> None:
     """This rank's pieces of the optimizer state `export_dcp` wrote."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from nnscaler_plugins.checkpoint.load import read_optimizer_state
 
     reader = _DcpReader(directory)
     md = reader.md.state_dict_metadata
@@ -141,8 +154,16 @@ def load_dcp_optimizer(directory: str, module: Any, optimizer: Any) -> None:
 
 def _items(module: Any, optimizer: Any, rank: int) -> tuple[list, dict]:
     """This rank's DCP write items (one per box of its pieces) and the data each resolves to."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
 
     items, data = [], {}
 

@@ -37,7 +37,13 @@ from nnscaler_plugins.checkpoint.atomic import (
     resolve_checkpoint_dir,
 )
 from nnscaler_plugins.checkpoint.errors import CheckpointError
-from nnscaler_plugins.checkpoint.regions import Box, Region, box_numel, box_slices, intersect
+from nnscaler_plugins.checkpoint.regions import (
+    Box,
+    Region,
+    box_numel,
+    box_slices,
+    intersect,
+)
 
 FORMAT = "nnscaler-checkpoint"
 VERSION = 2

@@ -20,6 +20,7 @@ import torch
 
 from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.regions import Box, box_slices
+from nnscaler_plugins.checkpoint.sources import WeightSource
 
 SAFE_ONE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -54,8 +55,6 @@ def _weight_map(directory: str, index: str) -> dict[str, str]:
 
 def hf_source(directory: str) -> Any:
     """The directory's tensors as a `WeightSource` (names, whole shapes and dtypes, box reads)."""
-    from nnscaler_plugins.checkpoint.load import WeightSource
-
     if os.path.exists(os.path.join(directory, SAFE_INDEX)):
         files = _weight_map(directory, SAFE_INDEX)
     elif os.path.exists(os.path.join(directory, SAFE_ONE)):
@@ -96,8 +95,6 @@ def hf_source(directory: str) -> Any:
 
 
 def _bin_source(directory: str) -> Any:
-    from nnscaler_plugins.checkpoint.load import WeightSource
-
     files = _weight_map(directory, BIN_INDEX) if os.path.exists(os.path.join(directory, BIN_INDEX)) else None
     opened: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -125,8 +122,6 @@ def matched_to(source: Any, wanted: set[str]) -> Any:
     """`source` with its names moved by the one prefix (added or removed) under which most of them
     are the module's, as `from_pretrained` matches a base model's checkpoint to a model with a head;
     unchanged when the names already agree best."""
-    from nnscaler_plugins.checkpoint.load import WeightSource
-
     have = set(source.tensors)
     best, best_hits = None, len(have & wanted)
     prefixes = {n.split(".", 1)[0] for n in wanted | have if "." in n}

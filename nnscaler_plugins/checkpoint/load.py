@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -25,25 +25,17 @@ from nnscaler_plugins.checkpoint.format import (
     verify_files,
 )
 from nnscaler_plugins.checkpoint.model_state import expected_model_tensors
-from nnscaler_plugins.checkpoint.optimizer_state import check_optimizer_matches
+from nnscaler_plugins.checkpoint.optimizer_state import (
+    check_optimizer_matches,
+    read_optimizer_state,
+)
 from nnscaler_plugins.checkpoint.pieces import (
     aliases,
-    knows_plan_pieces,
     model_slots,
     optimizer_slots,
 )
 from nnscaler_plugins.checkpoint.regions import Box, read_piece
-
-
-class WeightSource:
-    """Whole tensors by name, read box by box. `tensors` maps every name (tied names included) to
-    (whole shape, dtype); `read(name, box)` returns those elements only."""
-
-    kind = "checkpoint"
-
-    def __init__(self, where: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 read: Callable[[str, Box], torch.Tensor], origin: str = ""):
-        self.where, self.tensors, self.read, self.origin = where, tensors, read, origin
+from nnscaler_plugins.checkpoint.sources import WeightSource
 
 
 def checkpoint_source(directory: str, meta: dict[str, Any], reader: TensorReader) -> WeightSource:
@@ -136,43 +128,6 @@ def _read_optimizer(module: Any, optimizer: Any, meta: dict[str, Any], reader: T
     groups = reader.get(OPTIM_GROUPS_KEY, {"file": meta["optimizer"]["param_groups_file"], "object": True})
     read_optimizer_state(module, optimizer, saved, lambda name, box: reader.read(name, entries[name], box),
                          lambda name: reader.get(name, entries[name]), groups, optim_key)
-
-
-def read_optimizer_state(module: Any, optimizer: Any, saved: dict[str, dict[str, Optional[tuple[int, ...]]]],
-                         read_box: Callable[[str, Box], torch.Tensor], read_whole: Callable[[str], Any],
-                         groups: list[dict], name_of: Callable[[str, str], str]) -> None:
-    """Install this rank's pieces of a saved optimizer state. `saved` gives per parameter and key
-    the whole shape of a stored tensor (None for a stored value); a tensor shaped like the
-    parameter is read box by box for the piece (or ZeRO chunk) this rank holds."""
-
-    def state_of(slot: Any) -> dict[str, Any]:
-        out = {}
-        for key, shape in saved.get(slot.fqn, {}).items():
-            name = name_of(slot.fqn, key)
-            if shape is not None and tuple(shape) == slot.shape and len(shape) >= 1:
-                out[key] = read_piece(slot.region, lambda box, n=name: read_box(n, box), None, slot.lo, slot.hi)
-            else:
-                out[key] = read_whole(name)
-        return out
-
-    slots = optimizer_slots(module, optimizer)  # plain optimizers: in param_groups order
-    if knows_plan_pieces(optimizer):
-        for slot in slots:
-            optimizer.load_local_state(slot.fqn, state_of(slot))
-        for g, saved in zip(optimizer.param_groups, groups):
-            g.update({k: v for k, v in saved.items() if k != "params"})
-        return
-    sd = optimizer.state_dict()
-    new_state: dict[int, dict[str, Any]] = {}
-    order = iter(slots)
-    for g, sg in zip(optimizer.param_groups, sd["param_groups"]):
-        for p, i in zip(g["params"], sg["params"]):
-            st = state_of(next(order))
-            new_state[i] = {k: (v.reshape(p.shape).clone() if torch.is_tensor(v) and v.dim() >= 1
-                                and v.numel() == p.numel() else v) for k, v in st.items()}
-    new_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": sg["params"]}
-                  for saved, sg in zip(groups, sd["param_groups"])]
-    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 
 
 def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *, strict: bool = True

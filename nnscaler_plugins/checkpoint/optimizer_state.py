@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.model_state import is_parallel
+from nnscaler_plugins.checkpoint.pieces import knows_plan_pieces, optimizer_slots
+from nnscaler_plugins.checkpoint.regions import Box, read_piece
 from nnscaler_plugins.lower.layout import Layout
 
 
@@ -224,3 +226,40 @@ def _piece(value: Any, lay: Optional[Layout], device: int) -> Any:
     if lay is not None and value.dim() > 0 and tuple(value.shape) == tuple(lay.shape):
         return lay.slice_full(value, device).clone()
     return value.clone()
+
+
+def read_optimizer_state(module: Any, optimizer: Any, saved: dict[str, dict[str, Optional[tuple[int, ...]]]],
+                         read_box: Callable[[str, Box], torch.Tensor], read_whole: Callable[[str], Any],
+                         groups: list[dict], name_of: Callable[[str, str], str]) -> None:
+    """Install this rank's pieces of a saved optimizer state. `saved` gives per parameter and key
+    the whole shape of a stored tensor (None for a stored value); a tensor shaped like the
+    parameter is read box by box for the piece (or ZeRO chunk) this rank holds."""
+
+    def state_of(slot: Any) -> dict[str, Any]:
+        out = {}
+        for key, shape in saved.get(slot.fqn, {}).items():
+            name = name_of(slot.fqn, key)
+            if shape is not None and tuple(shape) == slot.shape and len(shape) >= 1:
+                out[key] = read_piece(slot.region, lambda box, n=name: read_box(n, box), None, slot.lo, slot.hi)
+            else:
+                out[key] = read_whole(name)
+        return out
+
+    slots = optimizer_slots(module, optimizer)  # plain optimizers: in param_groups order
+    if knows_plan_pieces(optimizer):
+        for slot in slots:
+            optimizer.load_local_state(slot.fqn, state_of(slot))
+        for g, saved in zip(optimizer.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        return
+    sd = optimizer.state_dict()
+    new_state: dict[int, dict[str, Any]] = {}
+    order = iter(slots)
+    for g, sg in zip(optimizer.param_groups, sd["param_groups"]):
+        for p, i in zip(g["params"], sg["params"]):
+            st = state_of(next(order))
+            new_state[i] = {k: (v.reshape(p.shape).clone() if torch.is_tensor(v) and v.dim() >= 1
+                                and v.numel() == p.numel() else v) for k, v in st.items()}
+    new_groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": sg["params"]}
+                  for saved, sg in zip(groups, sd["param_groups"])]
+    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})

@@ -57,19 +57,15 @@ def _rates(cluster: Any) -> tuple[float, float]:
     return link, mem
 
 
-def offload_price(plan: Any, cluster: Any, states: Mapping[str, float], *, training: Any = None,
+def offload_price(plan: Any, cluster: Any, states: Mapping[str, float], *, training: Any,
                   micro_batches: int = 1, device_step_s: float = 0.0) -> OffloadPrice:
     """The price of `plan.offload` for one device whose model states, without offload, are
     `states` ({"params", "grads", "optimizer"} bytes, as the simulator counts them);
     `device_step_s` is its optimizer step on the device, `training` the simulator's `Training`
-    (its byte sizes; by default the one `simulate` prices the plan with)."""
+    for the plan (its byte sizes: `simulator.training_of(plan, cluster)`)."""
     offload = getattr(plan, "offload", None)
     if not offload:
         return OffloadPrice()
-    if training is None:  # as the simulator prices the plan
-        from nnscaler_plugins.search.simulator import training_of
-
-        training = training_of(plan, cluster)
     link, mem = _rates(cluster)
     owned = states.get("optimizer", 0.0) / max(1, training.master_bytes + training.optimizer_bytes)
     grads_down = owned * training.grad_bytes
