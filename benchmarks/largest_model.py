@@ -110,7 +110,6 @@ def _fsdp2(layers: int, width: int, rank: int) -> list[float]:
 
 def _deepspeed(layers: int, width: int, rank: int) -> list[float]:
     import deepspeed
-    import torch
     from transformers import GPT2LMHeadModel
 
     batch = _batch(rank)

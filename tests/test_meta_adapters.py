@@ -54,8 +54,6 @@ def _gpt2(meta: bool):
 def _hf_run(rank: int, world: int, port: int, out: str, mode: str) -> dict:
     from nnscaler_plugins.adapters.hf import NNScalerTrainer, NNScalerTrainingArguments
 
-    import nnscaler_plugins as nns
-
     _launcher_env(rank, world, port)
     args = NNScalerTrainingArguments(output_dir=os.path.join(out, mode), use_cpu=True, report_to=[], plan="tp",
                                      ddp_backend="gloo", max_steps=1, per_device_train_batch_size=2,

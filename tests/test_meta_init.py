@@ -101,7 +101,7 @@ def test_meta_model_gets_the_same_weights_under_every_plan(workers, builder_name
     builder = getattr(models, builder_name)
     ref, ref_loss = _reference(builder)
     # One process, from the meta device, equals the eager reference.
-    model, inputs = _meta(builder)
+    model, _ = _meta(builder)
     pm = nns.parallelize(model, _inputs(builder), plan="dp", world_size=1, cache_dir="/tmp/nns_test_cache",
                          init_seed=SEED)
     full = pm.full_state_dict()
