@@ -203,8 +203,15 @@ class NNScalerStrategyMixin:
     def model_to_device(self) -> None:
         """Tensors on the meta device (built in `configure_model`) stay there: the plan makes their shards."""
         assert self.model is not None
+        from nnscaler_plugins.runtime.materialize import has_meta_tensors
+
         device = self.root_device
+        if not has_meta_tensors(self.model):
+            self.model.to(device)
+            return
         self.model._apply(lambda t: t if t.is_meta else t.to(device))
+        if hasattr(self.model, "_device"):  # what LightningModule.to records for its `device` property
+            self.model._device = device
 
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
