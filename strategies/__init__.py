@@ -37,7 +37,7 @@ from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
 from . import auto as auto_search
-from . import data_parallel, expert_parallel, hybrid, pipeline, tensor_parallel, zero
+from . import context_parallel, data_parallel, expert_parallel, hybrid, pipeline, tensor_parallel, zero
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,12 @@ EP = Strategy("ep", expert_parallel.expert_parallel, expert_parallel.degrees,
               "expert parallel: each MoE layer's experts split over ep= devices, tokens moved to them by "
               "all-to-all; the dense part data-parallel inside the unit (tensor-parallel with tp=ep); dp= units",
               ("ep", "dp", "tp", "pp", "schedule", "recompute"))
+CP = Strategy("cp", context_parallel.context_parallel, context_parallel.degrees,
+               "context parallel: the sequence split over cp= devices, attention by cp_comm= ring (default), "
+               "allgather or ulysses, causal load balancing by default", ("cp", "dp", "tp", "cp_comm",
+                                                                          "balance", "recompute"))
 BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO,
-           ZERO1, ZERO2, ZERO3, EP)
+           ZERO1, ZERO2, ZERO3, EP, CP)
 
 
 @hookimpl

@@ -121,7 +121,7 @@ def layer_count(name: str) -> int:
 def test_registered_through_the_hook():
     table = nnscaler_register_strategies()
     assert set(table) == {"dp", "tp", "hybrid", "coshard", "gpipe", "1f1b", "interleaved", "zero-bubble", "pipeline", "interlaced", "megatron", "auto",
-                          "zero1", "zero2", "zero3", "ep"}
+                          "zero1", "zero2", "zero3", "cp", "ep"}
     assert all(isinstance(s, Strategy) and callable(s.degrees) for s in table.values())
 
 

@@ -90,7 +90,7 @@ class OpHandle:
         if self.signature.is_frozen(label):
             return False
         call = op_call(self.builder.graph, self.node)
-        if block > 1 and self.signature.blockable(label, call) is not None:
+        if abs(block) > 1 and self.signature.blockable(label, call) is not None:
             return False
         placement = self.builder._placement(self)
         current = placement.label_counts().get(label, 1)
@@ -168,7 +168,8 @@ class PlanBuilder:
                 raise PlanError(f"dim {label!r} is frozen by the op's rule ({op.signature.note or 'it must stay whole'})",
                                 op=op.name, where=op.where())
             if block != 1:
-                why = op.signature.blockable(label, op_call(self.graph, op.node)) if block > 1 else "block must be >= 1"
+                why = op.signature.blockable(label, op_call(self.graph, op.node)) if abs(block) > 1 else \
+                    "block must be >= 2 (or <= -2: mirrored)"
                 if why is not None:
                     raise PlanError(f"cannot split dim {label!r} in {block} blocks: {why}", op=op.name,
                                     where=op.where())

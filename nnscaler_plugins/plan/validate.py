@@ -95,7 +95,7 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
                 raise PlanError(f"splits dim {label!r}, which its rule keeps whole", op=op.name, where=op.where())
             own_block = p.blocks.get(label, 1)
             if own_block != 1:
-                why = sig.blockable(label, call) if own_block > 1 else "block must be >= 1"
+                why = sig.blockable(label, call) if abs(own_block) > 1 else "block must be >= 2 (or <= -2: mirrored)"
                 if why is not None:
                     raise PlanError(f"splits dim {label!r} in {own_block} blocks, but {why}", op=op.name,
                                     where=op.where())
