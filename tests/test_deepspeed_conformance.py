@@ -790,9 +790,9 @@ def test_save_and_load_edge_cases(workers2, tmp_path) -> None:
 
 # -- test_no_sync_ctxt.py test_multiple_ctxts: the same losses and gradients in two no_sync blocks -------
 
-def _multiple_ctxts(rank, world, precision):
+def _multiple_ctxts(rank, world, stage, precision):
     model = _model()
-    engine, _, _, _ = deepspeed.initialize(model=model, config=_config(1, precision))
+    engine, _, _, _ = deepspeed.initialize(model=model, config=_config(stage, precision))
     params = list(engine.parameters())
     batches = _batches(3, rank, _dtype(precision))
     runs = []
@@ -810,9 +810,10 @@ def _multiple_ctxts(rank, world, precision):
 
 
 def test_no_sync_blocks_repeat(workers2) -> None:
-    for precision in ("fp32", "bf16"):
-        for first, second in workers2.run(_multiple_ctxts, precision):
-            assert first == second, precision
+    for stage in (0, 1):
+        for precision in ("fp32", "bf16"):
+            for first, second in workers2.run(_multiple_ctxts, stage, precision):
+                assert first == second, (stage, precision)
 
 
 # -- offload (test_ds_initialize TestNoOptim, checkpoint tests with cpu_offload) --------------------------
@@ -1114,3 +1115,67 @@ def test_zero_to_fp32_uneven_frozen_unused_and_repeated_layers(workers2, tmp_pat
                 assert torch.allclose(fp32[name], value), (case, name)
     for r in workers2.run(_repeat_forward):
         assert r[0] == pytest.approx(r[3], rel=1e-6)
+
+
+# -- test_lr_schedulers.py's parameterizations with its own assertions (the engine steps the schedule
+#    once per optimizer step, as test_schedules_through_the_engine checks) --------------------------------
+
+def _lrs(name: str, params: dict, steps: int, before: bool) -> list:
+    from nnscaler_plugins.adapters.deepspeed.schedulers import build_scheduler
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.00015)
+    sched = build_scheduler(name, dict(params), opt)
+    out = []
+    for _ in range(steps):
+        if before:
+            out.extend(sched.get_lr())
+        sched.step()
+        if not before:
+            out.append(sched.get_lr())
+    return out
+
+
+@pytest.mark.parametrize("warmup_num_steps", [10, 15, 19, 33])
+@pytest.mark.parametrize("warmup_type", ["log", "linear"])
+def test_lr_warmup_and_warmup_decay_schedules(warmup_num_steps, warmup_type) -> None:
+    params = {"warmup_min_lr": 0.1, "warmup_max_lr": 0.2, "warmup_num_steps": warmup_num_steps,
+              "warmup_type": warmup_type}
+    step_lrs = _lrs("WarmupLR", params, 2 * warmup_num_steps, before=False)
+    assert step_lrs[0] == [0.1] and step_lrs[warmup_num_steps] == [0.2]
+    assert all(lr == [0.2] for lr in step_lrs[warmup_num_steps:])
+    step_lrs = _lrs("WarmupDecayLR", dict(params, total_num_steps=2 * warmup_num_steps), 2 * warmup_num_steps,
+                    before=False)
+    assert step_lrs[0] == [0.1] and step_lrs[warmup_num_steps] == [0.2]
+    later = step_lrs[warmup_num_steps:]
+    assert all(b < a for a, b in zip(later, later[1:]))
+
+
+@pytest.mark.parametrize("min_lr, step_rate, step_size, staircase", [
+    (1e-4, 1e-5, 1, True), (1e-5, 1e-5, 1, False), (1e-4, 1e-3, 10, True), (1e-3, 1e-3, 10, False),
+    (1e-2, 1e-2, 19, True), (1e-2, 1e-2, 19, False)])
+def test_lr_range_test_schedule(min_lr, step_rate, step_size, staircase) -> None:
+    lrs = _lrs("LRRangeTest", {"lr_range_test_min_lr": min_lr, "lr_range_test_step_rate": step_rate,
+                               "lr_range_test_step_size": step_size, "lr_range_test_staircase": staircase},
+               max(50, step_size * 2), before=True)
+    assert lrs[0] == min_lr
+    if staircase:
+        for i in range(0, len(lrs), step_size):
+            assert all(v == lrs[i] for v in lrs[i:i + step_size])
+    else:
+        assert all(a < b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.parametrize("min_lr, max_lr, decay_rate, cycle_step_size, decay_step_size", [
+    (1e-5, 1e-2, 1e-3, 10, 10), (1e-3, 1e-1, 0, 21, 21), (1e-5, 1e-2, 1e-3, 10, 10), (1e-3, 1e-1, 1e-1, 21, 21),
+    (1e-5, 1e-1, 0, 10, 0)])
+def test_one_cycle_schedule(min_lr, max_lr, decay_rate, cycle_step_size, decay_step_size) -> None:
+    lrs = _lrs("OneCycle", {"cycle_min_lr": min_lr, "cycle_max_lr": max_lr, "decay_lr_rate": decay_rate,
+                            "cycle_first_step_size": cycle_step_size, "decay_step_size": decay_step_size},
+               max(50, cycle_step_size * 3), before=True)
+    assert lrs[0] == min_lr and lrs[cycle_step_size] == pytest.approx(max_lr, rel=1e-12)
+    assert all(a < b for a, b in zip(lrs[:cycle_step_size], lrs[1:cycle_step_size]))
+    down = lrs[cycle_step_size:2 * cycle_step_size]
+    assert all(a > b for a, b in zip(down, down[1:]))
+    if decay_rate > 0:
+        decay = lrs[2 * cycle_step_size:]
+        assert all(a > b for a, b in zip(decay, decay[1:]))
