@@ -30,13 +30,13 @@ def mixtral(aux: bool = True):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def qwen3_moe():
+def qwen3_moe(aux: bool = True):
     import transformers
 
     cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
                                       head_dim=8, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
-                                      output_router_logits=True, router_aux_loss_coef=0.05,
+                                      output_router_logits=aux, router_aux_loss_coef=0.05,
                                       max_position_embeddings=64)
     model = transformers.Qwen3MoeForCausalLM(cfg)
     ids = torch.randint(0, 64, (4, 8))
@@ -74,8 +74,12 @@ def mixtral_no_aux():
     return mixtral(aux=False)
 
 
+def qwen3_moe_no_aux():
+    return qwen3_moe(aux=False)
+
+
 MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "mixtral_no_aux": mixtral_no_aux, "qwen2_moe": qwen2_moe,
-          "deepseek_v3": deepseek_v3}
+          "deepseek_v3": deepseek_v3, "qwen3_moe_no_aux": qwen3_moe_no_aux}
 
 
 def _equivalence(rank, world, name, options, dp):
@@ -92,7 +96,7 @@ def test_ep_2(workers2, name, options):
 
 
 @pytest.mark.parametrize("name,options,dp", [("mixtral_no_aux", {"ep": 2, "dp": 2}, 2)]
-                         + ([("qwen3_moe", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
+                         + ([("qwen3_moe_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
                              ("qwen3_moe", {"ep": 4}, 1), ("mixtral_no_aux", {"ep": 2, "dp": 2, "zero": 1}, 2),
                              ("mixtral_no_aux", {"ep": 2, "pp": 2, "micro_batches": 2}, 1)]
                             if EVERY else []))
