@@ -7,7 +7,8 @@ Memory is measured, not estimated: the bytes of the distinct storages autograd s
 during one training step on each device (parameters excepted; the largest device counts), at
 doubling lengths until the budget is passed. A CPU process's resident size is dominated by the
 runtime and allocator caches, so the saved activations are the quantity that grows with the
-sequence and the one the budget applies to. Step times: the same global batch (4 rows) for every
+sequence and the one the budget applies to. Each plan runs its smallest batch there: one row per
+device under dp, one row in all under tp and cp. Step times: the same global batch (4 rows) for every
 plan, forward + backward + SGD step, median of alternating steps; ratios are against dp.
 """
 from __future__ import annotations
@@ -25,17 +26,18 @@ import common  # noqa: E402
 
 PLANS = {"dp": ("dp", {}), "tp": ("tp", {}), "cp ring": ("cp", {"cp_comm": "ring"}),
          "cp allgather": ("cp", {"cp_comm": "allgather"}), "cp ulysses": ("cp", {"cp_comm": "ulysses"})}
-ROWS = 4  # global batch
+ROWS = 4  # global batch of the step-time comparison
 
 
 def _model(length: int):
     return common.llama(n_layer=2, hidden=64, heads=4, kv_heads=4, vocab=256, positions=length)
 
 
-def _local_batch(plan: str, rank: int, world: int, length: int) -> dict:
-    full = common.batch(ROWS, length, vocab=256)
+def _local_batch(plan: str, rank: int, world: int, length: int, rows: int = ROWS) -> dict:
+    """This rank's rows of a global batch of `rows` (dp: rows / world each; tp and cp: all)."""
+    full = common.batch(rows, length, vocab=256)
     if plan == "dp":
-        n = ROWS // world
+        n = rows // world
         return {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
     return full
 
@@ -64,7 +66,8 @@ def longest(rank: int, world: int, plan: str, budget: int, start: int, max_len: 
     rows, length, best = [], start, 0
     while length <= max_len:
         model = _model(length)
-        inputs = _local_batch(plan, rank, world, length)
+        # the smallest batch each plan can run: one row per device for dp, one row for tp and cp
+        inputs = _local_batch(plan, rank, world, length, rows=world if plan == "dp" else 1)
         pm = nns.parallelize(model, inputs, plan=strategy, cache_dir="/tmp/nns_bench_cache_cp", **options)
         used = torch.tensor([_saved_bytes(lambda: pm.train_step(inputs), list(pm.parameters()))])
         dist.all_reduce(used, op=dist.ReduceOp.MAX)
@@ -126,7 +129,7 @@ def main() -> None:
         ("plan (4 gloo processes)", f"longest length within {args.budget_mib:g} MiB saved activations/device",
          "saved MiB per device by length", f"step s at {args.common} x {ROWS} rows", "step / dp"),
         notes=f"Llama 2 layers, hidden 64, 4 heads (4 key/value heads), vocab 256; lengths doubled from "
-              f"{args.start}. Step times: median of {args.iters} steps, same global batch for every plan. "
+              f"{args.start}; memory at the smallest batch (dp one row per device, tp and cp one row). Step times: median of {args.iters} steps, same global batch for every plan. "
               "CPU math path for attention blocks; ring exchanges are point-to-point gloo sends.")
     print(text)
 

@@ -197,7 +197,8 @@ WORLD4 = [("llama", {"cp_comm": "ring", "cp": 2, "dp": 2}, 2)]
 WORLD4_ALL = [("causal", {"cp_comm": "ring"}, 1), ("llama", {"cp_comm": "ring"}, 1), ("causal", {"cp_comm": "allgather"}, 1),
               ("llama", {"cp_comm": "allgather", "cp": 2, "dp": 2}, 2), ("causal", {"cp_comm": "ulysses",
                                                                                   "cp": 2, "dp": 2}, 2),
-              ("llama", {"cp_comm": "ulysses", "cp": 2, "dp": 2}, 2), ("causal", {"cp_comm": "ring", "cp": 2, "dp": 2}, 2)]
+              ("llama", {"cp_comm": "ulysses", "cp": 2, "dp": 2}, 2), ("causal", {"cp_comm": "ring", "cp": 2, "dp": 2}, 2),
+              ("causal", {"cp_comm": "ring", "cp": 2, "dp": 2, "zero": 1}, 2)]
 
 
 @pytest.mark.parametrize("model,options,dp", WORLD4 + (WORLD4_ALL if ALL else []))
