@@ -265,17 +265,29 @@ def _round_trip(rank, world, tmp, case):
                                                 "cycle_min_lr": 0.0001, "cycle_max_lr": 0.001, "decay_lr_rate": 0.001,
                                                 "cycle_min_mom": 0.85, "cycle_max_mom": 0.99}}
     cfg = _config(save_stage, precision, scheduler=sched)
-    model = _model()
+    load_zero = {"stage": load_stage}
+    if how.startswith("elastic"):  # TestZeROElasticCheckpoint: elastic_checkpoint on save / on load
+        cfg["zero_optimization"]["elastic_checkpoint"] = how[-3] == "1"
+        load_zero["elastic_checkpoint"] = how[-2] == "1"
+    if how == "zero_init":  # test_pipeline_checkpoint_loading: models built under zero.Init, module only
+        load_zero["pipeline_loading_checkpoint"] = True
+    with deepspeed.zero.Init(enabled=how == "zero_init"):
+        model = _model()
     trained, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=_weight_decay_groups(model))
     _train(trained, batches)
     trained.empty_partition_cache()
     tag = None if how == "empty_tag" else "1"
     trained.save_checkpoint(tmp, tag=tag, client_state={"epoch": 3})
-    model = _model(seed=1)  # other initial weights: the load must replace them
-    loaded, _, _, _ = deepspeed.initialize(model=model, config=_config(load_stage, precision, scheduler=sched),
-                                           model_parameters=_weight_decay_groups(model))
-    kwargs = {"load_optimizer_states": how not in ("no_optimizer", "module_only"),
-              "load_module_only": how == "module_only",
+    with deepspeed.zero.Init(enabled=how == "zero_init"):
+        model = _model(seed=1)  # other initial weights: the load must replace them
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # elastic_checkpoint / pipeline_loading_checkpoint: knobs without effect
+        loaded, _, _, _ = deepspeed.initialize(model=model, config=_config(load_stage, precision, scheduler=sched,
+                                                                           zero_optimization=load_zero),
+                                               model_parameters=_weight_decay_groups(model))
+    kwargs = {"load_optimizer_states": how not in ("no_optimizer", "module_only", "zero_init", "elastic000",
+                                                   "elastic010", "elastic100", "elastic110"),
+              "load_module_only": how in ("module_only", "zero_init"),
               "load_lr_scheduler_states": how != "no_scheduler"}
     same_dtype = next(iter(trained.parameters())).dtype == next(iter(loaded.parameters())).dtype
     path, client = loaded.load_checkpoint(tmp, tag=tag, **kwargs)
@@ -295,10 +307,13 @@ def _round_trip(rank, world, tmp, case):
 
 ROUND_TRIPS = [(0, 0, "fp32", "full"), (2, 2, "bf16", "full"), (3, 3, "fp32", "empty_tag"),
                (1, 3, "fp32", "full"), (3, 1, "bf16", "full"), (2, 2, "fp32", "no_optimizer"),
-               (0, 0, "bf16", "module_only"), (1, 1, "fp32", "no_scheduler"), (2, 2, "fp32", "onecycle")]
+               (0, 0, "bf16", "module_only"), (1, 1, "fp32", "no_scheduler"), (2, 2, "fp32", "onecycle"),
+               (3, 3, "bf16", "zero_init"), (2, 2, "bf16", "elastic101")]
 if ALL:
     ROUND_TRIPS += [(s, t, p, h) for s in (0, 1, 2, 3) for t in (0, 1, 2, 3) for p in ("fp32", "bf16")
                     for h in ("full",) if (s, t, p, h) not in ROUND_TRIPS]
+    ROUND_TRIPS += [(2, 2, "bf16", f"elastic{a}{b}{c}") for a in (0, 1) for b in (0, 1) for c in (0, 1)
+                    if (2, 2, "bf16", f"elastic{a}{b}{c}") not in ROUND_TRIPS]
     ROUND_TRIPS += [(s, s, p, h) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")
                     for h in ("no_optimizer", "module_only", "no_scheduler", "empty_tag")
                     if (s, s, p, h) not in ROUND_TRIPS]
@@ -311,13 +326,13 @@ def test_checkpoint_round_trips_follow_deepspeeds_checkpoint_tests(workers2, tmp
             assert r["dtype"], case
             assert r["path"] == ("global_step3" if how == "empty_tag" else "1"), case
             assert r["module"], f"{case}: weights differ after load_checkpoint, before any forward"
-            if how == "module_only":
+            if how in ("module_only", "zero_init"):
                 assert r["client"] == 3 and r["steps"][1] == 0, case
                 continue
             assert r["client"] == 3 and r["steps"] == (3, 3), case
             # compare_lr_scheduler_states: the scheduler's state; the lr itself comes with the optimizer's
             assert (r["scheduler"][0] == r["scheduler"][1]) == (how != "no_scheduler"), case
-            if how in ("full", "empty_tag", "onecycle"):
+            if how in ("full", "empty_tag", "onecycle") or how.endswith("1"):
                 assert r["lr"][0] == r["lr"][1], case
                 assert r["optimizer"] and r["next_loss_equal"] and r["module_after"], case
 
