@@ -69,7 +69,7 @@ def bench(rank: int, world: int, experts: int):
         opt_e.step()
         opt_e.zero_grad(set_to_none=False)
 
-    t_d, t_e, ratio = common.time_paired(dp_step, ep_step, warmup=2, iters=10, sync=dist.barrier)
+    t_d, t_e, ratio = common.time_paired(dp_step, ep_step, warmup=1, iters=6, sync=dist.barrier)
     return (t_d, t_e, ratio, state_bytes(dp, opt_d), state_bytes(ep, opt_e),
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
