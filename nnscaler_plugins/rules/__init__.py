@@ -17,6 +17,7 @@ from nnscaler_plugins.rules.table import (
            signature_of,
            unruled_ops,
 )
+from nnscaler_plugins.rules import user_functions  # noqa: F401 - keeps torch's own Function.apply before any capture
 
 __all__ = ["Labels", "LocalCall", "Localized", "OpCall", "Signature", "replicate_only", "ReplicateOnlyWarning",
            "has_rule", "op_call", "refresh", "rule", "signature_for", "signature_of", "unruled_ops"]

@@ -24,6 +24,12 @@ from nnscaler_plugins.rules.signature import OpCall, Signature
 _ELEMENTWISE = frozenset(UNARY_OR_BROADCAST) - {"aten.dropout.default", "aten.empty_like.default"}
 
 
+# `Function.apply` as torch defines it. Capture routes `apply` of user Functions to one opaque op
+# while it traces; reading a Function's code must run its real forward and backward, even when a
+# rule is asked for from inside a capture (the warning about ops without rules is).
+_TORCH_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
 def function_rule(call: OpCall) -> Optional[Signature]:
     """The elementwise signature for a call of a provably elementwise Function, else None."""
     target = call.target
@@ -50,11 +56,15 @@ def _is_elementwise(cls: type, shape: tuple, dtype: torch.dtype) -> bool:
         (gx,) = torch.autograd.grad(y, x, g)
         return y, gx
 
+    patched = torch.autograd.Function.__dict__["apply"]
+    torch.autograd.Function.apply = _TORCH_APPLY
     try:
         gm = make_fx(forward_and_backward, tracing_mode="fake")(torch.empty(shape, dtype=dtype),
                                                                torch.empty(shape, dtype=dtype))
     except Exception:  # noqa: BLE001 - a Function that does not trace on a probe is not proved elementwise
         return False
+    finally:
+        torch.autograd.Function.apply = patched
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
