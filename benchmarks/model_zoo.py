@@ -76,6 +76,33 @@ def _capture_and_tp(name: str) -> tuple[str, str]:
     return "yes", f"{done / total:.1%}" if total else "no matmuls"
 
 
+TITLE = "benchmarks/model_zoo.py: architectures under every plan"
+
+
+def _previous_rows() -> list[tuple[str, ...]]:
+    """The table rows this script wrote last time, so a run over some architectures updates theirs."""
+    if not os.path.exists(common.RESULTS):
+        return []
+    text = open(common.RESULTS).read()
+    start = text.find(f"## {TITLE}\n")
+    if start < 0:
+        return []
+    end = text.find("\n## ", start + 1)
+    rows = []
+    for line in text[start:end if end >= 0 else None].splitlines():
+        cells = tuple(c.strip() for c in line.strip().strip("|").split("|"))
+        if line.startswith("| ") and len(cells) == 7 and cells[0] != "architecture":
+            rows.append(cells)
+    return rows
+
+
+def _in_zoo_order(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    import zoo_models
+
+    order = {n: i for i, n in enumerate(zoo_models.ZOO)}
+    return sorted(rows, key=lambda r: order.get(r[0], len(order)))
+
+
 def main(names: list[str]) -> None:
     """One model at a time (capture and tp fraction here, the four plans on 2 workers); the table
     in RESULTS.md is rewritten after each, so a run cut short still records what it measured."""
@@ -83,6 +110,7 @@ def main(names: list[str]) -> None:
 
     names = names or list(zoo_models.ZOO)
     started = time.perf_counter()
+    kept = [r for r in _previous_rows() if r[0] not in names]  # architectures this run does not measure
     rows, exact, runs = [], 0, 0
     for n in names:
         captured, fraction = _capture_and_tp(n)
@@ -98,7 +126,9 @@ def main(names: list[str]) -> None:
                  f"processes, 2 SGD steps, fp32, relative 1e-5); tp's fraction is the share of the model's matmul "
                  f"FLOPs (linear, matmuls, convolutions, grouped expert matmuls, attention) its plan splits. "
                  f"{time.perf_counter() - started:.0f} s so far.")
-        common.record("benchmarks/model_zoo.py: architectures under every plan", rows,
+        if kept:
+            notes += f" Rows of {', '.join(r[0] for r in kept)} are from an earlier run of the script."
+        common.record(TITLE, _in_zoo_order(kept + rows),
                       ("architecture", "family", "captured", "dp", "tp (matmul FLOPs split)", "1f1b", "zero3"), notes)
 
 
