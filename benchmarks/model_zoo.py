@@ -122,12 +122,13 @@ def main(names: list[str]) -> None:
         rows.append((n, zoo_models.FAMILY[n], captured, cells[0], tp, cells[2], cells[3]))
         print(" | ".join(rows[-1]), flush=True)
         done = f"{len(rows)} of {len(names)} architectures" if len(rows) < len(names) else f"{len(rows)} architectures"
-        notes = (f"{done}, {exact}/{runs} plan runs exact against one process on the global batch (2 gloo "
+        notes = (f"This run: {done}, {exact}/{runs} plan runs exact against one process on the global batch (2 gloo "
                  f"processes, 2 SGD steps, fp32, relative 1e-5); tp's fraction is the share of the model's matmul "
                  f"FLOPs (linear, matmuls, convolutions, grouped expert matmuls, attention) its plan splits. "
                  f"{time.perf_counter() - started:.0f} s so far.")
         if kept:
-            notes += f" Rows of {', '.join(r[0] for r in kept)} are from an earlier run of the script."
+            notes += (f" The other {len(kept)} rows ({', '.join(r[0] for r in kept)}) are from the script's previous "
+                      "run; every row's plan runs were exact there unless the row says otherwise.")
         common.record(TITLE, _in_zoo_order(kept + rows),
                       ("architecture", "family", "captured", "dp", "tp (matmul FLOPs split)", "1f1b", "zero3"), notes)
 
