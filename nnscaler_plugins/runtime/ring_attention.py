@@ -303,7 +303,7 @@ def _seq_to_heads(x, blocks, group):
 
 
 def _heads_to_seq(x, blocks, group):
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
     sends = [chunk_dim(x, x.ndim - 2, n, i, blocks).contiguous() for i in range(n)]
     recvs = [torch.empty_like(s) for s in sends]
     dist.all_to_all(recvs, sends, group=group)
