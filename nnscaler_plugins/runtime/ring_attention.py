@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
+from nnscaler_plugins.runtime.collectives import all_to_all
 
 MODES = ("ring", "allgather", "ulysses")
 
@@ -269,47 +269,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     raise ValueError(f"context-parallel attention mode {mode!r}: use one of {MODES}")
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """All-to-all: [.., H, S/n, D] split on the sequence -> [.., H/n, S, D] split on heads.
-    Backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x, blocks, group):
-        ctx.args = (blocks, group)
-        return _seq_to_heads(x, blocks, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g, *ctx.args), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, blocks, group):
-        ctx.args = (blocks, group)
-        return _heads_to_seq(x, blocks, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g, *ctx.args), None, None
-
-
-def _seq_to_heads(x, blocks, group):
-    n = dist.get_world_size(group)
-    sends = [chunk_dim(x, -3, n, i).contiguous() for i in range(n)]
-    recvs = [torch.empty_like(s) for s in sends]
-    dist.all_to_all(recvs, sends, group=group)
-    return cat_dim(recvs, x.ndim - 2, blocks)
-
-
-def _heads_to_seq(x, blocks, group):
-    n = dist.get_world_size(group)
-    sends = [chunk_dim(x, x.ndim - 2, n, i, blocks).contiguous() for i in range(n)]
-    recvs = [torch.empty_like(s) for s in sends]
-    dist.all_to_all(recvs, sends, group=group)
-    return torch.cat(recvs, -3)
-
-
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                       scale: Optional[float] = None, balanced: bool = False, group: Any = None) -> torch.Tensor:
     """DeepSpeed-Ulysses: the sequence split becomes a head split for the attention itself. Needs
@@ -319,7 +278,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
         raise ValueError(f"ulysses attention over {n} devices needs head counts divisible by {n}; "
                          f"query heads {q.shape[-3]}, key/value heads {k.shape[-3]}")
     blocks = -2 if balanced else 1
-    qh, kh, vh = (_SeqToHeads.apply(t, blocks, group) for t in (q, k, v))
+    # [.., H, S/n, D] split on the sequence -> [.., H/n, S, D] split on heads (and back after)
+    qh, kh, vh = (all_to_all(t, t.ndim - 2, t.ndim - 3, group, src_blocks=blocks) for t in (q, k, v))
     out = torch.ops.aten.scaled_dot_product_attention.default(
         qh, kh, vh, None, 0.0, bool(is_causal), scale=scale, enable_gqa=kh.shape[-3] != qh.shape[-3])
-    return _HeadsToSeq.apply(out, blocks, group)
+    return all_to_all(out, out.ndim - 3, out.ndim - 2, group, dst_blocks=blocks)
