@@ -31,6 +31,7 @@ from nnscaler_plugins.plan.layers import layer_groups
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.anchors import matmul_anchor, vocab_anchor
 from nnscaler_plugins.rules.signature import LocalCall
+from nnscaler_plugins.search import group_kernels
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.dims import BATCH, SEQUENCE, tag_labels
 from nnscaler_plugins.search.layouts import Placement
@@ -106,6 +107,9 @@ class IntraResult:
     post: Optional[Segment] = None
     tp: int = 1
     sequence_parallel: bool = False  # Megatron's sequence parallelism: the layers' sequence splits are in `choices`
+    cp: int = 1  # context parallelism: attention split along its sequence this many ways (0 ops: 1)
+    cp_comm: str = "ring"  # how those pieces meet their keys (the plan's `cp_comm`)
+    ep: int = 1  # expert parallelism: the largest expert split of a mixture-of-experts layer
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.choices.items()))
@@ -115,8 +119,13 @@ class IntraSolver:
     """Solve the intra-op choices of one graph on one mesh of devices."""
 
     def __init__(self, graph: Graph, cm: CostModel, training: Training, mesh: tuple, constraints: Sequence = (),
-                 hf_plan=None, micro_batches_hint: int = 1, dp_hint: int = 1, allow_blocks: bool = True):
+                 hf_plan=None, micro_batches_hint: int = 1, dp_hint: int = 1, allow_blocks: bool = True,
+                 context_parallel: bool = False):
         self.graph, self.cm, self.t = graph, cm, training
+        # Attention split along its sequence is context parallelism, priced by `group_kernels` for a
+        # `cp_comm`; outside a context-parallel search that split is not offered at all.
+        self.context_parallel = context_parallel
+        self.cp_comm = "ring"
         self.mesh = tuple(mesh)
         self.group = math.prod(self.mesh)
         self.devices = tuple(range(self.group))
@@ -139,6 +148,18 @@ class IntraSolver:
         self._decisions: dict = {}
         self._evaluated: dict = {}
         self.anchors = self._find_anchors()
+        # causal attention under context parallelism is balanced: the mirrored 2-block sequence split
+        self.cp_block = -2 if context_parallel and any(
+            group_kernels.kind_of(graph, op) == "attention" and (self.cm.costs.ops[op.name].attn or (0,) * 5)[4]
+            for op in graph.ops) else 1
+
+    def set_cp_comm(self, mode: str) -> None:
+        """Price attention split along its sequence for `mode` from now on (the caches that depend on it go)."""
+        if mode != self.cp_comm:
+            self.cp_comm = mode
+            self._local.clear()
+            self._decisions.clear()
+            self._evaluated.clear()
 
     # -- the window ---------------------------------------------------------------------------------------
     def _setup_window(self) -> None:
@@ -228,6 +249,8 @@ class IntraSolver:
                     counts[l] = counts.get(l, 1) * n
             if any(l in forbidden for l in counts):
                 continue
+            if not self.context_parallel and group_kernels.is_cp_split(self.graph, op, counts):
+                continue
             if not all(sig.divides(l, n, call) for l, n in counts.items()):
                 continue
             axes = tuple(zip(combo, self.mesh))
@@ -235,6 +258,12 @@ class IntraSolver:
             allowed = all(con.allows_op(op, axes, blabel) for con in self.constraints)
             if allowed and self.refusal(op, ch) is None:
                 out.append(ch)
+            seq = self.seq_label(op) if self.cp_block != 1 else None
+            if seq is not None and seq in counts and sig.blockable(seq, call) is None \
+                    and sig.divides(seq, counts[seq], call, self.cp_block):
+                mirrored = Choice(axes, ((seq, self.cp_block),))
+                if allowed and self.refusal(op, mirrored) is None:
+                    out.append(mirrored)
             for b in self.block_factors:
                 for l in counts:
                     if sig.blockable(l, call) is None and sig.divides(l, counts[l], call, b):
@@ -324,7 +353,12 @@ class IntraSolver:
         sp = (t.sequence_parallel and self.segment.get(op.name) in self.layer_seg and not p.splits
               and p.replicate > 1 and cm.costs.ops[op.name].kind == "memory")
         ot = cm.op_time(op.name, p, t, p.replicate if sp else 1)
+        special = group_kernels.price(cm, op, p, t, self.cp_comm)
+        if special is not None:
+            ot = special.time
         cost = ot.fwd + ot.bwd_input + ot.bwd_weight
+        if special is not None:
+            cost += special.fwd_comm + special.bwd_comm
         ins, outs, grads = cm.layouts(op.name, p)
         g = self.graph
         for i, v in enumerate(op.inputs):
@@ -450,7 +484,8 @@ class IntraSolver:
         nseg = len(self.weights)
         sp_ops = {n for n, k in self.segment.items() if k in self.layer_seg} if self.t.sequence_parallel else None
         walker = Walker(self.graph, self.cm, self.t, nseg, layer_segments=self.layer_seg, sp_layers=sp_ops,
-                        group_of=lambda n: self.segment[n] if self.segment[n] in self.layer_seg else None)
+                        group_of=lambda n: self.segment[n] if self.segment[n] in self.layer_seg else None,
+                        cp_comm=self.cp_comm)
         placements = {op.name: assign[self.var[op.name]].placement(self.devices) for op in self.window}
         segs = walker.run(self.window, placements.__getitem__, self.segment.__getitem__, lambda a, b: False)
         time = memory = 0.0
@@ -465,7 +500,16 @@ class IntraSolver:
                 if shard > 1:
                     time += w * self.cm.all_reduce(el * t.grad_bytes, list(range(part))) / self.m_hint
         choices = {op.name: assign[self.var[op.name]] for op in self.graph.ops if self.var[op.name] in assign}
-        result = IntraResult(self.mesh, choices, time, memory, seed, sequence_parallel=self.t.sequence_parallel)
+        result = IntraResult(self.mesh, choices, time, memory, seed, sequence_parallel=self.t.sequence_parallel,
+                             cp_comm=self.cp_comm)
+        for var, ch in assign.items():
+            op = self.graph.op(var)
+            kind = group_kernels.kind_of(self.graph, op)
+            counts = dict(ch.placement(self.devices).label_counts()) if kind else {}
+            if kind == "attention":
+                result.cp = max(result.cp, counts.get(group_kernels.SEQUENCE, 1))
+            elif kind == "experts":
+                result.ep = max(result.ep, counts.get(group_kernels.EXPERTS, 1))
         if self.identical:
             n = len(self.groups.layers)
             result.pre, result.post = segs[0], segs[3]
@@ -475,7 +519,8 @@ class IntraSolver:
             result.layer_segments = list(segs[1:-1]) if self.groups.layers else [segs[0]]
             if not self.groups.layers:
                 result.pre, result.post = Segment(), Segment()
-        result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(self.graph.op(var)))
+        result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(self.graph.op(var))
+                                   and not (self.context_parallel and l == self.seq_label(self.graph.op(var))))
                          for var, ch in assign.items()), default=1)
         return result
 
@@ -695,7 +740,51 @@ class IntraSolver:
                     continue
                 res = self.evaluate(walked, name)
             results.append(res)
+        if self.context_parallel and self.group > 1:
+            results += self.context_parallel_results()
         return pareto_results(results)
+
+    def sequence_everywhere(self, op: OpNode, produced: dict) -> Optional[Choice]:
+        """Context parallelism read off the rules: an op carrying the sequence splits it on the
+        inner axis of the mesh (the batch on an outer one), mirrored for causal attention; an op
+        without it is left to the walk (positions, label shifts: the lowering cuts them to match)."""
+        label = self.seq_label(op)
+        if label is None:
+            return None
+        want = tuple((self.batch_label(op), n) for n in self.mesh[:-1]) + ((label, self.mesh[-1]),)
+        blocks = ((label, self.cp_block),) if self.cp_block != 1 else ()
+        options = [c for c in self.choices(op) if c.axes == want]
+        return next((c for c in options if c.blocks == blocks), None) or \
+            next((c for c in options if not c.blocks and group_kernels.kind_of(self.graph, op) != "attention"), None)
+
+    def context_parallel_results(self) -> list[IntraResult]:
+        """Context parallelism with each `cp_comm`: every op that carries the sequence split along it
+        (`sequence_everywhere`), the anchors then improved by coordinate descent; kept when attention
+        is in fact split along its sequence. Ulysses only where every attention's heads divide."""
+        out = []
+        seq_walk = self.walk({}, self.sequence_everywhere)
+        for mode in group_kernels.CP_MODES:
+            self.set_cp_comm(mode)
+            found = []
+            if seq_walk is not None:
+                found.append(self.evaluate(seq_walk, f"context-parallel {mode}"))
+                anchors = {a: seq_walk[a] for a in self.anchors if a in seq_walk}
+                found.append(self.improve(anchors, f"context-parallel {mode} (re-tuned)", passes=1,
+                                          default=self.sequence_everywhere))
+            for r in found:
+                if r.cp > 1 and (mode != "ulysses" or self._ulysses_ok(r)):
+                    out.append(r)
+        self.set_cp_comm("ring")
+        return out
+
+    def _ulysses_ok(self, result: IntraResult) -> bool:
+        for op in self.graph.ops:
+            if group_kernels.kind_of(self.graph, op) != "attention":
+                continue
+            counts = result.choices[op.name].placement(self.devices).label_counts()
+            if counts.get(group_kernels.SEQUENCE, 1) > 1 and not group_kernels.ulysses_fits(self.cm, op, counts):
+                return False
+        return True
 
 
 def _local_meta(meta: Optional[TensorMeta], lay: Optional[Layout]) -> Optional[TensorMeta]:
@@ -721,7 +810,7 @@ def pareto_results(results: Iterable[IntraResult]) -> list[IntraResult]:
     out: list[IntraResult] = []
     seen = set()
     for r in sorted(results, key=lambda r: (r.time, r.memory, r.seed)):
-        k = tuple(sorted((n, c.axes, c.blocks) for n, c in r.choices.items()))
+        k = (tuple(sorted((n, c.axes, c.blocks) for n, c in r.choices.items())), r.cp_comm if r.cp > 1 else "")
         if k in seen:
             continue
         seen.add(k)

@@ -16,6 +16,7 @@ import torch
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.search import group_kernels
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.layouts import Placement
 
@@ -115,8 +116,10 @@ class Walker:
 
     def __init__(self, graph: Graph, cm: CostModel, training: Training, num_segments: int,
                  to_global: Callable[[int], int] = lambda d: d, sp_layers: Optional[set] = None,
-                 layer_segments: Optional[set] = None, group_of: Optional[Callable[[str], Any]] = None):
+                 layer_segments: Optional[set] = None, group_of: Optional[Callable[[str], Any]] = None,
+                 cp_comm: str = "ring"):
         self.graph, self.cm, self.t = graph, cm, training
+        self.cp_comm = cp_comm  # how attention split along its sequence meets its keys (the plan's option)
         self.segments = [Segment() for _ in range(num_segments)]
         self.to_global = to_global
         self.sp_ops = sp_layers or set()  # ops where sequence parallelism (the plan option) applies
@@ -161,6 +164,14 @@ class Walker:
             shard = p.replicate if (sp and name in self.sp_ops and c.kind == "memory" and not p.splits
                                     and p.replicate > 1) else 1
             ot = cm.op_time(name, p, t, shard)
+            special = group_kernels.price(cm, op, p, t, self.cp_comm, self.to_global)
+            if special is not None:  # a kernel talking to its group: its own price (group_kernels)
+                ot = special.time
+                seg.fwd_comm += special.fwd_comm
+                seg.bwd_comm += special.bwd_comm
+                if special.kept > 0:
+                    target = group.saved if group is not None else seg.act
+                    target[f"{name}:kernel"] = special.kept
             seg.fwd += ot.fwd
             seg.bwd_input += ot.bwd_input
             seg.bwd_weight += ot.bwd_weight

@@ -185,7 +185,8 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     else:
         group_of, mode = (lambda n: None), training.recompute
     walker = Walker(graph, cm, training, len(seg_index), sp_layers=sp_ops,
-                    layer_segments={i for i, layer in seg_layer.items() if layer}, group_of=group_of)
+                    layer_segments={i for i, layer in seg_layer.items() if layer}, group_of=group_of,
+                    cp_comm=str(plan.options.get("cp_comm", "ring")))
     placements = {name: Placement.of(p) for name, p in plan.ops.items()}
     segments = walker.run(graph.ops, placements.__getitem__, lambda n: seg_index[(stage_of[n], part[n])],
                           lambda a, b: seg_stage[a] != seg_stage[b])

@@ -33,6 +33,7 @@ sequence-parallel candidates, the sequence splits that were priced.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -52,6 +53,7 @@ from nnscaler_plugins.search.constraints import (
 )
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.dims import batch_size
+from nnscaler_plugins.search.group_kernels import kind_of
 from nnscaler_plugins.search.intraop import IntraResult, IntraSolver
 from nnscaler_plugins.search.pareto import ParetoSet, frontier
 from nnscaler_plugins.search.progress import Progress
@@ -61,6 +63,7 @@ from nnscaler_plugins.search.space import RECOMPUTE, Config, divisors, meshes
 from nnscaler_plugins.search.stages import Part, analytic_step, compose, overlap_factor
 
 GiB = 1024 ** 3
+LONG_SEQUENCE = 8192  # attention this long or longer: context parallelism is searched by default
 
 
 class SearchError(PlanError):
@@ -150,8 +153,10 @@ class Search:
                  unit_mode: bool = False, micro_batches: Optional[int] = None, max_simulated: int = 8,
                  max_group: Optional[int] = None, schedules: Sequence[str] = ("1f1b", "gpipe", "interleaved",
                                                                                "zero-bubble"),
-                 sequence_parallel: bool = False, precision: Optional[str] = None):
+                 sequence_parallel: bool = False, precision: Optional[str] = None,
+                 context_parallel: Optional[bool] = None):
         self.graphs = graphs
+        self.context_parallel = context_parallel
         self.world = int(world_size)
         self.cluster = cluster
         self.dtype = _precision(precision, cluster)
@@ -216,7 +221,8 @@ class Search:
             cm = self._cost_model(graph)
             dp_hint = 1 if self.unit_mode else max(1, self.world // g)
             m_hint = self._m_hint(b, dp_hint)
-            solver = IntraSolver(graph, cm, training, mesh, self.constraints, self.hf, m_hint, dp_hint)
+            solver = IntraSolver(graph, cm, training, mesh, self.constraints, self.hf, m_hint, dp_hint,
+                                 context_parallel=self._cp_for(graph))
             results = solver.solve()
             if self.sequence_parallel:
                 seen = {r.key() for r in results}
@@ -259,6 +265,14 @@ class Search:
         seconds = time.monotonic() - t0
         self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
         return ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
+
+    def _cp_for(self, graph: Graph) -> bool:
+        """Whether context parallelism is searched on this graph: as asked, else where some
+        self-attention is long (`LONG_SEQUENCE` tokens or more), which is where activations dominate."""
+        if self.context_parallel is not None:
+            return bool(self.context_parallel)
+        return any(kind_of(graph, op) == "attention" and graph.meta(op.inputs[0]).ndim >= 3
+                   and graph.meta(op.inputs[0]).shape[-2] >= LONG_SEQUENCE for op in graph.ops)
 
     def _has_layers(self, graph: Graph) -> bool:
         hit = self._layers.get(id(graph))
@@ -334,7 +348,8 @@ class Search:
                     for rec in recomputes:
                         cfg = Config(group=g, mesh=intra.mesh, pp=pp, dp=dp, micro_batch_size=b, micro_batches=m,
                                      schedule=schedule, virtual=v, zero=zero, recompute=rec, tp=intra.tp,
-                                     sequence_parallel=intra.sequence_parallel)
+                                     sequence_parallel=intra.sequence_parallel, cp=intra.cp,
+                                     cp_comm=intra.cp_comm if intra.cp > 1 else "ring", ep=intra.ep)
                         if not self._allowed(cfg):
                             continue
                         t, mem = self._price(cm, cfg, intra, bounds, pre, post, layers)
@@ -452,6 +467,10 @@ class Search:
                    "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
         if cfg.sequence_parallel:
             options["sequence_parallel"] = True  # the layers' sequence splits are in the ops' placements
+        if cfg.cp > 1:
+            options["cp_comm"] = cfg.cp_comm  # attention's sequence pieces meet their keys this way
+        if any(kind_of(graph, op) == "experts" for op in graph.ops):
+            options["experts_as_one_op"] = True  # captured so; a run of the plan captures the same way
         if id(graph) not in self._prints:
             self._prints[id(graph)] = graph.fingerprint()
         plan = Plan(graph_fingerprint=self._prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
@@ -490,7 +509,8 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
            global_batch_size: Optional[int] = None, memory_limit: Union[None, float, str] = None,
            progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
            max_simulated: int = 8, max_group: Optional[int] = None, sequence_parallel: bool = False,
-           precision: Optional[str] = None, lengths: Any = None) -> ParetoSet:
+           precision: Optional[str] = None, lengths: Any = None, context_parallel: Optional[bool] = None,
+           expert_parallel: bool = True) -> ParetoSet:
     """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
 
     `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one
@@ -510,6 +530,12 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     a list of lengths seen in the data, or a `{length: weight}` histogram (see search/lengths.py:
     searched at the weighted mean, each frontier plan then priced at every length: mean step time,
     largest peak memory). The plans run at any length; this only says which ones to optimize for.
+    `context_parallel`: also search attention split along its sequence (cp, each `cp_comm`: ring,
+    allgather, ulysses; priced by `group_kernels`); default: where some self-attention has
+    `LONG_SEQUENCE` tokens or more. `expert_parallel` (default True): a model's mixture-of-experts
+    layers (stacked-experts modules, `capture/experts.py`) are captured as one op each, so that
+    splitting their experts with their tokens (ep, all-to-all) is in the space beside keeping them
+    whole; False captures them as written (a graph passed in is searched as it was captured).
     """
     from nnscaler_plugins.plugins import get_plugin_manager
 
@@ -529,11 +555,12 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
             raise SearchError("lengths= needs the model and example_inputs= (a graph is captured at one length)")
         pairs = histogram(lengths)
         example_inputs = at_length(example_inputs, representative(pairs))
-    graphs = _graphs(model_or_graph, example_inputs, constraints)
+    graphs = _graphs(model_or_graph, example_inputs, constraints, expert_parallel)
     limit = parse_bytes(options["memory_limit"]) if options["memory_limit"] is not None else None
     s = Search(graphs, world_size, spec, constraints, options["global_batch_size"], limit, progress,
                unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
-               max_group=max_group, sequence_parallel=sequence_parallel, precision=options["precision"])
+               max_group=max_group, sequence_parallel=sequence_parallel, precision=options["precision"],
+               context_parallel=context_parallel)
     result = s.run()
     if pairs is not None and len(pairs) > 1:
         result = _over_lengths(result, pairs, model_or_graph, example_inputs, spec, s)
@@ -546,6 +573,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
 def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: Any, spec: ClusterSpec,
                   search: "Search") -> ParetoSet:
     """The frontier again, each plan priced over the length histogram."""
+    from nnscaler_plugins.capture.experts import experts_as_one_op
     from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
     from nnscaler_plugins.capture.tracing import capture, normalize_inputs
     from nnscaler_plugins.search.lengths import at_length, price_over_lengths
@@ -557,7 +585,8 @@ def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: An
         b = batch_size(plan.graph) or full
         if (b, n) not in graphs:
             args, kwargs = normalize_inputs(at_length(_first_rows(example_inputs, b, full), n), None)
-            graphs[(b, n)] = capture(model, args, kwargs)
+            with experts_as_one_op(model) if plan.options.get("experts_as_one_op") else contextlib.nullcontext():
+                graphs[(b, n)] = capture(model, args, kwargs)
         return graphs[(b, n)]
 
     estimates = price_over_lengths(result.plans, pairs, graph_at,
@@ -605,12 +634,14 @@ def _resolve_cluster(cluster: Union[ClusterSpec, str, None], world_size: int) ->
     return spec
 
 
-def _graphs(model_or_graph: Any, example_inputs: Any, constraints: Sequence) -> dict[int, Graph]:
+def _graphs(model_or_graph: Any, example_inputs: Any, constraints: Sequence,
+            whole_experts: bool = True) -> dict[int, Graph]:
     if isinstance(model_or_graph, Graph):
         b = batch_size(model_or_graph) or 1
         return {b: model_or_graph}
     if example_inputs is None:
         raise TypeError("searching a model needs example_inputs= (one micro-batch of what its forward takes)")
+    from nnscaler_plugins.capture.experts import experts_as_one_op
     from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
     from nnscaler_plugins.capture.tracing import capture, normalize_inputs
 
@@ -627,7 +658,8 @@ def _graphs(model_or_graph: Any, example_inputs: Any, constraints: Sequence) -> 
             continue
         inputs = _first_rows(example_inputs, b, full)
         args, kwargs = normalize_inputs(inputs, None)
-        out[b] = capture(model_or_graph, args, kwargs)
+        with experts_as_one_op(model_or_graph) if whole_experts else contextlib.nullcontext():
+            out[b] = capture(model_or_graph, args, kwargs)
     if not out:
         raise SearchError(f"binding constraint: micro-batch size in {sizes}, but the example inputs have a batch of "
                           f"{full}; pass example inputs with at least {min(sizes)} rows")

@@ -40,6 +40,9 @@ class Config:
     recompute: str = "none"
     tp: int = 1  # the largest split of an op that is not along the batch (for constraints)
     sequence_parallel: bool = False  # Megatron's option: the layers' norms and residual adds split along the sequence
+    cp: int = 1  # context parallelism: attention (and what carries the sequence) split along it cp ways
+    cp_comm: str = "ring"  # how attention pieces meet their keys under cp (ring, allgather, ulysses)
+    ep: int = 1  # expert parallelism: experts of a mixture-of-experts layer split ep ways with their tokens
 
     @property
     def unit_size(self) -> int:
@@ -59,13 +62,15 @@ class Config:
             if self.pp > 1 else ""
         return (f"group {self.group} (mesh {mesh}, tp {self.tp}){pipe} dp={self.dp} micro-batch "
                 f"{self.micro_batch_size} x {self.micro_batches} zero={self.zero} recompute={self.recompute}"
-                + (" sequence-parallel" if self.sequence_parallel else ""))
+                + (" sequence-parallel" if self.sequence_parallel else "")
+                + (f" cp={self.cp} {self.cp_comm}" if self.cp > 1 else "") + (f" ep={self.ep}" if self.ep > 1 else ""))
 
     def to_json(self) -> dict:
         return {"group": self.group, "mesh": list(self.mesh), "pp": self.pp, "dp": self.dp,
                 "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
                 "schedule": self.schedule, "virtual": self.virtual, "zero": self.zero, "recompute": self.recompute,
-                "tp": self.tp, "sequence_parallel": self.sequence_parallel}
+                "tp": self.tp, "sequence_parallel": self.sequence_parallel, "cp": self.cp, "cp_comm": self.cp_comm,
+                "ep": self.ep}
 
 
 def divisors(n: int) -> list[int]:
@@ -92,13 +97,21 @@ def config_of(plan: Plan, graph: Graph) -> Config:
 
     sigs = {op.name: signature_for(graph, op) for op in graph.ops}
     tags = tag_labels(graph, sigs)
-    tp = 1
+    from nnscaler_plugins.search.group_kernels import EXPERTS, SEQUENCE, kind_of
+
+    tp = ep = 1
+    cp = max([plan.ops[op.name].label_counts().get(SEQUENCE, 1) for op in graph.ops
+              if kind_of(graph, op) == "attention"], default=1)
     batch_split = 1
     for op in graph.ops:
         p = plan.ops[op.name]
         blabel = next((l for l, tag in tags.get(op.name, {}).items() if tag == BATCH), None)
         counts = p.label_counts()
-        tp = max(tp, math.prod(n for l, n in counts.items() if l != blabel))
+        if kind_of(graph, op) == "experts":
+            ep = max(ep, counts.get(EXPERTS, 1))
+            continue  # its label is the tokens' as well: not tensor parallelism
+        slabel = next((l for l, tag in tags.get(op.name, {}).items() if tag == "sequence"), None) if cp > 1 else None
+        tp = max(tp, math.prod(n for l, n in counts.items() if l != blabel and l != slabel))
         if blabel is not None:
             batch_split = max(batch_split, counts.get(blabel, 1))
     pl = plan.pipeline
@@ -111,7 +124,8 @@ def config_of(plan: Plan, graph: Graph) -> Config:
                   micro_batches=plan.num_micro_batches, schedule=pl.schedule if pl is not None else "none",
                   virtual=virtual, zero=int(plan.zero or plan.options.get("zero", 0) or 0),
                   recompute=str(rec if rec is not True else "full"), tp=tp,
-                  sequence_parallel=bool(plan.options.get("sequence_parallel", False)))
+                  sequence_parallel=bool(plan.options.get("sequence_parallel", False)), cp=cp,
+                  cp_comm=str(plan.options.get("cp_comm", "ring")), ep=ep)
 
 
 def with_(cfg: Config, **changes: Any) -> Config:
