@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.lower.placement import Digit, DigitKind, label_digit
+from nnscaler_plugins.lower.placement import Digit, DigitKind, label_digit, merged_host
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import Signature, op_call, signature_for
@@ -231,12 +231,15 @@ class TensorParallelPropagation:
         ins: list[TPLayout] = []
         for i, labels in enumerate(sig.inputs):
             sig_block = self._sig_block(sig, label, i)
+            host = merged_host(sig, label, labels)
             ins.append(_of_digit(label_digit(sig, label, labels, False, i),
-                                 sig_block if sig_block > 1 else choice.block))
+                                 host[1] * choice.block if host else sig_block if sig_block > 1 else choice.block))
         outs: list[Optional[TPLayout]] = []
         for j, name in enumerate(node.outputs):
             labels = sig.outputs[j] if j < len(sig.outputs) else None
-            outs.append(None if name is None else _of_digit(label_digit(sig, label, labels, True, j), choice.block))
+            host = merged_host(sig, label, labels)
+            outs.append(None if name is None else _of_digit(label_digit(sig, label, labels, True, j),
+                                                            host[1] * choice.block if host else choice.block))
         return ins, outs
 
     # -- local choice -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from nnscaler_plugins.capture.graph import Graph, Ref, TensorMeta
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
+from nnscaler_plugins.lower.placement import merged_host
 from nnscaler_plugins.rules import (
     LocalCall,
     OpCall,
@@ -150,6 +151,15 @@ def _dims(labels: Optional[Sequence[str]], label: str) -> list[int]:
     return [d for d, l in enumerate(labels or ()) if l == label]
 
 
+def _cut_dims(sig, labels: Optional[Sequence[str]], label: str, block: int) -> list[tuple[int, int]]:
+    """(dim, blocks) a split of `label` cuts on one tensor: the dims carrying it, or the merged dim
+    that holds it (`Signature.merged`, in the merged dim's blocks)."""
+    host = merged_host(sig, label, labels)
+    if host is not None:
+        return [(host[0], host[1] * block)]
+    return [(d, block) for d in _dims(labels, label)]
+
+
 def _difference(got: Any, want: Any) -> Optional[str]:
     """None when equal (floats to RTOL/ATOL, everything else exactly); else what differs."""
     if not isinstance(want, torch.Tensor):
@@ -228,6 +238,8 @@ class OpChecker:
                 if block is not None:
                     out.append(((l, 2, block),))
         for a, b in itertools.combinations(labels, 2):
+            if sig.merged.get(a, (None,))[0] == b or sig.merged.get(b, (None,))[0] == a:
+                continue  # one dim cut twice (refused by the placement)
             if sig.divides(a, 2, call) and sig.divides(b, 2, call):
                 out.append(((a, 2, 1), (b, 2, 1)))
                 break
@@ -287,10 +299,10 @@ class OpChecker:
             labels = sig.inputs[pos]
             constant = False
             for (label, num, block), i in zip(split, index):
-                dims = _dims(labels, label)
+                dims = _cut_dims(sig, labels, label, sig.blocks.get((label, pos), block))
                 if dims:
-                    for d in dims:
-                        t = chunk_dim(t, d, num, i, sig.blocks.get((label, pos), block))
+                    for d, b in dims:
+                        t = chunk_dim(t, d, num, i, b)
                 elif pos in sig.partial_inputs.get(label, ()) and i != 0:
                     # Only piece 0 holds a partial input's value; the zeros elsewhere are made on
                     # the spot, not taken from the input, so no gradient flows back through them.
@@ -311,8 +323,8 @@ class OpChecker:
                 expected.append(None)
                 continue
             shape = list(m.shape)
-            for label, num, _ in split:
-                for d in _dims(labels, label):
+            for label, num, block in split:
+                for d, _ in _cut_dims(sig, labels, label, block):
                     shape[d] //= num
             expected.append(TensorMeta(tuple(shape), m.dtype, m.requires_grad))
         if sig.localize is None:
@@ -339,10 +351,10 @@ class OpChecker:
                 continue
             labels = sig.outputs[j]
             for (label, num, block), i in zip(split, index):
-                dims = _dims(labels, label)
+                dims = _cut_dims(sig, labels, label, block)
                 if dims:
-                    for d in dims:
-                        g = chunk_dim(g, d, num, i, block)
+                    for d, b in dims:
+                        g = chunk_dim(g, d, num, i, b)
                 elif label not in sig.reduce and i != 0:
                     # A replicated output is counted once: the other copies get no gradient.
                     g = torch.zeros_like(g)
@@ -368,10 +380,10 @@ class OpChecker:
                 groups.setdefault(key[:level], []).append(t)
             merged = {}
             for prefix, ts in groups.items():
-                dims = _dims(labels, label)
+                blocks = sig.blocks.get((label, input_pos), block) if input_pos is not None else block
+                dims = _cut_dims(sig, labels, label, blocks)
                 if dims:
-                    blocks = sig.blocks.get((label, input_pos), block) if input_pos is not None else block
-                    merged[prefix] = cat_dim(ts, dims[0], blocks)
+                    merged[prefix] = cat_dim(ts, dims[0][0], dims[0][1])
                 elif input_pos is not None or label in sig.reduce:
                     merged[prefix] = torch.stack(list(ts)).sum(0)
                 else:

@@ -57,10 +57,21 @@ PARTITION = Digit(DigitKind.PARTITION)
 PARTIAL = Digit(DigitKind.PARTIAL)
 
 
+def merged_host(sig: Signature, label: str, labels: Optional[Sequence[str]]) -> Optional[tuple[int, int]]:
+    """(dim, blocks) when a tensor lacking `label` holds it inside a merged dim (`Signature.merged`)."""
+    host = (getattr(sig, "merged", None) or {}).get(label)
+    if host is None or labels is None or label in labels or host[0] not in labels:
+        return None
+    return labels.index(host[0]), int(host[1])
+
+
 def label_digit(sig: Signature, label: str, labels: Optional[Sequence[str]], is_output: bool, index: int) -> Digit:
     """What splitting `label` does to input or output `index` of an op, whose dims carry `labels`."""
     if labels is not None and label in labels:
         return Digit(DigitKind.SPLIT, labels.index(label))
+    host = merged_host(sig, label, labels)
+    if host is not None:
+        return Digit(DigitKind.SPLIT, host[0])
     if is_output and label in sig.reduce:
         return PARTIAL
     if not is_output and index in sig.partial_inputs.get(label, frozenset()):
@@ -84,6 +95,16 @@ def tensor_blocks(sig: Signature, p: OpPlacement, labels: Optional[Sequence[str]
         if d < ndim and label in split_labels:
             plan_block = p.blocks.get(label, 1)
             out[d] = plan_block if is_output else rule_blocks.get((label, index), plan_block)
+    for label in split_labels:
+        host = merged_host(sig, label, labels)
+        if host is not None and host[0] < ndim:
+            if labels[host[0]] in split_labels:
+                raise ValueError(f"dim {host[0]} cannot be split along both {labels[host[0]]!r} and the "
+                                 f"{label!r} merged into it")
+            plan_block = p.blocks.get(label, 1)
+            if plan_block < 0:
+                raise ValueError(f"{label!r} is merged into dim {host[0]}; it cannot be split mirrored there")
+            out[host[0]] = host[1] * plan_block  # each of the merged dim's blocks holds the label's blocks
     return tuple(out)
 
 

@@ -1,9 +1,12 @@
 """View and movement ops: labels follow the data. A reshape splits or merges groups of dims; the
-leading dim of a group may be split (its chunks are contiguous in the merged dim), the rest stay
-whole. Size arguments are rewritten to the piece's local shape.
+leading dim of a group may be split (its chunks are contiguous in the merged dim). An inner dim of
+a merge (h of (b, h) -> b*h) or of a split may be split too: its chunks sit in every one of the b
+blocks of the merged dim, a blocked split (`Signature.merged`). Size arguments are rewritten to the
+piece's local shape.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from nnscaler_plugins.rules.broadcast import norm_dim
@@ -68,12 +71,20 @@ def view(call: OpCall) -> Signature:
         return None
     ins: list[str] = [""] * len(src)
     outs: list[str] = [""] * len(dst)
+    merged: dict[str, tuple[str, int]] = {}
     for g, (gi, gj) in enumerate(groups):
         for k, i in enumerate(gi):
             ins[i] = f"g{g}" if k == 0 and gj else f"^i{i}"
         for k, j in enumerate(gj):
             outs[j] = f"g{g}" if k == 0 and gi else f"^o{j}"
-    return Signature(inputs=(tuple(ins),), outputs=(tuple(outs),), localize=_reshape_localize(call))
+        # A merge (b, h) -> b*h or a split b*h -> (b, h): the inner dims may be split too; the
+        # merged dim then holds the split in as many blocks as the dims before it count.
+        inner, dims, shape = (gi, ins, src) if len(gj) == 1 else (gj, outs, dst) if len(gi) == 1 else ((), (), ())
+        for k, d in enumerate(inner[1:], start=1):
+            if shape[d] > 1:
+                dims[d] = f"g{g}_{k}"
+                merged[dims[d]] = (f"g{g}", math.prod(shape[x] for x in inner[:k]))
+    return Signature(inputs=(tuple(ins),), outputs=(tuple(outs),), localize=_reshape_localize(call), merged=merged)
 
 
 @rule("aten.flatten.using_ints")

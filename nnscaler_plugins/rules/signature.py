@@ -33,6 +33,11 @@ the output, which its shape has nothing to do with.
 A label may carry different sizes on different tensors (a reshape's merged dim and the leading dim
 it becomes; grouped-query attention's query and key heads): a split must divide all of them.
 
+`merged[l] = (host, b)` says that a label lives inside another tensor's dim: a reshape merging
+(b, h) into b*h labels h with `l` and b*h with `host`; splitting `l` splits the merged dim of the
+tensors that lack `l` in b blocks (`lower.placement.label_digit` reads it), so a split of heads
+survives BLOOM's (batch * heads) fold and its way back.
+
 When the plain op is not what a piece must run (a vocabulary-parallel embedding must shift and
 mask its ids; a mean over a split dim must divide by the global count), `localize` returns the
 target and arguments each piece runs. It receives a `LocalCall` describing the piece. If the piece
@@ -111,6 +116,9 @@ class Signature:
     # Labels whose split requires `localize` to return a group-aware kernel (for messages/search).
     comm_labels: frozenset[str] = frozenset()
     blocks: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    # label -> (host label, b): on a tensor that lacks `label` but carries `host`, splitting `label`
+    # splits the host's dim in b blocks (a reshape merging (b, h) into b*h with h split).
+    merged: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     # Labels that may only be split if every label in the tuple divides; informative for search.
     note: str = ""
 
