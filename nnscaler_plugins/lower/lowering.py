@@ -20,6 +20,7 @@ from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.lower.layout import Layout
 from nnscaler_plugins.lower.placement import (
     layout_from_digits,
+    merged_host,
     partial_grad_groups,
     tensor_blocks,
     tensor_digits,
@@ -28,6 +29,7 @@ from nnscaler_plugins.lower.placement import (
 from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
+from nnscaler_plugins.runtime.replica_statistics import across_replicas
 from nnscaler_plugins.rules import (
     LocalCall,
     Localized,
@@ -174,6 +176,8 @@ class Program:
     stage_inputs: list[list[str]] = field(default_factory=list)  # per stage: graph inputs, then boundary values
     stage_sends: list[list[str]] = field(default_factory=list)  # per stage: boundary values it sends
     output_stage: list[Optional[int]] = field(default_factory=list)  # per model output: the stage making it
+    # kernel_groups keys whose group is each device's data-parallel replicas (batch statistics)
+    replica_kernels: list[int] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -293,6 +297,7 @@ class _Lowering:
         self.reshard_index: dict[tuple, int] = {}
         self.grad_groups: list[tuple[tuple[int, ...], ...]] = []
         self.kernel_groups: list[tuple[tuple[int, ...], ...]] = []
+        self.replica_kernels: list[int] = []
         self.stmts: dict[tuple[int, int], list[Stmt]] = {(d, k): [] for k, g in enumerate(self.stage_groups)
                                                           for d in g}
         # produced[k][v]: the layout value v has on stage k's devices.
@@ -475,6 +480,30 @@ class _Lowering:
             self.stmts[(dev, k)].append(Stmt("op", out=list(op.outputs), target=local.target, args=args,
                                              kwargs=kwargs, op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw,
                                              coshard=cs))
+        self.emit_replica_statistic(op, local_names)
+
+    def emit_replica_statistic(self, op: OpNode, local_names: list[str]) -> None:
+        """A reduction over the batch that the loss uses nonlinearly (the plan's `batch_statistics`,
+        found by the strategy) made whole across the data-parallel replicas right after the op
+        (`runtime.replica_statistics`); its pieces stay partial sums inside the unit."""
+        stats = self.plan.options.get("batch_statistics")
+        how = stats.get(op.name) if isinstance(stats, dict) and self.plan.dp > 1 else None
+        if how is None or op.outputs[0] is None:
+            return
+        lays = self.op_info[op.name][1]
+        gkw = len(self.kernel_groups)
+        self.kernel_groups.append(tuple((d,) for d in lays.devices))
+        self.replica_kernels.append(gkw)
+        out = op.outputs[0]
+        args: tuple = (Ref(out),)
+        if how == "mean":
+            dims = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim")
+            dims = () if dims is None else dims
+            args += (Ref(local_names[0]), tuple([dims] if isinstance(dims, int) else dims))
+        for dev in lays.devices:
+            self.stmts[(dev, self.stage_of[op.name])].append(
+                Stmt("op", out=[out], target=across_replicas, args=args, op=op, grad_enabled=op.grad_enabled,
+                     group_kwarg=gkw, comment="batch statistic made whole across the data-parallel replicas"))
 
     # -- 5. recompute groups -------------------------------------------------------------------------------
     def mark_recompute(self) -> None:
@@ -536,7 +565,7 @@ class _Lowering:
             ranks.append(RankProgram(dev, per_stage, held))
         return Program(graph, self.plan, self.unit, ranks, self.shards, self.reshards, self.grad_groups,
                        self.kernel_groups, _loss_index(graph), self.stage_groups, self.boundaries, stage_inputs,
-                       self.stage_sends, self.output_stage)
+                       self.stage_sends, self.output_stage, self.replica_kernels)
 
 
 def _tie_copies(graph: Graph, shards: dict[str, ParamShard], ranks_using: dict[str, list[int]],
@@ -599,7 +628,10 @@ def _coshard_call(graph: Graph, op: OpNode, sig: Signature, call, p: OpPlacement
     in_modes: list[tuple] = []
     for i, labels in enumerate(sig.inputs):
         dims = [d for d, l in enumerate(labels or ()) if l == label]
-        if dims:
+        host = merged_host(sig, label, labels)
+        if host is not None:
+            in_modes.append(("chunk", (host[0],), host[1] * block_of(labels, i)))
+        elif dims:
             in_modes.append(("chunk", tuple(dims), block_of(labels, i)))
         elif i in sig.partial_inputs.get(label, frozenset()):
             in_modes.append(("first",))
@@ -609,8 +641,11 @@ def _coshard_call(graph: Graph, op: OpNode, sig: Signature, call, p: OpPlacement
     for j, name in enumerate(op.outputs):
         labels = sig.outputs[j] if j < len(sig.outputs) else None
         dims = [d for d, l in enumerate(labels or ()) if l == label]
+        host = merged_host(sig, label, labels)
         if name is None:
             out_modes.append(None)
+        elif host is not None:
+            out_modes.append(("cat", host[0], host[1] * block_of(labels, None)))
         elif len(dims) > 1:
             raise PlanError(f"cannot be co-sharded along {label!r}: output {j} carries it on several dims", op=op.name,
                             where=op.where())
