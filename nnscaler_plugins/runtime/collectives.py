@@ -10,10 +10,20 @@ needs an all-gather backward to make the gradient whole again.
 resharding needs it because the devices holding consecutive pieces need not be sorted. None means
 group-rank order. A `group` of None stands for a device alone (what `ProcessGroups.get` returns
 for single-device tuples): the collective is then the identity, or the local piece.
+
+Megatron's sequence parallelism keeps, for the weight gradient of a column-parallel matmul, only
+the sequence shard its all-gathered input came from and gathers it again in backward. Here the
+same holds for any all-gathered value whose gradient is summed over the group (the input of
+column-split pieces): `pack_saved` / `unpack_saved` are the saved-tensor hooks that swap such a
+value for its shard and gather it back, exactly (a gather only copies). Whoever installs
+saved-tensor hooks around a forward passes what it does not handle itself through them
+(`saved_tensor_hooks()` is the pair alone).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -192,7 +202,10 @@ class _GatherScatterSum(Function):
 # -- public -------------------------------------------------------------------------------------------
 def all_gather(x: torch.Tensor, dim: int, group: Any, blocks: int = 1, order: Order = None) -> torch.Tensor:
     """D -> R along `dim`; backward keeps the local piece of the (whole) gradient."""
-    return _AllGather.apply(x, dim, group, blocks, _order(group, order))
+    out = _AllGather.apply(x, dim, group, blocks, _order(group, order))
+    if group is not None and out.requires_grad:
+        out._nns_gathered_from = _Regather(x.detach(), dim, group, blocks, _order(group, order))
+    return out
 
 
 def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -229,7 +242,13 @@ def send_recv(x: torch.Tensor, send_to: Optional[int], recv_from: Optional[int])
 
 
 def identity_fwd_allreduce_bwd(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Megatron's f: a whole input feeding split pieces, whose gradients are each only a share."""
+    """Megatron's f: a whole input feeding split pieces, whose gradients are each only a share.
+
+    When `x` was all-gathered, what backward keeps of the result is its shard (see `pack_saved`)."""
+    root = x if x._base is None else x._base
+    source = getattr(root, "_nns_gathered_from", None)
+    if source is not None:  # views of the gathered value (a linear saves its input reshaped) find it here
+        root._nns_regather = source
     return _IdentityAllReduce.apply(x, group)
 
 
@@ -264,3 +283,73 @@ def transfer(x: Optional[torch.Tensor], send_to: Sequence[int], recv_from: Optio
     for work in works:
         work.wait()
     return out
+
+
+# -- saved activations kept as shards -----------------------------------------------------------------
+@dataclass(eq=False)
+class _Regather:
+    """A saved all-gathered value, held as this device's shard; gathered again at its first use in
+    backward and kept until every node that saved it has taken it (the q, k and v projections of
+    one gathered input share one gather, as Megatron's fused QKV matmul does)."""
+
+    shard: torch.Tensor
+    dim: int
+    group: Any
+    blocks: int
+    order: tuple[int, ...]
+    users: int = 0
+    whole: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+    def take(self) -> torch.Tensor:
+        whole = self.whole if self.whole is not None else _gather(self.shard, self.dim, self.group, self.blocks,
+                                                                  self.order)
+        self.users -= 1
+        self.whole = whole if self.users > 0 else None
+        return whole
+
+
+@dataclass(frozen=True)
+class _SavedView:
+    """A saved tensor that is (a view of) a regathered value."""
+
+    source: _Regather
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def pack_saved(t: torch.Tensor) -> Any:
+    """Saved-tensor pack hook: the all-gathered input of column-split pieces becomes its shard."""
+    root = t if t._base is None else t._base
+    source = getattr(root, "_nns_regather", None)
+    if source is None or root.storage_offset() != 0 or not root.is_contiguous():
+        return t
+    source.users += 1
+    return _SavedView(source, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+
+def unpack_saved(saved: Any) -> torch.Tensor:
+    """Saved-tensor unpack hook matching `pack_saved` (collectives in backward run in the same order on
+    every device of the group: each device's autograd graph is the same)."""
+    if not isinstance(saved, _SavedView):
+        return saved
+    return saved.source.take().as_strided(saved.size, saved.stride, saved.offset)
+
+
+def saved_bytes(packed: Any) -> int:
+    """Bytes `pack_saved`'s answer holds for backward, asked right after packing (a shard shared by
+    several nodes counts once)."""
+    if isinstance(packed, _SavedView):
+        return packed.source.nbytes if packed.source.users == 1 else 0
+    return packed.numel() * packed.element_size() if isinstance(packed, torch.Tensor) else 0
+
+
+@contextlib.contextmanager
+def saved_tensor_hooks() -> Iterator[None]:
+    """A forward whose saved all-gathered inputs are kept as shards (no other saved-tensor hooks)."""
+    with torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved):
+        yield

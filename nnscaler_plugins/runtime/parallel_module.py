@@ -30,6 +30,7 @@ from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.capture.skeleton import meta_skeleton
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.runtime.batch_shapes import BatchShapes
+from nnscaler_plugins.runtime.collectives import saved_tensor_hooks
 from nnscaler_plugins.runtime.comm import Comm
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
@@ -279,7 +280,7 @@ class ParallelModule(torch.nn.Module):
         inputs = self._flat_inputs(args, kwargs)
         gen = self._shapes.module_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, before any collective
         fn = gen.forward_loss if loss_only else gen.forward
-        scope = self.zero3.forward_scope() if self.zero3 is not None else contextlib.nullcontext()
+        scope = self.zero3.forward_scope() if self.zero3 is not None else saved_tensor_hooks()
         with scope, autocast(self.plan.precision, self._device):
             flat = fn(self._comm, self._device, self._params_on_use(), *inputs)
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, Task
+from nnscaler_plugins.runtime.collectives import pack_saved, saved_bytes, unpack_saved
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
 from nnscaler_plugins.runtime.split_backward import SplitBackward
 
@@ -218,17 +219,21 @@ class PipelineExecutor:
         fn = getattr(self.rt.generated(mb), f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
         saved = [0]
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[0] += t.numel() * t.element_size()
-            return t
+        def count(packed: Any) -> None:
+            saved[0] += saved_bytes(packed)
+
+        def pack(t: torch.Tensor) -> Any:
+            packed = pack_saved(t)
+            count(packed)
+            return packed
 
         rt = self.rt
         if not task.grad:
             hooks = contextlib.nullcontext()
         elif rt.zero3 is not None:  # its hooks swap gathered parameters for references; it counts the rest
-            hooks = rt.zero3.forward_scope(on_save=pack)
+            hooks = rt.zero3.forward_scope(on_save=count)
         else:
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved)
         with torch.set_grad_enabled(task.grad), hooks, autocast(self.precision, rt.device):
             outs = fn(rt.comm, rt.device, rt.params_on_use(s), *ins)
         sends = self.program.stage_sends[s]

@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from nnscaler_plugins.runtime.collectives import pack_saved, unpack_saved
+
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -163,6 +165,8 @@ class _PendingReduce:
     out: torch.Tensor
     key: Optional[int]  # `out` is the whole (reduced) gradient of `key`; None: `out` holds chunks of `keys`
     keys: tuple[int, ...] = ()
+    sent: Optional[torch.Tensor] = None  # what the collective reads, kept alive until it is done
+    scale: float = 1.0  # applied to `out` once reduced (when `sent` is the gradient itself, unscaled)
 
 
 class Zero3Params:
@@ -239,11 +243,12 @@ class Zero3Params:
         return {k: flat.view(s.shape) for k, s, flat in zip(keys, shards, outs)}
 
     @contextlib.contextmanager
-    def forward_scope(self, on_save: Optional[Callable[[torch.Tensor], None]] = None) -> Iterator[None]:
+    def forward_scope(self, on_save: Optional[Callable[[Any], None]] = None) -> Iterator[None]:
         """Around a forward: what autograd saves of gathered parameters is a reference, not the tensor.
 
-        `on_save` sees every other tensor autograd saves (saved-tensor hooks do not nest, so a
-        caller that measures activations passes its counter here instead of its own hooks)."""
+        `on_save` sees what is kept of every other tensor autograd saves (saved-tensor hooks do not
+        nest, so a caller that measures activations passes its counter here instead of its own
+        hooks): the tensor, or the shard of an all-gathered one (`collectives.saved_bytes` sizes both)."""
         for work, _ in self._prefetched.values():  # meant for a backward that never came
             work.wait()
         self._prefetched.clear()
@@ -252,8 +257,10 @@ class Zero3Params:
 
         def pack(t: torch.Tensor) -> Any:
             out = self._pack(t)
-            if on_save is not None and out is t:
-                on_save(t)
+            if out is t:
+                out = pack_saved(t)
+                if on_save is not None:
+                    on_save(out)
             return out
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
@@ -306,7 +313,7 @@ class Zero3Params:
         the prefetched one or gather it now; then start gathering the one backward needs next (the
         one saved before it in the forward), so that gather overlaps this node's compute."""
         if not isinstance(saved, _SavedRef):
-            return saved
+            return unpack_saved(saved)
         key = saved.key
         ref = self._regathered.get(key)
         whole = ref() if ref is not None else None
@@ -380,18 +387,26 @@ class Zero3Params:
             return
         keys = tuple(k for k, _ in self._bucket)
         shards = [self.shards[k] for k in keys]
-        buf = reduce_scatter_layout(shards, [g for _, g in self._bucket], self.scale)
+        grads = [g for _, g in self._bucket]
+        self._bucket, self._bucket_bytes = [], 0
+        if len(keys) == 1 and shards[0].size * shards[0].chunk == grads[0].numel():
+            # One gradient that splits evenly (a large weight fills a bucket alone): sent as it is and
+            # scaled once reduced, never copied whole (a vocabulary embedding's gradient is the
+            # largest tensor of a step).
+            buf, post = grads[0].reshape(-1), self.scale
+        else:
+            buf, post = reduce_scatter_layout(shards, grads, self.scale), 1.0
+        del grads
         out = buf.new_empty(sum(sh.chunk for sh in shards))
         work = reduce_scatter_flat(out, buf, group=shards[0].group, async_op=True)
-        self._pending.append(_PendingReduce(work, out, None, keys))
-        self._bucket, self._bucket_bytes = [], 0
+        self._pending.append(_PendingReduce(work, out, None, keys, sent=buf, scale=post))
         self.launched += 1
         # A reduction in flight holds its bucket's whole gradients: at most MAX_IN_FLIGHT at once
         # (else every layer's whole gradients live until the end of backward, a whole model's worth).
         in_flight = [p for p in self._pending if p.work is not None]
         if len(in_flight) > MAX_IN_FLIGHT:
             in_flight[0].work.wait()
-            in_flight[0].work = None
+            in_flight[0].work = in_flight[0].sent = None
 
     def reduce_accumulated(self) -> None:
         """Reduce the gradients kept under no_sync (after a step whose backward ran without sync)."""
@@ -411,24 +426,32 @@ class Zero3Params:
     def settle(self) -> None:
         """Wait for the reductions started so far and add each chunk to its gradient."""
         self.flush()
-        for p in self._pending:
+        pending, self._pending = self._pending, []
+        pending.reverse()
+        while pending:  # each reduction's buffer is freed once its chunks are added, not all at the end
+            p = pending.pop()
             if p.work is not None:
                 p.work.wait()
+            p.sent = None
+            if p.scale != 1.0:
+                p.out.mul_(p.scale)
             if p.key is not None:  # a whole gradient: keep our chunk
                 self._add_grad(p.key, self.shards[p.key].owned(p.out))
                 continue
             off = 0  # a bucket: the chunks of its gradients one after another (reduce_scatter_layout)
             for key in p.keys:
                 sh = self.shards[key]
-                self._add_grad(key, p.out[off:off + sh.hi - sh.lo])
+                self._add_grad(key, p.out[off:off + sh.hi - sh.lo], own=len(p.keys) == 1)
                 off += sh.chunk
-        self._pending.clear()
+            del p
 
-    def _add_grad(self, key: int, g: torch.Tensor) -> None:
+    def _add_grad(self, key: int, g: torch.Tensor, own: bool = False) -> None:
+        """Add a reduced chunk to the chunk parameter's gradient; `own`: `g` is a buffer nothing
+        else reads, which becomes the gradient itself instead of a copy."""
         c = self.chunks[key]
         g = g.reshape(c.shape).to(device=c.device, dtype=c.dtype)
         if c.grad is None:
-            c.grad = g.clone()
+            c.grad = g if own else g.clone()
         else:
             c.grad.add_(g)
 
