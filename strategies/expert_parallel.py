@@ -24,6 +24,7 @@ from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 
+from .batch_statistics import apply_batch_statistics
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
 
@@ -133,12 +134,15 @@ def expert_parallel(builder: PlanBuilder, **options: Any) -> None:
     if ep is not None and int(ep) * pp != builder.unit_size:
         raise PlanError(f"strategy 'ep': ep={ep} x pp={pp} but the plan's unit has {builder.unit_size} devices")
     builder.options["experts_as_one_op"] = True  # a saved plan is re-applied to the same capture
+    check_capacity(options.get("capacity_factor"))
     if pp > 1:
         check_experts(builder, builder.unit_size // pp)
+        apply_batch_statistics(builder, "ep", options.get("batch_statistics"))
         pipelined(builder, pp, options.get("schedule") or "1f1b")
         apply_recompute(builder, options.get("recompute"))
         return
     check_experts(builder)
+    apply_batch_statistics(builder, "ep", options.get("batch_statistics"))
     n = builder.unit_size
     if options.get("tp") is not None and n > 1:
         dense_tensor_parallel(builder)
@@ -149,6 +153,16 @@ def expert_parallel(builder: PlanBuilder, **options: Any) -> None:
             else:
                 builder.split(op, [(label, n)])
     apply_recompute(builder, options.get("recompute"))
+
+
+def check_capacity(capacity_factor: Any) -> None:
+    """`capacity_factor=` (Megatron's): each expert takes at most ceil(factor x rows / experts) of a
+    device's (token, choice) rows, the rest dropped; None (the default) drops nothing."""
+    if capacity_factor is None:
+        return
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0:
+        raise PlanError(f"strategy 'ep': capacity_factor={capacity_factor!r} must be a positive number (or None: "
+                        "no token dropped)")
 
 
 def dense_tensor_parallel(builder: PlanBuilder) -> None:

@@ -95,8 +95,9 @@ def test_ep_2(workers2, name, options):
     assert not any(problems), problems
 
 
-@pytest.mark.parametrize("name,options,dp", [("mixtral_no_aux", {"ep": 2, "dp": 2}, 2)]
-                         + ([("qwen3_moe_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
+@pytest.mark.parametrize("name,options,dp", [("mixtral", {"ep": 2, "dp": 2}, 2)]
+                         + ([("qwen3_moe", {"ep": 2, "dp": 2}, 2), ("qwen2_moe", {"ep": 2, "dp": 2}, 2),
+                             ("mixtral_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
                              ("qwen3_moe", {"ep": 4}, 1), ("mixtral_no_aux", {"ep": 2, "dp": 2, "zero": 1}, 2),
                              ("mixtral_no_aux", {"ep": 2, "pp": 2, "micro_batches": 2}, 1)]
                             if EVERY else []))

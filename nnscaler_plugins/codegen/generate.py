@@ -440,7 +440,9 @@ def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: O
         note = ""
         if s.group_kwarg is not None:
             kws.append(f"group=_comm.kernel({s.group_kwarg})")
-            if em.program is not None:
+            if em.program is not None and s.group_kwarg in em.program.replica_kernels:
+                note = "  # communicates over this device's data-parallel replicas"
+            elif em.program is not None:
                 note = f"  # communicates over {_devices(_own_group(em.program.kernel_groups[s.group_kwarg], em.device))}"
         call = f"{em.callable_name(target)}({', '.join([a for a in [arg_text] if a] + kws)})"
         lines.append((f"{ind}{lhs} = {call}" if any(o is not None for o in s.out) else f"{ind}{call}") + note)

@@ -495,11 +495,9 @@ class _Lowering:
         self.kernel_groups.append(tuple((d,) for d in lays.devices))
         self.replica_kernels.append(gkw)
         out = op.outputs[0]
-        args: tuple = (Ref(out),)
-        if how == "mean":
-            dims = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim")
-            dims = () if dims is None else dims
-            args += (Ref(local_names[0]), tuple([dims] if isinstance(dims, int) else dims))
+        dims = op.args[1] if op.op_name.endswith((".dim", ".dim_IntList")) and len(op.args) > 1 else ()
+        dims = tuple([dims] if isinstance(dims, int) else dims or ())
+        args = (Ref(out), Ref(local_names[0]), dims, how == "mean")
         for dev in lays.devices:
             self.stmts[(dev, self.stage_of[op.name])].append(
                 Stmt("op", out=[out], target=across_replicas, args=args, op=op, grad_enabled=op.grad_enabled,

@@ -11,7 +11,7 @@ piece's own tokens, finished: a plain token split, so what follows runs on its t
 parallelism would. The hidden dims stay whole.
 
 The label is a communicating one (`comm_labels`): a piece cannot run without its group. A plan's
-`capacity_factor` option reaches the kernel through the op's localized call (see the ep strategy).
+`capacity_factor` option (the ep strategy's) reaches the kernel through the op's localized call.
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def experts_signature(call: OpCall, capacity_factor: Optional[float] = None) -> 
             return Localized(call.target, call.args, call.kwargs)
         local = lc.local_inputs[3].shape[0]
         kwargs = dict(key=key, names=names, first_expert=lc.index[SPLIT] * local, num_experts=experts)
-        if capacity_factor is not None:
-            kwargs["capacity_factor"] = float(capacity_factor)
+        factor = capacity_factor if capacity_factor is not None else lc.options.get("capacity_factor")
+        if factor is not None:
+            kwargs["capacity_factor"] = float(factor)
         return Localized(expert_dispatch.expert_all_to_all, tuple(refs), kwargs, group_label=SPLIT)
 
     return Signature(

@@ -42,4 +42,12 @@ class Comm:
 
     def kernel(self, key: int) -> Any:
         """The process group a group-aware piece function communicates over."""
+        if key in self.program.replica_kernels:
+            return self.replicas()
         return self.groups.get(self._own(self.program.kernel_groups[key]))
+
+    def replicas(self) -> Any:
+        """This device's copies in every data-parallel replica (the group gradients are averaged over)."""
+        plan = self.program.plan
+        first = self.groups.global_rank(0)  # unit-relative numbering of global ranks
+        return self.groups.get(tuple(r * plan.unit_size + self.device - first for r in range(plan.dp)))

@@ -1,0 +1,162 @@
+"""Reductions over the batch that the loss uses nonlinearly: what data-parallel replicas must combine.
+
+Each data-parallel replica runs the plan's unit on its share of the batch, and the replicas' losses
+are weighted by their items before gradients are averaged. A reduction over the batch that reaches
+the loss only through sums and scalings (a mean cross-entropy, `aux * coef` added to it) is exact
+that way. One that meets a nonlinear op first -- the router load-balancing loss multiplies the
+fraction of tokens sent to each expert by the mean router probability, both means over every
+token -- is not, and Hugging Face's own loss under DDP or gradient accumulation differs from one
+device's on the whole batch for that reason. The lowering makes the reductions found here whole
+across the replicas (`runtime.replica_statistics`), so every replica reads the whole batch's value.
+
+The batch dim is followed from the model's inputs through every op's dimension rule, as the
+strategies find it, so nothing depends on the model's module names.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
+from nnscaler_plugins.runtime.loss import loss_position
+
+#: Ops the loss is linear in (each input listed is entered): views, copies, sums and scalings.
+_THROUGH_ALL = ("aten.view.", "aten.reshape.", "aten._unsafe_view.", "aten.clone.", "aten.alias.", "aten._to_copy.",
+                "aten.to.", "aten.squeeze.", "aten.unsqueeze.", "aten.add.", "aten.sub.", "aten.neg.",
+                "aten.sum.", "aten.mean.", "aten.select.", "aten.slice.", "aten.expand.", "aten.contiguous.",
+                "aten.add_.", "aten.sub_.", "aten.neg_.")
+_SCALINGS = ("aten.mul.", "aten.div.", "aten.mul_.", "aten.div_.")  # linear in an input the other does not scale
+_SUMS = ("aten.sum.",)
+_MEANS = ("aten.mean.",)
+#: Ops that keep the batch whole and count over it: their pieces' counts add up (histograms).
+_COUNTS = ("aten.histc.", "aten.bincount.")
+
+
+#: Ops that read only their input's shape.
+_SHAPE_ONLY = {"aten.new_empty.default", "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
+               "aten.empty_like.default", "aten.zeros_like.default", "aten.ones_like.default",
+               "aten.full_like.default", "aten.sym_size.int"}
+
+
+def _keeps_batch(builder: PlanBuilder, op: OpHandle, dim: dict[str, Optional[int]]) -> bool:
+    """Whether an op that reads the batch whole gives it back (a copy into a buffer, a reorder):
+    some output still has a dim of the size the batch had in its input."""
+    graph = builder.graph
+    sizes = {graph.meta(v).shape[dim[v]] for v in op.node.inputs if dim.get(v) is not None}
+    return any(o is not None and graph.meta(o) is not None and sizes & set(graph.meta(o).shape)
+               for o in op.node.outputs)
+
+
+def _batch_reductions(builder: PlanBuilder) -> tuple[dict[str, OpHandle], set[str]]:
+    """Ops reducing over the batch dim, and the values that depend on the data inputs."""
+    graph = builder.graph
+    inputs = [v for v in graph.values.values() if v.kind == "input" and v.meta is not None and v.meta.ndim >= 1]
+    batch = inputs[0].meta.shape[0] if inputs else None
+    dim: dict[str, Optional[int]] = {v.name: (0 if v.meta.shape[0] == batch else None) for v in inputs}
+    data = {v.name for v in graph.values.values() if v.kind == "input"}
+    reductions: dict[str, OpHandle] = {}
+    for op in builder.ops:
+        sig = op.signature
+        if any(name in data for name in op.node.inputs):
+            data.update(o for o in op.node.outputs if o is not None)
+        label, whole = None, False
+        for i, name in enumerate(op.node.inputs):
+            d, labs = dim.get(name), (sig.inputs[i] if i < len(sig.inputs) else None)
+            if d is not None and (labs is None or d >= len(labs) or sig.is_frozen(labs[d])):
+                whole = True  # the op reads the batch whole
+            elif d is not None:
+                label = labs[d]
+                break
+        outs = [sig.outputs[j] if j < len(sig.outputs) else None for j in range(len(op.node.outputs))]
+        if label is not None and label in sig.reduce and not any(o and label in o for o in outs):
+            reductions[op.name] = op
+        elif label is None and whole and op.node.op_name not in _SHAPE_ONLY and not _keeps_batch(builder, op, dim):
+            reductions[op.name] = op  # mixes the whole batch: a count, or refused where the loss needs it
+        for out, labs in zip(op.node.outputs, outs):
+            if out is not None:
+                dim[out] = labs.index(label) if label is not None and labs and label in labs else None
+    return reductions, data
+
+
+def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set[str]]:
+    """(ops the loss depends on, ops it depends on linearly), by op name."""
+    graph = builder.graph
+    at = loss_position(len(graph.outputs), graph.out_spec)
+    loss = graph.outputs[at] if at is not None else None
+    if loss is None:
+        return set(), set()
+    producer = {o: op for op in builder.ops for o in op.node.outputs if o is not None}
+    ancestors: set[str] = set()
+    stack = [loss]
+    while stack:
+        op = producer.get(stack.pop())
+        if op is not None and op.name not in ancestors:
+            ancestors.add(op.name)
+            stack.extend(op.node.inputs)
+    linear: set[str] = set()
+    stack = [loss]
+    while stack:
+        op = producer.get(stack.pop())
+        if op is None or op.name in linear:
+            continue
+        linear.add(op.name)
+        name = op.node.op_name
+        if name.startswith(_THROUGH_ALL):
+            stack.extend(op.node.inputs)
+        elif name.startswith(_SCALINGS):
+            ins = list(op.node.inputs)
+            dependent = [v for v in ins if v in data]
+            if name.startswith("aten.mul.") and len(dependent) == 1:
+                stack.extend(dependent)
+            elif name.startswith("aten.div.") and ins and all(v not in data for v in ins[1:]):
+                stack.append(ins[0])
+    return ancestors, linear
+
+
+def batch_statistics(builder: PlanBuilder, strategy: str) -> dict[str, str]:
+    """{op name: "sum" | "mean"} for each reduction over the batch the loss uses nonlinearly;
+    refuses (by name) one whose pieces the replicas cannot combine exactly."""
+    reductions, data = _batch_reductions(builder)
+    ancestors, linear = _loss_ancestors(builder, data)
+    found: dict[str, str] = {}
+    for name, op in reductions.items():
+        if name not in ancestors or name in linear:
+            continue
+        target = op.node.op_name
+        meta = builder.graph.meta(op.node.outputs[0]) if op.node.outputs and op.node.outputs[0] else None
+        exact = meta is not None and meta.dtype.is_floating_point and len(op.node.outputs) == 1
+        reduces = op.signature.reduce and any(l in op.signature.reduce for l in op.signature.labels())
+        if exact and target.startswith(_MEANS):
+            found[name] = "mean"
+        elif exact and (target.startswith(_SUMS + _COUNTS) or (reduces and op.signature.localize is None)):
+            found[name] = "sum"  # the pieces of a reduction without a piece function are partial sums
+        else:
+            raise PlanError(f"strategy {strategy!r}: the loss uses this reduction over the batch ({target}) "
+                            "nonlinearly, and its data-parallel pieces cannot be combined into the whole batch's "
+                            "value; pass batch_statistics='local' to compute it per replica (as DDP does)",
+                            op=name, where=op.where())
+    return found
+
+
+def apply_batch_statistics(builder: PlanBuilder, strategy: str, mode: Optional[str]) -> None:
+    """Records the plan's `batch_statistics` for the lowering: "global" (the default) combines them
+    across data-parallel replicas; "local" keeps each replica's own (Hugging Face under DDP).
+    Micro-batches see one micro-batch each, which no order of the forwards makes whole before
+    the first backward in 1F1B; "global" with micro-batches is refused when there are any."""
+    mode = mode or "global"
+    if mode not in ("global", "local"):
+        raise PlanError(f"strategy {strategy!r}: batch_statistics={mode!r}; use 'global' or 'local'")
+    builder.options["batch_statistics"] = "local"
+    if mode == "local":
+        return
+    found = batch_statistics(builder, strategy)
+    if not found:
+        return
+    micro = builder.micro_batches
+    if micro > 1:
+        names = ", ".join(sorted(found))
+        raise PlanError(f"strategy {strategy!r}: with {micro} micro-batches, the loss's statistics over the batch "
+                        f"({names}: e.g. a router load-balancing loss) would be computed per micro-batch, not over "
+                        "the whole batch as one device does; pass batch_statistics='local' to accept that "
+                        "(Megatron's per-micro-batch auxiliary loss), or train without micro-batches")
+    builder.options["batch_statistics"] = found
