@@ -10,7 +10,15 @@ mixture-of-experts model, the search's fastest plan against the best of three fi
 data parallelism, ZeRO-3, Megatron tensor parallelism within a node with data parallelism across),
 all at the same memory limit. Target: 1.3x, or an explanation of why not (printed in the notes).
 
-    python benchmarks/plan_quality.py [--part A|B] [--quick]   # appended to RESULTS.md
+Part C: expert and context parallelism in the search. A Mixtral-8x7B-shaped model (experts captured
+as one op each, so splitting them with their tokens is in the space) searched with ep available,
+against the best plan the search finds without ep (`MaxExpertParallel(1)`) and against the
+Megatron-style recipe (ep 8 within a node with tp 8 for attention and the dense layers, data
+parallelism across nodes, ZeRO-1). And a Llama-8B-shaped model at 32k and 128k tokens per sequence on
+8 to 64 H100s, searched with context parallelism (cp degree and cp_comm in the space) against the best
+plan without it (`MaxContextParallel(1)`).
+
+    python benchmarks/plan_quality.py [--part A|B|C] [--quick]   # appended to RESULTS.md
 """
 from __future__ import annotations
 
@@ -268,19 +276,127 @@ not: its expert weights make data parallelism run out of memory and ZeRO-3 pay f
 every micro-batch, and the search's mix of expert splits and pipelining wins by far."""
 
 
+# -- part C ---------------------------------------------------------------------------------------------------
+def mixtral_8x7b(layers: int = 32, seq: int = 4096):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def llama_8b(seq: int, layers: int = 32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=seq, use_cache=False,
+                      attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def ep_recipe(graph, world: int, m: int):
+    """Megatron-Core's grouping for MoE: ep 8 and tp 8 over the GPUs of a node, dp across, ZeRO-1."""
+    strategy = get_strategy("ep")
+    unit, dp = strategy.degrees(world, ep=8, tp=8)
+    builder = PlanBuilder(graph, unit, dp, strategy="ep", micro_batches=m)
+    strategy(builder, ep=8, tp=8)
+    plan = builder.finish()
+    plan.zero = 1
+    return plan
+
+
+def _best(graph, world, spec, batch, limit, constraints=(), **kw):
+    from nnscaler_plugins.search.space import config_of
+
+    t0 = time.time()
+    try:
+        plans = nns.search(graph, world_size=world, cluster=spec, global_batch_size=batch, memory_limit=limit,
+                           progress=False, constraints=list(constraints), **kw)
+    except SearchError as e:
+        return None, str(e)[:100], time.time() - t0, []
+    knobs = [config_of(p, graph) for p in plans.plans]
+    return plans.estimates[0], plans.best.options["summary"], time.time() - t0, knobs
+
+
+def _fmt(e) -> str:
+    return f"{e.step_time_s:.3g} s / {e.peak_memory_gib:.1f} GiB" if e is not None else "-"
+
+
+def part_c(save: bool = True, quick: bool = False) -> None:
+    from nnscaler_plugins.capture.experts import experts_as_one_op
+    from nnscaler_plugins.search.constraints import MaxContextParallel, MaxExpertParallel
+
+    rows = []
+    limit = 80 * GiB
+    world, batch = 64, 256
+    model, inputs = mixtral_8x7b(layers=8 if quick else 32)
+    with experts_as_one_op(model):
+        g = nns.capture(model, kwargs=inputs)
+    spec = nns.cluster("h100-dgx", nodes=world // 8)
+    recipe_est = nns.simulate(ep_recipe(g, world, batch // (world // 8)), spec, cost_model=CostModel(g, spec))
+    with_ep, plan_ep, s_ep, knobs = _best(g, world, spec, batch, limit)
+    no_ep, plan_no, s_no, _ = _best(g, world, spec, batch, limit, [MaxExpertParallel(1)])
+    speed = lambda a, b: f"{a.step_time_s / b.step_time_s:.2f}x" if a is not None and b is not None else "-"  # noqa
+    rows.append(("MoE (Mixtral-8x7B shape" + (", 8 layers" if quick else "") + "), seq 4096", f"{world}", f"{batch}",
+                 _fmt(with_ep), _fmt(no_ep), speed(no_ep, with_ep), _fmt(recipe_est)
+                 + ("" if recipe_est.max_memory_bytes <= limit else " (over)"), speed(recipe_est, with_ep),
+                 f"ep {max(k.ep for k in knobs) if knobs else '-'}: {plan_ep}", f"{s_ep + s_no:.0f}"))
+    print(" | ".join(rows[-1]), flush=True)
+    cases = [(32768, 8), (131072, 8), (131072, 64)] if quick else [(32768, 8), (32768, 32), (131072, 32), (131072, 64)]
+    for seq, world in cases:
+        model, inputs = llama_8b(seq, layers=8 if quick else 32)
+        g = nns.capture(model, kwargs=inputs)
+        spec = nns.cluster("h100-dgx", nodes=max(1, world // 8))
+        batch = 8
+        with_cp, plan_cp, s_cp, knobs = _best(g, world, spec, batch, limit, context_parallel=True)
+        no_cp, plan_no, s_no, _ = _best(g, world, spec, batch, limit, [MaxContextParallel(1)], context_parallel=False)
+        uses = sum(1 for k in knobs if k.cp > 1)
+        rows.append((f"Llama-8B shape{', 8 layers' if quick else ''}, seq {seq // 1024}k", f"{world}", f"{batch}",
+                     _fmt(with_cp), _fmt(no_cp), speed(no_cp, with_cp) if no_cp is not None else "none fits without cp",
+                     "-", "-", f"{uses} of {len(knobs)} frontier plans use cp; fastest: {plan_cp}",
+                     f"{s_cp + s_no:.0f}"))
+        print(" | ".join(rows[-1]), flush=True)
+    if save:
+        record("plan_quality.py part C: expert and context parallelism in the search (simulated, H100 preset)", rows,
+               ("model", "GPUs", "global batch (sequences)", "search with ep/cp (time / peak)",
+                "best plan without ep/cp", "speed-up over it", "Megatron-style ep recipe", "speed-up over the recipe",
+                "search's plan", "search wall s"), NOTES_C)
+
+
+NOTES_C = """Memory limit 80 GiB per GPU for every plan. The MoE rows capture each layer's experts as one op
+(`capture/experts.py`): the search may split them with their tokens (ep, dispatch and combine by
+all-to-all priced on the link hierarchy by `search/group_kernels.py`) or keep them whole on each device;
+"without ep" is the same search held to `MaxExpertParallel(1)`. The Megatron-style recipe is the `ep`
+strategy with ep 8 and tp 8 over a node's GPUs (attention and the dense layers tensor-parallel, the
+experts split by expert), data parallelism across nodes and ZeRO-1, simulated the same way. The
+long-sequence rows search attention split along its sequence (cp degree and ring / allgather / Ulysses)
+beside everything else; "without cp" holds the search to `MaxContextParallel(1)`. Expert routing is
+priced as even (every expert gets its share of the rows); real routing is skewed, which costs ep plans
+more than shown."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("A", "B", "both"), default="both")
+    ap.add_argument("--part", choices=("A", "B", "C", "both", "all"), default="both")
     ap.add_argument("--quick", action="store_true", help="part A only up to 512 GPUs")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--clusters", default="a100-dgx,h100-dgx", help="part B's presets, comma-separated")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    if args.part in ("B", "both"):
+    if args.part in ("B", "both", "all"):
         part_b(save=not args.no_record, clusters=tuple(args.clusters.split(",")))
-    if args.part in ("A", "both"):
+    if args.part in ("A", "both", "all"):
         part_a(args.quick, save=not args.no_record)
+    if args.part in ("C", "all"):
+        part_c(save=not args.no_record, quick=args.quick)
 
 
 if __name__ == "__main__":

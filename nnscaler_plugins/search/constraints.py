@@ -130,6 +130,43 @@ class MaxTensorParallel(Constraint):
 
 
 @dataclass(frozen=True)
+class MaxExpertParallel(Constraint):
+    """Mixture-of-experts layers split along their experts (with their tokens) at most `degree`
+    ways; 1 keeps every layer's experts whole on each device (data parallelism of the experts)."""
+
+    degree: int
+
+    def describe(self) -> str:
+        return f"expert-parallel degree <= {self.degree}"
+
+    def allows(self, cfg: Config) -> bool:
+        return cfg.ep <= self.degree
+
+    def allows_op(self, op, axes, batch_label=None) -> bool:
+        from nnscaler_plugins.search.group_kernels import EXPERTS, kind_of
+
+        return kind_of(None, op) != "experts" or math.prod(n for l, n in axes if l == EXPERTS) <= self.degree
+
+
+@dataclass(frozen=True)
+class MaxContextParallel(Constraint):
+    """Attention split along its sequence at most `degree` ways; 1: no context parallelism."""
+
+    degree: int
+
+    def describe(self) -> str:
+        return f"context-parallel degree <= {self.degree}"
+
+    def allows(self, cfg: Config) -> bool:
+        return cfg.cp <= self.degree
+
+    def allows_op(self, op, axes, batch_label=None) -> bool:
+        from nnscaler_plugins.search.group_kernels import SEQUENCE, kind_of
+
+        return kind_of(None, op) != "attention" or math.prod(n for l, n in axes if l == SEQUENCE) <= self.degree
+
+
+@dataclass(frozen=True)
 class Replicated(Constraint):
     """This op (or every op of this module) runs whole: not split along any dim."""
 

@@ -48,7 +48,7 @@ class GroupKernelCost:
     kept: float  # bytes per device the kernel keeps for backward beyond the op's saved inputs
 
 
-def kind_of(graph: Graph, op: OpNode) -> Optional[str]:
+def kind_of(graph: Optional[Graph], op: OpNode) -> Optional[str]:
     """"experts", "attention" or None."""
     t = op.target
     if isinstance(t, FunctionTarget) and t.cls is ExpertsCall:
