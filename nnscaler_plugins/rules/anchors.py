@@ -26,6 +26,7 @@ _WEIGHT_VIEWS = frozenset({
     "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.contiguous.default",
     "aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.to.dtype",
     "aten.to.dtype_layout", "aten._to_copy.default",
+    "aten.slice.Tensor",  # one section's rows of a fused projection (capture/fused_sections.py)
 })
 
 
