@@ -39,10 +39,14 @@ def is_experts_op(op: OpHandle) -> bool:
 def degrees(world_size: int, ep: Optional[int] = None, dp: Optional[int] = None, tp: Optional[int] = None,
             pp: Optional[int] = None, **_: Any) -> tuple[int, int]:
     """(unit_size, dp) = (ep, world_size / ep); `ep` defaults to world_size / dp, else the world.
-    With `tp`, the dense part is tensor-parallel over the same devices, so tp must equal ep."""
-    if tp is not None and ep is not None and int(tp) != int(ep):
-        raise PlanError(f"strategy 'ep': tp={tp} must equal ep={ep} (attention tensor-parallel over the devices "
-                        "that split the experts); other groupings are not supported yet")
+    With `tp`, the dense part is tensor-parallel in groups of `tp` devices and data-parallel across
+    the ep / tp groups of the unit, so tp must divide ep (with a pipeline, tp = ep)."""
+    if tp is not None and ep is not None and (int(tp) < 1 or int(ep) % int(tp)):
+        raise PlanError(f"strategy 'ep': tp={tp} must divide ep={ep} (the dense part tensor-parallel in groups of "
+                        "tp devices, data-parallel across the groups, over the devices that split the experts)")
+    if tp is not None and ep is not None and pp is not None and int(pp) > 1 and int(tp) != int(ep):
+        raise PlanError(f"strategy 'ep': with pp={pp}, tp={tp} must equal ep={ep} (each stage's dense ops "
+                        "tensor-parallel over the stage's devices)")
     ep = ep if ep is not None else tp
     pp = int(pp or 1)
     if ep is None:
@@ -89,13 +93,14 @@ def mutates_input(op: OpHandle) -> bool:
     return len(parts) >= 2 and parts[-2].endswith("_") and not parts[-2].startswith("_")
 
 
-def batch_choices(builder: PlanBuilder) -> dict[str, Optional[str]]:
-    """For every op, the label carrying the batch dim of its inputs (split `ep` ways), or None (whole).
+def batch_choices(builder: PlanBuilder, n: Optional[int] = None) -> dict[str, Optional[str]]:
+    """For every op, the label carrying the batch dim of its inputs (split `n` ways, default the
+    unit's size), or None (whole).
 
     Layouts are tracked per value as the split dim (None: whole, a partial sum counts as whole).
     The model's inputs are split along dim 0 when it has the first input's batch size.
     """
-    n = builder.unit_size
+    n = builder.unit_size if n is None else n
     graph = builder.graph
     inputs = [v for v in graph.values.values() if v.kind == "input" and v.meta is not None and v.meta.ndim >= 1]
     batch = inputs[0].meta.shape[0] if inputs else None
@@ -145,7 +150,7 @@ def expert_parallel(builder: PlanBuilder, **options: Any) -> None:
     apply_batch_statistics(builder, "ep", options.get("batch_statistics"))
     n = builder.unit_size
     if options.get("tp") is not None and n > 1:
-        dense_tensor_parallel(builder)
+        dense_tensor_parallel(builder, int(options["tp"]))
     else:
         for op, label in zip(builder.ops, batch_choices(builder).values()):
             if label is None or n == 1:
@@ -165,23 +170,41 @@ def check_capacity(capacity_factor: Any) -> None:
                         "no token dropped)")
 
 
-def dense_tensor_parallel(builder: PlanBuilder) -> None:
-    """Megatron's grouping for MoE models: attention and every dense matmul tensor-parallel over the
-    unit (the `tp` strategy's propagation), each MoE layer split along experts over the same devices.
-    The experts op reads its tokens whole from the tensor-parallel part and keeps its own chunk (a
-    local slice); its token-split output is gathered for the next tensor-parallel op."""
+def dense_tensor_parallel(builder: PlanBuilder, tp: int) -> None:
+    """Megatron's "parallel folding" for MoE models: attention and every dense matmul
+    tensor-parallel in groups of `tp` consecutive devices (the `tp` strategy's propagation) and
+    split along the batch across the unit's ep / tp groups, while each MoE layer is split along
+    experts over all the unit's devices. The experts op reads its tokens from the dense part's
+    layout (a local slice) and its token-split output is gathered for the next dense op."""
     n = builder.unit_size
-    choices = TensorParallelPropagation(builder).run()
+    b = n // tp
+    choices = TensorParallelPropagation(builder, degree=tp).run() if tp > 1 else {}
+    batch = batch_choices(builder, b) if b > 1 else {}
     for op in builder.ops:
         if is_experts_op(op):
             builder.split(op, [(EXPERT_LABEL, n)])
             continue
-        c = choices[op.name]
-        if c.label is None:
+        c = choices.get(op.name)
+        tl, block = (c.label, c.block) if c is not None else (None, 1)
+        bl = batch.get(op.name)
+        if bl is not None and (bl == tl or tl in op.signature.comm_labels):
+            # the tensor-parallel walk splits this dim, or a group-aware piece (vocabulary-parallel
+            # cross-entropy) communicates along its label: pieces copied across the groups
+            bl = None
+        if tl is None and bl is None:
             builder.replicate(op)
-            continue
-        for device, sub in enumerate(builder.op_trans(op, dim=c.label, num=n, block=c.block)):
-            builder.op_assign(sub, device)
+        elif tl is None:  # batch pieces, each copied over its group's tp devices
+            builder.op_trans(op, replicate=tp)
+            subs = builder.op_trans(op, dim=bl, num=b)
+            for i, sub in enumerate(subs):
+                builder.op_assign(sub, (i % b) * tp + i // b)
+        else:
+            if bl is not None:
+                builder.op_trans(op, dim=bl, num=b)
+            elif b > 1:
+                builder.op_trans(op, replicate=b)
+            for device, sub in enumerate(builder.op_trans(op, dim=tl, num=tp, block=block)):
+                builder.op_assign(sub, device)
 
 
 def pipelined(builder: PlanBuilder, pp: int, schedule: Any) -> None:

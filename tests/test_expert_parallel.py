@@ -95,8 +95,9 @@ def test_ep_2(workers2, name, options):
     assert not any(problems), problems
 
 
-@pytest.mark.parametrize("name,options,dp", [("mixtral", {"ep": 2, "dp": 2}, 2)]
-                         + ([("qwen3_moe", {"ep": 2, "dp": 2}, 2), ("qwen2_moe", {"ep": 2, "dp": 2}, 2),
+@pytest.mark.parametrize("name,options,dp", [("mixtral", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4, "tp": 2}, 1)]
+                         + ([("qwen3_moe", {"ep": 4, "tp": 2}, 1), ("qwen2_moe", {"ep": 4, "tp": 2}, 1),
+                             ("deepseek_v3", {"ep": 4, "tp": 2}, 1),("qwen3_moe", {"ep": 2, "dp": 2}, 2), ("qwen2_moe", {"ep": 2, "dp": 2}, 2),
                              ("mixtral_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
                              ("qwen3_moe", {"ep": 4}, 1), ("mixtral_no_aux", {"ep": 2, "dp": 2, "zero": 1}, 2),
                              ("mixtral_no_aux", {"ep": 2, "pp": 2, "micro_batches": 2}, 1)]
@@ -165,6 +166,35 @@ def test_refused_before_launch():
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     with pytest.raises(PlanError, match="no recognized mixture-of-experts layers"):
         nns.plan(dense, strategy="ep", world_size=2, ep=2, example_inputs=(torch.randn(4, 8),))
+
+
+def test_batch_statistics_and_capacity_in_the_plan():
+    """The router loss's statistics are combined across replicas by a readable call (one per count
+    and per probability sum of each layer), refused with micro-batches unless kept per replica, and
+    `capacity_factor=` reaches every dispatch call."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.capture.experts import experts_as_one_op
+    from nnscaler_plugins.errors import PlanError
+    from nnscaler_plugins.lower import lower
+    from nnscaler_plugins.runtime.expert_dispatch import expert_all_to_all
+
+    torch.manual_seed(0)
+    model, batch = mixtral()
+    half = {k: v[:2] for k, v in batch.items()}
+    with experts_as_one_op(model):
+        graph = nns.capture(model, kwargs=half)
+    plan = nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, capacity_factor=1.5)
+    assert len(plan.options["batch_statistics"]) == 2 * LAYERS, plan.options["batch_statistics"]
+    program = lower(graph, plan)
+    assert program.collective_counts(0)["kernel:across_replicas"] == 2 * LAYERS
+    dispatch = [s for s in program.ranks[0].stages[0].stmts if s.target is expert_all_to_all]
+    assert len(dispatch) == LAYERS and all(s.kwargs.get("capacity_factor") == 1.5 for s in dispatch)
+    with pytest.raises(PlanError, match="2 micro-batches"):
+        nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, micro_batches=2)
+    local = nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, micro_batches=2, batch_statistics="local")
+    assert local.options["batch_statistics"] == "local"
+    with pytest.raises(PlanError, match="capacity_factor=0"):
+        nns.plan(graph, strategy="ep", world_size=2, ep=2, capacity_factor=0)
 
 
 def _kernel_against_module(rank, world, capacity_factor):
