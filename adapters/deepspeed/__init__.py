@@ -34,6 +34,7 @@ from .config import (
     translate,
 )
 from .engine import DeepSpeedEngine
+from .errors import ZeRORuntimeException
 from .launch import add_config_arguments, init_distributed
 from .optimizers import build_optimizer
 from .schedulers import (
@@ -44,10 +45,11 @@ from .schedulers import (
     WarmupLR,
     build_scheduler,
 )
-from . import utils, zero
+from . import checkpoint, utils, zero
 from .zero_optimizer import ZeroOptimizer
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError", "zero", "utils",
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
+           "ZeRORuntimeException", "checkpoint", "zero", "utils",
            "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 PLUGIN_NAME = "builtin_deepspeed"
@@ -151,8 +153,16 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     unit, dp = _degrees(settings.plan, settings.plan_options, world)
     resolve_batch(settings, dp)
 
-    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if optimizer is not None and settings.client_optimizer_refused:  # DeepSpeed raises it here too
+        raise ZeRORuntimeException(
+            f"a client optimizer ({type(optimizer).__name__}) under zero_optimization.offload_optimizer: DeepSpeed "
+            "refuses it while zero_force_ds_cpu_optimizer is true (its default), and so does this engine; set an "
+            "optimizer in the config, or set \"zero_force_ds_cpu_optimizer\": false to step this one on the host")
+    params = _without_empty_groups(list(model_parameters) if model_parameters is not None
+                                   else list(model.parameters()))
     opt = _make_optimizer(optimizer, settings, params)
+    if isinstance(opt, torch.optim.Optimizer):  # DeepSpeed drops a param group with no params
+        opt.param_groups[:] = [g for g in opt.param_groups if len(g["params"])]
     if opt is not None and (settings.zero_stage > 0 or settings.precision != "fp32"):
         opt = ZeroOptimizer(opt)  # DeepSpeed hands back its ZeRO / mixed-precision wrapper here too
     sched = _make_scheduler(lr_scheduler, settings, opt)
@@ -165,6 +175,18 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if example_inputs is not None:
         engine.parallelize(example_inputs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _without_empty_groups(params: list) -> list:
+    """model_parameters as DeepSpeed takes them: param groups with no params left out."""
+    out = []
+    for p in params:
+        if isinstance(p, dict) and not isinstance(p.get("params"), torch.Tensor):
+            p = dict(p, params=list(p.get("params", ())))
+            if not p["params"]:
+                continue
+        out.append(p)
+    return out
 
 
 def _first_batch(loader: Any) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 from . import keys as K
 from .errors import DeepSpeedAssertion, DeepSpeedConfigError  # noqa: F401 - importable from here as before
+from .errors import DeepSpeedNotImplemented
 
 AUTO = "auto"
 
@@ -36,6 +37,7 @@ class Settings:
     dataloader_drop_last: bool = False
     managed_gradient_accumulation: bool = True
     offload: Optional[str] = None             # the plan's offload: None | "optimizer" | "params"
+    client_optimizer_refused: bool = False    # offload_optimizer with zero_force_ds_cpu_optimizer (DeepSpeed's default)
     tag_validation: str = "WARN"              # checkpoint.tag_validation: IGNORE | WARN | FAIL
     allgather_bucket_size: int = 500_000_000
     plan: Any = "dp"
@@ -122,8 +124,13 @@ def translate(config: dict) -> Settings:
     s.optimizer = _optimizer_section(config.get("optimizer"))
     s.scheduler = _scheduler_section(config.get("scheduler"))
     s.precision, s.loss_scale = _precision(config)
+    _check_grad_accum_dtype(config.get("data_types") or {}, s.precision)
     s.zero_stage = _zero_stage(config.get("zero_optimization") or {})
     s.offload = _offload(config.get("zero_optimization") or {}, s.zero_stage)
+    zero = config.get("zero_optimization") or {}
+    optimizer_offloaded = _offload_device(zero, "offload_optimizer") == "cpu" or bool(zero.get("cpu_offload"))
+    s.client_optimizer_refused = (s.zero_stage > 0 and optimizer_offloaded
+                                  and bool(config.get("zero_force_ds_cpu_optimizer", True)))
     s.gradient_clipping = _number(config, "gradient_clipping", 1.0,
                                   auto_hint="the HF Trainer fills it from max_grad_norm; give a number (0 = off)")
     s.steps_per_print = int(_number(config, "steps_per_print", 10, auto_hint="give a number"))
@@ -292,6 +299,29 @@ def _precision(config: dict) -> tuple[str, dict]:
                  "consecutive_hysteresis": bool(section.get("consecutive_hysteresis", False)),
                  "min_loss_scale": float(section.get("min_loss_scale", 1.0))}
     return ("fp16" if fp16 else "bf16" if bf16 else "fp32"), scale
+
+
+# DeepSpeed's names of dtypes (its DtypeEnum) as this engine's precisions.
+_DTYPE_NAMES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
+                **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"),
+                **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16")}
+
+
+def _check_grad_accum_dtype(section: dict, precision: str) -> None:
+    """data_types.grad_accum_dtype: gradients accumulate in the model's dtype here, so only that
+    (or unset) runs exactly; another dtype is refused with the NotImplementedError DeepSpeed raises
+    for the combinations it does not support."""
+    value = section.get("grad_accum_dtype")
+    if value is None:
+        return
+    wanted = _DTYPE_NAMES.get(str(value).lower())
+    if wanted is None:
+        raise DeepSpeedConfigError(f"data_types.grad_accum_dtype={value!r} is not a dtype DeepSpeed knows; give "
+                                   "'fp32', 'bf16' or 'fp16'")
+    if wanted != precision:
+        raise DeepSpeedNotImplemented(f"unsupported mix of model dtype {precision} and data_types.grad_accum_dtype="
+                                      f"{value!r}: gradients accumulate in the model's dtype here; leave "
+                                      f"grad_accum_dtype unset or give {precision!r}")
 
 
 def _check_loss_scale(section: dict) -> None:

@@ -223,7 +223,8 @@ class DeepSpeedEngine(torch.nn.Module):
         pairs = []
         for name, p in self._model_params.items():
             local = self._pmodule.parameter(name)
-            if local is not None and local.shape == p.shape and local.dtype == p.dtype:
+            # (a model built under zero.Init keeps its meta tensors, as DeepSpeed's keeps empty partitions)
+            if local is not None and local.shape == p.shape and local.dtype == p.dtype and not p.is_meta:
                 p.data = local.data
                 pairs.append((p, local))
         self._shared = pairs
@@ -332,6 +333,20 @@ class DeepSpeedEngine(torch.nn.Module):
             local = self._pmodule.parameter(name)
             if local is not None:
                 yield (f"{prefix}.{name}" if prefix else name), local
+
+    def compile(self, backend: Any = None, compile_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
+        """DeepSpeed's engine.compile() runs the model under torch.compile. Here each rank runs its
+        generated program, which compiling does not change the results of: accepted with a warning
+        (as the config's "compile" section is), and `is_compiled` says it was asked for."""
+        import warnings
+
+        warnings.warn("engine.compile(): the generated per-rank program runs eagerly in this engine; compiling it "
+                      "has no effect on what is computed", stacklevel=2)
+        self._compile_requested = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_compile_requested", False)
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed frees ZeRO-3's gathered parameters here; this engine gathers them per use, so

@@ -32,7 +32,8 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "gradient_allreduce_op": (ACCEPT, "only 'mean': gradients are averaged over data-parallel ranks"),
     "communication_data_type": (ACCEPT, "only fp32 (or unset): gradients are reduced in their own dtype"),
     "zero_allow_untested_optimizer": (WARN, "every torch optimizer runs here; the flag has no effect"),
-    "zero_force_ds_cpu_optimizer": (WARN, "there is no DeepSpeed CPU optimizer here"),
+    "zero_force_ds_cpu_optimizer": (ACCEPT, "true (DeepSpeed's default): a client optimizer under offload_optimizer "
+                                            "is refused with ZeRORuntimeException, as DeepSpeed refuses it"),
     "memory_breakdown": (WARN, "DeepSpeed's memory logging is not reproduced"),
     "dump_state": (WARN, "DeepSpeed's state dump is not reproduced"),
     "log_level": (WARN, "use Python logging for 'nnscaler_plugins'"),
@@ -52,7 +53,7 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "pipeline": (WARN, "choose a pipeline with 'nnscaler': {'plan': '1f1b', 'pp': N} instead"),
     "seq_parallel_communication_data_type": (WARN, "no DeepSpeed sequence parallelism here"),
     "torch_autocast": (REFUSE, "autocast changes the numerics; use bf16 or fp16"),
-    "data_types": (REFUSE, "grad_accum_dtype is not supported; gradients accumulate in the parameter dtype"),
+    "data_types": (ACCEPT, "grad_accum_dtype: unset or the model's own dtype (gradients accumulate in it here)"),
     "hybrid_engine": (REFUSE, "the RLHF hybrid engine is not reproduced"),
     "tensor_parallel": (REFUSE, "AutoTP is not reproduced; use 'nnscaler': {'plan': 'tp'}"),
     "expert_parallel": (REFUSE, "expert parallelism is not supported"),
@@ -149,4 +150,9 @@ ZERO_VALUE_TYPES: dict[str, str] = {
                      "enable_sanity_checks", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"), "bool"),
 }
 
-SECTIONS = {"zero_optimization": ZERO, "fp16": FP16, "bf16": BF16, "bfloat16": BF16, "checkpoint": CHECKPOINT}
+DATA_TYPES: dict[str, tuple[str, str]] = {
+    "grad_accum_dtype": (ACCEPT, "only unset or the model's dtype: gradients accumulate in the parameter dtype"),
+}
+
+SECTIONS = {"data_types": DATA_TYPES, "zero_optimization": ZERO, "fp16": FP16, "bf16": BF16, "bfloat16": BF16,
+            "checkpoint": CHECKPOINT}

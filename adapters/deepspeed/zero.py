@@ -44,6 +44,10 @@ class Init:
             raise NotImplementedError("zero.Init(remote_device='nvme'): NVMe offload is not supported")
         self.enabled = enabled
         self.dtype = dtype
+        if enabled and not dist.is_initialized():  # DeepSpeed's Init starts the process group too
+            from .launch import init_distributed
+
+            init_distributed()
         self._device: Optional[torch.device] = None
         self._old_dtype: Optional[torch.dtype] = None
 
@@ -87,10 +91,21 @@ class GatheredParameters:
         if self.enabled:
             for engine, params in self._by_engine().values():
                 engine.refresh_model_parameters(params)
+        self._versions = [p._version for p in self.params]  # (after the refresh, which writes them)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if not self.enabled or self.modifier_rank is None or exc[0] is not None:
+        if not self.enabled or exc[0] is not None:
+            return
+        if self.modifier_rank is None:
+            # Nobody was named to modify them: a change would stay on this rank's copy (or be lost),
+            # and ranks would train on different weights. DeepSpeed's sanity checks raise here too.
+            changed = [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+            if changed:
+                raise RuntimeError(f"in-place modification of {len(changed)} parameter(s) inside "
+                                   "zero.GatheredParameters(modifier_rank=None): no rank was named to modify them, "
+                                   "so the change would not reach the engine; pass modifier_rank=<the rank that "
+                                   "modifies them>")
             return
         many = dist.is_initialized() and dist.get_world_size() > 1
         for engine, params in self._by_engine().values():

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 import nnscaler_plugins.checkpoint as nns_checkpoint
 
+from . import utils  # noqa: F401 - deepspeed.checkpoint.utils, as scripts reach it
+
 LATEST = "latest"
 NNS_DIR = "nnscaler"
 DS_VERSION = "0.19.8"  # the DeepSpeed release whose layout these files follow
