@@ -60,12 +60,14 @@ def _config(stage: int = 0, precision: str = "fp32", **extra) -> dict:
            "zero_optimization": {"stage": stage}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":  # test_no_sync_ctxt's fp16 section
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     cfg.update(extra)
     return cfg
 
 
 def _dtype(precision: str) -> torch.dtype:
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def _train(engine, batches) -> list:
@@ -266,6 +268,8 @@ def _round_trip(rank, world, tmp, case):
                                                 "cycle_min_mom": 0.85, "cycle_max_mom": 0.99}}
     cfg = _config(save_stage, precision, scheduler=sched)
     load_zero = {"stage": load_stage}
+    if how.startswith("offload"):  # checkpoint/test_zero_optimizer.py's cpu_offload cases, on save and load
+        cfg["zero_optimization"]["cpu_offload"] = load_zero["cpu_offload"] = True
     if how.startswith("elastic"):  # TestZeROElasticCheckpoint: elastic_checkpoint on save / on load
         cfg["zero_optimization"]["elastic_checkpoint"] = how[-3] == "1"
         load_zero["elastic_checkpoint"] = how[-2] == "1"
@@ -285,7 +289,8 @@ def _round_trip(rank, world, tmp, case):
         loaded, _, _, _ = deepspeed.initialize(model=model, config=_config(load_stage, precision, scheduler=sched,
                                                                            zero_optimization=load_zero),
                                                model_parameters=_weight_decay_groups(model))
-    kwargs = {"load_optimizer_states": how not in ("no_optimizer", "module_only", "zero_init", "elastic000",
+    kwargs = {"load_optimizer_states": how not in ("no_optimizer", "offload_no_optimizer", "module_only", "zero_init",
+                                                   "elastic000",
                                                    "elastic010", "elastic100", "elastic110"),
               "load_module_only": how in ("module_only", "zero_init"),
               "load_lr_scheduler_states": how != "no_scheduler"}
@@ -308,7 +313,7 @@ def _round_trip(rank, world, tmp, case):
 ROUND_TRIPS = [(0, 0, "fp32", "full"), (2, 2, "bf16", "full"), (3, 3, "fp32", "empty_tag"),
                (1, 3, "fp32", "full"), (3, 1, "bf16", "full"), (2, 2, "fp32", "no_optimizer"),
                (0, 0, "bf16", "module_only"), (1, 1, "fp32", "no_scheduler"), (2, 2, "fp32", "onecycle"),
-               (3, 3, "bf16", "zero_init"), (2, 2, "bf16", "elastic101")]
+               (3, 3, "bf16", "zero_init"), (2, 2, "bf16", "elastic101"), (3, 3, "bf16", "offload_full")]
 if ALL:
     ROUND_TRIPS += [(s, t, p, h) for s in (0, 1, 2, 3) for t in (0, 1, 2, 3) for p in ("fp32", "bf16")
                     for h in ("full",) if (s, t, p, h) not in ROUND_TRIPS]
@@ -317,6 +322,10 @@ if ALL:
     ROUND_TRIPS += [(s, s, p, h) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")
                     for h in ("no_optimizer", "module_only", "no_scheduler", "empty_tag")
                     if (s, s, p, h) not in ROUND_TRIPS]
+    # test_load_optimizer_state / test_not_load_optimizer_state with cpu_offload; TestZeROStage3ElasticCheckpoint
+    ROUND_TRIPS += [(s, s, "bf16", h) for s in (2, 3) for h in ("offload_full", "offload_no_optimizer")
+                    if (s, s, "bf16", h) not in ROUND_TRIPS]
+    ROUND_TRIPS += [(3, 3, "bf16", h) for h in ("elastic111", "elastic110", "elastic101")]
 
 
 def test_checkpoint_round_trips_follow_deepspeeds_checkpoint_tests(workers2, tmp_path) -> None:
@@ -332,7 +341,7 @@ def test_checkpoint_round_trips_follow_deepspeeds_checkpoint_tests(workers2, tmp
             assert r["client"] == 3 and r["steps"] == (3, 3), case
             # compare_lr_scheduler_states: the scheduler's state; the lr itself comes with the optimizer's
             assert (r["scheduler"][0] == r["scheduler"][1]) == (how != "no_scheduler"), case
-            if how in ("full", "empty_tag", "onecycle") or how.endswith("1"):
+            if how in ("full", "empty_tag", "onecycle", "offload_full") or how.endswith("1"):
                 assert r["lr"][0] == r["lr"][1], case
                 assert r["optimizer"] and r["next_loss_equal"] and r["module_after"], case
 
@@ -511,8 +520,7 @@ def test_several_param_groups_under_every_zero_stage_and_precision(workers2) -> 
 
 def _errors(rank, world, tmp):
     out = {}
-    for stage, precision in ((0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (1, "bf16"),
-                             (2, "bf16"), (3, "bf16")):
+    for stage, precision in [(s, p) for p in ("fp32", "bf16", "fp16") for s in (0, 1, 2, 3)]:
         model = _model()
         engine, _, _, _ = deepspeed.initialize(model=model, config=_config(stage, precision))
         x, y = _batches(1, rank, _dtype(precision))[0]
@@ -537,6 +545,9 @@ def _errors(rank, world, tmp):
     for mode in ("FAIL", "WARN", "IGNORE"):
         model = _model()
         engine, _, _, _ = deepspeed.initialize(model=model, config=_config(1, checkpoint={"tag_validation": mode}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.compile()  # the tests' compile_mode: the same checks after engine.compile()
         try:
             engine.save_checkpoint(os.path.join(tmp, mode), tag=f"tag-{rank}")
             out[mode] = "saved"
@@ -566,7 +577,7 @@ def _errors(rank, world, tmp):
 
 def test_deepspeeds_error_types(workers2, tmp_path) -> None:
     for r in workers2.run(_errors, str(tmp_path)):
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "fp16"):
             for stage in (0, 1):  # no_sync allowed; step inside it and nesting it assert
                 assert r[(stage, precision)][0] == "ok"
                 assert "illegal to call Engine.step() inside no_sync" in r[(stage, precision)][1]
@@ -681,6 +692,45 @@ def _zero_context(rank, world, tmp):
             with torch.no_grad():
                 weight.fill_(0.5)
     out["modified_everywhere"] = bool((engine.module_state_dict()["linears.0.weight"] == 0.5).all())
+    # TestGatheredParametersAllRanksErrorOnModification: modifying with no modifier_rank is an error
+    with deepspeed.zero.Init():
+        meta_model = SimpleModel()
+    for params in ([meta_model.linears[0].weight, meta_model.linears[1].weight], [weight]):
+        try:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                with torch.no_grad():
+                    params[0].add_(0.0)
+            out.setdefault("unannounced", []).append("")
+        except RuntimeError as e:
+            out.setdefault("unannounced", []).append(str(e))
+    # TestSerialContext.test_ext_param_getattr: a layer's weight also used outside the layer, ZeRO-3
+    import types
+
+    class ExtLinear(torch.nn.Module):
+        def __init__(self, dim=16):
+            super().__init__()
+            self.dim = dim
+            self.linear1 = torch.nn.Linear(dim, dim)
+            self.linear2 = torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(self.linear2(self.linear1(x)), self.linear1.weight).sum()
+
+    torch.manual_seed(0)
+    net = ExtLinear()
+    cfg = {"train_batch_size": world, "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1}, "bf16": {"enabled": True}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = deepspeed.initialize(args=types.SimpleNamespace(local_rank=0), model=net,
+                                      model_parameters=net.parameters(), config=cfg)[0]
+    with deepspeed.zero.GatheredParameters(net.linear1.weight):
+        whole = net.linear1.weight.numel() == net.dim ** 2
+    x = torch.rand(1, net.dim).to(torch.bfloat16)
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()
+    out["ext_param"] = (whole, bool(torch.isfinite(loss)), engine.global_steps)
     return out
 
 
@@ -689,6 +739,25 @@ def test_zero_init_and_gathered_parameters(workers2, tmp_path) -> None:
         assert r["init_disabled_real"] and r["init_meta"]
         assert r["meta_trains_as_reference"] and r["meta_no_whole_model"] and r["meta_saved_early"]
         assert r["gathered_current"] and r["modified_everywhere"]
+        assert all("in-place modification of" in e for e in r["unannounced"]), r["unannounced"]
+        assert r["ext_param"] == (True, True, 1)
+
+
+def test_zero_init_starts_the_process_group() -> None:
+    """TestSerialContext.test_scattered_init_dist: zero.Init() in a process with no process group
+    starts one, as DeepSpeed's does (in its own process: this one must stay without)."""
+    import subprocess
+    import sys
+
+    code = ("import torch.distributed as dist\n"
+            "from nnscaler_plugins.adapters import deepspeed\n"
+            "assert not dist.is_initialized()\n"
+            "with deepspeed.zero.Init():\n"
+            "    assert dist.is_initialized()\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 # -- test_data.py: the loader DeepSpeed builds from training_data, the last shorter batch ----------------
@@ -826,7 +895,7 @@ def _multiple_ctxts(rank, world, stage, precision):
 
 def test_no_sync_blocks_repeat(workers2) -> None:
     for stage in (0, 1):
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "fp16"):
             for first, second in workers2.run(_multiple_ctxts, stage, precision):
                 assert first == second, (stage, precision)
 
@@ -1069,21 +1138,29 @@ class UnevenModel(torch.nn.Module):
         return torch.nn.functional.cross_entropy(x, y)
 
 
-def _uneven(rank, world, tmp, stage, freeze):
+def _uneven(rank, world, tmp, stage, freeze, groups):
+    """test_2_param_groups: two SGD groups given as a client optimizer, fp32; test_1_param_group: the
+    config's Adam over one group, bf16 (DeepSpeed's CPU runs take its bf16 branch)."""
     torch.manual_seed(0)
     model = UnevenModel(freeze)
-    groups = [{"params": [m.weight for m in model.ll], "weight_decay": 0.01},
-              {"params": [m.bias for m in model.ll] + list(model.classifier.parameters()), "weight_decay": 0.0}]
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
            "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                  optimizer=torch.optim.SGD(groups, lr=0.1))[0]
+    if groups == 2:
+        sgd_groups = [{"params": [m.weight for m in model.ll], "weight_decay": 0.01},
+                      {"params": [m.bias for m in model.ll] + list(model.classifier.parameters()), "weight_decay": 0.0}]
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                      optimizer=torch.optim.SGD(sgd_groups, lr=0.1))[0]
+    else:
+        cfg.update(optimizer={"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}, bf16={"enabled": True})
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
     engine.empty_partition_cache()
     g = torch.Generator().manual_seed(rank)
+    dt = torch.bfloat16 if groups == 1 else torch.float32
     for _ in range(4):
-        engine.backward(engine(torch.randn(2, 3, generator=g), torch.randint(0, 3, (2,), generator=g)))
+        engine.backward(engine(torch.randn(2, 3, generator=g).to(dt), torch.randint(0, 3, (2,), generator=g)))
         engine.step()
+    engine.empty_partition_cache()
     engine.save_checkpoint(tmp)
     return _state(engine)
 
@@ -1120,14 +1197,19 @@ def _repeat_forward(rank, world):
 def test_zero_to_fp32_uneven_frozen_unused_and_repeated_layers(workers2, tmp_path) -> None:
     import importlib.util
 
-    cases = [(2, True), (3, False)] if not ALL else [(s, f) for s in (2, 3) for f in (True, False)]
-    states = [workers2.run(_uneven, str(tmp_path / f"u{s}{f}"), s, f)[0] for s, f in cases]
+    # (stage, freeze, param groups): TestZeroToFP32's test_2_param_groups and test_1_param_group
+    cases = [(2, True, 2), (3, False, 2), (2, False, 1), (3, True, 1)]
+    if ALL:
+        cases = [(s, f, n) for s in (2, 3) for f in (True, False) for n in (1, 2)]
+    states = [workers2.run(_uneven, str(tmp_path / f"u{s}{f}{n}"), s, f, n)[0] for s, f, n in cases]
     if importlib.util.find_spec("deepspeed") is not None:
-        read = _zero_to_fp32([str(tmp_path / f"u{s}{f}") for s, f in cases])
+        read = _zero_to_fp32([str(tmp_path / f"u{s}{f}{n}") for s, f, n in cases])
         for case, state, fp32 in zip(cases, states, read):
             assert set(fp32) == set(state), case
             for name, value in state.items():
-                assert torch.allclose(fp32[name], value), (case, name)
+                # load_state_dict_from_zero_checkpoint puts the fp32 masters into the bf16 model
+                got = fp32[name].to(torch.bfloat16).float() if case[2] == 1 else fp32[name]
+                assert torch.equal(got, value) if case[2] == 1 else torch.allclose(got, value), (case, name)
     for r in workers2.run(_repeat_forward):
         assert r[0] == pytest.approx(r[3], rel=1e-6)
 
@@ -1194,3 +1276,252 @@ def test_one_cycle_schedule(min_lr, max_lr, decay_rate, cycle_step_size, decay_s
     if decay_rate > 0:
         decay = lrs[2 * cycle_step_size:]
         assert all(a > b for a, b in zip(decay, decay[1:]))
+
+
+# -- zero/test_zero.py: empty param groups, train/eval switching, frozen weights with tuple outputs,
+#    ZeRO-1 offload, a client optimizer under offload, the client module's own attributes -------------
+
+class TupleFrozenModel(torch.nn.Module):
+    """TestZeroFrozenWeights' model: the second layer frozen, (output, loss) returned."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.l1 = torch.nn.Linear(hidden, hidden)
+        self.l2 = torch.nn.Linear(hidden, hidden)
+        self.l2.weight.requires_grad = False
+        self.l2.bias.requires_grad = False
+
+    def forward(self, x, y):
+        x = self.l2(torch.relu(self.l1(x)))
+        return x, torch.nn.functional.cross_entropy(x, y)
+
+
+def _zero_cases(rank, world):
+    out = {}
+    # TestEmptyParameterGroup: one of two groups empty, as a client optimizer or as model_parameters
+    for precision in ("bf16", "fp32"):
+        for client in (True, False):
+            for empty_weights in (True, False):
+                model = SimpleModel(hidden=4, nlayers=4)
+                groups = [{"params": [] if empty_weights else [m.weight for m in model.linears], "weight_decay": 0.01},
+                          {"params": [m.bias for m in model.linears] if empty_weights else [], "weight_decay": 0.0}]
+                cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+                       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                       "fp16": {"enabled": False}, "bf16": {"enabled": precision == "bf16"}}
+                if client:
+                    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                             optimizer=torch.optim.AdamW(groups, lr=0.1), config=cfg)
+                else:
+                    cfg["optimizer"] = {"type": "adamw"}
+                    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+                out[("empty_group", precision, client, empty_weights)] = [len(g["params"]) for g in opt.param_groups]
+                if precision == "bf16" and client and empty_weights:
+                    # the weights are in no group: DeepSpeed leaves them as they are; this engine refuses
+                    # by name at the first forward to train them (it steps every parameter it trains)
+                    x, y = _batches(1, rank, torch.bfloat16, batch=1)[0]
+                    try:
+                        engine(x[:, :4], y % 4)
+                        out["no_group_refused"] = ""
+                    except ValueError as e:
+                        out["no_group_refused"] = str(e)
+                engine.destroy()
+    # TestZero3SwitchModes: train, then evaluate under no_grad, three times over, for 3 prefetch sizes
+    for ratio in (0.0, 0.5, 1.0) if ALL else (0.5,):  # the prefetch size only tunes DeepSpeed's gathering
+        model = _model()
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+               "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": int(
+                   sum(p.numel() for p in model.parameters()) * ratio)},
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+        engine = deepspeed.initialize(config=cfg, model=model, model_parameters=model.parameters())[0]
+        batches = _batches(4, rank, torch.bfloat16)
+        evaluated = []
+        for _ in range(3):
+            engine.train()
+            _train(engine, batches)
+            engine.eval()
+            state = _state(engine)
+            with torch.no_grad():
+                evaluated.append([engine(x, y).item() for x, y in batches])
+            assert _same(state, _state(engine))  # evaluating changes nothing
+        out[("switch", ratio)] = (engine.global_steps, all(torch.isfinite(torch.tensor(e)).all() for e in evaluated),
+                                  evaluated[0] != evaluated[2])
+    # TestZeroFrozenWeights: the frozen layer stays, the other trains; (output, loss) comes back whole
+    for stage in (1, 2, 3) if ALL else (3,):
+        cfg = {"train_batch_size": 2 * world, "steps_per_print": 1000, "bf16": {"enabled": True},
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": stage}}
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
+            model = TupleFrozenModel()
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+        before = None
+        for x, y in _batches(3, rank, torch.bfloat16):
+            if before is None:
+                engine.parallelize((x, y))
+                before = _state(engine)
+            output, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        after = _state(engine)
+        out[("frozen", stage)] = (output.shape == (2, HIDDEN),
+                                  sorted(n for n in after if not torch.equal(after[n], before[n])))
+    # TestZeroOffloadStage1, and TestZeroOffloadOptim: a client optimizer under offload_optimizer is
+    # DeepSpeed's ZeRORuntimeException unless zero_force_ds_cpu_optimizer is false
+    cfg = {"train_batch_size": 2 * world, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+           "bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+           "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    engine = deepspeed.initialize(model=_model(), config=cfg)[0]
+    out["offload_stage1"] = (engine.module.plan.offload if _train(engine, _batches(4, rank, torch.bfloat16))
+                             else None, engine.global_steps)
+    for force in (True, False):
+        model = _model()
+        cfg = {"train_batch_size": 2 * world, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+               "bf16": {"enabled": True}, "zero_force_ds_cpu_optimizer": force,
+               "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+        try:
+            deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
+            out[("force_ds_cpu_optimizer", force)] = "initialized"
+        except deepspeed.ZeRORuntimeException as e:
+            out[("force_ds_cpu_optimizer", force)] = str(e)
+    # TestZero3ClientModuleID: the model's own attributes are the engine's and stay as they were
+
+    class WithId(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.id = 3
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model = WithId()
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                  config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam"},
+                                          "zero_optimization": {"stage": 3}})[0]
+    out["module_id"] = (model.id, engine.id)
+    return out
+
+
+def test_zero_engine_cases_follow_test_zero(workers2) -> None:
+    for r in workers2.run(_zero_cases):
+        for precision in ("bf16", "fp32"):
+            for client in (True, False):
+                for empty_weights in (True, False):
+                    assert r[("empty_group", precision, client, empty_weights)] == [4]  # the empty one dropped
+        assert "in no param group of the optimizer: ['linears.0.weight'" in r["no_group_refused"]
+        for ratio in (0.0, 0.5, 1.0) if ALL else (0.5,):
+            assert r[("switch", ratio)] == (6, True, True), ratio
+        for stage in (1, 2, 3) if ALL else (3,):
+            assert r[("frozen", stage)] == (True, ["l1.bias", "l1.weight"]), stage
+        assert r["offload_stage1"] == ("optimizer", 2)
+        assert "zero_force_ds_cpu_optimizer" in r[("force_ds_cpu_optimizer", True)]
+        assert r[("force_ds_cpu_optimizer", False)] == "initialized"
+        assert r["module_id"] == (3, 3)
+
+
+# -- checkpoint/test_zero_optimizer.py TestSaveTensorClone -----------------------------------------------
+
+def _save_tensor_clone(rank, world, tmp, stage, device):
+    from nnscaler_plugins.adapters.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    model = SimpleModel(hidden=64, nlayers=4).half()
+    reference = model.state_dict()
+    cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage}, "train_batch_size": world,
+           "train_micro_batch_size_per_gpu": 1}
+    engine = deepspeed.initialize(model=model, config_params=cfg)[0]
+    cloned = clone_tensors_for_torch_save(engine.module.state_dict(), device=device)
+    same = _same(reference, cloned) and all(v.data_ptr() != reference[k].data_ptr() for k, v in cloned.items())
+    torch.save(reference, os.path.join(tmp, f"ref{rank}.pt"))
+    torch.save(cloned, os.path.join(tmp, f"clone{rank}.pt"))
+    saved_same = _same(torch.load(os.path.join(tmp, f"ref{rank}.pt")), torch.load(os.path.join(tmp, f"clone{rank}.pt")))
+    # a view's clone saves only what it holds
+    nested = clone_tensors_for_torch_save({"a": [torch.arange(10.0)[2:4]], "b": (torch.ones(1), 7)})
+    return same, saved_same, nested["a"][0].untyped_storage().nbytes(), nested["b"][1]
+
+
+def test_save_tensor_clone(workers2, tmp_path) -> None:
+    for stage in (1, 2):
+        for device in ("cpu", torch.device("cpu")):
+            for r in workers2.run(_save_tensor_clone, str(tmp_path), stage, device):
+                assert r == (True, True, 8, 7), (stage, device)
+
+
+# -- test_ds_initialize.py TestOptimizerImplementation: ZeRO 0-3 x model dtype x grad_accum_dtype ----------
+
+# DeepSpeed's table of the combinations it runs (for the dtypes its CPU runs: bf16 and fp32; fp16
+# and the apex "amp" wrapper are skipped there). The rest raise NotImplementedError.
+DEEPSPEED_SUPPORTED = ({(z, m, g) for z in ("zero1", "zero2", "zero3") for m in ("bf16", "fp32")
+                        for g in (None, "bf16", "fp32")}
+                       | {(None, "bf16", None), (None, "bf16", "bf16"), (None, "fp32", None), (None, "fp32", "fp32")})
+
+
+def _implementations(rank, world):
+    out = {}
+    for extension in ("zero1", "zero2", "zero3", None):
+        for model_dtype in ("bf16", "fp32"):
+            for grad_accum_dtype in (None, "bf16", "fp32"):
+                cfg = {"train_batch_size": world, "bf16": {"enabled": model_dtype == "bf16"},
+                       "zero_optimization": {"stage": int(extension[-1]) if extension else 0},
+                       "data_types": {"grad_accum_dtype": grad_accum_dtype},
+                       "optimizer": {"type": "Adam", "params": {"lr": 0.001}}}
+                model = _model()
+                try:
+                    deepspeed.initialize(config=cfg, model=model, model_parameters=list(model.parameters()))
+                    out[(extension, model_dtype, grad_accum_dtype)] = "ok"
+                except NotImplementedError as e:
+                    out[(extension, model_dtype, grad_accum_dtype)] = str(e)
+    return out
+
+
+def test_optimizer_implementations_and_grad_accum_dtype(workers2) -> None:
+    for r in workers2.run(_implementations):
+        for key, got in r.items():
+            if key[2] is None or key[2] == key[1]:  # gradients accumulate in the model's dtype: runs
+                assert got == "ok" and key in DEEPSPEED_SUPPORTED, key
+            else:  # refused as DeepSpeed refuses what it does not run, naming the dtypes
+                assert "grad_accum_dtype" in got and key[1] in got, key
+
+
+# -- test_lr_schedulers.py: TestOneCycle.test_mom and TestWarmupCosineLR, with their assertions ---------
+
+@pytest.mark.parametrize("min_mom, max_mom, decay_rate, step_size", [
+    (0.08, 0.09, 1e-3, 10), (0.08, 0.09, 0, 21), (0.08, 0.09, 1e-3, 10), (0.08, 0.09, 0, 21)])
+def test_one_cycle_momentum(min_mom, max_mom, decay_rate, step_size) -> None:
+    from nnscaler_plugins.adapters.deepspeed.schedulers import build_scheduler
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.00015)
+    sched = build_scheduler("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_min_mom": min_mom,
+                                         "cycle_max_mom": max_mom, "decay_mom_rate": decay_rate,
+                                         "cycle_first_step_size": step_size, "decay_step_size": step_size}, opt)
+    moms = []
+    for _ in range(max(50, step_size * 3)):
+        moms.append(sched.get_mom()[0][0])
+        sched.step()
+    assert moms[0] == max_mom and moms[step_size] == min_mom
+    assert all(a > b for a, b in zip(moms[:step_size], moms[1:step_size]))
+    up = moms[step_size:2 * step_size]
+    assert all(a < b for a, b in zip(up, up[1:]))
+    if decay_rate > 0:
+        decay = moms[2 * step_size:]
+        assert all(a < b for a, b in zip(decay, decay[1:]))
+
+
+@pytest.mark.parametrize("total_num_steps, warmup_num_steps, cos_min_ratio, warmup_min_ratio", [
+    (100, 10, 0.1, 0.2), (200, 20, 0.1, 0.2), (500, 30, 0.0, 0.2), (600, 300, 0.1, 0.0), (600, 550, 0.0, 0.0)])
+def test_warmup_cosine_schedule(total_num_steps, warmup_num_steps, cos_min_ratio, warmup_min_ratio) -> None:
+    opt_lr = 0.0015
+    from nnscaler_plugins.adapters.deepspeed.schedulers import build_scheduler
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=opt_lr)
+    sched = build_scheduler("WarmupCosineLR", {"total_num_steps": total_num_steps, "warmup_min_ratio": warmup_min_ratio,
+                                               "warmup_num_steps": warmup_num_steps, "cos_min_ratio": cos_min_ratio}, opt)
+    lrs = []
+    for _ in range(max(50, total_num_steps * 3)):
+        sched.step()
+        lrs.extend(sched.get_lr())
+    assert abs(lrs[0] - opt_lr * warmup_min_ratio) < 1e-7
+    assert abs(lrs[warmup_num_steps - 1] - opt_lr) < 1e-7
+    assert abs(lrs[total_num_steps - 1] - opt_lr * cos_min_ratio) < 1e-7
+    assert all(a < b for a, b in zip(lrs[:warmup_num_steps], lrs[1:warmup_num_steps]))
+    down = lrs[warmup_num_steps:total_num_steps]
+    assert all(a > b for a, b in zip(down, down[1:]))
