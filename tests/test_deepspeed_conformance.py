@@ -1525,3 +1525,42 @@ def test_warmup_cosine_schedule(total_num_steps, warmup_num_steps, cos_min_ratio
     assert all(a < b for a, b in zip(lrs[:warmup_num_steps], lrs[1:warmup_num_steps]))
     down = lrs[warmup_num_steps:total_num_steps]
     assert all(a > b for a, b in zip(down, down[1:]))
+
+
+# -- half_precision/test_zero_optim_overflow.py TestZeROBFloat16: gradients set whole with
+#    safe_set_full_grad; bf16.check_grad_overflow skips the steps whose gradients are not finite --------
+
+def _bf16_overflow(rank, world, stage, offload):
+    out = {}
+    for name, check, values in (("no_overflow", None, [0.05, -0.02, 0.1, -0.07]),
+                                ("detect", True, [float("inf"), float("-inf"), float("nan"), float("nan")]),
+                                ("ignore", False, [float("inf"), float("-inf"), float("nan"), float("nan")])):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+               "optimizer": {"type": "Adam", "params": {"lr": 0.00015, "torch_adam": True}},
+               "bf16": {"enabled": True} if check is None else {"enabled": True, "check_grad_overflow": check},
+               "zero_optimization": {"stage": stage}}
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        engine = deepspeed.initialize(model=_model(), config=cfg)[0]
+        skipped = []
+        for (x, y), value in zip(_batches(len(values), rank, torch.bfloat16, batch=1), values):
+            engine.backward(engine(x, y))
+            for p in engine.parameters():
+                deepspeed.utils.safe_set_full_grad(p, torch.full(p.shape, value))
+            if name == "no_overflow":  # what was set is what the next step reads
+                got = deepspeed.utils.safe_get_full_grad(next(iter(engine.parameters()))) if stage < 2 else None
+                out.setdefault("set_read_back", []).append(got is None or bool((got == value).all()))
+            engine.step()
+            skipped.append(engine.skipped_steps)
+        finite = [bool(torch.isfinite(p.detach().float()).all()) for p in engine.parameters()]
+        out[name] = (skipped, finite)
+    return out
+
+
+def test_bf16_overflow_checks_follow_test_zero_optim_overflow(workers2) -> None:
+    cases = [(s, o) for s in (1, 2) for o in (False, True)] if ALL else [(1, False), (2, True)]
+    for stage, offload in cases:
+        for r in workers2.run(_bf16_overflow, stage, offload):
+            assert r["no_overflow"] == ([0, 0, 0, 0], [True] * 4) and all(r["set_read_back"]), (stage, offload)
+            assert r["detect"] == ([1, 2, 3, 4], [True] * 4), (stage, offload)  # skipped, weights untouched
+            assert r["ignore"][0] == [0] * 4 and not any(r["ignore"][1]), (stage, offload)  # applied, as asked

@@ -37,6 +37,7 @@ class Settings:
     dataloader_drop_last: bool = False
     managed_gradient_accumulation: bool = True
     offload: Optional[str] = None             # the plan's offload: None | "optimizer" | "params"
+    skip_nonfinite_steps: bool = False       # bf16.check_grad_overflow (DeepSpeed's default true); fp16 always
     client_optimizer_refused: bool = False    # offload_optimizer with zero_force_ds_cpu_optimizer (DeepSpeed's default)
     tag_validation: str = "WARN"              # checkpoint.tag_validation: IGNORE | WARN | FAIL
     allgather_bucket_size: int = 500_000_000
@@ -124,6 +125,8 @@ def translate(config: dict) -> Settings:
     s.optimizer = _optimizer_section(config.get("optimizer"))
     s.scheduler = _scheduler_section(config.get("scheduler"))
     s.precision, s.loss_scale = _precision(config)
+    bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    s.skip_nonfinite_steps = s.precision == "bf16" and bool(bf16.get("check_grad_overflow", True))
     _check_grad_accum_dtype(config.get("data_types") or {}, s.precision)
     s.zero_stage = _zero_stage(config.get("zero_optimization") or {})
     s.offload = _offload(config.get("zero_optimization") or {}, s.zero_stage)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -128,6 +129,32 @@ class DeepSpeedEngine(torch.nn.Module):
         if local.grad is None and self._pmodule.plan.zero >= 2 and self.dp_world_size > 1:
             raise NotImplementedError(f"{name}: under ZeRO-2 each rank keeps only its chunk of the gradient")
         return local.grad
+
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Make `value` (the whole, reduced gradient) the gradient the next step uses for `param`
+        (deepspeed.utils.safe_set_full_grad): under ZeRO-2 this rank keeps its chunk of it."""
+        name, local = self._piece_of(param)
+        if local is None:
+            target = self._model_params[name]
+            target.grad = value.detach().to(target.dtype).clone()
+            return
+        if local.shape != self._model_params[name].shape:
+            raise NotImplementedError(f"{name}: this rank holds a piece of it under the plan (tensor parallel or "
+                                      "ZeRO-3); setting its whole gradient is not supported here")
+        scale = self.optimizer.loss_scale if isinstance(self.optimizer, ZeroOptimizer) else 1.0
+        value = value.detach().reshape(local.shape) * scale  # gradients are held times the fp16 loss scale
+        reducer = self._pmodule.grad_reducer
+        if reducer is not None and id(local) in reducer.shard_grads:
+            shard = self._pmodule.zero_shards[name]
+            chunk = reducer.shard_grads[id(local)]
+            mine = shard.owned(value.reshape(-1))
+            chunk.zero_()
+            chunk.reshape(-1)[:mine.numel()].copy_(mine.to(chunk.dtype))
+        elif local.grad is not None:
+            local.grad.copy_(value.to(local.grad.dtype))
+        else:
+            local.grad = value.to(local.dtype).clone()
+        self._share_grads()
 
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
         """The whole fp32 value of a parameter: the master weight under bf16/fp16 (collective)."""
@@ -427,12 +454,15 @@ class DeepSpeedEngine(torch.nn.Module):
             self._grad_norm = float(grad_norm(self._pmodule))  # DeepSpeed reports a float, clips by its rule
             if clip > 0:
                 clip_by_norm_(self._pmodule, clip, self._grad_norm)
+        # bf16's check_grad_overflow: inf/nan gradients skip the step (the norm is every rank's)
+        overflow = self._settings.skip_nonfinite_steps and not math.isfinite(self._grad_norm)
         if self.optimizer is not None:
-            self.optimizer.step()
+            if not overflow:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self._share_grads()
-        skipped = isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.last_step_skipped
-        if skipped:  # fp16 overflow: DeepSpeed skips the step and holds the schedule
+        skipped = overflow or (isinstance(self.optimizer, ZeroOptimizer) and self.optimizer.last_step_skipped)
+        if skipped:  # fp16 or checked bf16 overflow: DeepSpeed skips the step and holds the schedule
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))

@@ -117,7 +117,8 @@ FP16: dict[str, tuple[str, str]] = {
 BF16: dict[str, tuple[str, str]] = {
     "enabled": (ACCEPT, ""),
     "immediate_grad_update": (WARN, "a DeepSpeed gradient-accumulation detail with no effect here"),
-    "check_overflow": (WARN, "bf16 steps here never skip"),
+    "check_overflow": (WARN, "an older name; bf16 overflow checking is check_grad_overflow"),
+    "check_grad_overflow": (ACCEPT, "true (DeepSpeed's default): a step whose gradients hold inf/nan is skipped"),
     "bf16_master_weights_and_grads": (ACCEPT, "only false: master weights are fp32"),
     "bf16_optimizer_states": (ACCEPT, "only false: optimizer states are fp32"),
 }

@@ -1,5 +1,5 @@
 """What scripts use of `deepspeed.utils`: the accessors of whole tensors behind a parameter,
-`safe_get_full_grad` and `safe_get_full_fp32_param`, and `RepeatingLoader`.
+`safe_get_full_grad`, `safe_set_full_grad` and `safe_get_full_fp32_param`, and `RepeatingLoader`.
 
 DeepSpeed scripts pass the parameters they took from the engine or the model; each is traced to
 the engine training it. Under ZeRO DeepSpeed gathers the pieces; so do these where a piece is not
@@ -25,6 +25,12 @@ def _engine(param: torch.Tensor):
 def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The whole gradient of `param` as this rank holds it (None before a backward)."""
     return _engine(param).full_grad(param)
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make `value`, the whole gradient of `param`, the one the next optimizer step uses (call it
+    after backward, on every rank, as in DeepSpeed)."""
+    _engine(param).set_full_grad(param, value)
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
