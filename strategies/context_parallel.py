@@ -123,6 +123,8 @@ def sequence_choices(builder: PlanBuilder, cp: int, length: int, block: int) -> 
         for lab in candidates:
             if sig.is_frozen(lab) or lab in sig.reduce or lab in sig.comm_labels and not _is_attention(op):
                 continue
+            if block < 0 and lab in (getattr(sig, "merged", None) or {}):
+                continue  # merged into another dim (batch x sequence flattened): a mirrored split cannot pass
             if op.splittable(lab, cp, block):
                 chosen = lab
                 break
