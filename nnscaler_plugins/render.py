@@ -49,9 +49,14 @@ def plan_label(plan: Any) -> str:
     group = max(1, unit // max(1, pp))
     tp = int(opts["tp"]) if opts.get("tp") else group
     tp = max(1, min(tp, group))
-    dp = int(getattr(plan, "dp", 1) or 1) * max(1, group // tp)  # batch splits inside a unit are data parallel too
-    degrees = [f"{name} {n}" for name, n in (("tp", tp), ("pp", pp), ("dp", dp)) if n > 1]
+    cp = max(1, min(int(opts.get("cp", 1) or 1), group // tp))  # the search's plans record their cp and ep
+    dp = int(getattr(plan, "dp", 1) or 1) * max(1, group // (tp * cp))  # batch splits inside a unit are data parallel too
+    degrees = [f"{name} {n}" for name, n in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)) if n > 1]
+    if cp > 1 and opts.get("cp_comm"):
+        degrees[[d.split()[0] for d in degrees].index("cp")] += f" ({opts['cp_comm']})"
     words = [" x ".join(degrees) or "1 device"]
+    if int(opts.get("ep", 1) or 1) > 1:
+        words.append(f"experts split {int(opts['ep'])} ways (ep {int(opts['ep'])})")
     if pipe is not None:
         sched = SCHEDULES.get(pipe.schedule, str(pipe.schedule))
         chunks = pipe.num_stages // max(1, pp)

@@ -469,6 +469,9 @@ class Search:
             options["sequence_parallel"] = True  # the layers' sequence splits are in the ops' placements
         if cfg.cp > 1:
             options["cp_comm"] = cfg.cp_comm  # attention's sequence pieces meet their keys this way
+            options["cp"] = cfg.cp
+        if cfg.ep > 1:
+            options["ep"] = cfg.ep
         if any(kind_of(graph, op) == "experts" for op in graph.ops):
             options["experts_as_one_op"] = True  # captured so; a run of the plan captures the same way
         if id(graph) not in self._prints:
