@@ -199,3 +199,17 @@ def test_expert_all_to_all_priced_on_link_hierarchy():
     assert whole.fwd_comm == 0 and whole.time.flops > 0
     assert inside.time.flops == pytest.approx(whole.time.flops / 2)
     assert 0 < inside.fwd_comm < across.fwd_comm and inside.bwd_comm < across.bwd_comm
+
+
+def test_simulator_prices_cp_strategy_plans_per_cp_comm():
+    """The simulator reads a plan's `cp_comm`: the cp strategy's plans, one per mode, priced apart."""
+    model, batch = causal_lm(batch=1, seq=32)
+    g = nns.capture(model, kwargs=batch)
+    spec = nns.cluster(SPEC)
+    times = {}
+    for mode in group_kernels.CP_MODES:
+        plan = nns.plan(g, strategy="cp", world_size=2, cp_comm=mode)
+        times[mode] = nns.simulate(plan, spec).step_time_s
+    whole = nns.simulate(nns.plan(g, strategy="dp", world_size=1), spec).step_time_s
+    assert len(set(times.values())) == 3, times
+    assert all(t > 0 for t in times.values()) and whole > 0
