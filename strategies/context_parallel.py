@@ -69,16 +69,20 @@ def check_context_parallel(builder: PlanBuilder, cp: int, mode: str, balance: bo
     attns = attention_ops(builder)
     if not attns:
         raise PlanError(f"context parallelism found no scaled_dot_product_attention in {builder.graph.model_class}; "
-                        "cp splits attention's sequence (models with hand-written softmax attention are not "
-                        "supported: use attn_implementation='sdpa')")
+                        "cp splits attention's sequence, and attention written as matmul, softmax and matmul is "
+                        "not recognized: use attn_implementation='sdpa' (Hugging Face) or "
+                        "torch.nn.functional.scaled_dot_product_attention")
     lengths = set()
     for op in attns:
         call = op_call(builder.graph, op.node)
         why = sequence_split_problem(call)
         if why is not None:
-            raise PlanError(f"context parallelism cannot split this attention's sequence: {why}. Packed documents "
-                            "(position_ids restarting inside a row) and padding masks are not supported under cp; "
-                            "train them with dp/tp, or pad rows to one document each", op=op.name, where=op.where())
+            advice = ("the ring, all-gather and Ulysses kernels draw no dropout masks: train with attention dropout "
+                      "0 (model.eval(), or the config's attention dropout set to 0)" if "dropout" in why else
+                      "Packed documents (position_ids restarting inside a row) and padding masks are not supported "
+                      "under cp; train them with dp/tp, or pad rows to one document each")
+            raise PlanError(f"context parallelism cannot split this attention's sequence: {why}; {advice}",
+                            op=op.name, where=op.where())
         q, k = call.inputs[0], call.inputs[1]
         lengths.add(q.shape[-2])
         if mode == "ulysses" and (q.shape[-3] % cp or k.shape[-3] % cp):

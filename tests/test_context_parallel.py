@@ -77,7 +77,33 @@ def llama_gqa(batch: int = 2, seq: int = 16):
     return model, {"input_ids": ids, "labels": labels}
 
 
-BUILDERS = {"causal": causal_lm, "llama": llama_gqa}
+def hf_family(family: str, batch: int = 2, seq: int = 16):
+    """A small causal LM of one Hugging Face family (SDPA attention), some labels ignored."""
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  attn_implementation="sdpa")
+    gqa = dict(intermediate_size=64, num_key_value_heads=2)
+    cfg, cls = {
+        "qwen2": lambda: (T.Qwen2Config(**gqa, **common), T.Qwen2ForCausalLM),
+        "mistral": lambda: (T.MistralConfig(**gqa, **common), T.MistralForCausalLM),
+        "phi3": lambda: (T.Phi3Config(**gqa, **common), T.Phi3ForCausalLM),
+        "neox": lambda: (T.GPTNeoXConfig(intermediate_size=64, **common), T.GPTNeoXForCausalLM),
+        "gpt2": lambda: (T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"),
+                         T.GPT2LMHeadModel),
+    }[family]()
+    model = cls(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[1, :3] = -100
+    return model, {"input_ids": ids, "labels": labels}
+
+
+FAMILIES = ("qwen2", "mistral", "phi3", "neox", "gpt2")
+BUILDERS = {"causal": causal_lm, "llama": llama_gqa, **{f: functools.partial(hf_family, f) for f in FAMILIES}}
 
 
 def _equivalence(rank, world, model, options, dp):
@@ -181,10 +207,11 @@ def test_packed_documents_refused_by_name():
         nns.plan(graph, strategy="cp", world_size=2)
 
 
-WORLD2: list = []  # cp=2 runs by default under cp x dp at world 4
+WORLD2: list = [("gpt2", {"cp_comm": "ring"})]  # cp=2 also runs by default under cp x dp at world 4
 WORLD2_ALL = [("llama", {"cp_comm": "ring"}), ("causal", {"cp_comm": "ring"}), ("causal", {"cp_comm": "allgather"}), ("causal", {"cp_comm": "ulysses"}),
               ("llama", {"cp_comm": "allgather"}), ("llama", {"cp_comm": "ulysses"}),
-              ("causal", {"cp_comm": "ring", "balance": False})]
+              ("causal", {"cp_comm": "ring", "balance": False})] + \
+    [(f, {"cp_comm": mode}) for f in FAMILIES for mode in ("ring", "ulysses") if (f, mode) != ("gpt2", "ring")]
 
 
 @pytest.mark.parametrize("model,options", WORLD2 + (WORLD2_ALL if ALL else []))
