@@ -234,13 +234,16 @@ def _state(engine) -> dict:
 
 
 def _optimizer_state(engine) -> dict:
+    """Every parameter's optimizer state by the parameter's name, whichever optimizer holds it (the
+    plan's one under ZeRO or bf16, the torch one otherwise), so stages compare with each other."""
     opt = engine.optimizer
     inner = getattr(opt, "inner", opt)
     if hasattr(inner, "full_state_dict"):
-        full = inner.full_state_dict()["state"]
-        return {n: {k: v.float().clone() for k, v in s.items() if isinstance(v, torch.Tensor)} for n, s in full.items()}
-    return {i: {k: v.float().clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
-            for i, s in enumerate(inner.state.values())}
+        state = inner.full_state_dict()["state"].items()
+    else:
+        state = ((engine.name_of(p), s) for p, s in inner.state.items())
+    return {n: {k: v.float().clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+            for n, s in state}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -1564,3 +1567,57 @@ def test_bf16_overflow_checks_follow_test_zero_optim_overflow(workers2) -> None:
             assert r["no_overflow"] == ([0, 0, 0, 0], [True] * 4) and all(r["set_read_back"]), (stage, offload)
             assert r["detect"] == ([1, 2, 3, 4], [True] * 4), (stage, offload)  # skipped, weights untouched
             assert r["ignore"][0] == [0] * 4 and not any(r["ignore"][1]), (stage, offload)  # applied, as asked
+
+
+# -- checkpoint/test_zero_optimizer.py test_hybrid_optimizer_state: a client optimizer whose state
+#    holds a Python int beside a tensor -------------------------------------------------------------
+
+class HybridStateOptimizer(torch.optim.Optimizer):
+    """DeepSpeed's tests' optimizer: SGD that counts its steps in an int and in a tensor."""
+
+    def __init__(self, params, lr=0.11072018):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["integer_step"] = 0
+                    state["tensor_step"] = torch.zeros(1, device=p.device)
+                p.add_(p.grad, alpha=-group["lr"])
+                state["integer_step"] += 1
+                state["tensor_step"] += 1
+
+
+def _hybrid_state(rank, world, tmp, stage):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+    engines = []
+    for seed in (0, 1):
+        model = _model(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engines.append(deepspeed.initialize(config=cfg, model=model,
+                                                optimizer=HybridStateOptimizer(model.parameters()))[0])
+    trained, loaded = engines
+    _train(trained, _batches(4, rank, torch.bfloat16))
+    trained.save_checkpoint(tmp)
+    loaded.load_checkpoint(tmp, load_optimizer_states=True)
+    loaded.parallelize(_batches(1, rank, torch.bfloat16)[0])  # the optimizer state is the plan's from here
+    states = []
+    for engine in (trained, loaded):
+        inner = engine.optimizer.inner
+        full = inner.full_state_dict()["state"] if hasattr(inner, "full_state_dict") else inner.state
+        states.append(sorted((n, s["integer_step"], float(s["tensor_step"].reshape(-1)[0])) for n, s in full.items()))
+    more = _batches(2, rank + 9, torch.bfloat16)
+    return states[0] == states[1], states[0][0][1:], _train(trained, more) == _train(loaded, more)
+
+
+def test_hybrid_optimizer_state_round_trip(workers2, tmp_path) -> None:
+    for stage in (1, 2):
+        for r in workers2.run(_hybrid_state, str(tmp_path / f"h{stage}"), stage):
+            assert r == (True, (2, 2.0), True), stage
