@@ -232,6 +232,9 @@ class IntraSolver:
         blabel = self.batch_label(op)
         # outer axes of a 2-D mesh carry data parallelism (the batch) or nothing; the inner axis anything
         outer = [None] + ([blabel] if blabel in labels else [])
+        slabel = self.seq_label(op) if self.context_parallel else None
+        if slabel is not None and slabel in labels and slabel != blabel:
+            outer.append(slabel)  # context parallelism outside tensor parallelism (Megatron's cp x tp)
         per_axis = [outer for _ in self.mesh[:-1]] + [labels]
         per_axis = [opts if n > 1 else [None] for opts, n in zip(per_axis, self.mesh)]  # a 1-wide axis splits nothing
         out: list[Choice] = []
@@ -594,12 +597,14 @@ class IntraSolver:
             frontier = nxt
         return 1
 
-    def _tensor_parallel_seed(self) -> dict:
+    def _tensor_parallel_seed(self, outer_label: Optional[Callable[[OpNode], Optional[str]]] = None) -> dict:
         """Megatron's assignment read off the rules: in each layer the weight matmuls alternate column
         and row parallel (a column split in the blocks a fused projection's consumers need), embedding
-        tables and the output projection split along the vocabulary, losses along theirs."""
+        tables and the output projection split along the vocabulary, losses along theirs. The outer
+        axes of a 2-D mesh carry the batch, or what `outer_label` names (the sequence, for cp x tp)."""
         seed: dict[str, Choice] = {}
-        outer = lambda op: tuple((self.batch_label(op), n) for n in self.mesh[:-1])  # noqa: E731
+        outer_label = outer_label or self.batch_label
+        outer = lambda op: tuple((outer_label(op), n) for n in self.mesh[:-1])  # noqa: E731
         inner = self.mesh[-1]
         column_next = True
         last_layer = None
@@ -627,7 +632,11 @@ class IntraSolver:
                     want = (outer(op) + ((label, inner),), ())
             if want is None:
                 continue
-            ch = next((c for c in self.choices(op) if c.axes == want[0] and c.blocks == want[1]), None)
+            mirrored = tuple((l, self.cp_block) for l, _ in want[0][:-1] if l is not None and l == self.seq_label(op)
+                             and self.cp_block != 1)
+            options = [c for c in self.choices(op) if c.axes == want[0]]
+            ch = next((c for c in options if c.blocks == (want[1] or mirrored)), None) or \
+                next((c for c in options if c.blocks == want[1]), None)
             if ch is not None:
                 seed[var] = ch
         return seed
@@ -762,6 +771,8 @@ class IntraSolver:
         (`sequence_everywhere`), the anchors then improved by coordinate descent; kept when attention
         is in fact split along its sequence. Ulysses only where every attention's heads divide."""
         out = []
+        if len(self.mesh) > 1:
+            return self._cp_times_tp_results()
         seq_walk = self.walk({}, self.sequence_everywhere)
         for mode in group_kernels.CP_MODES:
             self.set_cp_comm(mode)
@@ -774,6 +785,25 @@ class IntraSolver:
             for r in found:
                 if r.cp > 1 and (mode != "ulysses" or self._ulysses_ok(r)):
                     out.append(r)
+        self.set_cp_comm("ring")
+        return out
+
+    def _cp_times_tp_results(self) -> list[IntraResult]:
+        """Megatron's cp x tp on a 2-D mesh: the sequence split on the outer axis (mirrored for causal
+        attention), tensor parallelism on the inner one (`_tensor_parallel_seed`), the other ops
+        walked; each cp_comm, the anchors then improved."""
+        seed = self._tensor_parallel_seed(self.seq_label)
+        out = []
+        if not seed:
+            return out
+        for mode in group_kernels.CP_MODES:
+            self.set_cp_comm(mode)
+            found = []
+            walked = self.walk(seed)
+            if walked is not None:
+                found.append(self.evaluate(walked, f"cp x tp {mode}"))
+            found.append(self.improve(seed, f"cp x tp {mode} (re-tuned)", passes=1))
+            out += [r for r in found if r.cp > 1 and (mode != "ulysses" or self._ulysses_ok(r))]
         self.set_cp_comm("ring")
         return out
 

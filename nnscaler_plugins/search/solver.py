@@ -197,8 +197,12 @@ class Search:
         cap = self.max_group or self.cluster.devices_per_node
         return [g for g in divisors(self.world) if g <= cap]
 
-    def meshes_for(self, g: int) -> list[tuple]:
-        return meshes(g) if self.unit_mode else [(g,)]
+    def meshes_for(self, g: int, graph: Optional[Graph] = None) -> list[tuple]:
+        """The group as one axis, or (unit mode, or where context parallelism is searched: cp on the
+        outer axis, tp on the inner) every 2-D view of it."""
+        if self.unit_mode or (graph is not None and self._cp_for(graph)):
+            return meshes(g)
+        return [(g,)]
 
     def _allowed(self, cfg: Config) -> bool:
         ok = True
@@ -213,7 +217,8 @@ class Search:
         t0 = time.monotonic()
         training = Training(dtype=self.dtype)
         candidates: list[Candidate] = []
-        intra_jobs = [(b, g, mesh) for b in sorted(self.graphs) for g in self.group_sizes() for mesh in self.meshes_for(g)]
+        intra_jobs = [(b, g, mesh) for b in sorted(self.graphs) for g in self.group_sizes()
+                      for mesh in self.meshes_for(g, self.graphs[b])]
         self.progress.set("intra-op choices", len(intra_jobs))
         solved: list[tuple[int, int, list[IntraResult], CostModel]] = []
         for b, g, mesh in intra_jobs:
