@@ -276,6 +276,9 @@ def _round_trip(rank, world, tmp, case):
     if how.startswith("elastic"):  # TestZeROElasticCheckpoint: elastic_checkpoint on save / on load
         cfg["zero_optimization"]["elastic_checkpoint"] = how[-3] == "1"
         load_zero["elastic_checkpoint"] = how[-2] == "1"
+    if how == "fp32_weights":  # TestZeROStage3ElasticCheckpoint.test_elastic_checkpoint_load_from_fp32_weights
+        cfg["zero_optimization"].update(elastic_checkpoint=True, load_from_fp32_weights=True)
+        load_zero.update(elastic_checkpoint=True, load_from_fp32_weights=True)
     if how == "zero_init":  # test_pipeline_checkpoint_loading: models built under zero.Init, module only
         load_zero["pipeline_loading_checkpoint"] = True
     with deepspeed.zero.Init(enabled=how == "zero_init"):
@@ -297,6 +300,10 @@ def _round_trip(rank, world, tmp, case):
                                                    "elastic010", "elastic100", "elastic110"),
               "load_module_only": how in ("module_only", "zero_init"),
               "load_lr_scheduler_states": how != "no_scheduler"}
+    if how == "empty_tag":  # test_latest_checkpoint's compile_mode: the same after engine.compile()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded.compile()
     same_dtype = next(iter(trained.parameters())).dtype == next(iter(loaded.parameters())).dtype
     path, client = loaded.load_checkpoint(tmp, tag=tag, **kwargs)
     before_forward = _same(_state(trained), _state(loaded))  # weights apply at once, before any forward
@@ -328,7 +335,7 @@ if ALL:
     # test_load_optimizer_state / test_not_load_optimizer_state with cpu_offload; TestZeROStage3ElasticCheckpoint
     ROUND_TRIPS += [(s, s, "bf16", h) for s in (2, 3) for h in ("offload_full", "offload_no_optimizer")
                     if (s, s, "bf16", h) not in ROUND_TRIPS]
-    ROUND_TRIPS += [(3, 3, "bf16", h) for h in ("elastic111", "elastic110", "elastic101")]
+    ROUND_TRIPS += [(3, 3, "bf16", h) for h in ("elastic111", "elastic110", "elastic101", "fp32_weights")]
 
 
 def test_checkpoint_round_trips_follow_deepspeeds_checkpoint_tests(workers2, tmp_path) -> None:
@@ -344,7 +351,7 @@ def test_checkpoint_round_trips_follow_deepspeeds_checkpoint_tests(workers2, tmp
             assert r["client"] == 3 and r["steps"] == (3, 3), case
             # compare_lr_scheduler_states: the scheduler's state; the lr itself comes with the optimizer's
             assert (r["scheduler"][0] == r["scheduler"][1]) == (how != "no_scheduler"), case
-            if how in ("full", "empty_tag", "onecycle", "offload_full") or how.endswith("1"):
+            if how in ("full", "empty_tag", "onecycle", "offload_full", "fp32_weights") or how.endswith("1"):
                 assert r["lr"][0] == r["lr"][1], case
                 assert r["optimizer"] and r["next_loss_equal"] and r["module_after"], case
 
@@ -403,6 +410,9 @@ def _save_shared_weights(rank, world, tmp):
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": 2}}
     engine = deepspeed.initialize(config=cfg, model=model, optimizer=torch.optim.Adam(model.parameters()))[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.compile()  # the test's compile_mode
     engine.save_checkpoint(tmp, tag="checkpoint")  # the model has no forward: saved as it is
 
 
@@ -448,6 +458,9 @@ def _before_first_forward(rank, world, tmp):
     engine, _, _, _ = deepspeed.initialize(model=model, config=_config(1))
     names = [n for n, _ in engine.named_parameters()]
     out["names"] = names == [n for n, _ in model.named_parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.compile()  # test_missing_latest's compile_mode; the engine runs as before
     out["missing_latest"] = engine.load_checkpoint(os.path.join(tmp, "nothing-here")) == (None, None)
     out["grad_norm"] = engine.get_global_grad_norm()
     engine.save_checkpoint(tmp)  # before any forward: the initial weights, no optimizer state yet
@@ -821,7 +834,24 @@ def _frozen(rank, world, tmp, stage, how):
     return out
 
 
+def _custom_state_dict_saved(rank, world, tmp, stage):
+    """test_save_exclude_custom_frozen_weights: a model whose state_dict the script replaced."""
+    torch.manual_seed(0)
+    model = FrozenModel()
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))[0]
+    _train(engine, _batches(1, rank))
+    own = model.state_dict
+    model.state_dict = lambda *a, **k: {n: v for n, v in own(*a, **k).items() if n != "linears.1.bias"}
+    engine.save_checkpoint(tmp, exclude_frozen_parameters=True)
+    model.state_dict = own
+    saved = torch.load(os.path.join(tmp, "global_step1", "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+    return sorted(saved)
+
+
 def test_frozen_weights_round_trip(workers2, tmp_path) -> None:
+    for stage in (1, 2):  # the replaced state_dict's entries that train, nothing else
+        for r in workers2.run(_custom_state_dict_saved, str(tmp_path / f"custom{stage}"), stage):
+            assert r == ["linears.0.bias", "linears.1.weight"], stage
     cases = [(1, "full"), (3, "no_optimizer"), (2, "module_only"), (2, "exclude_frozen")]
     if ALL:
         cases = [(s, h) for s in (1, 2, 3) for h in ("full", "no_optimizer", "module_only", "exclude_frozen")]

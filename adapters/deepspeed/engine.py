@@ -591,6 +591,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._materialize()
         state = self._pmodule.full_state_dict() if self._pmodule is not None else \
             {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+        custom = self._model.__dict__.get("state_dict")
+        if custom is not None:  # the script gave the model its own state_dict: its entries are what is saved
+            state = {k: state[k] if k in state else v for k, v in custom().items()}
         if exclude_frozen_parameters:
             state = {k: v for k, v in state.items() if k not in self._frozen_names()}
         return {prefix + k: v for k, v in state.items()}
