@@ -17,6 +17,7 @@ from nnscaler_plugins.plan.layers import layer_groups
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
 _ATTENTION = ("attn", "attention")
+_PRODUCTS = ("mm", "matmul", "einsum", "scaled_dot_product", "attention")
 
 
 def apply_recompute(builder: PlanBuilder, recompute: Union[None, str, Sequence[str]]) -> int:
@@ -30,7 +31,7 @@ def apply_recompute(builder: PlanBuilder, recompute: Union[None, str, Sequence[s
         groups = [[handles[op.name] for op in layer] for layer in layer_groups(graph).layers]
     elif recompute == "selective":
         for layer in layer_groups(graph).layers:
-            core = [handles[op.name] for op in layer if _is_attention_core(graph, op)]
+            core = [handles[op.name] for op in _attention_core(graph, layer)]
             if core:
                 groups.append(core)
     else:
@@ -56,3 +57,22 @@ def _is_attention_core(graph, op) -> bool:
     if not any(a in path.split(".")[-1] or a in path for a in _ATTENTION):
         return False
     return not any(graph.values[v].kind == "param" for v in op.inputs) and op.grad_enabled
+
+
+def _attention_core(graph, layer) -> list:
+    """The layer's attention-core ops, without those after the output projection (a view of its
+    result, its dropout): recomputing them would keep the projection's output (a whole partial sum
+    under tensor parallelism) for backward, where Megatron keeps only the dropout's mask."""
+    core_out: set = set()
+    after: set = set()  # values made from the core's result by a parameter-reading op, and their uses
+    products = False  # whether a product of activations (scores, probabilities x values) was seen
+    out = []
+    for op in layer:
+        reads_param = any(graph.values[v].kind == "param" for v in op.inputs)
+        if any(v in after for v in op.inputs) or (products and reads_param and any(v in core_out for v in op.inputs)):
+            after.update(v for v in op.outputs if v is not None)
+        elif _is_attention_core(graph, op):
+            out.append(op)
+            core_out.update(v for v in op.outputs if v is not None)
+            products = products or any(k in op.short_name for k in _PRODUCTS)
+    return out

@@ -1,6 +1,7 @@
 """Sequence parallelism keeps the shard of a column-parallel matmul's gathered input for backward
-(as Megatron does) and gathers it again there: the gradients must be those of keeping the whole
-gathered input, and what backward holds must shrink by the group size."""
+(as Megatron does) and gathers it again there, and reduce-scatters the input's gradient: the
+gradients must be one process's and those of keeping the whole gathered input, and what backward
+holds must shrink by the group size."""
 from __future__ import annotations
 
 
@@ -36,7 +37,14 @@ def _column_parallel_block(rank: int, world: int) -> list[str]:
 
     kept = run(hooks=False)
     regathered = run(hooks=True)
+    x_ref = x_whole.clone().requires_grad_(True)
+    w_ref = [w.clone().requires_grad_(True) for w in weights]
+    sum((torch.nn.functional.linear(x_ref, w) ** 2).sum() for w in w_ref).backward()
     problems = []
+    if not torch.allclose(kept[0], x_ref.grad.chunk(world, 1)[rank], rtol=1e-5, atol=1e-3):
+        problems.append("input gradient differs from one process")
+    if not all(torch.allclose(a, w.grad.chunk(world, 0)[rank], rtol=1e-5, atol=1e-3) for a, w in zip(kept[1], w_ref)):
+        problems.append("weight gradients differ from one process")
     if not torch.equal(kept[0], regathered[0]):
         problems.append("input gradient differs")
     if not all(torch.equal(a, b) for a, b in zip(kept[1], regathered[1])):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -179,13 +179,22 @@ def _send_recv(x: torch.Tensor, send_to: Optional[int], recv_from: Optional[int]
 
 class _IdentityAllReduce(Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, piece):
+        ctx.group, ctx.piece = group, piece
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _sum(g, ctx.group), None
+        if ctx.piece is None:
+            return _sum(g, ctx.group), None, None
+        # `x` was all-gathered over this group, whose backward reads only this device's piece of the
+        # gradient: a reduce-scatter gives that piece (Megatron's sequence-parallel backward), half
+        # the traffic of an all-reduce; the other pieces stay zero and are never read.
+        dim, blocks, order = ctx.piece
+        mine = _scatter_sum(g, dim, ctx.group, blocks, order)
+        index = _my_index(ctx.group, order)
+        pieces = [mine if j == index else torch.zeros_like(mine) for j in range(len(order))]
+        return cat_dim(pieces, dim, blocks), None, None
 
 
 class _GatherScatterSum(Function):
@@ -249,7 +258,10 @@ def identity_fwd_allreduce_bwd(x: torch.Tensor, group: Any) -> torch.Tensor:
     source = getattr(root, "_nns_gathered_from", None)
     if source is not None:  # views of the gathered value (a linear saves its input reshaped) find it here
         root._nns_regather = source
-    return _IdentityAllReduce.apply(x, group)
+    piece = None
+    if source is not None and root is x and source.group is group:
+        piece = (source.dim, source.blocks, source.order)
+    return _IdentityAllReduce.apply(x, group, piece)
 
 
 def allgather_fwd_reducescatter_bwd(x: torch.Tensor, dim: int, group: Any, blocks: int = 1,
@@ -349,7 +361,14 @@ def saved_bytes(packed: Any) -> int:
 
 
 @contextlib.contextmanager
-def saved_tensor_hooks() -> Iterator[None]:
-    """A forward whose saved all-gathered inputs are kept as shards (no other saved-tensor hooks)."""
-    with torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved):
+def saved_tensor_hooks(on_save: Optional[Callable[[Any], None]] = None) -> Iterator[None]:
+    """A forward whose saved all-gathered inputs are kept as shards; `on_save` sees what is kept of
+    each saved tensor (a measurement: saved-tensor hooks do not nest)."""
+    def pack(t: torch.Tensor) -> Any:
+        packed = pack_saved(t)
+        if on_save is not None:
+            on_save(packed)
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved):
         yield

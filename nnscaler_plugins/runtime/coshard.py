@@ -9,12 +9,13 @@ is the same as for the plain split.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint as ckpt
 
 from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
+from nnscaler_plugins.runtime.collectives import pack_saved, saved_bytes, unpack_saved
 
 _meters: list["SavedBytes"] = []
 
@@ -70,18 +71,33 @@ class SavedBytes:
             if isinstance(a, torch.Tensor):
                 self._count(a)
 
+    def count_packed(self, packed: Any) -> None:
+        """Count what a saved-tensor pack hook kept (a tensor, or the shard of a gathered one); for
+        forwards that install their own hooks (`active_meter`)."""
+        if isinstance(packed, torch.Tensor):
+            self._count(packed)
+        else:  # a shard shared by several nodes counts once (`saved_bytes`)
+            self.bytes += saved_bytes(packed)
+
     @contextlib.contextmanager
     def __call__(self) -> Iterator["SavedBytes"]:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            self._count(t)
-            return t
+        def pack(t: torch.Tensor) -> Any:
+            packed = pack_saved(t)
+            self.count_packed(packed)
+            return packed
 
         _meters.append(self)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved):
                 yield self
         finally:
             _meters.remove(self)
+
+
+def active_meter() -> Optional[SavedBytes]:
+    """The innermost `SavedBytes` measuring now, for a forward that installs saved-tensor hooks of its
+    own (they replace the meter's) to report to."""
+    return _meters[-1] if _meters else None
 
 
 def measure_forward(fn: Callable[[], Any]) -> tuple[Any, int]:

@@ -32,6 +32,7 @@ from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.runtime.batch_shapes import BatchShapes
 from nnscaler_plugins.runtime.collectives import saved_tensor_hooks
 from nnscaler_plugins.runtime.comm import Comm
+from nnscaler_plugins.runtime.coshard import active_meter
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
@@ -280,7 +281,9 @@ class ParallelModule(torch.nn.Module):
         inputs = self._flat_inputs(args, kwargs)
         gen = self._shapes.module_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, before any collective
         fn = gen.forward_loss if loss_only else gen.forward
-        scope = self.zero3.forward_scope() if self.zero3 is not None else saved_tensor_hooks()
+        meter = active_meter()  # a measurement around this forward: its hooks give way to these, which report to it
+        on_save = meter.count_packed if meter is not None else None
+        scope = self.zero3.forward_scope(on_save) if self.zero3 is not None else saved_tensor_hooks(on_save)
         with scope, autocast(self.plan.precision, self._device):
             flat = fn(self._comm, self._device, self._params_on_use(), *inputs)
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]

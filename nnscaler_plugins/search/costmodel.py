@@ -418,8 +418,11 @@ class CostModel:
         return self.net.all_reduce(nbytes, span)
 
     # -- memory ----------------------------------------------------------------------------------------
-    def saved(self, name: str, p: Placement, training: Training) -> list[tuple[str, float, int]]:
-        """(storage value, local bytes, replicas of it on the op's devices) the backward keeps."""
+    def saved(self, name: str, p: Placement, training: Training,
+              kept: Optional[Mapping[int, float]] = None) -> list[tuple[str, float, int]]:
+        """(storage value, local bytes, replicas of it on the op's devices) the backward keeps; `kept`:
+        per input, the fraction of it kept (an all-gathered input of column-split pieces keeps the
+        piece it was gathered from, as the runtime does: `gathered_from_pieces`)."""
         c = self.costs.ops[name]
         if not c.saved and not c.saved_masks:
             return []
@@ -436,6 +439,8 @@ class CostModel:
             base_meta = self.graph.values[base].meta
             numel = base_meta.numel if base_meta is not None else u.numel
             size = numel * (u.itemsize or training.act_bytes) / div
+            if kept and i in kept:
+                size *= kept[i]
             out.append((base, size, lay.replicas if lay is not None else 1))
         if c.saved_masks:
             div = 1
@@ -443,3 +448,11 @@ class CostModel:
                 div *= counts.get(l, 1)
             out.append((f"{name}:mask", c.saved_masks / div, outs[0].replicas if outs and outs[0] is not None else 1))
         return out
+
+
+def gathered_from_pieces(src: Layout, dst: Layout) -> bool:
+    """Whether `dst` is reached from `src` by gathering pieces (all-gathers, no partial sums): the
+    runtime then keeps, for a consumer whose gradient is partial (column-split pieces), only the piece
+    (`runtime.collectives.pack_saved`), as Megatron's sequence parallelism does."""
+    return (src != dst and src.partial == 1 and set(src.group) == set(dst.group)
+            and math.prod(src.local_shape()) < math.prod(dst.local_shape()))

@@ -17,7 +17,7 @@ import torch
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.lower.layout import Layout
 from nnscaler_plugins.search import group_kernels
-from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.costmodel import CostModel, Training, gathered_from_pieces
 from nnscaler_plugins.search.layouts import Placement
 
 
@@ -152,6 +152,7 @@ class Walker:
         delivered: set = set()
         sp = t.sequence_parallel
         made_by: dict[str, Any] = {}  # value -> recompute group of its producer
+        gathered: dict[str, float] = {}  # value -> the piece of it kept, for views of gathered values
         for op in ops:
             name = op.name
             k = segment_of(name)
@@ -181,6 +182,8 @@ class Walker:
             if group is not None:
                 group.fwd += ot.fwd
             ins, outs, grads = cm.layouts(name, p)
+            kept: dict[int, float] = {}  # input -> fraction of it the backward keeps (a gathered input's shard)
+            view_of_gathered = None
             for i, v in enumerate(op.inputs):
                 val = g.values[v]
                 if val.meta is None or ins[i] is None:
@@ -236,6 +239,15 @@ class Walker:
                     f, b = cm.reshard(src, need, isz, self.to_global)
                     seg.fwd_comm += f
                     seg.bwd_comm += b if needs_grad else 0.0
+                # (a view of) a value gathered from pieces: the runtime keeps the piece for the backward
+                # of a consumer whose gradient is partial and gathers it again there, with a
+                # reduce-scatter of the gradient where an all-reduce was (the same traffic)
+                piece = (math.prod(src.local_shape()) / math.prod(need.local_shape())
+                         if gathered_from_pieces(src, need) else gathered.get(v) if src == need else None)
+                if piece is not None and c.kind == "view" and view_of_gathered is None:
+                    view_of_gathered = piece
+                if piece is not None and grads[i] > 1 and needs_grad:
+                    kept[i] = piece
                 if grads[i] > 1 and needs_grad:
                     local = math.prod(need.local_shape()) * isz
                     members = sorted(p.devices)[:grads[i]]
@@ -244,13 +256,16 @@ class Walker:
                 if v is not None and j < len(outs) and outs[j] is not None:
                     produced[v] = (outs[j], k)
                     made_by[v] = gid
+                    if view_of_gathered is not None:
+                        gathered[v] = view_of_gathered
             if group is not None:
                 group.fwd_comm += seg.fwd_comm - comm_before
-            self._saved(seg, name, p, group)
+            self._saved(seg, name, p, group, kept)
         return self.segments
 
-    def _saved(self, seg: Segment, name: str, p: Placement, group: Optional[Group]) -> None:
-        entries = self.cm.saved(name, p, self.t)
+    def _saved(self, seg: Segment, name: str, p: Placement, group: Optional[Group],
+               kept: Optional[dict[int, float]] = None) -> None:
+        entries = self.cm.saved(name, p, self.t, kept)
         target = group.saved if group is not None else seg.act
         for base, nbytes, replicas in entries:
             if self.t.sequence_parallel and name in self.sp_ops and replicas > 1:
