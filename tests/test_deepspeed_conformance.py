@@ -626,6 +626,14 @@ def test_config_values_deepspeed_validates() -> None:
                           ({"min_loss_scale": 0}, "fp16.min_loss_scale must be finite and > 0")]:
         with pytest.raises(ValueError, match=pattern):
             translate(dict(base, fp16=dict(enabled=True, **fp16)))
+    # TestZeROPPLoadCheckpoint's ZeRO++ (hierarchical partitioning, quantized weights): refused by name
+    for zero, pattern in [({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size > 1"),
+                          ({"zero_quantized_weights": True}, "zero_quantized_weights=true is not supported"),
+                          ({"zero_quantized_gradients": True}, "zero_quantized_gradients=true is not supported")]:
+        with pytest.raises(DeepSpeedConfigError, match=pattern):
+            translate(dict(base, zero_optimization=dict(stage=3, **zero)))
+    with pytest.raises(NotImplementedError, match="grad_accum_dtype"):
+        translate(dict(base, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s = translate(dict(base, zero_optimization={"stage": 3, "pipeline_loading_checkpoint": True,
