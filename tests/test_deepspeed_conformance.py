@@ -3,8 +3,10 @@
 Each test names the DeepSpeed test it follows (tests/unit/runtime/... in DeepSpeed's repository):
 the same calls a script makes, checked for what DeepSpeed's test checks, written for this engine.
 Tests of DeepSpeed's internal classes (FusedAdam, its ZeRO optimizer objects, its partitioned
-parameter attributes) have no counterpart here. Everything runs on one pool of 2 gloo processes;
-the stage x precision sweep of the checkpoint round trips runs whole with NNS_TEST_ALL_PLANS=1.
+parameter attributes) have no counterpart here. `deepspeed_conformance_inventory.md` beside this
+file lists every DeepSpeed test of those files, the test here that mirrors it, and its status.
+Everything runs on one pool of 2 gloo processes; the stage x precision sweeps run whole with
+NNS_TEST_ALL_PLANS=1.
 """
 from __future__ import annotations
 
