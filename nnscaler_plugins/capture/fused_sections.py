@@ -173,6 +173,8 @@ def _cut(graph: Graph, op: OpNode, shape: tuple[int, ...], dim: int, unit: int) 
     """The contiguous ranges of the fused dim an op cuts out (one per output), or None."""
     size = shape[dim]
     name = op.op_name
+    if op.kwargs:
+        return None  # arguments as written by torch.export are positional; anything else is not read here
     if name == "aten.slice.Tensor":
         args = list(op.args) + [None] * (5 - len(op.args))
         d, start, stop, step = (args[1] if args[1] is not None else 0), args[2], args[3], args[4]
