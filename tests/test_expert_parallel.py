@@ -176,6 +176,7 @@ def test_batch_statistics_and_capacity_in_the_plan():
     `capacity_factor=` reaches every dispatch call."""
     import nnscaler_plugins as nns
     from nnscaler_plugins.capture.experts import experts_as_one_op
+    from nnscaler_plugins.codegen.generate import generate
     from nnscaler_plugins.errors import PlanError
     from nnscaler_plugins.lower import lower
     from nnscaler_plugins.runtime.expert_dispatch import expert_all_to_all
@@ -189,6 +190,9 @@ def test_batch_statistics_and_capacity_in_the_plan():
     assert len(plan.options["batch_statistics"]) == 2 * LAYERS, plan.options["batch_statistics"]
     program = lower(graph, plan)
     assert program.collective_counts(0)["kernel:across_replicas"] == 2 * LAYERS
+    calls = [line for line in generate(program, 0).splitlines() if "across_replicas(" in line]
+    assert calls and len(calls) % (2 * LAYERS) == 0, calls  # in the forward and the loss-only forward
+    assert all("mean=False, group=_comm.kernel(" in c and "data-parallel replicas" in c for c in calls), calls
     dispatch = [s for s in program.ranks[0].stages[0].stmts if s.target is expert_all_to_all]
     assert len(dispatch) == LAYERS and all(s.kwargs.get("capacity_factor") == 1.5 for s in dispatch)
     with pytest.raises(PlanError, match="2 micro-batches"):

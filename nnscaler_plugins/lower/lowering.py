@@ -497,11 +497,12 @@ class _Lowering:
         out = op.outputs[0]
         dims = op.args[1] if op.op_name.endswith((".dim", ".dim_IntList")) and len(op.args) > 1 else ()
         dims = tuple([dims] if isinstance(dims, int) else dims or ())
-        args = (Ref(out), Ref(local_names[0]), dims, how == "mean")
+        args = (Ref(out), Ref(local_names[0]), dims)
         for dev in lays.devices:
             self.stmts[(dev, self.stage_of[op.name])].append(
-                Stmt("op", out=[out], target=across_replicas, args=args, op=op, grad_enabled=op.grad_enabled,
-                     group_kwarg=gkw, comment="batch statistic made whole across the data-parallel replicas"))
+                Stmt("op", out=[out], target=across_replicas, args=args, kwargs={"mean": how == "mean"}, op=op,
+                     grad_enabled=op.grad_enabled, group_kwarg=gkw,
+                     comment="batch statistic made whole across the data-parallel replicas"))
 
     # -- 5. recompute groups -------------------------------------------------------------------------------
     def mark_recompute(self) -> None:
