@@ -262,6 +262,28 @@ def largest(framework: str, width: int, budget: float, log: list) -> tuple[int, 
     return best
 
 
+def _earlier_rows(title: str, frameworks: list[str]) -> list[tuple[str, ...]]:
+    """The rows of RESULTS.md's section `title` for frameworks this run does not measure, marked
+    with the date of their run: `common.record` rewrites the whole section, and a rerun of some
+    frameworks must not erase the others' numbers."""
+    if not os.path.exists(common.RESULTS):
+        return []
+    text = open(common.RESULTS).read()
+    at = text.find(f"## {title}\n")
+    if at < 0:
+        return []
+    end = text.find("\n## ", at + 1)
+    lines = text[at:end if end >= 0 else len(text)].splitlines()
+    date = lines[2].split(",")[0] if len(lines) > 2 else "?"
+    rows = []
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| ") else []
+        name = cells[0].split(" (")[0] if cells else ""
+        if name in FRAMEWORKS and name not in frameworks:
+            rows.append(tuple([cells[0] if "(earlier run" in cells[0] else f"{name} (earlier run, {date})"] + cells[1:]))
+    return rows
+
+
 def _params(layers: int, width: int) -> float:
     return (VOCAB * width + 1024 * width + layers * (12 * width * width + 13 * width) + 2 * width) / 1e6
 
@@ -296,8 +318,10 @@ def main() -> None:
             ratio = (max(r["grown_mib"]) / max(fsdp["grown_mib"])) if "grown_mib" in fsdp else float("nan")
             rows.append((fw, " / ".join(f"{m:.0f}" for m in r["grown_mib"]), f"{ratio:.2f}",
                          " / ".join(f"{x:.3f}" for x in r["losses"])))
-        print(common.record(f"largest_model.py: peak memory per rank at 12 x 1024 ({_params(12, 1024):.0f} M "
-                            "parameters), ZeRO-3 on 4 gloo processes", rows,
+        title = (f"largest_model.py: peak memory per rank at 12 x 1024 ({_params(12, 1024):.0f} M parameters), "
+                 "ZeRO-3 on 4 gloo processes")
+        rows += _earlier_rows(title, frameworks)
+        print(common.record(title, rows,
                             ("framework", "peak RSS growth MiB, ranks 0/1/2/3", "max vs FSDP2", "losses"),
                             notes=tail + f" Cap {args.fixed_cap_mib:.0f} MiB per rank."))
     if args.skip_search:
@@ -312,8 +336,10 @@ def main() -> None:
     notes = "Probes (framework layers: max MiB over ranks): " + ", ".join(
         f"{fw} {n}: {max(r['grown_mib']):.0f}" if "grown_mib" in r else f"{fw} {n}: over"
         for fw, n, r in log) + ". " + tail
-    print(common.record(f"largest_model.py: largest GPT-2 shape trained within {args.budget_mib:.0f} MiB per rank, "
-                        "ZeRO-3 on 4 gloo processes", rows,
+    title = (f"largest_model.py: largest GPT-2 shape trained within {args.budget_mib:.0f} MiB per rank, "
+             "ZeRO-3 on 4 gloo processes")
+    rows += _earlier_rows(title, frameworks)
+    print(common.record(title, rows,
                         ("framework", "largest (layers x width)", "its peak MiB", "layers vs FSDP2"), notes=notes))
 
 

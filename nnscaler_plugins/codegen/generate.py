@@ -335,6 +335,30 @@ def _last_uses(items: list[Any], outputs: list[Optional[str]]) -> dict[int, list
     return out
 
 
+def _rebinds(items: list[Any], index: dict[str, int], em: "_Emitter") -> list[tuple[int, str, int]]:
+    """(item, parameter, item of its previous use) for each parameter used again only after other
+    parameters at least its own size were first bound (a tied embedding and head): it is dropped
+    after that previous use and bound again, so a ZeRO-3 `_P` does not hold it whole in between."""
+    graph = em.program.graph if em.program is not None else None
+    if graph is None:
+        return []
+    uses: dict[str, list[int]] = {}
+    bound_at: list[tuple[int, int]] = []  # (item of first use, elements) per parameter
+    for i, item in enumerate(items):
+        for n in (item.uses() if isinstance(item, _Region) else _stmt_uses(item)):
+            if n in index and (not uses.get(n) or uses[n][-1] != i):
+                if n not in uses:
+                    bound_at.append((i, graph.meta(n).numel))
+                uses.setdefault(n, []).append(i)
+    out = []
+    for n, at in uses.items():
+        size = graph.meta(n).numel
+        for prev, nxt in zip(at, at[1:]):
+            if sum(e for i, e in bound_at if prev < i < nxt) >= size > 0:
+                out.append((nxt, n, prev))
+    return out
+
+
 def generate(program: Program, device: int) -> str:
     """The rank's module. Without a pipeline: `forward` returns every model output whole and
     `forward_loss` only the loss, skipping the gathering of the other outputs (logits of a
@@ -390,6 +414,9 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
             if n in index and n not in seen:
                 seen.add(n)
                 first.setdefault(i, []).append((index[n], n))
+    for i, n, end in _rebinds(items, index, em):
+        first.setdefault(i, []).append((index[n], n))
+        frees.setdefault(end, []).append(n)
     no_grad_open = False
     defined = set(sp.inputs) | set(params)
     regions = 0

@@ -44,11 +44,16 @@ class GatheredOnUse:
                 self._zkey[i] = zero3_index[s.fqn]
         order = sorted(self._zkey)
         self._next = {i: self._zkey[j] for i, j in zip(order, order[1:])}
+        self._read: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._keys)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         z = self._zkey.get(i)
-        t = self._local(self._keys[i]) if z is None else self._zero3.fetch(z, self._next.get(i))
+        # A parameter read again (the code dropped it between distant uses) prefetches nothing: the
+        # one after it in Program order was read already.
+        nxt = self._next.get(i) if i not in self._read else None
+        self._read.add(i)
+        t = self._local(self._keys[i]) if z is None else self._zero3.fetch(z, nxt)
         return for_compute(t, self._precision)

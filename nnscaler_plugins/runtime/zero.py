@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -34,6 +35,20 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 BUCKET_BYTES = 25 * 2**20
 MAX_IN_FLIGHT = 2  # gradient reductions started and not yet waited for (see Zero3Params.flush)
+MAPPED_BYTES = 2**20  # transient host buffers from this size on are mapped from the OS (transient_empty)
+
+
+def transient_empty(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer of `like`'s dtype and device that lives only around one use: a gathered whole
+    parameter or a gradient bucket being reduced. In host memory a large one is mapped from the OS
+    and unmapped when its last view goes. From the C heap, such buffers freed between the pieces
+    that stay (chunks, gradients, optimizer state) are kept by the process for reuse (glibc keeps
+    freed regions below 32 MiB), and what a rank holds grows to the worst interleaving of a step's
+    buffers instead of the most it uses at once."""
+    nbytes = numel * like.element_size()
+    if like.device.type != "cpu" or nbytes < MAPPED_BYTES:
+        return like.new_empty(numel)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype, count=numel)
 
 
 @dataclass
@@ -116,10 +131,16 @@ def all_gather_chunks(shards: list[FlatShard], chunks: list[torch.Tensor], outs:
             off += s.chunk
 
 
-def reduce_scatter_layout(shards: list[FlatShard], grads: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """The (size, sum of chunks) buffer a reduce-scatter of these shards' gradients sends."""
+def reduce_scatter_layout(shards: list[FlatShard], grads: list[torch.Tensor], scale: float,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The (size, sum of chunks) buffer a reduce-scatter of these shards' gradients sends (written
+    into `out`, flat, when given)."""
     parts = [shards[i].padded(g) for i, g in enumerate(grads)]
-    buf = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
+    if out is not None:
+        torch.cat(parts, dim=1, out=out.view(shards[0].size, -1))
+        buf = out
+    else:
+        buf = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
     if scale != 1.0:
         buf.mul_(scale)
     return buf.reshape(-1)
@@ -289,7 +310,7 @@ class Zero3Params:
     def _launch_gather(self, key: int) -> tuple[Any, torch.Tensor]:
         """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done."""
         s, c = self.shards[key], self._on_device(self.chunks[key].detach())
-        buf = c.new_empty(s.size * s.chunk)
+        buf = transient_empty(s.size * s.chunk, c)
         return all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True), buf
 
     def keep_on_host(self, host_copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -369,11 +390,13 @@ class Zero3Params:
             work = dist.all_reduce(buf, group=s.sum_group, async_op=True)
             self._pending.append(_PendingReduce(work, buf, key))
         elif s.size > 1:
+            nbytes = grad.numel() * grad.element_size()
             if self._bucket and (self.shards[self._bucket[0][0]].group is not s.group
-                                 or self._bucket[0][1].dtype != grad.dtype):
-                self.flush()
+                                 or self._bucket[0][1].dtype != grad.dtype
+                                 or self._bucket_bytes + nbytes > BUCKET_BYTES):
+                self.flush()  # a bucket never grows past BUCKET_BYTES by a large gradient: that one goes alone
             self._bucket.append((key, grad.detach()))
-            self._bucket_bytes += grad.numel() * grad.element_size()
+            self._bucket_bytes += nbytes
             if self._bucket_bytes >= BUCKET_BYTES:
                 self.flush()
             return
@@ -395,7 +418,8 @@ class Zero3Params:
             # largest tensor of a step).
             buf, post = grads[0].reshape(-1), self.scale
         else:
-            buf, post = reduce_scatter_layout(shards, grads, self.scale), 1.0
+            send = transient_empty(shards[0].size * sum(sh.chunk for sh in shards), grads[0])
+            buf, post = reduce_scatter_layout(shards, grads, self.scale, out=send), 1.0
         del grads
         out = buf.new_empty(sum(sh.chunk for sh in shards))
         work = reduce_scatter_flat(out, buf, group=shards[0].group, async_op=True)
