@@ -210,6 +210,13 @@ class Program:
 # ---------------------------------------------------------------------------------------------------
 def op_layouts(graph: Graph, op: OpNode, p: OpPlacement, sig: Signature) -> OpLayouts:
     """Every tensor's layout under `p` (see `placement`), and the device groups along each split label."""
+    try:
+        return _op_layouts(graph, op, p, sig)
+    except ValueError as e:  # a split the layouts cannot hold (one merged dim cut along two labels)
+        raise PlanError(f"its split {p.splits} has no layout: {e}", op=op.name, where=op.where()) from None
+
+
+def _op_layouts(graph: Graph, op: OpNode, p: OpPlacement, sig: Signature) -> OpLayouts:
     ins: list[Optional[Layout]] = []
     grads: list[tuple[tuple[int, ...], ...]] = []
     for i, name in enumerate(op.inputs):
