@@ -378,11 +378,11 @@ class TensorParallelPropagation:
         """A split that starts here, on whole inputs, and reaches a row-parallel matmul.
 
         Tried on the ops after a matmul whose column split could not travel (its outputs are
-        whole): a fused QKV projection whose sections are not equal (multi-query or grouped
-        heads, Falcon, GPT-BigCode, Phi-3) stays whole, but the query heads cut out of it can
-        still be split by heads from the whole tensor (a local slice), with the key/value heads
-        whole on every device as Megatron keeps them when there are fewer of them than devices;
-        attention and the output projection then run split.
+        whole): a fused projection that capture could not cut into one matmul per section
+        (capture/fused_sections.py recognizes contiguous cuts only) stays whole, but the query
+        heads cut out of it can still be split by heads from the whole tensor (a local slice),
+        with the key/value heads whole on every device as Megatron keeps them when there are
+        fewer of them than devices; attention and the output projection then run split.
         """
         if any(c is not None and c.kind is not TPKind.REPLICATED for c in current):
             return None
