@@ -12,6 +12,7 @@ the correlation over the repeats is reported with the correlation of the per-pla
 
     python benchmarks/cost_model_vs_measured.py --repeats 3      # appended to RESULTS.md
     python benchmarks/cost_model_vs_measured.py --remeasure      # measure this machine again first
+    python benchmarks/cost_model_vs_measured.py --predict-only   # the model's numbers only, nothing run
 
 Take it on an idle machine: other processes on the same cores change the measurement, not the model.
 """
@@ -39,16 +40,20 @@ WORLD = 2
 B, S = 8, 128
 MODEL = dict(n_layer=4, n_embd=256, n_head=8, vocab=2048)
 
-# (label, strategy, options, data-parallel replicas)
+# (label, strategy, options, data-parallel replicas): the choices a user weighs on two devices (data,
+# tensor or pipeline parallelism; gradient accumulation; recomputation), each a different program.
+# Plans the machine runs within noise of each other say nothing about ranking (an earlier set had
+# five within 3 %, among them gpipe and 1f1b at equal micro-batches, and "auto", which picked the tp
+# plan already in the set), so each plan here differs from the others in what the step does.
 PLANS = [
     ("dp", "dp", {}, 2),
-    ("dp, 2 micro-batches", "dp", {"micro_batches": 2}, 2),
+    ("dp, 4 micro-batches", "dp", {"micro_batches": 4}, 2),
+    ("dp, full recompute", "megatron", {"dp": 2, "recompute": "full"}, 2),
     ("tp", "tp", {}, 1),
+    ("tp, 4 micro-batches", "megatron", {"tp": 2, "micro_batches": 4}, 1),
     ("tp, full recompute", "megatron", {"tp": 2, "recompute": "full"}, 1),
-    ("1f1b pp=2, 4 micro-batches", "1f1b", {"pp": 2, "micro_batches": 4}, 1),
-    ("gpipe pp=2, 4 micro-batches", "gpipe", {"pp": 2, "micro_batches": 4}, 1),
+    ("1f1b pp=2, 2 micro-batches", "1f1b", {"pp": 2, "micro_batches": 2}, 1),
     ("1f1b pp=2, 8 micro-batches", "1f1b", {"pp": 2, "micro_batches": 8}, 1),
-    ("auto", "auto", {}, 1),
 ]
 
 
@@ -82,11 +87,17 @@ def run_plan(rank: int, world: int, plan, dp: int, steps: int) -> float:
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
+    def ranks(x):  # tied values share their mean rank (else a tie is ordered by list position)
         order = sorted(range(len(x)), key=lambda i: x[i])
         r = [0.0] * len(x)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
+        pos = 0
+        while pos < len(order):
+            end = pos
+            while end + 1 < len(order) and x[order[end + 1]] == x[order[pos]]:
+                end += 1
+            for j in range(pos, end + 1):
+                r[order[j]] = (pos + end) / 2
+            pos = end + 1
         return r
     ra, rb = ranks(a), ranks(b)
     n = len(a)
@@ -103,6 +114,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--remeasure", action="store_true", help="measure this machine again (the cache is kept otherwise)")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--predict-only", action="store_true", help="price the plans, run nothing")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -128,6 +140,8 @@ def main() -> None:
         profiled.append(prof.step_time_s)
         plans.append(plan)
         print(f"{label}: predicted {1e3 * est.step_time_s:.1f} ms, profiled {1e3 * prof.step_time_s:.1f} ms", flush=True)
+    if args.predict_only:
+        return
     runs: list[list[float]] = [[] for _ in plans]
     per_repeat = []
     for r in range(args.repeats):
@@ -145,18 +159,26 @@ def main() -> None:
     rho, rho_p = spearman(predicted, measured), spearman(profiled, measured)
     spread = (f"per repeat {', '.join(f'{x:.2f}' for x in per_repeat)} (min {min(per_repeat):.2f}, median "
               f"{statistics.median(per_repeat):.2f}, max {max(per_repeat):.2f})")
+    # how far apart the plans are, against how much one plan's repeats move
+    ordered = sorted(measured)
+    gaps = [b / a - 1 for a, b in zip(ordered, ordered[1:])]
+    noise = statistics.median((max(x) - min(x)) / statistics.median(x) for x in runs)
+    plan_spread = (f"measured plans span {ordered[-1] / ordered[0]:.2f}x (fastest to slowest); adjacent plans "
+                   f"{100 * min(gaps):.1f} % apart at the closest, median {100 * statistics.median(gaps):.1f} %; "
+                   f"a plan's repeats spread {100 * noise:.1f} % (median range / median)")
     mape = 100 * statistics.mean(abs(p / m - 1) for p, m in zip(predicted, measured))
     mape_p = 100 * statistics.mean(abs(p / m - 1) for p, m in zip(profiled, measured))
     load = os.getloadavg()[0]
     print(f"Spearman rank correlation of the medians: model {rho:.2f}, profiled {rho_p:.2f}; model {spread}; "
-          f"MAPE model {mape:.0f} %, profiled {mape_p:.0f} %; load average {load:.1f}")
+          f"MAPE model {mape:.0f} %, profiled {mape_p:.0f} %; load average {load:.1f}; {plan_spread}")
     if not args.no_record:
         record("cost_model_vs_measured.py: predicted vs measured step time, GPT-2 4x256 (batch 8 x 128), "
                f"{WORLD} gloo processes", rows,
                ("plan", "unit x dp", "micro-batches", "model ms", "profiled ms", "measured ms (median)",
                 f"measured range ({args.repeats} runs)", "model / measured", "profiled / measured"),
                f"Spearman rank correlation with the median measurement: model **{rho:.2f}**, profiling mode "
-               f"**{rho_p:.2f}** (MAPE {mape:.0f} % and {mape_p:.0f} %); model against each repeat: {spread}. Load "
+               f"**{rho_p:.2f}** (MAPE {mape:.0f} % and {mape_p:.0f} %); model against each repeat: {spread}; "
+               f"{plan_spread}. Load "
                f"average {load:.1f} at the end (other processes on the 2 cores move the measurement). Cluster: "
                f"{spec.describe()}. The model uses this machine's measured kernel table (matmul by shape, element-wise "
                "by size, both with the cache's speed-up; no fusion, eager PyTorch) and gloo's measured alpha-beta, "

@@ -90,6 +90,30 @@ def test_tensor_parallel_activations_and_communication(graph, t):
     assert seg_sp.activations == pytest.approx(S * B * H / t * (34 + 5 * A * S / H))
 
 
+@pytest.mark.parametrize("t", [2, 4])
+def test_placed_sequence_parallel_keeps_gathered_inputs_as_shards(graph, t):
+    """The sequence splits placed in the plan (not the what-if): the all-gathered inputs of the
+    column-parallel matmuls are kept as their shards, as the runtime does, so a layer keeps
+    Korthikanti's sbh(34/t + 5as/(ht))."""
+    spec = nns.cluster("a100-dgx")
+    plan = megatron(graph, t, sequence_parallel=True)
+    cm = CostModel(graph, spec)
+    ops = layer_groups(graph).layers[1]
+    walker = Walker(graph, cm, Training("bf16", sequence_parallel=True), 1)
+    seg = walker.run(ops, lambda n: Placement.of(plan.ops[n]), lambda n: 0)[0]
+    assert seg.activations == pytest.approx(S * B * H / t * (34 + 5 * A * S / H))
+
+
+def test_views_cost_a_dispatch_where_the_stack_says(graph):
+    spec = nns.cluster("a100-dgx")
+    layer = layer_groups(graph).layers[0]
+    view = next(op for op in layer if CostModel(graph, spec).costs.ops[op.name].kind == "view")
+    assert CostModel(graph, spec).op_time(view.name, Placement(), Training("bf16")).fwd == 0.0
+    eager = replace(spec, efficiency=replace(spec.efficiency, view_overhead_s=4e-6))
+    t = CostModel(graph, eager).op_time(view.name, Placement(), Training("bf16"))
+    assert t.fwd == 4e-6 and t.bwd_input == 4e-6
+
+
 def test_selective_recompute_drops_the_attention_core(graph):
     costs = OpCosts.of(graph)
     layer = layer_groups(graph).layers[0]

@@ -6,7 +6,9 @@ the search stays deterministic across ranks:
 
 - matmul throughput of one thread (fp32), from square matmuls of a transformer-ish size;
 - memory bandwidth of one thread, from copying a tensor much larger than the caches;
-- the fixed cost of one small op (dispatch overhead), from adding tiny tensors;
+- the fixed cost of one small op as generated code runs it in training (called through
+  `torch.ops.aten`, recorded by autograd, and its backward node), and of one view op, from chains
+  of tiny ops;
 - a kernel table of this machine (`search/kernel_tables.py`): matmul throughput at a few GEMM shapes
   (small m, n or k lose to operand packing) and element-wise throughput at a few sizes (small tensors
   stay in cache, large ones stream from DRAM), with the curves fitted to them;
@@ -39,7 +41,7 @@ from nnscaler_plugins.search.cluster_spec import ClusterSpec, Link
 from nnscaler_plugins.search.efficiency import Efficiency
 from nnscaler_plugins.search.kernel_tables import KernelTable, MatmulCurve, cached
 
-FORMAT = 2
+FORMAT = 3  # 3: gloo timed as the fastest of several batches (2 averaged one batch); training op overheads
 # GEMM shapes (m, n, k) and element-wise sizes (float32 elements) the table is measured at: the range of
 # the small models planned and run on CPUs (tokens per micro-batch x hidden sizes of a few hundred).
 MATMUL_SHAPES = ((64, 256, 256), (128, 256, 256), (128, 1024, 256), (512, 256, 256), (512, 1024, 256),
@@ -100,6 +102,8 @@ def measure_compute() -> dict:
         for _ in range(100):
             torch.add(s1, s2)
         t = _median_time(lambda: [torch.add(s1, s2) for _ in range(200)], 7) / 200
+        op_fwd, op_bwd = _training_overhead(lambda y: torch.ops.aten.add.Tensor(y, s2))
+        view_fwd, view_bwd = _training_overhead(lambda y: torch.ops.aten.view.default(y, [4]))
         mm_points = []
         for m, n, k in MATMUL_SHAPES:
             a, b = torch.randn(m, k), torch.randn(k, n)
@@ -116,9 +120,33 @@ def measure_compute() -> dict:
             dt = _best_time(lambda: [torch.add(u, v, out=out) for _ in range(reps)], 7) / reps
             ew_points.append((3 * size * 4, 3 * size * 4 / max(dt - t, 1e-9)))
         return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "op_overhead_s": t,
+                "train_op_overhead_s": (op_fwd, op_bwd), "view_overhead_s": (view_fwd, view_bwd),
                 "matmul_points": mm_points, "elementwise_points": ew_points}
     finally:
         torch.set_num_threads(threads)
+
+
+def _training_overhead(op, n: int = 200) -> tuple[float, float]:
+    """(forward, backward) seconds of one tiny op in a chain recorded by autograd, the fastest of
+    several chains: what a training step pays per op beyond its arithmetic."""
+    import torch
+
+    x = torch.ones(4, requires_grad=True)
+
+    def forward():
+        y = x
+        for _ in range(n):
+            y = op(y)
+        return y
+
+    def both():
+        forward().sum().backward()
+
+    forward()
+    both()
+    fwd = _best_time(forward, 9) / n
+    total = _best_time(both, 9) / n
+    return fwd, max(total - fwd, 0.0)
 
 
 def _gloo_child(rank: int, port: int) -> None:
@@ -136,12 +164,17 @@ def _gloo_child(rank: int, port: int) -> None:
         x = torch.ones(size)
         for _ in range(2):
             dist.all_reduce(x)
-        reps = 20 if size <= 1 << 17 else 8
-        dist.barrier()
-        t = time.perf_counter()
-        for _ in range(reps):
-            dist.all_reduce(x)
-        rows.append((size * 4, (time.perf_counter() - t) / reps))
+        reps = 5 if size <= 1 << 17 else 2
+        best = float("inf")
+        for _ in range(7):  # the fastest batch: a process preempted by other jobs measures them, not gloo
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(reps):
+                dist.all_reduce(x)
+            took = torch.tensor([(time.perf_counter() - t) / reps])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # both ranks agree on each batch's time
+            best = min(best, float(took.item()))
+        rows.append((size * 4, best))
     if rank == 0:
         print(json.dumps(rows))
     dist.destroy_process_group()
@@ -246,6 +279,12 @@ def fit_table(m: dict) -> Optional[KernelTable]:
                        points=points, measured=str(m.get("date", "")))
 
 
+def _per_op(m: dict, key: str, default: float) -> float:
+    """Mean of a measured (forward, backward) per-op cost: the cost model adds one per pass."""
+    v = m.get(key)
+    return default if v is None else (float(v[0]) + float(v[1])) / 2
+
+
 def local_cpu(devices: Optional[int] = None, measure: bool = True, cache_dir: Optional[str] = None) -> ClusterSpec:
     """This machine as a one-node cluster of `devices` processes (default: one per core)."""
     m = measurements(measure, cache_dir)
@@ -259,8 +298,9 @@ def local_cpu(devices: Optional[int] = None, measure: bool = True, cache_dir: Op
         intra_node=Link("gloo-loopback", m["gloo_bandwidth"], m["gloo_latency"]),
         inter_node=Link("gloo-tcp", m["gloo_bandwidth"], m["gloo_latency"]),
         dtype="fp32", efficiency=Efficiency(matmul=1.0, memory=1.0, network=1.0,
-                                            op_overhead_s=m["op_overhead_s"], overlap_slowdown=1.0,
-                                            fused_elementwise=False, comm_overlap=False),
+                                            op_overhead_s=_per_op(m, "train_op_overhead_s", m["op_overhead_s"]),
+                                            view_overhead_s=_per_op(m, "view_overhead_s", 0.0),
+                                            overlap_slowdown=1.0, fused_elementwise=False, comm_overlap=False),
         notes=("measured on " + str(m.get("host", "this machine")) + " " + str(m.get("date", "")))
         if m.get("measured") else "defaults, not measured (measure=False)",
         kernels=fit_table(m) if m.get("measured") else None)

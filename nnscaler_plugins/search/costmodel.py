@@ -267,7 +267,8 @@ class CostModel:
         `shard` divides the work further (sequence parallelism of a replicated op)."""
         c = self.costs.ops[name]
         if c.kind == "view":
-            return OpTime(0.0, 0.0, 0.0)
+            v = self.cluster.efficiency.view_overhead_s
+            return OpTime(v, v if c.needs_grad else 0.0, 0.0)
         key = (c.key, p.splits, p.blocks, training.dtype, shard)
         t = self._time.get(key)
         if t is not None:

@@ -13,7 +13,9 @@ preset), the table's per-kernel efficiencies (search/kernel_tables.py). What is 
   FLOP/s and of memory bandwidth every matmul and every memory-bound op reach.
 - `network` (set, 0.8): the fraction of a link's nominal bandwidth that collectives reach (NCCL's bus
   bandwidth over the wire speed is about that on NVSwitch and InfiniBand).
-- `op_overhead_s` (set, 5 us): the fixed cost of launching one kernel.
+- `op_overhead_s` (set, 5 us): the fixed cost of launching one kernel. `view_overhead_s` (0 on GPUs,
+  where the host queues views while kernels run): the cost of a view op, which on CPU processes in
+  eager PyTorch is a dispatch like any other, forward and backward (`local-cpu` measures both).
 - `overlap_slowdown` (from the literature, 1.15): the factor by which compute and communication slow
   each other down when they overlap (Galvatron's documentation gives 1.1 to 1.3).
 
@@ -37,6 +39,7 @@ class Efficiency:
     network: float = 0.8
     op_overhead_s: float = 5e-6
     overlap_slowdown: float = 1.15
+    view_overhead_s: float = 0.0
     # Whether chains of element-wise ops run as one kernel (Megatron's hand-fused kernels, torch.compile,
     # XLA) or one kernel per op (eager PyTorch). Not fitted: a property of the software that runs the plan.
     fused_elementwise: bool = True
