@@ -181,7 +181,8 @@ def main() -> None:
                f"{plan_spread}. Load "
                f"average {load:.1f} at the end (other processes on the 2 cores move the measurement). Cluster: "
                f"{spec.describe()}. The model uses this machine's measured kernel table (matmul by shape, element-wise "
-               "by size, both with the cache's speed-up; no fusion, eager PyTorch) and gloo's measured alpha-beta, "
+               "by size, both with the cache's speed-up; no fusion, eager PyTorch; each op's and each view's dispatch as "
+               "training pays it, forward and backward) and gloo's measured alpha-beta (fastest of several batches), "
                "communication on the compute cores (nothing overlaps); the profiling mode times each op of the "
                "plan's pieces on this machine.")
 
