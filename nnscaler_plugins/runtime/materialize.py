@@ -16,10 +16,14 @@ get the same values as one process initializing everything; `init_weights(model,
 one process, the reference a test or a user compares with.
 
 Which module writes which tensor is found first by running every initialization on the meta
-tensors under a dispatch mode that records in-place writes (GPT-2's attention re-initializes its
-child `c_proj.weight`; an embedding's init writes a tied head). A tensor is allocated just before
-its first writer runs and handed to `take` (then freed) right after its last: a rank holds its
-shards plus the tensors of the module being initialized. Buffers no initialization writes (a
+tensors under a dispatch mode that records each op's accesses (GPT-2's attention re-initializes
+its child `c_proj.weight`; an embedding's init writes a tied head). An op that overwrites a whole
+tensor without reading it (normal_, uniform_, fill_, zero_, copy_) makes everything before it
+irrelevant to that tensor's value, so only the modules from each needed tensor's last such
+overwrite on run (a tied weight is made by its last writer alone). While they run, a tensor's
+memory exists only from the op that first needs it to its last op, where it is handed to `take`
+and freed, or to an op that overwrites it whole: a rank holds its shards plus the tensor the
+current op writes (and a tensor a later op reads, which no usual init does). Buffers no initialization writes (a
 causal mask, `position_ids`, rotary frequencies computed in `__init__`) are recomputed by
 constructing their module again, or its Hugging Face model from its config, with parameters on
 the meta device and buffers real. A parameter or buffer nothing can reproduce is refused by name
@@ -76,6 +80,10 @@ class InitPlan:
     last_writer: dict[str, int] = field(default_factory=dict)
     first_writer: dict[str, int] = field(default_factory=dict)
     rebuilt: dict[str, torch.Tensor] = field(default_factory=dict)  # buffers recomputed by construction
+    # Per module of `order`, its initialization's ops that touch the tensors, each as
+    # (canonical name, "full" | "write" | "read") pairs: "full" overwrites the whole tensor without
+    # reading it (normal_, uniform_, fill_, zero_, copy_ of the whole), so nothing before it matters.
+    ops: list[list[list[tuple[str, str]]]] = field(default_factory=list)
 
 
 def plan_init(model: torch.nn.Module, names: Optional[set[str]], check_all: bool = True) -> InitPlan:
@@ -84,8 +92,8 @@ def plan_init(model: torch.nn.Module, names: Optional[set[str]], check_all: bool
     tensors nothing reproduces: all of them with `check_all`, so every rank refuses alike."""
     canon, names_of, tensors = _canonical_names(model)
     with _meta_only(tensors, canon):
-        order = _record_writes(model, canon)
-    plan = InitPlan(order, names_of, tensors)
+        order, ops = _record_writes(model, canon, {n: t.numel() for n, t in tensors.items()})
+    plan = InitPlan(order, names_of, tensors, ops=ops)
     for i, (_, _, wrote) in enumerate(order):
         for n in wrote:
             plan.first_writer.setdefault(n, i)
@@ -105,10 +113,11 @@ def plan_init(model: torch.nn.Module, names: Optional[set[str]], check_all: bool
                         "their modules have no reset_parameters() (nor a Hugging Face _init_weights that writes "
                         "them) and cannot be constructed again. Give those modules a reset_parameters(), or build "
                         "the model on a real device")
-    if names is not None:  # drop modules that write nothing this rank needs
+    if names is not None:  # drop modules whose writes do not decide a value this rank needs
         need = {n for n, ns in names_of.items() if any(a in names for a in ns)}
-        keep = [i for i, (_, _, wrote) in enumerate(plan.order) if any(n in need for n in wrote)]
+        keep = _deciding_modules(plan.ops, need)
         plan.order = [plan.order[i] for i in keep]
+        plan.ops = [plan.ops[i] for i in keep]
         plan.first_writer, plan.last_writer = {}, {}
         for i, (_, _, wrote) in enumerate(plan.order):
             for n in wrote:
@@ -117,16 +126,43 @@ def plan_init(model: torch.nn.Module, names: Optional[set[str]], check_all: bool
     return plan
 
 
-def _record_writes(model: torch.nn.Module, canon: dict) -> list[tuple[str, torch.nn.Module, list[str]]]:
+def _deciding_modules(ops: list[list[list[tuple[str, str]]]], need: set[str]) -> list[int]:
+    """The modules (indices into `ops`) to run for the values of `need`: those that touch a needed
+    tensor at or after its last whole overwrite (earlier writes are overwritten: a tied weight's
+    value is its last writer's), and, for what those read, the same again."""
+    last_full: dict[str, tuple[int, int]] = {}
+    for i, module_ops in enumerate(ops):
+        for k, acc in enumerate(module_ops):
+            for n, kind in acc:
+                if kind == "full":
+                    last_full[n] = (i, k)
+    need = set(need)
+    keep: set[int] = set()
+    while True:
+        more = set()
+        for i, module_ops in enumerate(ops):
+            for k, acc in enumerate(module_ops):
+                if any(n in need and (i, k) >= last_full.get(n, (-1, -1)) for n, _ in acc):
+                    keep.add(i)
+                    more.update(n for n, kind in acc if kind == "read")
+        if more <= need:
+            return sorted(keep)
+        need |= more
+
+
+def _record_writes(model: torch.nn.Module, canon: dict, numel: dict[str, int]
+                   ) -> tuple[list[tuple[str, torch.nn.Module, list[str]]], list[list[list[tuple[str, str]]]]]:
     """Each module's initialization run on meta tensors, in post-order: (name, module, the
-    canonical names of the tensors it writes) for the modules that write any."""
-    order = []
-    recorder = _WriteRecorder(canon)
+    canonical names of the tensors it writes) for the modules that write any, and per such module
+    its ops' accesses to the tensors (see `InitPlan.ops`)."""
+    order, ops = [], []
+    recorder = _WriteRecorder(canon, numel)
     for mname, module in _post_order(model):
         fn = _init_fn(model, mname, module)
         if fn is None:
             continue
         recorder.written = []
+        recorder.ops = []
         try:
             with recorder, torch.no_grad():
                 fn()
@@ -137,48 +173,51 @@ def _record_writes(model: torch.nn.Module, canon: dict) -> list[tuple[str, torch
         wrote = list(dict.fromkeys(recorder.written))
         if wrote:
             order.append((mname, module, wrote))
-    return order
+            ops.append(recorder.ops)
+    return order, ops
 
 
 def run_init(model: torch.nn.Module, plan: InitPlan, seed: int,
              take: Optional[Callable[[list[str], torch.Tensor], None]], keep: bool = False) -> int:
     """Run the planned initializations on CPU (its generator, so the values do not depend on the
-    device). Each written tensor is allocated before its first writer and, after its last, given
-    to `take(names, tensor)` and returned to the meta device (`keep=True`: left real, for
-    `init_weights`). Rebuilt buffers are given to `take` last. Returns the peak bytes of whole
-    tensors held at once (what a rank holds beyond its shards while materializing)."""
-    meta_before = {n for n, t in plan.tensors.items() if t.is_meta}
-    live = sum(v.numel() * v.element_size() for v in plan.rebuilt.values())
-    peak = live
-    for i, (mname, module, wrote) in enumerate(plan.order):
-        for n in wrote:
-            if plan.first_writer[n] == i and plan.tensors[n].is_meta:
-                move_tensor(plan.tensors[n], "cpu")
-                live += _nbytes(plan.tensors[n])
-        peak = max(peak, live)
+    device). With `take`, each tensor's final value is given to `take(names, tensor)` right after
+    the last op that writes it and its memory freed, and a tensor's memory exists only from the op
+    that first needs it (`_OneAtATime`): the whole tensors held at once are the ones the current op
+    touches. Rebuilt buffers are given to `take` first. `keep=True` (for `init_weights`): every
+    tensor is left real. Returns the peak bytes of whole tensors held at once (what a rank holds
+    beyond its shards while materializing)."""
+    peak = sum(v.numel() * v.element_size() for v in plan.rebuilt.values())
+    if take is not None:
+        for n, value in plan.rebuilt.items():
+            take(plan.names[n], value.to(plan.tensors[n].dtype))
+    touched = {n for module_ops in plan.ops for acc in module_ops for n, _ in acc}
+    managed = {n for n in touched if plan.tensors[n].is_meta}
+    if keep:
+        for n in managed:
+            move_tensor(plan.tensors[n], "cpu")
+    else:
+        for n in managed:  # real tensors with no memory yet: `_OneAtATime` sizes each when it is used
+            move_tensor(plan.tensors[n], "cpu")
+            plan.tensors[n].untyped_storage().resize_(0)
+    canon = {StorageWeakRef(t.untyped_storage()): n for n, t in plan.tensors.items() if not t.is_meta}
+
+    def final(n: str) -> None:
+        if take is not None:
+            take(plan.names[n], plan.tensors[n].detach())
+
+    mode = _OneAtATime(plan, canon, managed, final)
+    for mname, module, _ in plan.order:
         fn = _init_fn(model, mname, module)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), mode if not keep else contextlib.nullcontext():
             torch.manual_seed(module_seed(seed, mname))
             fn()
-        for n in wrote:
-            if plan.last_writer[n] == i:
-                t = plan.tensors[n]
-                if take is not None:
-                    take(plan.names[n], t.detach())
-                if not keep and n in meta_before:
-                    live -= _nbytes(t)
-                    move_tensor(t, "meta")
+    if not keep:
+        for n in managed:
+            move_tensor(plan.tensors[n], "meta")
     for n, value in plan.rebuilt.items():
-        t = plan.tensors[n]
         if keep:
-            move_tensor(t, "cpu", value.to(t.dtype))
-        if take is not None:
-            take(plan.names[n], value.to(t.dtype))
-    return peak
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+            move_tensor(plan.tensors[n], "cpu", value.to(plan.tensors[n].dtype))
+    return max(peak, mode.peak)
 
 
 def materialize_in_place(model: torch.nn.Module, seed: int) -> None:
@@ -306,26 +345,120 @@ def _canonical_names(model: torch.nn.Module) -> tuple[dict, dict[str, list[str]]
     return canon, names_of, tensors
 
 
-class _WriteRecorder(TorchDispatchMode):
-    """Records the canonical names of the tensors any op writes in place."""
+# In-place ops whose result does not depend on what the tensor held.
+_OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "geometric_",
+               "cauchy_", "log_normal_", "copy_"}
 
-    def __init__(self, canon: dict):
+
+def _accesses(func: Any, args: tuple, kwargs: dict, canon: dict, numel: dict[str, int]) -> list[tuple[str, str]]:
+    """The tensors of `canon` an op touches: (canonical name, "full" | "write" | "read"); views
+    (which touch no values) and tensors not in `canon` are left out."""
+    schema = func._schema
+    writes: dict[str, str] = {}
+    reads: set[str] = set()
+    is_view = any(r.alias_info is not None for r in schema.returns) and not any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    if is_view:
+        return []
+    overwrite = schema.name.split("::")[-1] in _OVERWRITES
+    for i, a in enumerate(schema.arguments):
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        written = a.alias_info is not None and a.alias_info.is_write
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            name = canon.get(StorageWeakRef(t.untyped_storage()))
+            if name is None:
+                continue
+            if not written:
+                reads.add(name)
+            elif overwrite and i == 0 and t.numel() == numel[name] and t.storage_offset() == 0 and t.is_contiguous():
+                writes.setdefault(name, "full")
+            else:
+                writes[name] = "write"
+    out = [(n, "read" if n in reads and k == "full" else k) for n, k in writes.items()]
+    return out + [(n, "read") for n in reads if n not in writes]
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Records the canonical names of the tensors any op writes in place, and each op's accesses."""
+
+    def __init__(self, canon: dict, numel: dict[str, int]):
         super().__init__()
         self.canon = canon
+        self.numel = numel
         self.written: list[str] = []
+        self.ops: list[list[tuple[str, str]]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            for t in v if isinstance(v, (list, tuple)) else (v,):
-                if isinstance(t, torch.Tensor):
-                    name = self.canon.get(StorageWeakRef(t.untyped_storage()))
-                    if name is not None:
-                        self.written.append(name)
+        acc = _accesses(func, args, kwargs, self.canon, self.numel)
+        if acc:
+            self.ops.append(acc)
+            self.written += [n for n, kind in acc if kind != "read"]
         return func(*args, **kwargs)
+
+
+class _OneAtATime(TorchDispatchMode):
+    """Runs the planned initializations with each tensor's memory present only while its value is
+    still to be used: allocated at the op that first touches it, handed to `final` and freed after
+    the last op the plan has for it, and freed early when its next op overwrites it whole. Tensors
+    are created with empty storages and resized (their identity, views and ties stay)."""
+
+    def __init__(self, plan: InitPlan, canon: dict, managed: set[str], final: Callable[[str], None]):
+        super().__init__()
+        self.plan, self.canon, self.managed, self.final = plan, canon, managed, final
+        self.numel = {n: t.numel() for n, t in plan.tensors.items()}
+        self.todo: dict[str, list[str]] = {}  # name -> kinds of its remaining ops, in order
+        for module_ops in plan.ops:
+            for acc in module_ops:
+                for n, kind in acc:
+                    self.todo.setdefault(n, []).append(kind)
+        for v in self.todo.values():
+            v.reverse()
+        self.live = 0
+        self.peak = 0
+
+    def allocate(self, n: str) -> None:
+        if n not in self.managed:  # a real tensor of a partly meta model: always there
+            return
+        st = self.plan.tensors[n].untyped_storage()
+        want = self.numel[n] * self.plan.tensors[n].element_size()
+        if st.nbytes() < want:
+            st.resize_(want)
+            self.live += want
+            self.peak = max(self.peak, self.live)
+
+    def free(self, n: str) -> None:
+        if n not in self.managed:
+            return
+        st = self.plan.tensors[n].untyped_storage()
+        if st.nbytes():
+            self.live -= st.nbytes()
+            st.resize_(0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        acc = _accesses(func, args, kwargs, self.canon, self.numel)
+        for n, _ in acc:
+            todo = self.todo.get(n)
+            if not todo:
+                raise InitError(f"initializing {n} on CPU ran an op ({func}) its dry run on the meta device did "
+                                "not: its initialization depends on the device; build the model on a real device")
+            if n in self.managed and self.plan.tensors[n].untyped_storage().nbytes() == 0 and todo[-1] != "full":
+                raise InitError(f"initializing {n} on CPU read a value its dry run on the meta device did not "
+                                f"(op {func}); build the model on a real device")
+            self.allocate(n)
+        out = func(*args, **kwargs)
+        for n, _ in acc:
+            todo = self.todo[n]
+            todo.pop()
+            if not todo:
+                self.final(n)
+                self.free(n)
+            elif todo[-1] == "full":
+                self.free(n)
+        return out
 
 
 @contextlib.contextmanager
