@@ -286,10 +286,18 @@ class IntraSolver:
         split along both its class and its batch dims). The same call on the same piece shapes here
         keeps such choices out of the search, so every plan it returns can be executed."""
         sig = self.sigs[op.name]
-        if sig.localize is None or not ch.splits:
+        if not ch.splits:
             return None
         p = ch.placement(self.devices)
         ins, outs, _ = self.cm.layouts(op.name, p)
+        # a tensor the split gives no layout (one merged dim cut along two labels, a mirrored split of
+        # a merged dim): lowering refuses the plan, and the cost model could not price it
+        values = self.graph.values
+        if any(lay is None and values[v].meta is not None for v, lay in zip(op.inputs, ins)) or \
+                any(lay is None and v is not None and values[v].meta is not None for v, lay in zip(op.outputs, outs)):
+            return f"its split {ch.describe()} has no layout for some tensor"
+        if sig.localize is None:
+            return None
         call = self.call(op)
         local_in = tuple(_local_meta(m, l) for m, l in zip(call.inputs, ins))
         local_out = tuple(_local_meta(m, l) for m, l in zip(call.outputs, outs))
