@@ -71,8 +71,12 @@ def measured(case, est) -> list[tuple[str, float, float]]:
         out.append(("time s", case.time_s, est.step_time_s))
     mem = est.memory
     if "states" in case.memory:
-        out.append(("params+grads+optimizer GiB", case.memory["states"],
-                    (mem["params"] + mem["grads"] + mem["optimizer"]) / GiB))
+        # Korthikanti et al.'s Figure 1 gives the model's states divided evenly over the GPUs (the total
+        # parameter count / (t p) x 18 bytes for every model), not the first stage's, which also holds
+        # the embedding: the mean over the devices is that quantity.
+        per_device = est.details.get("states_per_device") or [mem["params"] + mem["grads"] + mem["optimizer"]]
+        out.append(("params+grads+optimizer GiB (mean device)", case.memory["states"],
+                    statistics.mean(per_device) / GiB))
     if "activations" in case.memory:
         out.append(("activations GiB", case.memory["activations"], mem["activations"] / GiB))
     if "peak" in case.memory:

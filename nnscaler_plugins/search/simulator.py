@@ -279,7 +279,10 @@ def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: li
     details = {"stage_fwd_s": [s.F for s in stages], "stage_bwd_s": [s.B for s in stages],
                "stage_wgrad_s": [s.W for s in stages], "exposed_grad_sync_s": step.exposed_sync,
                "optimizer_s": max((s.optimizer for s in stages), default=0.0),
-               "training": training.to_json()}
+               "training": training.to_json(),
+               # model states (params, gradients, optimizer) of each device of the unit, bytes
+               "states_per_device": [static[d]["params"] + static[d]["grads"] + static[d]["optimizer"]
+                                     for d in range(plan.unit_size)]}
     if plan.offload:
         details["offload"] = offloaded[worst].to_json()
     return Estimate(step_time_s=step.time + offload_s, compute_s=step.compute, communication_s=step.comm,
