@@ -28,11 +28,12 @@ EVERY = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
 class FusedAttention(torch.nn.Module):
     """Attention over a fused QKV projection of `heads` query and `kv` key/value heads, cut by
     `cut`: "split" (split_with_sizes), "slice" (three slices) or "index" (Falcon's view and
-    `t[..., [-2], :]`, for one key/value head)."""
+    `t[..., [-2], :]`, for one key/value head); with `matmul`, the projection is written as
+    Falcon's linear, `x @ W.T + b`."""
 
-    def __init__(self, heads: int = 4, kv: int = 1, cut: str = "split", bias: bool = True):
+    def __init__(self, heads: int = 4, kv: int = 1, cut: str = "split", bias: bool = True, matmul: bool = False):
         super().__init__()
-        self.heads, self.kv, self.cut = heads, kv, cut
+        self.heads, self.kv, self.cut, self.matmul = heads, kv, cut, matmul
         self.qkv = torch.nn.Linear(D, (heads + 2 * kv) * HD, bias=bias)
         self.out = torch.nn.Linear(heads * HD, D)
         self.up = torch.nn.Linear(D, 2 * D)
@@ -41,7 +42,11 @@ class FusedAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
         b, s, _ = x.shape
         h, kv = self.heads, self.kv
-        y = self.qkv(x)
+        if self.matmul:
+            y = x @ self.qkv.weight.T
+            y = y + self.qkv.bias if self.qkv.bias is not None else y
+        else:
+            y = self.qkv(x)
         if self.cut == "split":
             q, k, v = y.split([h * HD, kv * HD, kv * HD], dim=-1)
         elif self.cut == "slice":
@@ -99,6 +104,10 @@ def _graph(build):
         return capture(model, batch), model
 
 
+def _transposes(graph, weight: str) -> list[str]:
+    return [o for op in graph.ops if op.inputs == [weight] for o in op.outputs if o is not None]
+
+
 def _tp_fraction(graph) -> float:
     import nnscaler_plugins as nns
     from nnscaler_plugins.strategies.propagation import split_matmul_flops
@@ -110,10 +119,14 @@ def _tp_fraction(graph) -> float:
     return done / total
 
 
-@pytest.mark.parametrize("cut", ["split", "slice", "index"] if EVERY else ["index"])
-def test_unequal_sections_become_one_matmul_each_over_one_parameter(cut):
-    graph, model = _graph(_builder(FusedAttention, cut=cut))
-    sections = [op for op in graph.ops if op.module_path == "qkv" and op.short_name in ("linear", "matmul")]
+@pytest.mark.parametrize("cut,matmul", [("split", False), ("slice", False), ("index", False), ("index", True)]
+                         if EVERY else [("index", True)])
+def test_unequal_sections_become_one_matmul_each_over_one_parameter(cut, matmul):
+    graph, model = _graph(_builder(FusedAttention, cut=cut, matmul=matmul))
+    weight = graph.parameters["qkv.weight"].name
+    sections = [op for op in graph.ops if op.short_name in ("linear", "matmul")
+                and any(graph.op(graph.values[i].producer).inputs[0] in (weight, *_transposes(graph, weight))
+                        for i in op.inputs[1:2] if graph.values[i].kind == "op")]
     assert len(sections) == 3, [op.name for op in sections]
     widths = sorted(graph.meta(op.outputs[0]).shape[-1] for op in sections)
     assert widths == [HD, HD, 4 * HD]
@@ -138,7 +151,7 @@ def test_sections_that_are_not_contiguous_ranges_stay_fused():
 
 @pytest.mark.parametrize("kv,cut", [(1, "index"), (1, "split"), (2, "slice")] if EVERY else [(1, "index")])
 def test_tp_splits_fused_multi_query_and_grouped_projections(kv, cut):
-    graph, _ = _graph(_builder(FusedAttention, kv=kv, cut=cut))
+    graph, _ = _graph(_builder(FusedAttention, kv=kv, cut=cut, matmul=cut == "index"))
     assert _tp_fraction(graph) >= 0.9
 
 
@@ -160,7 +173,7 @@ def _train(rank, world, cls, kw, strategy):
 
 
 TRAINED = {
-    "mqa-index-tp": (FusedAttention, {"kv": 1, "cut": "index"}, "tp"),
+    "mqa-index-tp": (FusedAttention, {"kv": 1, "cut": "index", "matmul": True}, "tp"),
     "folded-tp": (FoldedHeadsAttention, {}, "tp"),
     "gqa-slice-tp": (FusedAttention, {"kv": 2, "cut": "slice"}, "tp"),
     "mqa-split-coshard": (FusedAttention, {"kv": 1, "cut": "split", "bias": False}, "coshard"),

@@ -18,7 +18,7 @@ left alone: the blocked split of `rules/shape_ops.split` already splits them.
 What is recognized, by structure: a `linear` with a parameter weight (or a `matmul` with the
 transpose of one) whose output reaches, through views that keep the cut dim (reshape, view,
 unsqueeze), only ops that cut that dim into contiguous ranges: `slice` with step 1, `split`,
-`split_with_sizes`, and `index` with a constant run of consecutive indices (`t[..., [-2], :]`).
+`split_with_sizes` (Falcon's `t[..., [-2], :]` is one: `constant_index.py` makes it a slice first).
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ class _Projection:
     weight: str  # the value the section ops slice: the parameter, or its transpose for matmul
     weight_dim: int  # the dim of `weight` holding the output features
     bias: Optional[str]
+    bias_op: Optional[OpNode] = None  # the `add` of the bias when the matmul does not take it
+
 
 
 @dataclasses.dataclass
@@ -86,7 +88,6 @@ def split_fused_sections(graph: Graph) -> Graph:
             ops.extend(replaced[op.name])
         elif op.name not in removed:
             ops.append(op)
-    ops = _without_orphans(ops, outputs)
     used = {v for op in ops for v in op.inputs} | {o for op in ops for o in op.outputs if o is not None}
     values = {k: v for k, v in values.items() if v.kind != "op" or k in used}
     return dataclasses.replace(graph, ops=ops, values=values)
@@ -133,6 +134,11 @@ def _sections(graph: Graph, proj: _Projection, consumers: dict[str, list[OpNode]
             if c.inputs.count(value) != 1 or c.inputs[0] != value:
                 return None
             shape = graph.meta(value).shape
+            if value == y and proj.bias is None and _is_bias_add(graph, c, shape):
+                proj.bias, proj.bias_op = c.inputs[1], c  # `x @ W.T + b` (Falcon's linear with a bias)
+                dead.append(c)
+                frontier.append((c.outputs[0], dim, unit))
+                continue
             nxt = _through_view(graph, c, shape, dim, unit)
             if nxt is not None:
                 dead.append(c)
@@ -154,6 +160,14 @@ def _sections(graph: Graph, proj: _Projection, consumers: dict[str, list[OpNode]
     return sections, dead
 
 
+def _is_bias_add(graph: Graph, op: OpNode, shape: tuple[int, ...]) -> bool:
+    """`y + b` with `b` a parameter of one dim, as long as y's last dim."""
+    if op.op_name != "aten.add.Tensor" or len(op.inputs) != 2 or len(op.args) != 2 or op.kwargs:
+        return False
+    b = graph.values[op.inputs[1]]
+    return b.kind == "param" and b.meta is not None and tuple(b.meta.shape) == (shape[-1],)
+
+
 def _through_view(graph: Graph, op: OpNode, shape: tuple[int, ...], dim: int,
                   unit: int) -> Optional[tuple[int, int]]:
     """(cut dim, unit) of a view's output that keeps the cut dim's prefix, or None."""
@@ -166,6 +180,8 @@ def _through_view(graph: Graph, op: OpNode, shape: tuple[int, ...], dim: int,
     out = tuple(graph.meta(op.outputs[0]).shape)
     if len(out) <= dim or out[:dim] != tuple(shape[:dim]) or math.prod(out[dim:]) != math.prod(shape[dim:]):
         return None
+    while dim < len(out) - 1 and out[dim] == 1:  # a dim of one (one key/value group) holds nothing to cut
+        dim += 1
     return dim, math.prod(out[dim + 1:])
 
 
@@ -195,31 +211,6 @@ def _cut(graph: Graph, op: OpNode, shape: tuple[int, ...], dim: int, unit: int) 
                 out.append(_Section(o, at * unit, (at + s) * unit, op))
             at += s
         return out if len(sizes) == len(op.outputs) else None
-    if name == "aten.index.Tensor":
-        indices = op.args[1]
-        if len(indices) != dim + 1 or any(i is not None for i in indices[:dim]):
-            return None
-        index = _constant(graph, indices[dim])
-        if index is None or index.ndim != 1 or index.numel() == 0 or index.dtype not in (torch.int64, torch.int32):
-            return None
-        run = [(int(i) % size) for i in index.tolist()]
-        if run != list(range(run[0], run[0] + len(run))):
-            return None
-        return [_Section(op.outputs[0], run[0] * unit, (run[-1] + 1) * unit, op)]
-    return None
-
-
-def _constant(graph: Graph, ref: Any) -> Optional[torch.Tensor]:
-    """The value of a lifted constant tensor (`lift_fresh_copy(c)`) an op reads, or None."""
-    if not isinstance(ref, Ref):
-        return None
-    v = graph.values[ref.name]
-    if v.kind == "constant":
-        return graph.constants.get(v.fqn)
-    if v.kind == "op" and v.producer:
-        op = graph.op(v.producer)
-        if op.op_name == "aten.lift_fresh_copy.default":
-            return _constant(graph, op.args[0])
     return None
 
 
@@ -259,28 +250,26 @@ def _section_ops(graph: Graph, proj: _Projection, sections: list[_Section], valu
         meta = TensorMeta(tuple(y.shape[:-1]) + (s.stop - s.start,), y.dtype, y.requires_grad)
         want = graph.meta(s.value)
         direct = tuple(want.shape) == meta.shape
+        b = sliced(f"{op.name}_bias{k}", proj.bias, 0, s.start, s.stop) if proj.bias is not None else None
+        chain: list[tuple[str, Any, tuple, list[str], OpNode]] = []
         if op.op_name == _LINEAR:
-            args: tuple = (op.args[0], Ref(w))
-            inputs = [op.inputs[0], w]
-            if proj.bias is not None:
-                b = sliced(f"{op.name}_bias{k}", proj.bias, 0, s.start, s.stop)
-                args, inputs = args + (Ref(b),), inputs + [b]
-            target = op.target
+            args: tuple = (op.args[0], Ref(w)) + ((Ref(b),) if b else ())
+            chain.append((f"{op.name}_section{k}", op.target, args, [op.inputs[0], w] + ([b] if b else []), op))
         else:
-            args, inputs, target = (op.args[0], Ref(w)), [op.inputs[0], w], op.target
-        if direct:
-            values.pop(s.value, None)
-            emit(f"{op.name}_section{k}", target, args, inputs, want, op, output=s.value)
-            continue
-        part = emit(f"{op.name}_section{k}", target, args, inputs, meta, op)
+            chain.append((f"{op.name}_section{k}", op.target, (op.args[0], Ref(w)), [op.inputs[0], w], op))
+            if b is not None:
+                chain.append((f"{proj.bias_op.name}_section{k}", proj.bias_op.target, (None, Ref(b)), [None, b],
+                              proj.bias_op))
         values.pop(s.value, None)
+        part: Optional[str] = None
+        for i, (base, target, args, inputs, source) in enumerate(chain):
+            if part is not None:  # the add reads the matmul's section
+                args, inputs = (Ref(part),) + args[1:], [part] + inputs[1:]
+            last = i == len(chain) - 1 and direct
+            part = emit(base, target, args, inputs, want if last else meta, source,
+                        output=s.value if last else None)
+        if direct:
+            continue
         emit(f"{s.source.name}_view", torch.ops.aten.view.default, (Ref(part), list(want.shape)), [part], want,
              s.source, output=s.value)
     return out
-
-
-def _without_orphans(ops: list[OpNode], outputs: set[str]) -> list[OpNode]:
-    """Drop the ops that only fed the ops a rewrite removed (the constant index of `t[..., [-2], :]`)."""
-    read = {v for op in ops for v in op.inputs} | outputs
-    return [op for op in ops
-            if not (op.op_name == "aten.lift_fresh_copy.default" and not any(o in read for o in op.outputs if o))]

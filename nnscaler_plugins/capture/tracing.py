@@ -28,6 +28,7 @@ from nnscaler_plugins.capture.autograd_functions import (
     rebuild_call,
 )
 from nnscaler_plugins.capture.causal_mask import fold_causal_masks
+from nnscaler_plugins.capture.constant_index import slices_for_constant_index
 from nnscaler_plugins.capture.fused_sections import split_fused_sections
 from nnscaler_plugins.capture.graph import (
     Graph,
@@ -84,10 +85,11 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         if layers is not None:
             graph = _capture_two_layers(model, args, kwargs, layers)
             if graph is not None:
-                return split_fused_sections(graph)
+                return split_fused_sections(slices_for_constant_index(graph))
         ep = _export(model, args, kwargs)
         fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
-        return split_fused_sections(_to_graph(ep, model, args, kwargs))  # one matmul per unequal section
+        # one matmul per unequal section of a fused projection, constant index runs read as slices
+        return split_fused_sections(slices_for_constant_index(_to_graph(ep, model, args, kwargs)))
 
 
 def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

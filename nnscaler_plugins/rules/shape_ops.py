@@ -92,14 +92,18 @@ def flatten(call: OpCall) -> Signature:
     x = call.inputs[0]
     start = norm_dim(call.arg(1, "start_dim", 0), x.ndim)
     end = norm_dim(call.arg(2, "end_dim", -1), x.ndim)
-    ins = tuple(f"d{i}" if i < start else (f"g{start}" if i == start else (f"^i{i}" if i <= end else f"e{i}"))
-                for i in range(x.ndim))
+    merged = {f"g{start}_{i}": (f"g{start}", math.prod(x.shape[start:i])) for i in range(start + 1, end + 1)
+              if x.shape[i] > 1}  # inner dims of the flattened group: blocked in the merged dim (see `view`)
+    ins = tuple(f"d{i}" if i < start else (f"g{start}" if i == start else (
+        (f"g{start}_{i}" if f"g{start}_{i}" in merged else f"^i{i}") if i <= end else f"e{i}")) for i in range(x.ndim))
     outs = tuple(f"d{i}" for i in range(start)) + (f"g{start}",) + tuple(f"e{i}" for i in range(end + 1, x.ndim))
-    return Signature(inputs=(ins,), outputs=(outs,))
+    return Signature(inputs=(ins,), outputs=(outs,), merged=merged)
 
 
-@rule("aten.expand.default")
+@rule("aten.expand.default", "aten.broadcast_to.default")
 def expand(call: OpCall) -> Signature:
+    """`x.expand(*sizes)` and `torch.broadcast_to(x, sizes)`: dims kept at their size follow the
+    output; broadcast ones are whole."""
     x, out = call.inputs[0], call.outputs[0]
     n, m = out.ndim, x.ndim
     ins = tuple(f"d{j + n - m}" if s == out.shape[j + n - m] else f"^b{j}" for j, s in enumerate(x.shape))
