@@ -30,52 +30,60 @@ _SUMS = ("aten.sum.",)
 _MEANS = ("aten.mean.",)
 #: Ops that keep the batch whole and count over it: their pieces' counts add up (histograms).
 _COUNTS = ("aten.histc.", "aten.bincount.")
+#: Rows of the batch added into a buffer at indices (a histogram or per-expert sum when the buffer
+#: starts at zero, which `batch_statistics` checks).
+_SCATTER_SUMS = ("aten.scatter_add.", "aten.scatter_add_.", "aten.index_add.", "aten.index_add_.")
+_ZEROS = ("aten.zeros.", "aten.new_zeros.", "aten.zeros_like.")
+#: Ops that flatten or repeat rows, the batch staying outermost.
+_ROWS_KEPT = ("aten.reshape.", "aten.view.", "aten._unsafe_view.", "aten.flatten.", "aten.repeat_interleave.")
 
 
-#: Ops that read only their input's shape.
-_SHAPE_ONLY = {"aten.new_empty.default", "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
-               "aten.empty_like.default", "aten.zeros_like.default", "aten.ones_like.default",
-               "aten.full_like.default", "aten.sym_size.int"}
-
-
-def _keeps_batch(builder: PlanBuilder, op: OpHandle, dim: dict[str, Optional[int]]) -> bool:
-    """Whether an op that reads the batch whole gives it back (a copy into a buffer, a reorder):
-    some output still has a dim of the size the batch had in its input."""
-    graph = builder.graph
-    sizes = {graph.meta(v).shape[dim[v]] for v in op.node.inputs if dim.get(v) is not None}
-    return any(o is not None and graph.meta(o) is not None and sizes & set(graph.meta(o).shape)
-               for o in op.node.outputs)
-
-
-def _batch_reductions(builder: PlanBuilder) -> tuple[dict[str, OpHandle], set[str]]:
-    """Ops reducing over the batch dim, and the values that depend on the data inputs."""
+def _batch_reductions(builder: PlanBuilder) -> tuple[dict[str, tuple[OpHandle, int]], set[str]]:
+    """Ops reducing over the batch dim (each with the input that carries the batch), and the
+    values that depend on the data inputs."""
     graph = builder.graph
     inputs = [v for v in graph.values.values() if v.kind == "input" and v.meta is not None and v.meta.ndim >= 1]
     batch = inputs[0].meta.shape[0] if inputs else None
     dim: dict[str, Optional[int]] = {v.name: (0 if v.meta.shape[0] == batch else None) for v in inputs}
     data = {v.name for v in graph.values.values() if v.kind == "input"}
-    reductions: dict[str, OpHandle] = {}
+    reductions: dict[str, tuple[OpHandle, int]] = {}
     for op in builder.ops:
         sig = op.signature
         if any(name in data for name in op.node.inputs):
             data.update(o for o in op.node.outputs if o is not None)
-        label, whole = None, False
+        label, whole, carrier = None, None, 0
         for i, name in enumerate(op.node.inputs):
             d, labs = dim.get(name), (sig.inputs[i] if i < len(sig.inputs) else None)
             if d is not None and (labs is None or d >= len(labs) or sig.is_frozen(labs[d])):
-                whole = True  # the op reads the batch whole
+                whole = i if whole is None else whole  # the op reads the batch whole
             elif d is not None:
-                label = labs[d]
+                label, carrier = labs[d], i
                 break
         outs = [sig.outputs[j] if j < len(sig.outputs) else None for j in range(len(op.node.outputs))]
-        if label is not None and label in sig.reduce and not any(o and label in o for o in outs):
-            reductions[op.name] = op
-        elif label is None and whole and op.node.op_name not in _SHAPE_ONLY and not _keeps_batch(builder, op, dim):
-            reductions[op.name] = op  # mixes the whole batch: a count, or refused where the loss needs it
+        rows = carrier if label is not None else whole
+        if op.node.op_name.startswith(_SCATTER_SUMS) and rows not in (None, 0):
+            reductions[op.name] = (op, rows)  # the batch's rows added into a buffer
+            label = None
+        elif label is not None and label in sig.reduce and not any(o and label in o for o in outs):
+            reductions[op.name] = (op, carrier)
+        elif label is None and whole is not None and op.node.op_name.startswith(_COUNTS):
+            reductions[op.name] = (op, whole)  # reads the whole batch to count over it
         for out, labs in zip(op.node.outputs, outs):
             if out is not None:
                 dim[out] = labs.index(label) if label is not None and labs and label in labs else None
+        if op.node.op_name.startswith(_ROWS_KEPT) and op.node.inputs and dim.get(op.node.inputs[0]) == 0:
+            _rows_kept(graph, op, dim)
     return reductions, data
+
+
+def _rows_kept(graph, op: OpHandle, dim: dict[str, Optional[int]]) -> None:
+    """A reshape or repeat whose input has the batch outermost keeps it outermost when its rows
+    only grow by a whole factor (tokens x top-k flattened, each row repeated k times)."""
+    rows = graph.meta(op.node.inputs[0]).shape[0]
+    out = op.node.outputs[0]
+    meta = graph.meta(out) if out is not None else None
+    if meta is not None and meta.ndim >= 1 and rows and meta.shape[0] % rows == 0:
+        dim[out] = 0
 
 
 def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set[str]]:
@@ -113,23 +121,29 @@ def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set
     return ancestors, linear
 
 
-def batch_statistics(builder: PlanBuilder, strategy: str) -> dict[str, str]:
-    """{op name: "sum" | "mean"} for each reduction over the batch the loss uses nonlinearly;
-    refuses (by name) one whose pieces the replicas cannot combine exactly."""
+def batch_statistics(builder: PlanBuilder, strategy: str) -> dict[str, list]:
+    """{op name: ["sum" | "mean", index of the input carrying the batch]} for each reduction over
+    the batch the loss uses nonlinearly; refuses (by name) one whose pieces the replicas cannot
+    combine exactly."""
     reductions, data = _batch_reductions(builder)
     ancestors, linear = _loss_ancestors(builder, data)
-    found: dict[str, str] = {}
-    for name, op in reductions.items():
+    producer = {o: op for op in builder.ops for o in op.node.outputs if o is not None}
+    found: dict[str, list] = {}
+    for name, (op, carrier) in reductions.items():
         if name not in ancestors or name in linear:
             continue
         target = op.node.op_name
         meta = builder.graph.meta(op.node.outputs[0]) if op.node.outputs and op.node.outputs[0] else None
         exact = meta is not None and meta.dtype.is_floating_point and len(op.node.outputs) == 1
         reduces = op.signature.reduce and any(l in op.signature.reduce for l in op.signature.labels())
+        buffer = producer.get(op.node.inputs[0]) if op.node.inputs else None
         if exact and target.startswith(_MEANS):
-            found[name] = "mean"
+            found[name] = ["mean", carrier]
         elif exact and (target.startswith(_SUMS + _COUNTS) or (reduces and op.signature.localize is None)):
-            found[name] = "sum"  # the pieces of a reduction without a piece function are partial sums
+            found[name] = ["sum", carrier]  # the pieces of a reduction without a piece function are partial sums
+        elif exact and target.startswith(_SCATTER_SUMS) and buffer is not None \
+                and buffer.node.op_name.startswith(_ZEROS):
+            found[name] = ["sum", carrier]
         else:
             raise PlanError(f"strategy {strategy!r}: the loss uses this reduction over the batch ({target}) "
                             "nonlinearly, and its data-parallel pieces cannot be combined into the whole batch's "

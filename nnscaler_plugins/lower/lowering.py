@@ -494,9 +494,10 @@ class _Lowering:
         found by the strategy) made whole across the data-parallel replicas right after the op
         (`runtime.replica_statistics`); its pieces stay partial sums inside the unit."""
         stats = self.plan.options.get("batch_statistics")
-        how = stats.get(op.name) if isinstance(stats, dict) and self.plan.dp > 1 else None
-        if how is None or op.outputs[0] is None:
+        found = stats.get(op.name) if isinstance(stats, dict) and self.plan.dp > 1 else None
+        if found is None or op.outputs[0] is None:
             return
+        how, carrier = found  # "sum" | "mean", the input holding the batch's elements
         lays = self.op_info[op.name][1]
         gkw = len(self.kernel_groups)
         self.kernel_groups.append(tuple((d,) for d in lays.devices))
@@ -504,7 +505,7 @@ class _Lowering:
         out = op.outputs[0]
         dims = op.args[1] if op.op_name.endswith((".dim", ".dim_IntList")) and len(op.args) > 1 else ()
         dims = tuple([dims] if isinstance(dims, int) else dims or ())
-        args = (Ref(out), Ref(local_names[0]), dims)
+        args = (Ref(out), Ref(local_names[carrier]), dims if carrier == 0 else ())
         for dev in lays.devices:
             self.stmts[(dev, self.stage_of[op.name])].append(
                 Stmt("op", out=[out], target=across_replicas, args=args, kwargs={"mean": how == "mean"}, op=op,
