@@ -21,10 +21,11 @@ _LIFT = "aten.lift_fresh_copy.default"
 
 def slices_for_constant_index(graph: Graph) -> Graph:
     """The graph with every `index` by a constant consecutive run along one dim made a `slice`."""
+    mutated = {op.inputs[0] for op in graph.ops if op.inputs and op.short_name.endswith("_")}
     ops, changed = [], False
     for op in graph.ops:
         run = _constant_run(graph, op)
-        if run is None:
+        if run is None or op.outputs[0] in mutated:  # a slice is a view: an in-place op on it would write through
             ops.append(op)
             continue
         dim, start, stop = run

@@ -155,8 +155,9 @@ def _sections(graph: Graph, proj: _Projection, consumers: dict[str, list[OpNode]
     sizes = {s.stop - s.start for s in sections}
     if len(sizes) == 1 and len(cutters) == 1 and cutters[0].op_name in _SPLITS:
         return None  # equal sections of one split: the blocked split takes them
-    if any(s.stop <= s.start for s in sections):
-        return None
+    ordered = sorted((s.start, s.stop) for s in sections)
+    if any(a >= b for a, b in ordered) or any(b > a for (_, b), (a, _) in zip(ordered, ordered[1:])):
+        return None  # empty or overlapping sections: views of one tensor, not pieces of it
     return sections, dead
 
 
