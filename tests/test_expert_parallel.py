@@ -113,7 +113,7 @@ def test_ep_2(workers2, name, options):
                              ("deepseek_v3", {"ep": 4, "tp": 2}, 1), ("qwen3_moe", {"ep": 2, "dp": 2}, 2),
                              ("qwen2_moe", {"ep": 2, "dp": 2}, 2),
                              ("mixtral_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
-                             ("mixtral_padded", {"ep": 4}, 1), ("padded_no_aux", {"ep": 2, "dp": 2}, 2),
+                             ("mixtral_padded", {"ep": 4}, 1), ("mixtral_padded", {"ep": 2, "dp": 2}, 2), ("padded_no_aux", {"ep": 2, "dp": 2}, 2),
                              ("qwen3_moe", {"ep": 4}, 1), ("mixtral", {"ep": 2, "dp": 2, "zero": 1}, 2),
                              ("mixtral_no_aux", {"ep": 2, "pp": 2, "micro_batches": 2}, 1)]
                             if EVERY else []))

@@ -28,6 +28,8 @@ _MEAN_OVER_TARGETS = {
     "aten.nll_loss2d.default": (1, 2, 3, 4),
 }
 _DEFAULTS = {2: None, 3: 1, 4: -100}  # weight, reduction (1 = mean), ignore_index
+# A loss and an auxiliary term added to it.
+_SUMS = {"aten.add.Tensor", "aten.add_.Tensor"}
 # Ops between the loss and the model's loss output that leave the value as it is.
 _PASS_THROUGH = {"aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten.clone.default",
                  "aten.alias.default", "aten.view.default", "aten.reshape.default"}
@@ -42,9 +44,7 @@ class LossItems:
         self._warned = False
         if loss_index is None or graph.outputs[loss_index] is None:
             return
-        op = self._producer(graph.outputs[loss_index])
-        while op is not None and op.op_name in _PASS_THROUGH:
-            op = self._producer(op.inputs[0]) if op.inputs else None
+        op = self._main_term(self._producer(graph.outputs[loss_index]))
         if op is None or op.op_name not in _MEAN_OVER_TARGETS:
             return
         t, w, r, ig = _MEAN_OVER_TARGETS[op.op_name]
@@ -55,6 +55,40 @@ class LossItems:
         if ops is None:
             return
         self.target, self.ignore_index, self.ops = op.args[t].name, int(arg(ig, "ignore_index")), ops
+
+    def _through(self, op: Optional[OpNode]) -> Optional[OpNode]:
+        while op is not None and op.op_name in _PASS_THROUGH:
+            op = self._producer(op.inputs[0]) if op.inputs else None
+        return op
+
+    def _main_term(self, op: Optional[OpNode]) -> Optional[OpNode]:
+        """The loss op, also when an auxiliary term is added to it (a mixture-of-experts model's
+        `loss + coef * router_loss`): of the two terms of the sum, the one that is a mean over
+        targets, when the other reaches no such loss. Weighting the pieces by targets then weighs
+        the auxiliary term by shares that add up to one, as the whole batch's loss does."""
+        op = self._through(op)
+        if op is None or op.op_name not in _SUMS or len(op.inputs) != 2:
+            return op
+        terms = [self._through(self._producer(v)) for v in op.inputs]
+        means = [t for t in terms if t is not None and t.op_name in _MEAN_OVER_TARGETS]
+        others = [v for v, t in zip(op.inputs, terms) if t not in means]
+        if len(means) != 1 or len(others) != 1 or self._reaches_loss(others[0]):
+            return op
+        return means[0]
+
+    def _reaches_loss(self, value: str) -> bool:
+        """Whether a loss over targets takes part in making `value`."""
+        stack, seen = [value], set()
+        while stack:
+            v = stack.pop()
+            op = self._producer(v) if v not in seen else None
+            seen.add(v)
+            if op is None:
+                continue
+            if op.op_name in _MEAN_OVER_TARGETS or "loss" in op.op_name:
+                return True
+            stack.extend(op.inputs)
+        return False
 
     @property
     def counts_targets(self) -> bool:
