@@ -373,3 +373,41 @@ def test_parameter_groups_errors():
                                                                  {"params": ["fc1.weight"]}])
     with pytest.raises(TypeError, match="fully-qualified names"):
         nns.build_optimizer(pm, torch.optim.AdamW, param_groups=[{"params": list(model.parameters())}])
+
+
+
+class _TiedNet(torch.nn.Module):
+    """An embedding and a head sharing one weight, with larger weights in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.up = torch.nn.Linear(8, 32)
+        self.down = torch.nn.Linear(32, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        logits = self.head(self.down(torch.relu(self.up(self.emb(ids)))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def test_tied_weight_is_bound_again_at_its_distant_use():
+    """The generated code drops a parameter between uses that have larger parameters bound in
+    between (a tied embedding and head) and binds it again, so a ZeRO-3 `_P` gathers it for each use
+    instead of holding it whole through the forward; the result is unchanged."""
+    import re
+
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model, ids = _TiedNet(), torch.randint(0, 16, (2, 5))
+    want = model(ids).item()
+    pm = nns.parallelize(copy.deepcopy(model), {"ids": ids}, plan="dp", world_size=1, cache_dir="/tmp/nns_test_cache")
+    src = pm.generated_source()
+    forward = src[src.index("\ndef forward("):]
+    bound = re.findall(r"(\w+) = _P\[(\d+)\]", forward[:forward.find("\ndef ", 1) % len(forward) or None])
+    times = sorted(sum(1 for _, j in bound if j == i) for i in {i for _, i in bound})
+    assert times == [1, 1, 1, 1, 2], bound  # the tied weight twice, every other parameter once
+    with torch.no_grad():
+        assert pm(ids=ids).item() == pytest.approx(want, rel=1e-6)
