@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
@@ -30,7 +31,7 @@ WORLD = 4
 VOCAB = 50257
 SEQ = 64
 LR = 1e-4
-FRAMEWORKS = ("ours", "fsdp2", "deepspeed")
+FRAMEWORKS = ("ours", "fsdp2", "deepspeed", "ours-offload")
 
 
 def _config(layers: int, width: int):
@@ -57,7 +58,9 @@ def _batch(rank: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _ours(layers: int, width: int, rank: int) -> list[float]:
+def _ours(layers: int, width: int, rank: int, offload: Optional[str] = None) -> tuple[list[float], float]:
+    """Two steps; the losses and the MiB of training state kept in host memory (offload only:
+    the optimizer's tensors, their gradients and state, measured after the second step)."""
     import torch
     from transformers import GPT2LMHeadModel
 
@@ -66,15 +69,32 @@ def _ours(layers: int, width: int, rank: int) -> list[float]:
     batch = _batch(rank)
     with torch.device("meta"):
         model = GPT2LMHeadModel(_config(layers, width))
-    pm = nns.parallelize(model, batch, plan="dp", zero=3, cache_dir="/tmp/nns_bench_cache", init_seed=0)
+    pm = nns.parallelize(model, batch, plan="dp", zero=3, cache_dir="/tmp/nns_bench_cache", init_seed=0,
+                         offload=offload)
     del model
     opt = nns.build_optimizer(pm, torch.optim.AdamW, lr=LR)
-    losses = []
+    losses, host = [], 0.0
     for _ in range(2):
         losses.append(float(pm.train_step(batch)))
         opt.step()
+        if offload is not None:
+            host = _host_mib(opt)
         opt.zero_grad()
-    return losses
+    return losses, host
+
+
+def _host_mib(opt) -> float:
+    """What the offloading optimizer steps and keeps in host memory: its tensors (the masters, under
+    offload='params' the parameter chunks themselves), their gradients and the AdamW state."""
+    seen, total = set(), 0
+    tensors = [p for g in opt.param_groups for p in g["params"]]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    tensors += [t for st in opt.state.values() for t in st.values() if hasattr(t, "untyped_storage")]
+    for t in tensors:
+        if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total / 2**20
 
 
 def _fsdp2(layers: int, width: int, rank: int) -> list[float]:
@@ -141,18 +161,25 @@ def worker(framework: str, layers: int, width: int, out: str) -> None:
         os.environ.update({"LOCAL_RANK": str(rank), "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"})
         import deepspeed  # noqa: F401  (its import is not the model's memory)
     import transformers  # noqa: F401
-    if framework == "ours":
+    if framework.startswith("ours"):
         import nnscaler_plugins  # noqa: F401
         import nnscaler_plugins.runtime.parallel_module  # noqa: F401
     dist.init_process_group("gloo")
     dist.barrier()
     base = max(_rss_peak_mib(), _rss_now_mib())
     t = time.perf_counter()
-    losses = {"ours": _ours, "fsdp2": _fsdp2, "deepspeed": _deepspeed}[framework](layers, width, rank)
+    host = 0.0
+    if framework == "ours-offload":
+        losses, host = _ours(layers, width, rank, offload="params")
+    elif framework == "ours":
+        losses, _ = _ours(layers, width, rank)
+    else:
+        losses = {"fsdp2": _fsdp2, "deepspeed": _deepspeed}[framework](layers, width, rank)
     grown = _rss_peak_mib() - base
     dist.barrier()
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"grown_mib": grown, "base_mib": base, "losses": losses, "s": time.perf_counter() - t}, f)
+        json.dump({"grown_mib": grown, "host_mib": host, "base_mib": base, "losses": losses,
+                   "s": time.perf_counter() - t}, f)
     dist.destroy_process_group()
 
 
@@ -209,16 +236,24 @@ def probe(framework: str, layers: int, width: int, cap_mib: float, timeout: floa
         with open(f"{out}.{r}") as f:
             ranks.append(json.load(f))
         os.remove(f"{out}.{r}")
-    return {"grown_mib": [x["grown_mib"] for x in ranks], "base_mib": [x["base_mib"] for x in ranks],
+    return {"grown_mib": [x["grown_mib"] for x in ranks], "host_mib": [x["host_mib"] for x in ranks],
+            "device_mib": [x["grown_mib"] - x["host_mib"] for x in ranks], "base_mib": [x["base_mib"] for x in ranks],
             "losses": ranks[0]["losses"], "s": max(x["s"] for x in ranks)}
+
+
+def _peak(framework: str, r: dict) -> float:
+    """The memory a probe is judged by: the peak RSS growth of its worst rank; with offload, that
+    less what the rank keeps in host memory (on a GPU machine, what the device would hold)."""
+    return max(r["device_mib"] if framework.endswith("offload") else r["grown_mib"])
 
 
 def largest(framework: str, width: int, budget: float, log: list) -> tuple[int, dict]:
     """The most layers whose probe fits in `budget` MiB per rank (bisection; the first probes
     placed by a line through two measured sizes)."""
     def fits(layers: int) -> tuple[bool, dict]:
-        r = probe(framework, layers, width, cap_mib=budget * 1.05)
-        ok = "failed" not in r and max(r["grown_mib"]) <= budget
+        # with offload the host's share grows on top of the budget: the safety cap leaves room for it
+        r = probe(framework, layers, width, cap_mib=budget * (3.0 if framework.endswith("offload") else 1.05))
+        ok = "failed" not in r and _peak(framework, r) <= budget
         log.append((framework, layers, r))
         print(framework, layers, "fits" if ok else "does not fit", r, flush=True)
         return ok, r
@@ -232,8 +267,8 @@ def largest(framework: str, width: int, budget: float, log: list) -> tuple[int, 
     if ok_b:
         lo, best = b_layers, (b_layers, rb)
         if "failed" not in rb:  # the line through the two peaks places the next probe
-            slope = (max(rb["grown_mib"]) - max(ra["grown_mib"])) / (b_layers - a_layers)
-            guess = int(b_layers + (budget - max(rb["grown_mib"])) / max(slope, 1e-6))
+            slope = (_peak(framework, rb) - _peak(framework, ra)) / (b_layers - a_layers)
+            guess = int(b_layers + (budget - _peak(framework, rb)) / max(slope, 1e-6))
             ok, r = fits(guess)
             if ok:
                 lo, best = guess, (guess, r)
@@ -328,17 +363,28 @@ def main() -> None:
         return
     log: list = []
     found = {fw: largest(fw, args.width, args.budget_mib, log) for fw in frameworks}
-    rows = []
-    for fw, (layers, r) in found.items():
-        peak = max(r["grown_mib"]) if "grown_mib" in r else float("nan")
-        rows.append((fw, f"{layers} x {args.width} ({_params(layers, args.width):.0f} M)", f"{peak:.0f}",
-                     f"{layers / max(found['fsdp2'][0], 1):.2f}" if "fsdp2" in found else ""))
-    notes = "Probes (framework layers: max MiB over ranks): " + ", ".join(
-        f"{fw} {n}: {max(r['grown_mib']):.0f}" if "grown_mib" in r else f"{fw} {n}: over"
-        for fw, n, r in log) + ". " + tail
     title = (f"largest_model.py: largest GPT-2 shape trained within {args.budget_mib:.0f} MiB per rank, "
              "ZeRO-3 on 4 gloo processes")
-    rows += _earlier_rows(title, frameworks)
+    earlier = _earlier_rows(title, frameworks)
+    fsdp_layers = found["fsdp2"][0] if "fsdp2" in found else next(
+        (int(r[1].split(" x ")[0]) for r in earlier if r[0].startswith("fsdp2")), None)
+    rows = []
+    for fw, (layers, r) in found.items():
+        peak = _peak(fw, r) if "grown_mib" in r else float("nan")
+        shown = f"{peak:.0f}"
+        if fw.endswith("offload") and "grown_mib" in r:
+            shown += f" (+ {max(r['host_mib']):.0f} host = RSS {max(r['grown_mib']):.0f})"
+        rows.append((fw, f"{layers} x {args.width} ({_params(layers, args.width):.0f} M)", shown,
+                     f"{layers / max(fsdp_layers, 1):.2f}" if fsdp_layers else ""))
+    notes = "Probes (framework layers: max MiB over ranks): " + ", ".join(
+        f"{fw} {n}: {_peak(fw, r):.0f}" if "grown_mib" in r else f"{fw} {n}: over"
+        for fw, n, r in log) + ". " + tail + (
+        " ours-offload: plan dp zero=3 offload='params' (parameter chunks, their gradients and AdamW "
+        "state in host memory); it is judged by its peak RSS growth less those host bytes, what a GPU "
+        "would hold. On this CPU machine device and host are one memory, so offload cannot lower the "
+        "RSS itself; the host bytes are read from the optimizer after the second step."
+        if "ours-offload" in frameworks else "")
+    rows += earlier
     print(common.record(title, rows,
                         ("framework", "largest (layers x width)", "its peak MiB", "layers vs FSDP2"), notes=notes))
 
