@@ -81,7 +81,7 @@ def _search(build, **kw):
     model, batch = build()
     model.eval()  # as the equivalence check runs it
     return nns.search(model, example_inputs=batch, world_size=2, cluster=nns.cluster(SPEC), data_parallel="unit",
-                      progress=False, precision="fp32", constraints=[PipelineStages([1])], max_simulated=24, **kw)
+                      progress=False, precision="fp32", constraints=[PipelineStages([1])], max_simulated=12, **kw)
 
 
 @pytest.fixture(scope="module")
