@@ -382,7 +382,7 @@ def part_c(save: bool = True, quick: bool = False) -> None:
     spec = nns.cluster("h100-dgx", nodes=world // 8)
     recipe_est = nns.simulate(ep_recipe(g, world, batch // (world // 8)), spec, cost_model=CostModel(g, spec))
     with_ep, plan_ep, s_ep, knobs = _best(g, world, spec, batch, limit)
-    no_ep, plan_no, s_no, _ = _best(g, world, spec, batch, limit, [MaxExpertParallel(1)])
+    no_ep, _, s_no, _ = _best(g, world, spec, batch, limit, [MaxExpertParallel(1)])
     speed = lambda a, b: f"{a.step_time_s / b.step_time_s:.2f}x" if a is not None and b is not None else "-"  # noqa
     rows.append(("MoE (Mixtral-8x7B shape" + (", 8 layers" if quick else "") + "), seq 4096", f"{world}", f"{batch}",
                  _fmt(with_ep), _fmt(no_ep), speed(no_ep, with_ep), _fmt(recipe_est)
@@ -396,7 +396,7 @@ def part_c(save: bool = True, quick: bool = False) -> None:
         spec = nns.cluster("h100-dgx", nodes=max(1, world // 8))
         batch = 8
         with_cp, plan_cp, s_cp, knobs = _best(g, world, spec, batch, limit, context_parallel=True)
-        no_cp, plan_no, s_no, _ = _best(g, world, spec, batch, limit, [MaxContextParallel(1)], context_parallel=False)
+        no_cp, _, s_no, _ = _best(g, world, spec, batch, limit, [MaxContextParallel(1)], context_parallel=False)
         uses = sum(1 for k in knobs if k.cp > 1)
         rows.append((f"Llama-8B shape{', 8 layers' if quick else ''}, seq {seq // 1024}k", f"{world}", f"{batch}",
                      _fmt(with_cp), _fmt(no_cp), speed(no_cp, with_cp) if no_cp is not None else "none fits without cp",

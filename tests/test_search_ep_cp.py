@@ -17,6 +17,8 @@ import tempfile
 
 import pytest
 import torch
+from sgd_check import sgd_equivalence
+from test_context_parallel import causal_lm
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.search import group_kernels
@@ -25,8 +27,6 @@ from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.intraop import IntraSolver
 from nnscaler_plugins.search.layouts import Placement
 from nnscaler_plugins.search.space import config_of
-from sgd_check import sgd_equivalence
-from test_context_parallel import causal_lm
 
 SPEC = "h100-dgx"
 VOCAB, HIDDEN, FFN, EXPERTS, TOP_K = 64, 32, 64, 8, 2
@@ -164,7 +164,7 @@ def test_sequence_split_of_attention_only_in_context_parallel_search():
 
 
 def test_attention_priced_per_cp_comm():
-    g, cm, _, attn = _attention_solver(True)
+    _, cm, _, attn = _attention_solver(True)
     t = Training(dtype="fp32")
     p = Placement((("s", 2),), 1, (("s", -2),), (0, 1))
     ordinary = cm.op_time(attn.name, p, t)
@@ -176,7 +176,7 @@ def test_attention_priced_per_cp_comm():
         assert c.time.fwd > ordinary.fwd
     assert len({ring.time.fwd, gather.time.fwd, ulysses.time.fwd}) == 3
     # Ulysses needs the key/value heads to divide: one kv head cannot be swapped over 2 devices
-    g1, cm1, _, attn1 = _attention_solver(True, kv_heads=1)
+    _, cm1, _, attn1 = _attention_solver(True, kv_heads=1)
     assert group_kernels.price(cm1, attn1, p, t, "ulysses") is None
     assert group_kernels.price(cm1, attn1, p, t, "ring") is not None
 

@@ -29,7 +29,10 @@ from typing import Callable, Optional
 from nnscaler_plugins.capture.autograd_functions import FunctionTarget
 from nnscaler_plugins.capture.graph import Graph, OpNode
 from nnscaler_plugins.runtime.experts_module import ExpertsCall
-from nnscaler_plugins.search.context_parallel_cost import AttentionShape, context_parallel_attention_time
+from nnscaler_plugins.search.context_parallel_cost import (
+    AttentionShape,
+    context_parallel_attention_time,
+)
 from nnscaler_plugins.search.costmodel import CostModel, OpTime, Training
 from nnscaler_plugins.search.layouts import Placement
 from nnscaler_plugins.search.network import span_of
