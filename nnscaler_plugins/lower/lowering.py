@@ -183,6 +183,15 @@ class Program:
     def num_stages(self) -> int:
         return len(self.stage_groups)
 
+    def tables_key(self) -> tuple:
+        """The communication tables and storage less the sizes. Generated code names its
+        collectives by index into these tables, so a file generated at other input sizes runs
+        with this Program's tables only where the keys agree (see runtime/batch_shapes.py)."""
+        shards = tuple(sorted((s.value, s.kind, s.layout.group, s.layout.replicas, s.layout.partial,
+                               s.layout.splits, s.layout.blocks, s.grad_groups) for s in self.shards.values()))
+        return (tuple(r.shape_free() for r in self.reshards), tuple(self.grad_groups), tuple(self.kernel_groups),
+                tuple(self.replica_kernels), shards)
+
     def groups_needed(self) -> list[tuple[int, ...]]:
         """Every unit-relative rank tuple any collective uses, sorted (creation order)."""
         out: set[tuple[int, ...]] = set()

@@ -158,6 +158,15 @@ class ReshardPlan:
         """Communicating steps by kind name (local chunks and masks are not counted)."""
         return Counter(s.kind.value for s in self.steps if s.kind.communicates)
 
+    def shape_free(self) -> tuple:
+        """What the runtime does, less the sizes: a program generated at other input sizes may
+        reuse this plan only where this agrees (a split through a dim merged with a varying size
+        changes a block count, which the sizes alone do not carry)."""
+        def lay(x: Layout) -> tuple:
+            return x.group, x.replicas, x.partial, x.splits, x.blocks
+
+        return tuple((s.kind.value, s.dim, s.dim2, s.groups, lay(s.src), lay(s.dst)) for s in self.steps)
+
     def groups_needed(self) -> set[tuple[int, ...]]:
         """Subgroups the steps' collectives run over (value masks and point-to-point need none)."""
         return {tuple(sorted(g)) for s in self.steps if s.kind is not StepKind.VALUE_MASK and not s.kind.point_to_point

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import time
 import warnings
 from typing import Any, Optional, Sequence
@@ -351,7 +352,31 @@ class BatchShapes:
             prog = lower(g, plan)
         except PlanError as e:
             return f"the plan does not fit sizes {list(sizes)}: {e}"
-        return generate(prog, self.unit_device), {b.value: tuple(g.meta(b.value).shape) for b in prog.boundaries}
+        if prog.tables_key() != self.program.tables_key() and (exact is None or not self._own_tables_allowed(prog)):
+            return (f"the plan communicates otherwise at sizes {list(sizes) or [list(s) for s in exact if s]} than "
+                    f"at the example's (a split through a dim merged with a size that varies, so its block count "
+                    f"follows the size)")
+        return (generate(prog, self.unit_device), {b.value: tuple(g.meta(b.value).shape) for b in prog.boundaries},
+                prog)
+
+    def _which_sizes(self, shapes: Shapes, why: str) -> str:
+        """The input dims that differ from the example's, and what a dim the plan splits must be
+        divisible by when the lowering says so, put before the lowering's own words."""
+        changed = [f"{self.describe((i, d))} is {got[d]} (the example's {ex[d]})"
+                   for i, (ex, got) in enumerate(zip(self.example, shapes)) if ex is not None and got is not None
+                   for d in range(min(len(ex), len(got))) if ex[d] != got[d]]
+        if not changed:
+            return ""
+        m = re.search(r"not divisible by splits (\d+) x blocks (-?\d+)", why)
+        need = f"; the plan splits a dim these sizes reach and needs it divisible by " \
+               f"{int(m.group(1)) * abs(int(m.group(2)))}" if m else ""
+        return f"{', '.join(changed)}{need}: "
+
+    def _own_tables_allowed(self, prog: Any) -> bool:
+        """Whether a program whose tables differ from the example's can run with tables of its own:
+        the same parameters in the same places and no process group the set-up did not make."""
+        mine, theirs = self.program.tables_key(), prog.tables_key()
+        return mine[4] == theirs[4] and set(prog.groups_needed()) <= set(self.program.groups_needed())
 
     def _load(self, source: str, tag: str) -> Any:
         from nnscaler_plugins.codegen.generate import load_source
@@ -365,8 +390,10 @@ class BatchShapes:
         made = self._generate([], (), args, kwargs, exact=shapes)
         if isinstance(made, str):
             raise PlanError(f"inputs of shapes {[s for s in shapes if s is not None]} cannot run under this plan: "
-                            f"{made}")
+                            f"{self._which_sizes(shapes, made)}{made}")
         module = self._load(made[0], "shape_" + "_".join("x".join(map(str, s)) for s in shapes if s is not None))
+        if made[2].tables_key() != self.program.tables_key():
+            module._nns_program = made[2]  # its collectives index its own tables (Comm.for_module)
         self.per_shape[shapes] = module
         self.per_shape_boundary[shapes] = made[1]
         took = time.perf_counter() - start

@@ -23,6 +23,18 @@ class Comm:
         self.device = device
         self.groups = unit_groups
 
+    def for_module(self, generated: Any) -> "Comm":
+        """The Comm a generated module's collectives index into: this one, or, for a file generated
+        at other input sizes whose tables differ from this Program's (runtime/batch_shapes.py sets
+        `_nns_program` on it), one over that file's own Program and the same process groups."""
+        program = getattr(generated, "_nns_program", None)
+        if program is None or program is self.program:
+            return self
+        cache = self.__dict__.setdefault("_others", {})
+        if id(program) not in cache:
+            cache[id(program)] = (program, Comm(program, self.device, self.groups))
+        return cache[id(program)][1]
+
     def _own(self, groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
         for g in groups:
             if self.device in g:

@@ -285,7 +285,7 @@ class ParallelModule(torch.nn.Module):
         on_save = meter.count_packed if meter is not None else None
         scope = self.zero3.forward_scope(on_save) if self.zero3 is not None else saved_tensor_hooks(on_save)
         with scope, autocast(self.plan.precision, self._device):
-            flat = fn(self._comm, self._device, self._params_on_use(), *inputs)
+            flat = fn(self._comm.for_module(gen), self._device, self._params_on_use(), *inputs)
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

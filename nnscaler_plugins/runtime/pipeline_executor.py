@@ -216,7 +216,8 @@ class PipelineExecutor:
                 leaves.append((name, t))
             ins.append(t)
         loss_here = self.loss_stage == s
-        fn = getattr(self.rt.generated(mb), f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
+        generated = self.rt.generated(mb)
+        fn = getattr(generated, f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
         saved = [0]
 
         def count(packed: Any) -> None:
@@ -235,7 +236,7 @@ class PipelineExecutor:
         else:
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved)
         with torch.set_grad_enabled(task.grad), hooks, autocast(self.precision, rt.device):
-            outs = fn(rt.comm, rt.device, rt.params_on_use(s), *ins)
+            outs = fn(rt.comm.for_module(generated), rt.device, rt.params_on_use(s), *ins)
         sends = self.program.stage_sends[s]
         for value, t in zip(sends, outs[:len(sends)]):
             self._send_forward(value, s, t, mb, task.round)
