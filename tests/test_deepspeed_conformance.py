@@ -451,6 +451,85 @@ def test_zero_to_fp32_reads_the_checkpoint(workers2, tmp_path) -> None:
             assert torch.equal(fp32[name], value), (stage, precision, name)
 
 
+# -- DeepSpeed's ds_to_universal converts these checkpoints ---------------------------------------------
+
+class OddLayers(torch.nn.Module):
+    """Sizes that leave ZeRO padding and split parameters across the 2 partitions: weights 48 + 30 +
+    40 = 118 (padded to 120, cut inside the second weight), biases 6 + 5 + 8 = 19."""
+
+    def __init__(self):
+        super().__init__()
+        self.linears = torch.nn.ModuleList([torch.nn.Linear(HIDDEN, 6), torch.nn.Linear(6, 5),
+                                            torch.nn.Linear(5, HIDDEN)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.linears:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(x, y)
+
+
+def _save_for_universal(rank, world, tmp, stage, precision):
+    torch.manual_seed(0)
+    model = OddLayers()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=_config(stage, precision),
+                                           model_parameters=_weight_decay_groups(model))
+    _train(engine, _batches(2, rank, _dtype(precision)))
+    engine.save_checkpoint(tmp)
+    state = _optimizer_state(engine)
+    weights = _state(engine)
+    for name, s in state.items():  # the fp32 masters: the plan optimizer's under bf16, the weights under fp32
+        s.setdefault("master_param", weights[name])
+    return state
+
+
+DS_TO_UNIVERSAL = """
+import argparse, sys
+from deepspeed.checkpoint import ds_to_universal
+for folder in sys.argv[1:]:
+    ds_to_universal.main(argparse.Namespace(input_folder=folder + "/global_step2", output_folder=folder + "/universal",
+                         num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                         inject_missing_state=False))
+"""
+
+
+def _universal_tensor(path: str) -> torch.Tensor:
+    t = torch.load(path, weights_only=False)
+    return t["param"] if isinstance(t, dict) else t  # ZeRO-1/2 write {"param": ..., "cat_dim": 0}, ZeRO-3 the tensor
+
+
+def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
+    """test_universal_checkpoint.py's conversion step: DeepSpeed's `ds_to_universal` turns this engine's
+    checkpoint into a universal one whose per-parameter fp32 weights and Adam moments are ours, whole."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed's ds_to_universal is the reference converter; pip install 'deepspeed>=0.19,<0.20'")
+    cases = [(2, "bf16"), (3, "fp32")]
+    if ALL:
+        cases += [(1, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16")]
+    saved = [workers2.run(_save_for_universal, str(tmp_path / f"u{stage}{precision}"), stage, precision)[0]
+             for stage, precision in cases]
+    folders = [str(tmp_path / f"u{stage}{precision}") for stage, precision in cases]
+    proc = subprocess.run([sys.executable, "-c", DS_TO_UNIVERSAL, *folders], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, DS_BUILD_OPS="0", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for (stage, precision), state, folder in zip(cases, saved, folders):
+        zero = os.path.join(folder, "universal", "zero")
+        assert set(state) == {n for n, _ in OddLayers().named_parameters()}
+        for name, ours in state.items():
+            for key, theirs in (("fp32", "master_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                got = _universal_tensor(os.path.join(zero, name, f"{key}.pt"))
+                assert got.numel() == ours[theirs].numel(), (stage, precision, name, key)
+                assert torch.equal(got.reshape(ours[theirs].shape), ours[theirs]), (stage, precision, name, key)
+            if stage < 3:  # ZeRO-1/2 conversion keeps the step per parameter
+                assert float(torch.load(os.path.join(zero, name, "step.pt"), weights_only=False)) == 2.0
+        common = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=False)
+        assert [g["weight_decay"] for g in common["param_groups"]] == [0.1, 0.0]
+        assert [g["lr"] for g in common["param_groups"]] == [0.01, 0.02]
+
+
 # -- the engine before its first forward ---------------------------------------------------------------
 
 def _before_first_forward(rank, world, tmp):

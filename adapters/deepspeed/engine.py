@@ -636,8 +636,9 @@ class DeepSpeedEngine(torch.nn.Module):
                 raise AssertionError(msg)
             log.warning(msg)
 
-    def _groups_and_masters(self) -> tuple[list[list[str]], dict[str, torch.Tensor]]:
-        """Each optimizer group's trainable parameter names, and their fp32 master values (collective)."""
+    def _groups_and_masters(self) -> tuple[list[list[str]], dict[str, torch.Tensor], dict[str, dict]]:
+        """Each optimizer group's trainable parameter names, their fp32 master values and their whole
+        optimizer state by name (empty where the plan's optimizer does not hold it yet; collective)."""
         opt = self.optimizer
         self._materialize()
         if self._pmodule is None or opt is None:
@@ -647,7 +648,7 @@ class DeepSpeedEngine(torch.nn.Module):
             whole = {n: p.detach().float() for n, p in self._model.named_parameters(remove_duplicate=False)}
             if self._pmodule is not None:
                 whole = {n: t.float() for n, t in self._pmodule.full_state_dict().items()}
-            return groups, {n: whole[n] for g in groups for n in g}
+            return groups, {n: whole[n] for g in groups for n in g}, {}
         if isinstance(opt, ZeroOptimizer):
             full = opt.inner.full_state_dict()
             groups = [list(g) for g in opt.group_names]
@@ -660,11 +661,11 @@ class DeepSpeedEngine(torch.nn.Module):
                         whole = whole if whole is not None else self._pmodule.full_state_dict()
                         m = whole[n]
                     masters[n] = m.float()
-            return groups, masters
+            return groups, masters, full["state"]
         whole = self._pmodule.full_state_dict()
         groups = [[self._model_param_names[id(p)] for p in g["params"] if id(p) in self._model_param_names]
                   for g in opt.param_groups]
-        return groups, {n: whole[n].float() for g in groups for n in g}
+        return groups, {n: whole[n].float() for g in groups for n in g}, {}
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -673,7 +674,7 @@ class DeepSpeedEngine(torch.nn.Module):
         forward too (the model as it is, no optimizer state yet)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         self._check_tag(tag)
-        groups, masters = self._groups_and_masters()
+        groups, masters, moments = self._groups_and_masters()
         module_state = self.module_state_dict()
         frozen_names = self._frozen_names()
         frozen = {} if exclude_frozen_parameters else {n: module_state[n].float() for n in frozen_names
@@ -690,7 +691,7 @@ class DeepSpeedEngine(torch.nn.Module):
                   frozen=frozen, shared=self._tied, extra=extra, zero_stage=self.zero_optimization_stage(),
                   precision=self._settings.precision, dp=self.dp_world_size, dp_rank=self.dp_rank,
                   parallel=self._pmodule, optimizer=self._stepping_optimizer() if self._pmodule is not None else None,
-                  save_latest=save_latest)
+                  save_latest=save_latest, moments=moments, clip_grad=self.gradient_clipping())
         return True
 
     def _counters(self) -> dict:
@@ -700,7 +701,7 @@ class DeepSpeedEngine(torch.nn.Module):
     _ENGINE_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                     "shared_params", "dp_world_size", "mp_world_size", "ds_version", "lr_scheduler", "ds_config",
                     "global_steps", "global_samples", "micro_steps", "skipped_steps", "optimizer",
-                    "param_groups")
+                    "param_groups", ckpt.UNIVERSAL_INFO)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -5,20 +5,21 @@
                                                       engine's counters, scheduler, client_state keys
     save_dir/<tag>/zero_pp_rank_{r}_mp_rank_00_model_states.pt   the same, per data-parallel rank (ZeRO-3)
     save_dir/<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt
-                                                      rank r's partition of the fp32 master weights in
-                                                      DeepSpeed's flat layout (ZeRO >= 1 or bf16)
+                                                      rank r's partition of the fp32 master weights and
+                                                      of the optimizer's moments in DeepSpeed's flat
+                                                      layout, with its slice mappings (optim_states.py;
+                                                      ZeRO >= 1 or bf16)
     save_dir/<tag>/nnscaler/                          one `nns.checkpoint` directory: every tensor and the
                                                       optimizer state, loadable under any plan or world size
 
 The DeepSpeed files are what DeepSpeed's own tools read (`zero_to_fp32`'s
-`get_fp32_state_dict_from_zero_checkpoint`, HF's resume); this engine loads from the `nnscaler`
+`get_fp32_state_dict_from_zero_checkpoint`, `ds_to_universal`, HF's resume); this engine loads from the `nnscaler`
 directory, so a job may resume under another plan or world size. A checkpoint saved before the
 model was parallelized has no `nnscaler` directory (there is no optimizer state yet): it loads from
 the module state.
 """
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
 from typing import Any, Optional
@@ -29,10 +30,16 @@ import torch.distributed as dist
 import nnscaler_plugins.checkpoint as nns_checkpoint
 
 from . import utils  # noqa: F401 - deepspeed.checkpoint.utils, as scripts reach it
+from .optim_states import optimizer_state
 
 LATEST = "latest"
 NNS_DIR = "nnscaler"
 DS_VERSION = "0.19.8"  # the DeepSpeed release whose layout these files follow
+# ds_to_universal requires this entry in the model states file (DeepSpeed's own engine writes it only
+# when the model carries it, and its users pass --inject_missing_state otherwise); written here so
+# the conversion runs as it is.
+UNIVERSAL_INFO = "universal_checkpoint_info"
+UNIVERSAL_VERSION = 0.2
 
 
 def _barrier() -> None:
@@ -60,36 +67,16 @@ def has_optim_files(zero_stage: int, precision: str) -> bool:
     return zero_stage >= 1 or precision == "bf16"
 
 
-def _flat_partition_zero2(tensors: list[torch.Tensor], dp: int, dp_rank: int) -> torch.Tensor:
-    """Rank `dp_rank`'s slice of the group's fp32 tensors laid end to end, padded to 2 x dp as
-    DeepSpeed's ZeRO-1/2 aligns its flat buffers."""
-    flat = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
-    align = 2 * dp
-    padded = align * math.ceil(flat.numel() / align) if flat.numel() else 0
-    flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
-    part = padded // dp
-    return flat[dp_rank * part:(dp_rank + 1) * part].clone()
-
-
-def _flat_partition_zero3(tensors: list[torch.Tensor], dp: int, dp_rank: int) -> torch.Tensor:
-    """ZeRO-3's layout: each tensor padded to a multiple of dp, rank `dp_rank`'s chunk of each."""
-    parts = []
-    for t in tensors:
-        flat = t.reshape(-1).float()
-        size = math.ceil(flat.numel() / dp)
-        flat = torch.cat([flat, flat.new_zeros(size * dp - flat.numel())])
-        parts.append(flat[dp_rank * size:(dp_rank + 1) * size])
-    return torch.cat(parts).clone() if parts else torch.zeros(0)
-
-
 def save(save_dir: str, tag: str, *, module_state: dict[str, torch.Tensor], buffer_names: list[str],
          groups: list[list[str]], masters: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
          shared: dict[str, str], extra: dict[str, Any], zero_stage: int, precision: str, dp: int, dp_rank: int,
-         parallel: Any = None, optimizer: Any = None, save_latest: bool = True) -> str:
+         parallel: Any = None, optimizer: Any = None, save_latest: bool = True,
+         moments: Optional[dict[str, dict]] = None, clip_grad: float = 0.0) -> str:
     """Write `save_dir/<tag>` (every rank calls it) and then, on rank 0, point `latest` at it.
 
     `groups` names the trainable parameters of each optimizer group, `masters` their fp32 values,
-    `shared` each tied parameter's other names (name -> the name it is stored under);
+    `shared` each tied parameter's other names (name -> the name it is stored under), `moments`
+    each trainable parameter's whole optimizer state (exp_avg, exp_avg_sq, step, ...) by name;
     `parallel` (the ParallelModule, when there is one) and `optimizer` go to the `nnscaler` directory."""
     path = os.path.join(save_dir, str(tag))
     if parallel is not None:
@@ -102,7 +89,7 @@ def save(save_dir: str, tag: str, *, module_state: dict[str, torch.Tensor], buff
     states = {"module": module_state, "buffer_names": list(buffer_names), "param_shapes": param_shapes,
               "frozen_param_shapes": frozen_shapes,
               "frozen_param_fragments": frozen, "shared_params": dict(shared), "dp_world_size": dp, "mp_world_size": 1,
-              "ds_version": DS_VERSION, **extra}
+              "ds_version": DS_VERSION, UNIVERSAL_INFO: {"universal_checkpoint_version": UNIVERSAL_VERSION}, **extra}
     rank = _rank()
     if zero_stage >= 3:
         if rank == dp_rank:  # the first rank of each data-parallel replica
@@ -113,12 +100,10 @@ def save(save_dir: str, tag: str, *, module_state: dict[str, torch.Tensor], buff
     elif rank == 0:
         torch.save(states, os.path.join(path, model_file(zero_stage, 0)))
     if has_optim_files(zero_stage, precision) and rank == dp_rank:
-        stage = max(zero_stage, 1)
-        split = _flat_partition_zero3 if stage >= 3 else _flat_partition_zero2
-        flats = [split([masters[n] for n in names], dp, dp_rank) for names in groups]
-        key = "fp32_flat_groups" if stage >= 3 else "single_partition_of_fp32_groups"
-        torch.save({"optimizer_state_dict": {"zero_stage": stage, "partition_count": dp, key: flats},
-                    "ds_config": extra.get("ds_config"), "ds_version": DS_VERSION},
+        state = optimizer_state(groups, masters, moments, extra.get("param_groups"), zero_stage=zero_stage, dp=dp,
+                                dp_rank=dp_rank, clip_grad=clip_grad)
+        state["ds_version"] = DS_VERSION
+        torch.save({"optimizer_state_dict": state, "ds_config": extra.get("ds_config"), "ds_version": DS_VERSION},
                    os.path.join(path, optim_file(zero_stage, precision, dp_rank)))
     _barrier()
     if save_latest and rank == 0:
