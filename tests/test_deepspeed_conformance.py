@@ -473,13 +473,39 @@ def _save_for_universal(rank, world, tmp, stage, precision):
     model = OddLayers()
     engine, _, _, _ = deepspeed.initialize(model=model, config=_config(stage, precision),
                                            model_parameters=_weight_decay_groups(model))
-    _train(engine, _batches(2, rank, _dtype(precision)))
+    batches = _batches(3, rank, _dtype(precision))
+    _train(engine, batches[:2])
     engine.save_checkpoint(tmp)
     state = _optimizer_state(engine)
     weights = _state(engine)
     for name, s in state.items():  # the fp32 masters: the plan optimizer's under bf16, the weights under fp32
         s.setdefault("master_param", weights[name])
-    return state
+    loss = _train(engine, batches[2:])
+    return state, loss, _state(engine)
+
+
+def _load_universal(rank, world, folder, stage, precision, parallelized_first):
+    """test_universal_checkpoint.py's load step: the converted folder into an engine of another ZeRO
+    stage (checkpoint.load_universal), before its first forward or after it."""
+    torch.manual_seed(7)
+    model = OddLayers()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_weight_decay_groups(model),
+                                           config=_config(stage, precision, checkpoint={"load_universal": True}))
+    batches = _batches(3, rank, _dtype(precision))
+    if parallelized_first:
+        _train(engine, _batches(1, rank + 5, _dtype(precision)))
+    path, _ = engine.load_checkpoint(folder)
+    assert path == os.path.join(folder, "universal")
+    with torch.no_grad():
+        engine(*batches[0])  # parallelizes the model (before it, the state waits)
+    state = _optimizer_state(engine)
+    weights = _state(engine)
+    for name, s in state.items():
+        s.setdefault("master_param", weights[name])
+    groups = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
+    steps = engine.global_steps
+    loss = _train(engine, batches[2:])
+    return state, groups, steps, loss, _state(engine)
 
 
 DS_TO_UNIVERSAL = """
@@ -509,8 +535,9 @@ def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
     cases = [(2, "bf16"), (3, "fp32")]
     if ALL:
         cases += [(1, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16")]
-    saved = [workers2.run(_save_for_universal, str(tmp_path / f"u{stage}{precision}"), stage, precision)[0]
-             for stage, precision in cases]
+    runs = [workers2.run(_save_for_universal, str(tmp_path / f"u{stage}{precision}"), stage, precision)[0]
+            for stage, precision in cases]
+    saved = [state for state, _, _ in runs]
     folders = [str(tmp_path / f"u{stage}{precision}") for stage, precision in cases]
     proc = subprocess.run([sys.executable, "-c", DS_TO_UNIVERSAL, *folders], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, DS_BUILD_OPS="0", OMP_NUM_THREADS="1"))
@@ -528,6 +555,20 @@ def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
         common = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=False)
         assert [g["weight_decay"] for g in common["param_groups"]] == [0.1, 0.0]
         assert [g["lr"] for g in common["param_groups"]] == [0.01, 0.02]
+    # checkpoint.load_universal: each folder into another ZeRO stage, the state exactly, the next step alike
+    loads = [(0, 3, False), (1, 1, True)]
+    if ALL:
+        loads += [(2, 2, False), (3, 3, True), (4, 1, False), (5, 2, True)]
+    for i, stage, first in loads:
+        source, precision = cases[i]
+        state, groups, steps, loss, after = workers2.run(_load_universal, folders[i], stage, precision, first)[0]
+        assert _same(state, saved[i]), (source, precision, stage)
+        assert groups == [(0.01, 0.1), (0.02, 0.0)] and steps == 2, (source, stage)
+        _, next_loss, next_weights = runs[i]
+        tol = 1e-2 if precision == "bf16" else 1e-5
+        assert abs(loss[0] - next_loss[0]) <= tol, (source, stage, loss, next_loss)
+        for name, value in next_weights.items():
+            assert torch.allclose(after[name], value, atol=tol, rtol=0), (source, stage, name)
 
 
 # -- the engine before its first forward ---------------------------------------------------------------

@@ -40,6 +40,7 @@ class Settings:
     skip_nonfinite_steps: bool = False       # bf16.check_grad_overflow (DeepSpeed's default true); fp16 always
     client_optimizer_refused: bool = False    # offload_optimizer with zero_force_ds_cpu_optimizer (DeepSpeed's default)
     tag_validation: str = "WARN"              # checkpoint.tag_validation: IGNORE | WARN | FAIL
+    load_universal: bool = False              # checkpoint.load_universal: load_checkpoint reads a universal folder
     allgather_bucket_size: int = 500_000_000
     plan: Any = "dp"
     plan_options: dict = field(default_factory=dict)
@@ -141,6 +142,7 @@ def translate(config: dict) -> Settings:
     s.dataloader_drop_last = bool(config.get("dataloader_drop_last", False))
     s.managed_gradient_accumulation = bool(config.get("managed_gradient_accumulation", True))
     s.tag_validation = _tag_validation(config.get("checkpoint") or {})
+    s.load_universal = _load_universal(config.get("checkpoint") or {})
     s.allgather_bucket_size = int((config.get("zero_optimization") or {}).get("allgather_bucket_size", 5e8))
     _check_reduction_keys(config)
     s.plan, s.plan_options = _nnscaler_section(config.get("nnscaler"))
@@ -370,10 +372,14 @@ def _tag_validation(section: dict) -> str:
         raise DeepSpeedConfigError(f"Checkpoint config contains invalid tag_validation value of "
                                    f"{mode.upper() if isinstance(mode, str) else mode}, expecting one "
                                    f"of {list(_TAG_MODES)}")
-    if section.get("load_universal"):
-        raise DeepSpeedConfigError("checkpoint.load_universal=true is not supported: this engine's checkpoints load "
-                                   "under any plan or world size without conversion; set it to false")
     return mode.upper()
+
+
+def _load_universal(section: dict) -> bool:
+    """checkpoint.load_universal: load_checkpoint then reads what DeepSpeed's ds_to_universal writes
+    (this engine's own checkpoints load under any plan or world size without it). DeepSpeed takes
+    any value by its truth, unchecked; so does this."""
+    return bool(section.get("load_universal", False))
 
 
 def _check_zero_values(section: dict) -> None:

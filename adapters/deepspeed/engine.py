@@ -30,6 +30,7 @@ from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
 from nnscaler_plugins.runtime.loss import extract_loss
 
 from . import checkpoint as ckpt
+from .checkpoint import universal
 from .config import DeepSpeedConfigError, Settings
 from .zero_optimizer import ZeroOptimizer
 
@@ -81,6 +82,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._grad_norm: Optional[float] = None
         self._step_applied = False
         self._pending_load: Optional[tuple[str, bool, bool]] = None  # a checkpoint to load once parallelized
+        self._pending_state: Optional[dict] = None  # whole optimizer state by name, to load once parallelized
         self._data_iter: Optional[Iterator] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         # A tied parameter goes by its last name (the one the plan updates; its other names follow).
@@ -241,6 +243,9 @@ class DeepSpeedEngine(torch.nn.Module):
             path, with_optimizer, strict = self._pending_load
             self._pending_load = None
             ckpt.load_parallel(path, pm, self._stepping_optimizer() if with_optimizer else None, strict)
+        if self._pending_state is not None:  # a universal checkpoint's optimizer state, whole, by name
+            self._stepping_optimizer().load_full_state_dict({"state": self._pending_state})
+            self._pending_state = None
         self._share_storage()
         self._trainable = {n: p.requires_grad for n, p in self._model_params.items()}
 
@@ -713,6 +718,9 @@ class DeepSpeedEngine(torch.nn.Module):
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported; load the state yourself from the path "
                                       "engine.load_checkpoint returns")
+        if self._settings.load_universal:
+            return self._load_universal(load_dir, tag, load_module_strict, load_optimizer_states,
+                                        load_lr_scheduler_states, load_module_only)
         tag = ckpt.resolve_tag(load_dir, tag)
         if tag is None:
             log.warning("unable to find latest file at %s, if trying to load latest checkpoint please pass an "
@@ -738,8 +746,14 @@ class DeepSpeedEngine(torch.nn.Module):
                                    f"{missing.unexpected_keys}")
             if parallel_dir is not None and with_optimizer:
                 self._pending_load = (parallel_dir, True, load_module_strict)
-        if with_optimizer and states.get("param_groups") is not None:  # the hyperparameters apply at once
-            self._set_hyperparameters(states["param_groups"])
+        return self._finish_load(path, states, with_optimizer, load_lr_scheduler_states, load_module_only)
+
+    def _finish_load(self, path: str, states: dict, with_optimizer: bool, load_lr_scheduler_states: bool,
+                     load_module_only: bool, groups: Optional[list] = None) -> tuple[str, dict]:
+        """Hyperparameters, scheduler and counters from the model states file; the client state."""
+        groups = states.get("param_groups") or groups
+        if with_optimizer and groups:  # the hyperparameters apply at once
+            self._set_hyperparameters(groups)
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(states["lr_scheduler"])
@@ -748,6 +762,41 @@ class DeepSpeedEngine(torch.nn.Module):
                     setattr(self, k, states[k])
         client = {k: v for k, v in states.items() if k not in self._ENGINE_KEYS}
         return path, client
+
+    def _load_universal(self, load_dir: str, tag: Optional[str], strict: bool, load_optimizer_states: bool,
+                        load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str, dict]:
+        """checkpoint.load_universal: the whole fp32 weights and optimizer state of a folder DeepSpeed's
+        ds_to_universal wrote, loaded under this job's ZeRO stage, plan and world size."""
+        tag = universal.resolve_tag(load_dir, tag)
+        path = os.path.join(load_dir, tag)
+        states = ckpt.read_states(path)
+        trainable = {n: p.shape for n, p in self._model_params.items() if p.requires_grad}
+        weights, opt_state, groups = universal.read(path, trainable)
+        module_state = dict(states["module"])
+        for name, value in weights.items():  # in this model's dtype (the fp32 masters go to the optimizer)
+            module_state[name] = value.to(self._model_params[name].dtype)
+        for alias, name in self._tied.items():
+            if name in weights and alias in module_state:
+                module_state[alias] = module_state[name]
+        with_optimizer = load_optimizer_states and not load_module_only and self.optimizer is not None
+        if with_optimizer and not isinstance(self.optimizer, ZeroOptimizer):
+            raise NotImplementedError("checkpoint.load_universal loads the optimizer state into the plan's optimizer "
+                                      "(ZeRO >= 1, or bf16/fp16); under ZeRO-0 fp32 pass load_optimizer_states=False "
+                                      "or set zero_optimization.stage >= 1")
+        if self._pmodule is not None:
+            self._pmodule.load_full_state_dict({**self._pmodule.full_state_dict(), **module_state})
+            if with_optimizer:
+                self._stepping_optimizer().load_full_state_dict({"state": opt_state})
+        else:
+            self._materialize()
+            missing = self._model.load_state_dict(module_state, strict=False)
+            absent = [k for k in missing.missing_keys if k not in self._frozen_names()]
+            if strict and (absent or missing.unexpected_keys):
+                raise RuntimeError(f"Error(s) in loading state_dict: missing keys {absent}, unexpected keys "
+                                   f"{missing.unexpected_keys}")
+            if with_optimizer:
+                self._pending_state = opt_state
+        return self._finish_load(path, states, with_optimizer, load_lr_scheduler_states, load_module_only, groups)
 
     def _set_hyperparameters(self, saved: list) -> None:
         if len(saved) != len(self.optimizer.param_groups):

@@ -47,7 +47,7 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "compile": (WARN, "the generated per-rank code runs eagerly"),
     "autotuning": (WARN, "DeepSpeed's autotuner is not run; use 'nnscaler': {'plan': 'auto'}"),
     "aio": (WARN, "no NVMe offload here (host-memory offload needs no aio settings)"),
-    "checkpoint": (ACCEPT, "tag_validation; load_universal only false"),
+    "checkpoint": (ACCEPT, "tag_validation; load_universal (a ds_to_universal folder)"),
     "activation_checkpointing": (WARN, "deepspeed.checkpointing is not reproduced; use the plan's recompute= option"),
     "disable_allgather": (WARN, "a communication tuning knob with no effect here"),
     "pipeline": (WARN, "choose a pipeline with 'nnscaler': {'plan': '1f1b', 'pp': N} instead"),
@@ -125,7 +125,8 @@ BF16: dict[str, tuple[str, str]] = {
 
 CHECKPOINT: dict[str, tuple[str, str]] = {
     "tag_validation": (ACCEPT, "Ignore, Warn or Fail when ranks save under different tags"),
-    "load_universal": (ACCEPT, "only false: checkpoints here load under any plan without conversion"),
+    "load_universal": (ACCEPT, "load_checkpoint reads the folder DeepSpeed's ds_to_universal writes, under any "
+                               "ZeRO stage, plan or world size"),
     "use_node_local_storage": (WARN, "every rank writes its own files here anyway"),
     "parallel_write": (WARN, "a DeepSpeed I/O tuning knob with no effect here"),
     "writer": (WARN, "a DeepSpeed I/O tuning knob with no effect here"),
