@@ -484,16 +484,24 @@ def _save_for_universal(rank, world, tmp, stage, precision):
     return state, loss, _state(engine)
 
 
-def _load_universal(rank, world, folder, stage, precision, parallelized_first):
+def _load_universal(rank, world, folder, stage, precision, parallelized_first, tp=False):
     """test_universal_checkpoint.py's load step: the converted folder into an engine of another ZeRO
-    stage (checkpoint.load_universal), before its first forward or after it."""
+    stage (checkpoint.load_universal), before its first forward or after it; with `tp`, tensor
+    parallel over both ranks (data-parallel size 1, each rank given the whole global batch)."""
     torch.manual_seed(7)
     model = OddLayers()
+    extra = {"train_micro_batch_size_per_gpu": 4, "nnscaler": {"plan": "tp"}} if tp else {}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_weight_decay_groups(model),
-                                           config=_config(stage, precision, checkpoint={"load_universal": True}))
+                                           config=_config(stage, precision, checkpoint={"load_universal": True},
+                                                          **extra))
     batches = _batches(3, rank, _dtype(precision))
+    if tp:  # the source's global batch: both ranks' micro-batches
+        both = list(zip(*(_batches(3, r, _dtype(precision)) for r in range(world))))
+        batches = [(torch.cat([x for x, _ in b]), torch.cat([y for _, y in b])) for b in both]
     if parallelized_first:
-        _train(engine, _batches(1, rank + 5, _dtype(precision)))
+        _train(engine, [(x + 1, y) for x, y in batches[:1]])
+    with pytest.raises(ValueError, match="Invalid for universal checkpoint: .*latest_universal does not exist"):
+        engine.load_checkpoint(os.path.join(folder, "universal"))  # DeepSpeed's error: the folder is the tag
     path, _ = engine.load_checkpoint(folder)
     assert path == os.path.join(folder, "universal")
     with torch.no_grad():
@@ -504,6 +512,7 @@ def _load_universal(rank, world, folder, stage, precision, parallelized_first):
         s.setdefault("master_param", weights[name])
     groups = [(g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
     steps = engine.global_steps
+    assert engine.module.plan.unit_size == (world if tp else 1)
     loss = _train(engine, batches[2:])
     return state, groups, steps, loss, _state(engine)
 
@@ -556,17 +565,19 @@ def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
         assert [g["weight_decay"] for g in common["param_groups"]] == [0.1, 0.0]
         assert [g["lr"] for g in common["param_groups"]] == [0.01, 0.02]
     # checkpoint.load_universal: each folder into another ZeRO stage, the state exactly, the next step alike
-    loads = [(0, 3, False), (1, 1, True)]
+    loads = [(1, 1, False, True)]  # (case, ZeRO stage, parallelized before the load, tensor parallel)
     if ALL:
-        loads += [(2, 2, False), (3, 3, True), (4, 1, False), (5, 2, True)]
-    for i, stage, first in loads:
+        loads += [(0, 3, False, False), (1, 1, True, True), (1, 1, True, False), (2, 2, False, False),
+                  (3, 3, True, False), (4, 1, False, False), (5, 2, True, False), (0, 2, False, True)]
+    for i, stage, first, tp in loads:
         source, precision = cases[i]
-        state, groups, steps, loss, after = workers2.run(_load_universal, folders[i], stage, precision, first)[0]
-        assert _same(state, saved[i]), (source, precision, stage)
-        assert groups == [(0.01, 0.1), (0.02, 0.0)] and steps == 2, (source, stage)
+        state, groups, steps, loss, after = workers2.run(_load_universal, folders[i], stage, precision, first, tp)[0]
+        assert _same(state, saved[i]), (source, precision, stage, tp)
+        assert groups == [(0.01, 0.1), (0.02, 0.0)] and steps == 2, (source, stage, tp)
         _, next_loss, next_weights = runs[i]
         tol = 1e-2 if precision == "bf16" else 1e-5
-        assert abs(loss[0] - next_loss[0]) <= tol, (source, stage, loss, next_loss)
+        if not tp:  # tensor parallel: the loss of the global batch, the source's is rank 0's
+            assert abs(loss[0] - next_loss[0]) <= tol, (source, stage, loss, next_loss)
         for name, value in next_weights.items():
             assert torch.allclose(after[name], value, atol=tol, rtol=0), (source, stage, name)
 
