@@ -582,6 +582,67 @@ def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
             assert torch.allclose(after[name], value, atol=tol, rtol=0), (source, stage, name)
 
 
+DEEPSPEED_SAVE = """
+import os, sys, torch
+import deepspeed, deepspeed.ops
+from deepspeed.utils import safe_get_full_fp32_param
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build: plain gloo collectives
+sys.path.insert(0, sys.argv[1])
+import test_deepspeed_conformance as t
+out, stage, rank = sys.argv[2], int(sys.argv[3]), int(os.environ["RANK"])
+torch.manual_seed(0)
+model = t.OddLayers()
+engine = deepspeed.initialize(model=model, config=t._config(stage), model_parameters=t._weight_decay_groups(model))[0]
+batches = t._batches(3, rank)
+t._train(engine, batches[:2])
+engine.save_checkpoint(out)
+masters = {n: safe_get_full_fp32_param(p).float().clone() for n, p in engine.module.named_parameters()}
+loss = t._train(engine, batches[2:])
+if rank == 0:
+    torch.save({"masters": masters, "loss": loss,
+                "after": {n: v.float().clone() for n, v in engine.module.state_dict().items()}}, out + ".pt")
+"""
+
+
+def test_load_universal_of_deepspeeds_own_checkpoint(workers2, tmp_path) -> None:
+    """test_universal_checkpoint.py end to end with DeepSpeed on the saving side: real DeepSpeed 0.19
+    trains and saves (2 gloo processes), its ds_to_universal converts (with --inject_missing_state,
+    as DeepSpeed's own engine writes no universal_checkpoint_info), this engine loads the folder: the
+    masters are DeepSpeed's, the next step's loss and weights are DeepSpeed's."""
+    import importlib.util
+    import socket
+    import subprocess
+    import sys
+
+    if not ALL:
+        pytest.skip("launches real DeepSpeed (about 30 s a stage); runs with NNS_TEST_ALL_PLANS=1")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs DeepSpeed 0.19; pip install 'deepspeed>=0.19,<0.20'")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_BUILD_OPS="0", GLOO_SOCKET_IFNAME="lo")
+    for stage in (1, 2, 3):
+        folder = str(tmp_path / f"ds{stage}")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        script = tmp_path / "deepspeed_save.py"
+        script.write_text(DEEPSPEED_SAVE)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                               str(port), str(script), os.path.dirname(__file__), folder, str(stage)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               folder + "/global_step2", "--output_folder", folder + "/universal",
+                               "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        theirs = torch.load(folder + ".pt")
+        state, groups, steps, loss, after = workers2.run(_load_universal, folder, stage, "fp32", False)[0]
+        assert all(torch.equal(state[n]["master_param"], m) for n, m in theirs["masters"].items()), stage
+        assert groups == [(0.01, 0.1), (0.02, 0.0)] and steps == 2, stage
+        assert loss == theirs["loss"], stage
+        assert all(torch.allclose(after[n], v, atol=1e-6, rtol=0) for n, v in theirs["after"].items()), stage
+
+
 # -- the engine before its first forward ---------------------------------------------------------------
 
 def _before_first_forward(rank, world, tmp):
