@@ -532,6 +532,17 @@ def _universal_tensor(path: str) -> torch.Tensor:
     return t["param"] if isinstance(t, dict) else t  # ZeRO-1/2 write {"param": ..., "cat_dim": 0}, ZeRO-3 the tensor
 
 
+def _load_universal_refused(rank, world, folder):
+    """ZeRO-0 fp32 steps a plain torch optimizer, which takes no whole state: refused by name; the
+    weights alone load."""
+    model = OddLayers()
+    engine = deepspeed.initialize(model=model, config=_config(0, checkpoint={"load_universal": True}))[0]
+    with pytest.raises(NotImplementedError, match="load_optimizer_states=False"):
+        engine.load_checkpoint(folder)
+    engine.load_checkpoint(folder, load_optimizer_states=False)
+    return _state(engine)
+
+
 def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
     """test_universal_checkpoint.py's conversion step: DeepSpeed's `ds_to_universal` turns this engine's
     checkpoint into a universal one whose per-parameter fp32 weights and Adam moments are ours, whole."""
@@ -543,7 +554,7 @@ def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
         pytest.skip("DeepSpeed's ds_to_universal is the reference converter; pip install 'deepspeed>=0.19,<0.20'")
     cases = [(2, "bf16"), (3, "fp32")]
     if ALL:
-        cases += [(1, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16")]
+        cases += [(1, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16"), (0, "bf16")]
     runs = [workers2.run(_save_for_universal, str(tmp_path / f"u{stage}{precision}"), stage, precision)[0]
             for stage, precision in cases]
     saved = [state for state, _, _ in runs]
@@ -564,11 +575,14 @@ def test_ds_to_universal_reads_the_checkpoint(workers2, tmp_path) -> None:
         common = torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=False)
         assert [g["weight_decay"] for g in common["param_groups"]] == [0.1, 0.0]
         assert [g["lr"] for g in common["param_groups"]] == [0.01, 0.02]
+    weights = workers2.run(_load_universal_refused, folders[1])[0]
+    assert all(torch.equal(weights[n], s["master_param"]) for n, s in saved[1].items())
     # checkpoint.load_universal: each folder into another ZeRO stage, the state exactly, the next step alike
     loads = [(1, 1, False, True)]  # (case, ZeRO stage, parallelized before the load, tensor parallel)
     if ALL:
         loads += [(0, 3, False, False), (1, 1, True, True), (1, 1, True, False), (2, 2, False, False),
-                  (3, 3, True, False), (4, 1, False, False), (5, 2, True, False), (0, 2, False, True)]
+                  (3, 3, True, False), (4, 1, False, False), (5, 2, True, False), (0, 2, False, True),
+                  (6, 1, False, False), (3, 0, True, False)]
     for i, stage, first, tp in loads:
         source, precision = cases[i]
         state, groups, steps, loss, after = workers2.run(_load_universal, folders[i], stage, precision, first, tp)[0]
