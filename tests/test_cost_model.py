@@ -1,7 +1,6 @@
 """The cost model: FLOPs, saved activations, communication and model states from the graph alone."""
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest

@@ -227,7 +227,6 @@ class IntraSolver:
             return found
         sig = self.sigs[op.name]
         call = self.call(op)
-        cost = self.cm.costs.ops[op.name]
         labels = [None] + ([l for l in sig.splittable()] if any(o is not None for o in op.outputs) else [])
         blabel = self.batch_label(op)
         # outer axes of a 2-D mesh carry data parallelism (the batch) or nothing; the inner axis anything
