@@ -70,6 +70,19 @@ def machine() -> str:
     return f"{platform.machine()} {os.cpu_count()} cores{gpu}, torch {torch.__version__}, host {socket.gethostname()}"
 
 
+def recorded_section(title: str) -> list[str]:
+    """The lines of RESULTS.md's section `title` as `record` last wrote it (empty when absent), so
+    a script rerun over part of its cases can keep the rows of the others."""
+    if not os.path.exists(RESULTS):
+        return []
+    text = open(RESULTS).read()
+    at = text.find(f"## {title}\n")
+    if at < 0:
+        return []
+    end = text.find("\n## ", at + 1)
+    return text[at:end if end >= 0 else len(text)].splitlines()
+
+
 def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], notes: str = "") -> str:
     """Write a dated table into RESULTS.md under `## title` and return it as text.
 

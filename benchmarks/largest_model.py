@@ -301,14 +301,7 @@ def _earlier_rows(title: str, frameworks: list[str]) -> list[tuple[str, ...]]:
     """The rows of RESULTS.md's section `title` for frameworks this run does not measure, marked
     with the date of their run: `common.record` rewrites the whole section, and a rerun of some
     frameworks must not erase the others' numbers."""
-    if not os.path.exists(common.RESULTS):
-        return []
-    text = open(common.RESULTS).read()
-    at = text.find(f"## {title}\n")
-    if at < 0:
-        return []
-    end = text.find("\n## ", at + 1)
-    lines = text[at:end if end >= 0 else len(text)].splitlines()
+    lines = common.recorded_section(title)
     date = lines[2].split(",")[0] if len(lines) > 2 else "?"
     rows = []
     for line in lines:

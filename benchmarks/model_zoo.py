@@ -81,15 +81,8 @@ TITLE = "benchmarks/model_zoo.py: architectures under every plan"
 
 def _previous_rows() -> list[tuple[str, ...]]:
     """The table rows this script wrote last time, so a run over some architectures updates theirs."""
-    if not os.path.exists(common.RESULTS):
-        return []
-    text = open(common.RESULTS).read()
-    start = text.find(f"## {TITLE}\n")
-    if start < 0:
-        return []
-    end = text.find("\n## ", start + 1)
     rows = []
-    for line in text[start:end if end >= 0 else None].splitlines():
+    for line in common.recorded_section(TITLE):
         cells = tuple(c.strip() for c in line.strip().strip("|").split("|"))
         if line.startswith("| ") and len(cells) == 7 and cells[0] != "architecture":
             rows.append(cells)
