@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, ClassVar, Iterable, Mapping, Optional, Union
 
 from nnscaler_plugins.capture.graph import Graph, OpNode
 from nnscaler_plugins.errors import PlanError
@@ -130,40 +130,51 @@ class MaxTensorParallel(Constraint):
 
 
 @dataclass(frozen=True)
-class MaxExpertParallel(Constraint):
-    """Mixture-of-experts layers split along their experts (with their tokens) at most `degree`
-    ways; 1 keeps every layer's experts whole on each device (data parallelism of the experts)."""
+class _MaxGroupKernelSplit(Constraint):
+    """At most `degree` ways of the split a group kernel of `search/group_kernels.py` takes along its
+    own label (the experts op along its experts, attention along its sequence); the subclasses name
+    which kernel, label and plan degree."""
 
     degree: int
 
+    kind: ClassVar[str] = ""        # group_kernels.kind_of
+    label: ClassVar[str] = ""       # the group_kernels label name
+    config_field: ClassVar[str] = ""  # the Config degree it bounds
+    words: ClassVar[str] = ""
+
     def describe(self) -> str:
-        return f"expert-parallel degree <= {self.degree}"
+        return f"{self.words} degree <= {self.degree}"
 
     def allows(self, cfg: Config) -> bool:
-        return cfg.ep <= self.degree
+        return getattr(cfg, self.config_field) <= self.degree
 
     def allows_op(self, op, axes, batch_label=None) -> bool:
-        from nnscaler_plugins.search.group_kernels import EXPERTS, kind_of
+        from nnscaler_plugins.search import group_kernels
 
-        return kind_of(None, op) != "experts" or math.prod(n for l, n in axes if l == EXPERTS) <= self.degree
+        label = getattr(group_kernels, self.label)
+        return group_kernels.kind_of(None, op) != self.kind or \
+            math.prod(n for l, n in axes if l == label) <= self.degree
 
 
 @dataclass(frozen=True)
-class MaxContextParallel(Constraint):
+class MaxExpertParallel(_MaxGroupKernelSplit):
+    """Mixture-of-experts layers split along their experts (with their tokens) at most `degree`
+    ways; 1 keeps every layer's experts whole on each device (data parallelism of the experts)."""
+
+    kind: ClassVar[str] = "experts"
+    label: ClassVar[str] = "EXPERTS"
+    config_field: ClassVar[str] = "ep"
+    words: ClassVar[str] = "expert-parallel"
+
+
+@dataclass(frozen=True)
+class MaxContextParallel(_MaxGroupKernelSplit):
     """Attention split along its sequence at most `degree` ways; 1: no context parallelism."""
 
-    degree: int
-
-    def describe(self) -> str:
-        return f"context-parallel degree <= {self.degree}"
-
-    def allows(self, cfg: Config) -> bool:
-        return cfg.cp <= self.degree
-
-    def allows_op(self, op, axes, batch_label=None) -> bool:
-        from nnscaler_plugins.search.group_kernels import SEQUENCE, kind_of
-
-        return kind_of(None, op) != "attention" or math.prod(n for l, n in axes if l == SEQUENCE) <= self.degree
+    kind: ClassVar[str] = "attention"
+    label: ClassVar[str] = "SEQUENCE"
+    config_field: ClassVar[str] = "cp"
+    words: ClassVar[str] = "context-parallel"
 
 
 @dataclass(frozen=True)
