@@ -62,3 +62,39 @@ def _column_parallel_block(rank: int, world: int) -> list[str]:
 def test_column_parallel_input_saved_as_shard_2(workers2):
     problems = workers2.run(_column_parallel_block)
     assert not any(problems), problems
+
+
+def _written_after_gather(rank: int, world: int) -> list[str]:
+    """A gathered value written in place before it feeds split pieces (a router's `weights /= sum`
+    after the gather) must be kept as written: gathering the shard again in backward would give
+    the value from before the write."""
+    import torch
+    import torch.distributed as dist
+
+    from nnscaler_plugins.runtime import collectives as C
+
+    torch.manual_seed(0)
+    x_whole, w_whole = torch.randn(4 * world, 6) + 3, torch.randn(8, 6)
+    group = dist.new_group(list(range(world)))
+    x = x_whole.chunk(world, 0)[rank].clone().requires_grad_(True)
+    w = w_whole.chunk(world, 0)[rank].clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(C.pack_saved, C.unpack_saved):
+        gathered = C.all_gather(x * 1, 0, group)
+        gathered.div_(gathered.sum(-1, keepdim=True))
+        out = torch.nn.functional.linear(C.identity_fwd_allreduce_bwd(gathered, group), w)
+    (out * out).sum().backward()
+    x_ref, w_ref = x_whole.clone().requires_grad_(True), w_whole.clone().requires_grad_(True)
+    y = x_ref * 1
+    y = y / y.sum(-1, keepdim=True)
+    (torch.nn.functional.linear(y, w_ref) ** 2).sum().backward()
+    problems = []
+    if not torch.allclose(w.grad, w_ref.grad.chunk(world, 0)[rank], rtol=1e-5, atol=1e-6):
+        problems.append("weight gradient differs from one process")
+    if not torch.allclose(x.grad, x_ref.grad.chunk(world, 0)[rank], rtol=1e-5, atol=1e-6):
+        problems.append("input gradient differs from one process")
+    return problems
+
+
+def test_value_written_after_its_gather_is_kept_whole(workers2):
+    problems = workers2.run(_written_after_gather)
+    assert not any(problems), problems

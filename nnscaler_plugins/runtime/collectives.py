@@ -22,6 +22,7 @@ saved-tensor hooks around a forward passes what it does not handle itself throug
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -213,7 +214,8 @@ def all_gather(x: torch.Tensor, dim: int, group: Any, blocks: int = 1, order: Or
     """D -> R along `dim`; backward keeps the local piece of the (whole) gradient."""
     out = _AllGather.apply(x, dim, group, blocks, _order(group, order))
     if group is not None and out.requires_grad:
-        out._nns_gathered_from = _Regather(x.detach(), dim, group, blocks, _order(group, order))
+        out._nns_gathered_from = _Regather(x.detach(), dim, group, blocks, _order(group, order),
+                                           gathered_version=out._version, shard_version=x._version)
     return out
 
 
@@ -256,6 +258,8 @@ def identity_fwd_allreduce_bwd(x: torch.Tensor, group: Any) -> torch.Tensor:
     When `x` was all-gathered, what backward keeps of the result is its shard (see `pack_saved`)."""
     root = x if x._base is None else x._base
     source = getattr(root, "_nns_gathered_from", None)
+    if source is not None and not source.unchanged(root):
+        source = None  # written in place since the gather (a router's `weights /= sum`): keep it whole
     if source is not None:  # views of the gathered value (a linear saves its input reshaped) find it here
         root._nns_regather = source
     piece = None
@@ -311,12 +315,22 @@ class _Regather:
     order: tuple[int, ...]
     users: int = 0
     whole: Optional[torch.Tensor] = field(default=None, repr=False)
+    # Versions at the gather: a gather repeated in backward equals the saved value only while
+    # neither the gathered tensor nor the shard has been written in place since.
+    gathered_version: int = 0
+    shard_version: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
 
+    def unchanged(self, gathered: torch.Tensor) -> bool:
+        return gathered._version == self.gathered_version and self.shard._version == self.shard_version
+
     def take(self) -> torch.Tensor:
+        if self.shard._version != self.shard_version:
+            raise RuntimeError("a tensor saved for backward was modified by an in-place operation after it was "
+                               "all-gathered (its local shard changed), so backward cannot gather it again")
         whole = self.whole if self.whole is not None else _gather(self.shard, self.dim, self.group, self.blocks,
                                                                   self.order)
         self.users -= 1
@@ -332,16 +346,17 @@ class _SavedView:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    gathered: Any = None  # weak reference to the gathered tensor, to see in-place writes after the save
 
 
 def pack_saved(t: torch.Tensor) -> Any:
     """Saved-tensor pack hook: the all-gathered input of column-split pieces becomes its shard."""
     root = t if t._base is None else t._base
     source = getattr(root, "_nns_regather", None)
-    if source is None or root.storage_offset() != 0 or not root.is_contiguous():
+    if source is None or root.storage_offset() != 0 or not root.is_contiguous() or not source.unchanged(root):
         return t
     source.users += 1
-    return _SavedView(source, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+    return _SavedView(source, tuple(t.size()), tuple(t.stride()), t.storage_offset(), weakref.ref(root))
 
 
 def unpack_saved(saved: Any) -> torch.Tensor:
@@ -349,6 +364,10 @@ def unpack_saved(saved: Any) -> torch.Tensor:
     every device of the group: each device's autograd graph is the same)."""
     if not isinstance(saved, _SavedView):
         return saved
+    gathered = saved.gathered() if saved.gathered is not None else None
+    if gathered is not None and gathered._version != saved.source.gathered_version:
+        raise RuntimeError("a tensor saved for backward (an all-gathered input) was modified by an in-place "
+                           "operation after it was saved")
     return saved.source.take().as_strided(saved.size, saved.stride, saved.offset)
 
 
