@@ -109,8 +109,9 @@ ZERO3 = Strategy("zero3", zero.zero_stage(3), zero.degrees,
                  "gathered for forward and backward and freed in between", _UNIT)
 EP = Strategy("ep", expert_parallel.expert_parallel, expert_parallel.degrees,
               "expert parallel: each MoE layer's experts split over ep= devices, tokens moved to them by "
-              "all-to-all; the dense part data-parallel inside the unit (tensor-parallel with tp=ep); dp= units",
-              ("ep", "dp", "tp", "pp", "schedule", "recompute", "capacity_factor", "batch_statistics"))
+              "all-to-all, each expert's width split over etp= devices; the dense part data-parallel inside the "
+              "unit (tensor-parallel with tp=); dp= units",
+              ("ep", "etp", "dp", "tp", "pp", "schedule", "recompute", "capacity_factor", "batch_statistics"))
 CP = Strategy("cp", context_parallel.context_parallel, context_parallel.degrees,
                "context parallel: the sequence split over cp= devices, attention by cp_comm= ring (default), "
                "allgather or ulysses, causal load balancing by default", ("cp", "dp", "tp", "cp_comm",

@@ -1,10 +1,14 @@
-"""Expert parallelism: each device of a unit of `ep` holds experts / ep of every MoE layer's experts.
+"""Expert parallelism: each MoE layer's experts split `ep` ways, optionally each expert's width `etp` ways.
 
-The unit of `ep` devices runs the dense part of the model as data parallelism inside the unit
+The unit of `ep x etp` devices runs the dense part of the model as data parallelism inside the unit
 (every op split along the batch, its weights whole on each device), and each mixture-of-experts
 layer -- captured as one op, `capture/experts.py` -- split along its `t` label: a device keeps its
 own tokens and its share of the experts, and the kernel moves the rows to the experts chosen for
-them and back by all-to-all. The plan's `dp` copies of the unit are expert-data-parallel: an
+them and back by all-to-all. With `etp` (Megatron's expert tensor parallelism), each share of the
+experts is further cut along every expert's intermediate width over `etp` consecutive devices
+(the op's `f` label): they see the same tokens (gathered from their batch pieces), each computes
+a partial sum of their outputs, and the lowering adds the pieces up -- so experts / ep of them and
+1/etp of each sit on a device, where a model with few large experts cannot spread them by ep alone. The plan's `dp` copies of the unit are expert-data-parallel: an
 expert's gradient is reduced only among the `dp` replicas that hold that expert, a dense weight's
 among all `ep * dp` devices (the unit's batch split gives partial sums the lowering reduces inside
 the unit). ZeRO (`zero=`) shards what each device holds across its `dp` replicas: expert state
@@ -29,6 +33,7 @@ from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
 
 EXPERT_LABEL = "t"  # rules/experts_op.py: tokens and experts, split together
+WIDTH_LABEL = "f"  # rules/experts_op.py: each expert's intermediate width
 
 
 def is_experts_op(op: OpHandle) -> bool:
@@ -36,36 +41,55 @@ def is_experts_op(op: OpHandle) -> bool:
     return isinstance(t, FunctionTarget) and t.cls is ExpertsCall
 
 
+def expert_tensor_degree(etp: Any) -> int:
+    """`etp=` checked: a positive integer (1, the default, keeps every expert whole)."""
+    if etp is None:
+        return 1
+    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+        raise PlanError(f"strategy 'ep': etp={etp!r} must be a positive integer (the number of devices each "
+                        "expert's intermediate width is split over)")
+    return etp
+
+
 def degrees(world_size: int, ep: Optional[int] = None, dp: Optional[int] = None, tp: Optional[int] = None,
-            pp: Optional[int] = None, **_: Any) -> tuple[int, int]:
-    """(unit_size, dp) = (ep, world_size / ep); `ep` defaults to world_size / dp, else the world.
-    With `tp`, the dense part is tensor-parallel in groups of `tp` devices and data-parallel across
-    the ep / tp groups of the unit, so tp must divide ep (with a pipeline, tp = ep)."""
-    if tp is not None and ep is not None and (int(tp) < 1 or int(ep) % int(tp)):
-        raise PlanError(f"strategy 'ep': tp={tp} must divide ep={ep} (the dense part tensor-parallel in groups of "
-                        "tp devices, data-parallel across the groups, over the devices that split the experts)")
-    if tp is not None and ep is not None and pp is not None and int(pp) > 1 and int(tp) != int(ep):
-        raise PlanError(f"strategy 'ep': with pp={pp}, tp={tp} must equal ep={ep} (each stage's dense ops "
-                        "tensor-parallel over the stage's devices)")
-    ep = ep if ep is not None else tp
+            pp: Optional[int] = None, etp: Optional[int] = None, **_: Any) -> tuple[int, int]:
+    """(unit_size, dp) = (ep x etp x pp, the rest); `ep` defaults to world_size / (dp x etp x pp),
+    else the world / (etp x pp). With `tp`, the dense part is tensor-parallel in groups of `tp`
+    devices and data-parallel across the groups of the ep x etp devices, so tp must divide ep x etp
+    (with a pipeline, tp = ep x etp: each stage's dense ops tensor-parallel over its devices)."""
+    e = expert_tensor_degree(etp)
+    width = None if ep is None else int(ep) * e
+    if tp is not None and width is not None and (int(tp) < 1 or width % int(tp)):
+        raise PlanError(f"strategy 'ep': tp={tp} must divide ep x etp = {width} (the dense part tensor-parallel in "
+                        "groups of tp devices, data-parallel across the groups, over the devices that split the "
+                        "experts)")
+    if tp is not None and width is not None and pp is not None and int(pp) > 1 and int(tp) != width:
+        raise PlanError(f"strategy 'ep': with pp={pp}, tp={tp} must equal ep x etp = {width} (each stage's dense "
+                        "ops tensor-parallel over the stage's devices)")
+    if ep is None and tp is not None:
+        if int(tp) % e:
+            raise PlanError(f"strategy 'ep': tp={tp} without ep= must be a multiple of etp={e}")
+        ep = int(tp) // e
     pp = int(pp or 1)
     if ep is None:
-        ep = world_size // (int(dp) * pp) if dp else world_size // pp
+        ep = world_size // (int(dp) * pp * e) if dp else world_size // (pp * e)
     for name, value in (("ep", ep), ("dp", dp)):
         if value is not None and (int(value) < 1 or world_size % int(value)):
             raise PlanError(f"strategy 'ep': {name}={value} does not divide the world size {world_size}")
     ep = int(ep)
-    if world_size % (ep * pp):
-        raise PlanError(f"strategy 'ep': ep={ep} x pp={pp} does not divide the world size {world_size}")
-    if dp is not None and ep * pp * int(dp) != world_size:
-        raise PlanError(f"strategy 'ep': ep={ep} x pp={pp} x dp={dp} = {ep * pp * int(dp)}, but the world size is "
-                        f"{world_size}")
-    return ep * pp, world_size // (ep * pp)
+    unit = ep * e * pp
+    if ep < 1 or world_size % unit:
+        raise PlanError(f"strategy 'ep': ep={ep} x etp={e} x pp={pp} does not divide the world size {world_size}")
+    if dp is not None and unit * int(dp) != world_size:
+        raise PlanError(f"strategy 'ep': ep={ep} x etp={e} x pp={pp} x dp={dp} = {unit * int(dp)}, but the world "
+                        f"size is {world_size}")
+    return unit, world_size // unit
 
 
-def check_experts(builder: PlanBuilder, ep: Optional[int] = None) -> list[OpHandle]:
-    """The MoE layers of the graph, each checked to split into `ep` shares; refused by name otherwise."""
-    ep = builder.unit_size if ep is None else ep
+def check_experts(builder: PlanBuilder, ep: Optional[int] = None, etp: int = 1) -> list[OpHandle]:
+    """The MoE layers of the graph, each checked to split into `ep` shares of experts and each
+    expert's width into `etp` slices; refused by name otherwise."""
+    ep = builder.unit_size // etp if ep is None else ep
     layers = [op for op in builder.ops if is_experts_op(op)]
     if not layers:
         raise PlanError("strategy 'ep': the model has no recognized mixture-of-experts layers (a module whose "
@@ -82,7 +106,27 @@ def check_experts(builder: PlanBuilder, ep: Optional[int] = None) -> list[OpHand
             raise PlanError(f"strategy 'ep': the layer's {x.shape[0]} tokens per replica do not split into ep={ep} "
                             "devices; give each data-parallel replica a batch divisible by ep", op=op.name,
                             where=op.where())
+        if etp > 1:
+            check_width(graph, op, etp)
     return layers
+
+
+def check_width(graph: Any, op: OpHandle, etp: int) -> None:
+    """Refuses, by name, an experts layer whose width cannot be split `etp` ways exactly."""
+    sig = op.signature
+    if WIDTH_LABEL not in sig.labels():
+        raise PlanError(f"strategy 'ep': etp={etp} needs each expert's intermediate width split, and this experts "
+                        "module's forward does not add up from slices of its width (probed by "
+                        "rules/experts_intermediate.py; e.g. a bias after the down projection, a norm over the width "
+                        "or interleaved gate and up rows); use etp=1 (experts whole, split by ep)",
+                        op=op.name, where=op.where())
+    if not op.splittable(WIDTH_LABEL, etp):
+        widths = sorted({graph.meta(op.node.inputs[i]).shape[labels.index(WIDTH_LABEL)]
+                         // sig.blocks.get((WIDTH_LABEL, i), 1)
+                         for i, labels in enumerate(sig.inputs) if labels and WIDTH_LABEL in labels})
+        raise PlanError(f"strategy 'ep': etp={etp} does not divide each expert's intermediate width "
+                        f"({', '.join(map(str, widths))}); choose an etp among its divisors",
+                        op=op.name, where=op.where())
 
 
 def mutates_input(op: OpHandle) -> bool:
@@ -133,31 +177,50 @@ def batch_choices(builder: PlanBuilder, n: Optional[int] = None) -> dict[str, Op
 
 
 def expert_parallel(builder: PlanBuilder, **options: Any) -> None:
-    """Experts split `ep` ways with their tokens; everything else split along the batch inside the unit."""
+    """Experts split `ep` ways with their tokens (and `etp` ways along each expert's width);
+    everything else split along the batch inside the unit, or tensor-parallel with `tp`."""
     pp = int(options.get("pp") or 1)
     ep = options.get("ep")
-    if ep is not None and int(ep) * pp != builder.unit_size:
-        raise PlanError(f"strategy 'ep': ep={ep} x pp={pp} but the plan's unit has {builder.unit_size} devices")
+    etp = expert_tensor_degree(options.get("etp"))
+    if builder.unit_size % (etp * pp):
+        raise PlanError(f"strategy 'ep': etp={etp} x pp={pp} does not divide the plan's unit of {builder.unit_size} "
+                        "devices")
+    if ep is not None and int(ep) * etp * pp != builder.unit_size:
+        raise PlanError(f"strategy 'ep': ep={ep} x etp={etp} x pp={pp} but the plan's unit has {builder.unit_size} "
+                        "devices")
+    ep = builder.unit_size // (etp * pp)
     builder.options["experts_as_one_op"] = True  # a saved plan is re-applied to the same capture
     check_capacity(options.get("capacity_factor"))
+    check_experts(builder, ep, etp)
+    apply_batch_statistics(builder, "ep", options.get("batch_statistics"))
     if pp > 1:
-        check_experts(builder, builder.unit_size // pp)
-        apply_batch_statistics(builder, "ep", options.get("batch_statistics"))
-        pipelined(builder, pp, options.get("schedule") or "1f1b")
+        pipelined(builder, pp, options.get("schedule") or "1f1b", etp)
         apply_recompute(builder, options.get("recompute"))
         return
-    check_experts(builder)
-    apply_batch_statistics(builder, "ep", options.get("batch_statistics"))
     n = builder.unit_size
     if options.get("tp") is not None and n > 1:
-        dense_tensor_parallel(builder, int(options["tp"]))
+        dense_tensor_parallel(builder, int(options["tp"]), etp)
     else:
         for op, label in zip(builder.ops, batch_choices(builder).values()):
-            if label is None or n == 1:
+            if is_experts_op(op) and n > 1:
+                split_experts(builder, op, ep, etp)
+            elif label is None or n == 1:
                 builder.replicate(op)
             else:
                 builder.split(op, [(label, n)])
     apply_recompute(builder, options.get("recompute"))
+
+
+def split_experts(builder: PlanBuilder, op: OpHandle, ep: int, etp: int, devices: Optional[list[int]] = None) -> None:
+    """An experts op cut into ep shares of experts (with their tokens), each over `etp` consecutive
+    devices holding a slice of every expert's width: piece (i, j) on devices[i * etp + j]."""
+    dims = [(EXPERT_LABEL, ep)] if ep > 1 else []
+    if etp > 1:
+        dims.append((WIDTH_LABEL, etp))
+    if not dims:
+        builder.replicate(op, devices=devices)
+        return
+    builder.split(op, dims, devices)
 
 
 def check_capacity(capacity_factor: Any) -> None:
@@ -170,7 +233,7 @@ def check_capacity(capacity_factor: Any) -> None:
                         "no token dropped)")
 
 
-def dense_tensor_parallel(builder: PlanBuilder, tp: int) -> None:
+def dense_tensor_parallel(builder: PlanBuilder, tp: int, etp: int = 1) -> None:
     """Megatron's "parallel folding" for MoE models: attention and every dense matmul
     tensor-parallel in groups of `tp` consecutive devices (the `tp` strategy's propagation) and
     split along the batch across the unit's ep / tp groups, while each MoE layer is split along
@@ -182,7 +245,7 @@ def dense_tensor_parallel(builder: PlanBuilder, tp: int) -> None:
     batch = batch_choices(builder, b) if b > 1 else {}
     for op in builder.ops:
         if is_experts_op(op):
-            builder.split(op, [(EXPERT_LABEL, n)])
+            split_experts(builder, op, n // etp, etp)
             continue
         c = choices.get(op.name)
         tl, block = (c.label, c.block) if c is not None else (None, 1)
@@ -207,30 +270,34 @@ def dense_tensor_parallel(builder: PlanBuilder, tp: int) -> None:
                 builder.op_assign(sub, device)
 
 
-def pipelined(builder: PlanBuilder, pp: int, schedule: Any) -> None:
-    """The layer stack in `pp` stages of `ep` devices each (as the pipeline strategies cut it); inside
-    a stage the dense ops are tensor-parallel over the stage's devices and each MoE layer is split
-    along experts over them. Values enter and leave a stage whole, as the pipeline executor moves them."""
-    ep = builder.unit_size // pp
+def pipelined(builder: PlanBuilder, pp: int, schedule: Any, etp: int = 1) -> None:
+    """The layer stack in `pp` stages of ep x etp devices each (as the pipeline strategies cut it);
+    inside a stage the dense ops are tensor-parallel over the stage's devices and each MoE layer is
+    split along experts (and widths) over them. Values enter and leave a stage whole, as the
+    pipeline executor moves them."""
+    size = builder.unit_size // pp
     try:
         stages = balanced_stages(layer_groups(builder.graph), pp)
     except ValueError as e:
         raise PlanError(f"strategy 'ep': cannot cut {builder.graph.model_class} into {pp} pipeline stages: {e}") \
             from None
     handles = {op.name: op for op in builder.ops}
-    stage_devices = [list(range(r * ep, (r + 1) * ep)) for r in range(pp)]
+    stage_devices = [list(range(r * size, (r + 1) * size)) for r in range(pp)]
     for ops, devices in zip(stages, stage_devices):
         segment = [handles[op.name] for op in ops]
-        choices = TensorParallelPropagation(builder, degree=ep, devices_of=lambda op, d=devices: d,
-                                            ops=segment).run() if ep > 1 else {}
+        choices = TensorParallelPropagation(builder, degree=size, devices_of=lambda op, d=devices: d,
+                                            ops=segment).run() if size > 1 else {}
         for op in segment:
             c = choices.get(op.name)
-            label = EXPERT_LABEL if is_experts_op(op) and ep > 1 else (c.label if c is not None else None)
+            if is_experts_op(op):
+                split_experts(builder, op, size // etp, etp, devices)
+                continue
+            label = c.label if c is not None else None
             if label is None:
                 builder.replicate(op, devices=devices)
                 continue
             block = c.block if c is not None and label == c.label else 1
-            for device, sub in zip(devices, builder.op_trans(op, dim=label, num=ep, block=block)):
+            for device, sub in zip(devices, builder.op_trans(op, dim=label, num=size, block=block)):
                 builder.op_assign(sub, device)
     builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule=schedule)
 

@@ -3,7 +3,8 @@
 Equivalence with one process (SGD, fp32, relative 1e-5) on HF Mixtral and Qwen3-MoE with 8 experts
 and top-2 routing, the router's load-balancing loss included (under ep x dp its statistics are made
 whole across the replicas), and with attention tensor-parallel in smaller groups than the experts'
-split (ep 4 x tp 2); expert state per device is 1/ep;
+split (ep 4 x tp 2), and with each expert's width split too (`etp`, tensor parallelism inside each
+expert, alone and with ep, tp, dp and a pipeline); expert state per device is 1/(ep x etp);
 two all-to-alls per MoE layer forward and two backward, readable in the generated code; bad
 degrees and models without experts refused by name before launch.
 """
@@ -99,8 +100,8 @@ def _equivalence(rank, world, name, options, dp):
     return sgd_equivalence(rank, world, MODELS[name], "ep", options, dp, what=f"{name} ep {options}")
 
 
-@pytest.mark.parametrize("name,options", [("mixtral", {"ep": 2})]
-                         + ([("qwen3_moe", {"ep": 2}), ("mixtral", {"ep": 2, "tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2}),
+@pytest.mark.parametrize("name,options", [("mixtral", {"ep": 2}), ("qwen3_moe", {"ep": 1, "etp": 2})]
+                         + ([("mixtral", {"ep": 1, "etp": 2, "tp": 2}), ("deepseek_v3", {"ep": 1, "etp": 2}),("qwen3_moe", {"ep": 2}), ("mixtral", {"ep": 2, "tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2}),
                              ("qwen2_moe", {"ep": 2}), ("deepseek_v3", {"ep": 2}), ("deepseek_v3", {"ep": 2, "tp": 2})]
                             if EVERY else []))
 def test_ep_2(workers2, name, options):
@@ -108,8 +109,12 @@ def test_ep_2(workers2, name, options):
     assert not any(problems), problems
 
 
-@pytest.mark.parametrize("name,options,dp", [("mixtral", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4, "tp": 2}, 1)]
-                         + ([("qwen3_moe", {"ep": 4, "tp": 2}, 1), ("qwen2_moe", {"ep": 4, "tp": 2}, 1),
+@pytest.mark.parametrize("name,options,dp", [("mixtral", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4, "tp": 2}, 1),
+                                            ("mixtral", {"ep": 2, "etp": 2}, 1)]
+                         + ([("qwen3_moe", {"ep": 2, "etp": 2, "tp": 2}, 1), ("qwen2_moe", {"ep": 2, "etp": 2}, 1),
+                             ("deepseek_v3", {"ep": 2, "etp": 2, "tp": 2}, 1), ("mixtral", {"ep": 1, "etp": 2, "dp": 2}, 2),
+                             ("mixtral_no_aux", {"ep": 1, "etp": 2, "pp": 2, "micro_batches": 2}, 1),
+                             ("mixtral", {"ep": 1, "etp": 2, "dp": 2, "zero": 3}, 2),("qwen3_moe", {"ep": 4, "tp": 2}, 1), ("qwen2_moe", {"ep": 4, "tp": 2}, 1),
                              ("deepseek_v3", {"ep": 4, "tp": 2}, 1), ("qwen3_moe", {"ep": 2, "dp": 2}, 2),
                              ("qwen2_moe", {"ep": 2, "dp": 2}, 2),
                              ("mixtral_no_aux", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4}, 1),
@@ -122,7 +127,7 @@ def test_ep_4(workers4, name, options, dp):
     assert not any(problems), problems
 
 
-def _memory_and_collectives(rank, world, ep):
+def _memory_and_collectives(rank, world, ep, etp=1):
     """Expert parameters, gradients and optimizer state held here, and the all-to-alls of one step."""
     import torch.distributed as dist
 
@@ -131,7 +136,7 @@ def _memory_and_collectives(rank, world, ep):
     torch.manual_seed(0)
     model, batch = mixtral()
     total = {n: p.numel() for n, p in model.named_parameters() if ".experts." in n}
-    pm = nns.parallelize(model, batch, plan="ep", ep=ep, cache_dir="/tmp/nns_test_cache")
+    pm = nns.parallelize(model, batch, plan="ep", ep=ep, etp=etp, cache_dir="/tmp/nns_test_cache")
     opt = nns.build_optimizer(pm, torch.optim.Adam, lr=1e-3)
     calls = []
     original = dist.all_to_all_single
@@ -159,15 +164,21 @@ def _memory_and_collectives(rank, world, ep):
                 backward=backward, source=source)
 
 
-@pytest.mark.parametrize("ep", [2])
-def test_expert_memory_and_all_to_alls(workers2, ep):
-    for r in workers2.run(_memory_and_collectives, ep):
-        assert r["params"] == r["total"] // ep, r
-        assert r["grads"] == r["total"] // ep, r
-        assert r["state"] == 2 * r["total"] // ep, r  # Adam: two moments per element
-        assert r["forward"] == 2 * LAYERS and r["backward"] == 2 * LAYERS, (r["forward"], r["backward"])
+@pytest.mark.parametrize("ep,etp", [(2, 1), (1, 2)])
+def test_expert_memory_and_all_to_alls(workers2, ep, etp):
+    """ep 2: half the experts per device, two all-to-alls per layer each way; etp 2 (tensor
+    parallel inside each expert): half of every expert's width per device and no all-to-all."""
+    for r in workers2.run(_memory_and_collectives, ep, etp):
+        assert r["params"] == r["total"] // (ep * etp), r
+        assert r["grads"] == r["total"] // (ep * etp), r
+        assert r["state"] == 2 * r["total"] // (ep * etp), r  # Adam: two moments per element
+        moves = 2 * LAYERS if ep > 1 else 0
+        assert r["forward"] == moves and r["backward"] == moves, (r["forward"], r["backward"])
         calls = [line for line in r["source"].splitlines() if "expert_all_to_all(" in line]
-        assert calls and len(calls) % LAYERS == 0 and all("group=" in line for line in calls), calls
+        if ep > 1:
+            assert calls and len(calls) % LAYERS == 0 and all("group=" in line for line in calls), calls
+        else:
+            assert not calls and "ExpertsCall.apply(" in r["source"]
 
 
 def test_refused_before_launch():
@@ -282,3 +293,79 @@ def test_dispatch_kernel(workers2, capacity_factor):
     for problems, dropped in results:
         assert not problems, problems
         assert (dropped > 0) == (capacity_factor is not None), dropped
+
+
+class _LoopExperts(torch.nn.Module):
+    """A hand-written experts module in three layouts: "fused" (gate and up rows stacked, as HF),
+    "transposed" (weights stored input-major), "interleaved" (gate and up rows alternating) and
+    "biased" (a bias added after the down projection)."""
+
+    def __init__(self, layout, experts=4, hidden=16, width=8):
+        super().__init__()
+        self.num_experts, self.layout = experts, layout
+        e, h, i = experts, hidden, width
+        transposed = layout == "transposed"
+        self.gate_up = torch.nn.Parameter(torch.randn((e, h, 2 * i) if transposed else (e, 2 * i, h)) * 0.3)
+        self.down = torch.nn.Parameter(torch.randn((e, i, h) if transposed else (e, h, i)) * 0.3)
+        if layout == "biased":
+            self.down_bias = torch.nn.Parameter(torch.randn(e, h) * 0.3)
+
+    def forward(self, x, ids, weights):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(ids == e)
+            gu = self.gate_up[e].t() if self.layout == "transposed" else self.gate_up[e]
+            dn = self.down[e].t() if self.layout == "transposed" else self.down[e]
+            y = torch.nn.functional.linear(x[rows], gu)
+            gate, up = (y[:, ::2], y[:, 1::2]) if self.layout == "interleaved" else y.chunk(2, -1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, dn)
+            if self.layout == "biased":
+                y = y + self.down_bias[e]
+            out = out.index_add(0, rows, y * weights[rows, slot, None])
+        return out
+
+
+class _TinyMoE(torch.nn.Module):
+    def __init__(self, layout):
+        super().__init__()
+        self.inp, self.router, self.experts = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4), _LoopExperts(layout)
+
+    def forward(self, x):
+        h = self.inp(x)
+        weights, ids = torch.softmax(self.router(h), -1).topk(2, -1)
+        return (self.experts(h, ids, weights) ** 2).mean()
+
+
+@pytest.mark.parametrize("layout,found", [("fused", ((1, 2), (2, 1))), ("transposed", ((2, 2), (1, 1))),
+                                          ("interleaved", None), ("biased", None)])
+def test_expert_width_found_by_running_the_module(layout, found):
+    """Which weight dims hold each expert's width (and their fused sections) is found by running
+    the module on slices; layouts whose slices do not add up are not split."""
+    from nnscaler_plugins.rules.experts_intermediate import intermediate_dims
+    from nnscaler_plugins.runtime.experts_module import register_template
+
+    module = _LoopExperts(layout)
+    params = list(module.named_parameters())
+    key = register_template(module)
+    dims = intermediate_dims(key, [n for n, _ in params], [tuple(p.shape) for _, p in params], 16, 2)
+    assert (dims.dims if dims is not None else None) == found
+
+
+def test_expert_tensor_parallel_refused_before_launch():
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    with pytest.raises(PlanError, match="does not add up from slices of its width"):
+        nns.plan(_TinyMoE("biased"), strategy="ep", world_size=2, ep=1, etp=2, example_inputs=(x,))
+    plan = nns.plan(_TinyMoE("transposed"), strategy="ep", world_size=4, ep=2, etp=2, example_inputs=(x,))
+    experts = [p for name, p in plan.ops.items() if dict(p.splits).get("f")]
+    assert experts and dict(experts[0].splits) == {"t": 2, "f": 2}, plan.ops
+    model, batch = mixtral()
+    with pytest.raises(PlanError, match=r"etp=5 does not divide each expert's intermediate width \(48\)"):
+        nns.plan(model, strategy="ep", world_size=5, ep=1, etp=5, example_inputs=batch)
+    with pytest.raises(PlanError, match="etp='2' must be a positive integer"):
+        nns.plan(model, strategy="ep", world_size=2, ep=1, etp="2", example_inputs=batch)
+    with pytest.raises(PlanError, match="tp=4 must divide ep x etp = 2"):
+        nns.plan(model, strategy="ep", world_size=4, ep=1, etp=2, tp=4, example_inputs=batch)

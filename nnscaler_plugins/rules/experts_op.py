@@ -10,7 +10,14 @@ experts that were chosen for them by all-to-all inside the piece's kernel
 piece's own tokens, finished: a plain token split, so what follows runs on its tokens as data
 parallelism would. The hidden dims stay whole.
 
-The label is a communicating one (`comm_labels`): a piece cannot run without its group. A plan's
+A second label, `f`, marks each expert's intermediate width (`rules/experts_intermediate.py` finds
+which weight dims hold it, and their fused sections, by probing the module): splitting it is tensor
+parallelism inside each expert. Every piece then holds a slice of every expert's width and computes
+a partial sum of its tokens' outputs (`f` is a reduce label), which the lowering adds up where the
+next op needs it. Split along both, the all-to-all runs among the pieces holding the same slice of
+the width (the group of `t`), as Megatron's expert tensor parallelism does.
+
+The label `t` is a communicating one (`comm_labels`): a piece cannot run without its group. A plan's
 `capacity_factor` option (the ep strategy's) reaches the kernel through the op's localized call.
 """
 from __future__ import annotations
@@ -20,9 +27,11 @@ from typing import Optional
 from nnscaler_plugins.runtime.experts_module import ExpertsCall
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
+from nnscaler_plugins.rules.experts_intermediate import intermediate_dims
 from nnscaler_plugins.runtime import expert_dispatch
 
 SPLIT = "t"
+WIDTH = "f"
 
 
 def _frozen(prefix: str, ndim: int) -> tuple[str, ...]:
@@ -52,12 +61,24 @@ def experts_signature(call: OpCall, capacity_factor: Optional[float] = None) -> 
             kwargs["capacity_factor"] = float(factor)
         return Localized(expert_dispatch.expert_all_to_all, tuple(refs), kwargs, group_label=SPLIT)
 
+    width = intermediate_dims(key, names, [tuple(p.shape) for p in params], x.shape[1], ids.shape[1])
+    weight_labels = []
+    blocks = {}
+    for i, p in enumerate(params):
+        labels = list((SPLIT,) + _frozen(f"p{i}_", p.ndim - 1))
+        if width is not None:
+            dim, sections = width.dims[i]
+            labels[dim] = WIDTH
+            if sections > 1:
+                blocks[(WIDTH, 3 + i)] = sections
+        weight_labels.append(tuple(labels))
     return Signature(
-        inputs=((SPLIT, "^h"), (SPLIT, "^k"), (SPLIT, "^k"), *((SPLIT,) + _frozen(f"p{i}_", p.ndim - 1)
-                                                              for i, p in enumerate(params))),
+        inputs=((SPLIT, "^h"), (SPLIT, "^k"), (SPLIT, "^k"), *weight_labels),
         outputs=((SPLIT, "^h"),),
-        localize=localize, comm_labels=frozenset({SPLIT}),
-        note="experts split with their tokens: all-to-all dispatch and combine")
+        reduce=frozenset({WIDTH}) if width is not None else frozenset(),
+        blocks=blocks, localize=localize, comm_labels=frozenset({SPLIT}),
+        note="experts split with their tokens: all-to-all dispatch and combine"
+             + ("; each expert's width split: partial sums" if width is not None else ""))
 
 
 @rule(ExpertsCall)

@@ -12,7 +12,10 @@ the plan's `cp_comm`). The lowering inserts no collective for either, so the ord
   device under even routing; split, the dispatch and combine all-to-alls in forward and the same
   two in backward, priced on the link hierarchy (`Network.all_to_all`: inside a node or across);
   kept for backward: the rows received and the experts' intermediates (the unsplit op recomputes
-  its forward in backward instead, one more expert pass).
+  its forward in backward instead, one more expert pass). Split along each expert's width too
+  (label `f`, expert tensor parallelism), a device computes 1/etp of every routed row's work on
+  1/etp of the weights; the exchanges are unchanged (each slice's group moves the same rows) and
+  the partial outputs are summed by the lowering, priced as any reduce label's.
 - attention split along the sequence: `context_parallel_cost` for the plan's `cp_comm` (ring
   blocks overlapped with the block's attention, the all-gather, Ulysses' four all-to-alls), with
   the whole-sequence attention time of the piece's other splits (batch, heads) from the op's own
@@ -40,6 +43,7 @@ from nnscaler_plugins.search.network import span_of
 ATTENTION = "aten.scaled_dot_product_attention.default"
 SEQUENCE = "s"  # rules/attention.py
 EXPERTS = "t"  # rules/experts_op.py
+WIDTH = "f"  # rules/experts_op.py: each expert's intermediate width
 CP_MODES = ("ring", "allgather", "ulysses")
 
 
@@ -100,17 +104,18 @@ def _experts(cm: CostModel, op: OpNode, p: Placement, training: Training, to_glo
     per_expert = sum(m.numel for m in params) / experts
     counts = p.label_counts()
     ep = counts.get(EXPERTS, 1)
+    etp = counts.get(WIDTH, 1)
     rows = tokens * top_k / ep  # routed rows one device computes (even routing)
-    flops = 2.0 * rows * per_expert
+    flops = 2.0 * rows * per_expert / etp
     rate = cm.matmul_rate(training.dtype)
     kernels = cm.cluster.kernels
     if kernels is not None:  # grouped GEMMs: rows per expert x expert width x hidden
-        width = per_expert / max(hidden, 1)
+        width = per_expert / max(hidden, 1) / etp
         eff = kernels.matmul_efficiency(max(1.0, rows * ep / experts), width, hidden, max(1, experts // ep),
                                         training.dtype)
         rate = cm.cluster.flops(training.dtype) * cm.cluster.efficiency.sustained * max(eff, 1e-3)
     isz = training.act_bytes
-    weights = per_expert * experts / ep * training.param_bytes
+    weights = per_expert * experts / (ep * etp) * training.param_bytes
     mem_rate = cm.cluster.memory_bandwidth * cm.cluster.efficiency.memory
     oh = cm.cluster.efficiency.op_overhead_s
     fwd = max(flops / rate, weights / mem_rate) + oh
@@ -124,7 +129,7 @@ def _experts(cm: CostModel, op: OpNode, p: Placement, training: Training, to_glo
     exchange = cm.net.all_to_all(moved, span) + cm.net.all_gather(4.0 * experts * ep, span)  # rows, then counts
     fwd_comm = exchange + cm.net.all_to_all(moved, span)  # dispatch (with the counts) and combine
     bwd_comm = 2 * cm.net.all_to_all(moved, span)
-    kept = rows * (hidden + per_expert / max(hidden, 1)) * isz  # rows received and the experts' intermediates
+    kept = rows * (hidden + per_expert / max(hidden, 1) / etp) * isz  # rows received, the experts' intermediates
     return GroupKernelCost(t, fwd_comm, bwd_comm, kept)
 
 
