@@ -213,3 +213,23 @@ def test_simulator_prices_cp_strategy_plans_per_cp_comm():
     whole = nns.simulate(nns.plan(g, strategy="dp", world_size=1), spec).step_time_s
     assert len(set(times.values())) == 3, times
     assert all(t > 0 for t in times.values()) and whole > 0
+
+
+def test_expert_width_split_in_the_search_space():
+    """On a 2 x 2 mesh the experts op is offered split along its experts (t) on either axis, along
+    each expert's width (f, tensor parallelism inside the experts) on the inner one, and both
+    (ep x etp); a width split is priced as 1/etp of the experts' work with no exchange of its own."""
+    from nnscaler_plugins.capture.experts import experts_as_one_op
+
+    torch.manual_seed(0)
+    model, batch = moe()
+    with experts_as_one_op(model):
+        g = nns.capture(model, kwargs=batch)
+    cm = CostModel(g, nns.cluster(SPEC))
+    solver = IntraSolver(g, cm, Training(dtype="fp32"), (2, 2))
+    experts = next(op for op in g.ops if group_kernels.kind_of(g, op) == "experts")
+    axes = {c.axes: c for c in solver.choices(experts)}
+    assert ((None, 2), ("f", 2)) in axes and (("t", 2), ("f", 2)) in axes, list(axes)
+    whole = group_kernels.price(cm, experts, axes[((None, 2), (None, 2))].placement(solver.devices), Training("fp32"))
+    width = group_kernels.price(cm, experts, axes[((None, 2), ("f", 2))].placement(solver.devices), Training("fp32"))
+    assert width.time.flops == pytest.approx(whole.time.flops / 2) and width.fwd_comm == 0.0
