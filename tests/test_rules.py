@@ -450,7 +450,7 @@ def test_every_split_of_every_model_op_matches_the_whole_op(model_name, recorded
 # Core rules on random shapes
 # --------------------------------------------------------------------------------------------------
 
-def _call_of(target: Any, args: tuple, kwargs: dict, tensors: dict[str, torch.Tensor]) -> OpCall:
+def call_of(target: Any, args: tuple, kwargs: dict, tensors: dict[str, torch.Tensor]) -> OpCall:
     """An OpCall as capture would build it; the output metas come from running on meta tensors."""
     names: list[str] = []
     for leaf in pytree.tree_leaves((args, kwargs)):
@@ -465,8 +465,8 @@ def _call_of(target: Any, args: tuple, kwargs: dict, tensors: dict[str, torch.Te
                   input_names=tuple(names))
 
 
-def _check_random(target: Any, args: tuple, kwargs: dict, tensors: dict[str, torch.Tensor]) -> None:
-    call = _call_of(target, args, kwargs, tensors)
+def check_random(target: Any, args: tuple, kwargs: dict, tensors: dict[str, torch.Tensor]) -> None:
+    call = call_of(target, args, kwargs, tensors)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     problems, _ = check_call(call, tensors, f"{target} {shapes} args {args!r} kwargs {kwargs!r}")
     assert not problems, "\n".join(problems)
@@ -496,7 +496,7 @@ def test_linear_random(batch, k, n, bias):
     if bias:
         tensors["b"] = _randn(n)
         args += (Ref("b"),)
-    _check_random(aten.linear.default, args, {}, tensors)
+    check_random(aten.linear.default, args, {}, tensors)
 
 
 @HYP
@@ -506,7 +506,7 @@ def test_addmm_random(m, k, n, bias_kind, beta):
     bias = {"n": (n,), "mn": (m, n), "1n": (1, n), "m1": (m, 1)}[bias_kind]
     tensors = {"bias": _randn(*bias), "a": _randn(m, k), "b": _randn(k, n)}
     kwargs = {} if beta == 1 else {"beta": beta}
-    _check_random(aten.addmm.default, (Ref("bias"), Ref("a"), Ref("b")), kwargs, tensors)
+    check_random(aten.addmm.default, (Ref("bias"), Ref("a"), Ref("b")), kwargs, tensors)
 
 
 @HYP
@@ -515,13 +515,13 @@ def test_matmul_random_with_broadcast_batch(data, m, k, n, a_vec, b_vec):
     batch = data.draw(st.lists(SIZES, max_size=2))
     a = [k] if a_vec else _broadcast_operand(data.draw, batch) + [m, k]
     b = [k] if b_vec else _broadcast_operand(data.draw, batch) + [k, n]
-    _check_random(aten.matmul.default, (Ref("a"), Ref("b")), {}, {"a": _randn(*a), "b": _randn(*b)})
+    check_random(aten.matmul.default, (Ref("a"), Ref("b")), {}, {"a": _randn(*a), "b": _randn(*b)})
 
 
 @HYP
 @given(bb=SIZES, m=SIZES, k=SIZES, n=SIZES)
 def test_bmm_random(bb, m, k, n):
-    _check_random(aten.bmm.default, (Ref("a"), Ref("b")), {}, {"a": _randn(bb, m, k), "b": _randn(bb, k, n)})
+    check_random(aten.bmm.default, (Ref("a"), Ref("b")), {}, {"a": _randn(bb, m, k), "b": _randn(bb, k, n)})
 
 
 @HYP
@@ -531,7 +531,7 @@ def test_add_random_broadcast(data, out, alpha, swap):
     other = _broadcast_operand(data.draw, out)
     x, y = ("a", "b") if not swap else ("b", "a")
     kwargs = {} if alpha == 1 else {"alpha": alpha}
-    _check_random(aten.add.Tensor, (Ref(x), Ref(y)), kwargs, {"a": _randn(*out), "b": _randn(*other)})
+    check_random(aten.add.Tensor, (Ref(x), Ref(y)), kwargs, {"a": _randn(*out), "b": _randn(*other)})
 
 
 @st.composite
@@ -560,7 +560,7 @@ def test_view_reshape_random(pair, op, minus_one):
     if minus_one:
         size[0] = -1
     target = aten.view.default if op == "view" else aten.reshape.default
-    _check_random(target, (Ref("x"), size), {}, {"x": _randn(*src)})
+    check_random(target, (Ref("x"), size), {}, {"x": _randn(*src)})
 
 
 @HYP
@@ -569,14 +569,14 @@ def test_transpose_random(shape, data):
     n = len(shape)
     d0 = data.draw(st.integers(-n, n - 1))
     d1 = data.draw(st.integers(-n, n - 1))
-    _check_random(aten.transpose.int, (Ref("x"), d0, d1), {}, {"x": _randn(*shape)})
+    check_random(aten.transpose.int, (Ref("x"), d0, d1), {}, {"x": _randn(*shape)})
 
 
 @HYP
 @given(shape=st.lists(SIZES, min_size=1, max_size=4), data=st.data())
 def test_softmax_random(shape, data):
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
-    _check_random(aten.softmax.int, (Ref("x"), dim), {}, {"x": _randn(*shape)})
+    check_random(aten.softmax.int, (Ref("x"), dim), {}, {"x": _randn(*shape)})
 
 
 @HYP
@@ -591,7 +591,7 @@ def test_layer_norm_random(lead, normed, affine):
         if affine == "both":
             tensors["b"] = _randn(*normed)
             args += (Ref("b"),)
-    _check_random(aten.layer_norm.default, args, {}, tensors)
+    check_random(aten.layer_norm.default, args, {}, tensors)
 
 
 @HYP
@@ -618,7 +618,7 @@ def test_sdpa_random(b, kv, group, lq, lk, e, mask):
         args += (Ref("m"),)
     elif mask == "causal" and lq <= lk:
         kwargs["is_causal"] = True
-    _check_random(aten.scaled_dot_product_attention.default, args, kwargs, tensors)
+    check_random(aten.scaled_dot_product_attention.default, args, kwargs, tensors)
 
 
 @HYP
@@ -630,7 +630,7 @@ def test_embedding_random(vocab, dim, ids, padding):
     if padding:
         args += (vocab - 1,)
         tensors["ids"][..., 0] = vocab - 1  # the padding row is looked up and gets no gradient
-    _check_random(aten.embedding.default, args, {}, tensors)
+    check_random(aten.embedding.default, args, {}, tensors)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from nnscaler_plugins.capture.graph import Ref
 from nnscaler_plugins.rules import has_rule
-from test_rules import _call_of, _check_random
+from test_rules import call_of, check_random
 
 aten = torch.ops.aten
 
@@ -49,12 +49,12 @@ CASES = [
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_every_split_of_the_op_matches_the_whole_op(case):
     target, args, kwargs, tensors = dict(CASES)[case]()
-    call = _call_of(target, args, kwargs, {k: v.clone() for k, v in tensors.items()})
+    call = call_of(target, args, kwargs, {k: v.clone() for k, v in tensors.items()})
     assert has_rule(target), f"{target} has no rule"
     from nnscaler_plugins.rules import signature_of
     sig = signature_of(call)
     assert sig.splittable(), f"{target}: the rule allows no split"
-    _check_random(target, args, kwargs, tensors)
+    check_random(target, args, kwargs, tensors)
 
 
 IN_PLACE = [
@@ -74,8 +74,8 @@ def test_in_place_ops_take_the_rule_of_their_functional_op(in_place, functional,
     op on each piece's own chunk gives the chunks of the whole in-place result."""
     from nnscaler_plugins.rules import signature_of
     fresh = {k: v.clone() for k, v in tensors.items()}
-    sig = signature_of(_call_of(in_place, args, {}, {k: v.clone() for k, v in fresh.items()}))
-    want = signature_of(_call_of(functional, args, {}, {k: v.clone() for k, v in fresh.items()}))
+    sig = signature_of(call_of(in_place, args, {}, {k: v.clone() for k, v in fresh.items()}))
+    want = signature_of(call_of(functional, args, {}, {k: v.clone() for k, v in fresh.items()}))
     assert (sig.inputs, sig.outputs, sig.reduce) == (want.inputs, want.outputs, want.reduce)
     assert sig.splittable()
     whole = in_place(*[fresh[a.name].clone() if isinstance(a, Ref) else a for a in args])
@@ -100,7 +100,7 @@ def test_batch_norm_in_evaluation_splits_batch_and_channels_with_the_running_sta
     from nnscaler_plugins.rules import signature_of
     x, w, b, m, v = _t(4, 6, 3, 3), _t(6), _t(6), _t(6), torch.rand(6) + 0.5
     args = (Ref("x"), Ref("w"), Ref("b"), Ref("m"), Ref("v"), False, 0.1, 1e-5, False)
-    call = _call_of(aten.batch_norm.default, args, {}, {"x": x, "w": w, "b": b, "m": m, "v": v})
+    call = call_of(aten.batch_norm.default, args, {}, {"x": x, "w": w, "b": b, "m": m, "v": v})
     sig = signature_of(call)
     assert set(sig.splittable()) == {"b", "c"}
     assert sig.inputs[3] == sig.inputs[4] == ("c",)
@@ -116,7 +116,7 @@ def test_batch_norm_updating_running_statistics_runs_whole():
     from nnscaler_plugins.rules import signature_of
     tensors = {"x": _t(4, 6, 3, 3), "w": _t(6), "b": _t(6), "m": _t(6), "v": torch.rand(6) + 0.5}
     args = (Ref("x"), Ref("w"), Ref("b"), Ref("m"), Ref("v"), True, 0.1, 1e-5, False)
-    call = _call_of(aten.batch_norm.default, args, {}, {k: v.clone() for k, v in tensors.items()})
+    call = call_of(aten.batch_norm.default, args, {}, {k: v.clone() for k, v in tensors.items()})
     assert not signature_of(call).splittable()
 
 
@@ -135,9 +135,9 @@ def test_grouped_expert_matmul_splits_experts_and_both_feature_dims():
     offs = torch.tensor([3, 3, 7, 12], dtype=torch.int32)  # expert 1 gets no rows
     tensors = {"x": _t(12, 8), "w": _t(4, 8, 6), "offs": offs}
     args = (Ref("x"), Ref("w"), Ref("offs"))
-    call = _call_of(op, args, {}, {k: v.clone() for k, v in tensors.items()})
+    call = call_of(op, args, {}, {k: v.clone() for k, v in tensors.items()})
     assert set(signature_of(call).splittable()) == {"e", "k", "n"}
-    _check_random(op, args, {}, tensors)
+    check_random(op, args, {}, tensors)
 
 
 class _MutatesInPlace(torch.nn.Module):
