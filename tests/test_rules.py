@@ -238,7 +238,8 @@ class OpChecker:
                 if block is not None:
                     out.append(((l, 2, block),))
         for a, b in itertools.combinations(labels, 2):
-            if sig.merged.get(a, (None,))[0] == b or sig.merged.get(b, (None,))[0] == a:
+            host_a, host_b = sig.merged.get(a, (None,))[0], sig.merged.get(b, (None,))[0]
+            if host_a == b or host_b == a or (host_a is not None and host_a == host_b):
                 continue  # one dim cut twice (refused by the placement)
             if sig.divides(a, 2, call) and sig.divides(b, 2, call):
                 out.append(((a, 2, 1), (b, 2, 1)))
@@ -774,3 +775,21 @@ def test_a_rule_that_fails_leaves_its_op_whole_and_says_which():
     finally:
         plugins.unregister(plugin)
         refresh()
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_two_labels_merged_into_one_dim_are_not_split_together(order):
+    """A view of (8,) as (2, 2, 2) puts two output labels inside the input's one dim; one block
+    factor cannot hold both splits' nesting, so the placement refuses the pair in either order
+    (the search and the lowering then keep out such a plan) instead of cutting the wrong elements."""
+    from nnscaler_plugins.lower.placement import tensor_blocks
+    from nnscaler_plugins.plan.plan import OpPlacement
+
+    call = call_of(aten.view.default, (Ref("x"), [2, 2, 2]), {}, {"x": torch.randn(8)})
+    sig = OpChecker(call, {"x": torch.randn(8)}).sig
+    inner = [l for l in sig.outputs[0] if merged_host(sig, l, sig.inputs[0]) is not None]
+    assert len(inner) == 2, sig
+    pair = inner if order == 0 else inner[::-1]
+    p = OpPlacement(splits=[(pair[0], 2), (pair[1], 2)], devices=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="both merged into it"):
+        tensor_blocks(sig, p, sig.inputs[0], False, 0, 1)

@@ -95,12 +95,17 @@ def tensor_blocks(sig: Signature, p: OpPlacement, labels: Optional[Sequence[str]
         if d < ndim and label in split_labels:
             plan_block = p.blocks.get(label, 1)
             out[d] = plan_block if is_output else rule_blocks.get((label, index), plan_block)
+    hosted: dict[int, str] = {}
     for label in split_labels:
         host = merged_host(sig, label, labels)
         if host is not None and host[0] < ndim:
             if labels[host[0]] in split_labels:
                 raise ValueError(f"dim {host[0]} cannot be split along both {labels[host[0]]!r} and the "
                                  f"{label!r} merged into it")
+            if host[0] in hosted:  # one block factor cannot hold two labels' nesting in either order
+                raise ValueError(f"dim {host[0]} cannot be split along both {hosted[host[0]]!r} and {label!r}, "
+                                 "both merged into it")
+            hosted[host[0]] = label
             plan_block = p.blocks.get(label, 1)
             if plan_block < 0:
                 raise ValueError(f"{label!r} is merged into dim {host[0]}; it cannot be split mirrored there")
