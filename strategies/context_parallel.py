@@ -24,10 +24,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.attention import SEQUENCE, sequence_split_problem
 
+from .pipeline import DEFAULT_SCHEDULE
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
 
@@ -36,22 +38,29 @@ _SDPA = "aten.scaled_dot_product_attention.default"
 
 
 def degrees(world_size: int, cp: Optional[int] = None, dp: Optional[int] = None, tp: Optional[int] = None,
-            **_: Any) -> tuple[int, int]:
-    """(cp x tp, dp): the whole world is one context-parallel unit unless `cp` or `dp` says otherwise."""
+            pp: Optional[int] = None, **_: Any) -> tuple[int, int]:
+    """(cp x tp x pp, dp): the whole world is one context-parallel unit unless `cp` or `dp` says
+    otherwise; `pp` (default 1) stages of cp x tp devices each."""
     tp = 1 if tp is None else int(tp)
+    pp = 1 if pp is None else int(pp)
     if tp < 1 or world_size % tp:
         raise PlanError(f"tp={tp} does not divide the world size {world_size}")
-    rest = world_size // tp
+    if pp < 1 or world_size % (tp * pp):
+        raise PlanError(f"pp={pp} x tp={tp} does not divide the world size {world_size}; each of the pp pipeline "
+                        "stages runs on cp x tp devices")
+    rest = world_size // (tp * pp)
     if cp is None and dp is None:
         return world_size, 1
     for name, value in (("cp", cp), ("dp", dp)):
         if value is not None and (int(value) < 1 or rest % int(value)):
-            raise PlanError(f"{name}={value} does not divide the world size {world_size} / tp {tp} = {rest}")
+            raise PlanError(f"{name}={value} does not divide the world size {world_size} / (tp {tp} x pp {pp}) = "
+                            f"{rest}")
     cp = int(cp) if cp is not None else rest // int(dp)
     dp = int(dp) if dp is not None else rest // cp
-    if cp * dp * tp != world_size:
-        raise PlanError(f"cp={cp} x tp={tp} x dp={dp} = {cp * dp * tp}, but the world size is {world_size}")
-    return cp * tp, dp
+    if cp * dp * tp * pp != world_size:
+        raise PlanError(f"cp={cp} x tp={tp} x pp={pp} x dp={dp} = {cp * dp * tp * pp}, but the world size is "
+                        f"{world_size}")
+    return cp * tp * pp, dp
 
 
 def _is_attention(op: OpHandle) -> bool:
@@ -144,19 +153,26 @@ def sequence_choices(builder: PlanBuilder, cp: int, length: int, block: int) -> 
 
 
 def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm: str = "ring",
-                     balance: Optional[bool] = None, tp: Optional[int] = None, **options: Any) -> None:
+                     balance: Optional[bool] = None, tp: Optional[int] = None, pp: Optional[int] = None,
+                     schedule: Any = DEFAULT_SCHEDULE, virtual_stages: int = 1, **options: Any) -> None:
     """Split the sequence over cp devices (x tp: Megatron's cp x tp, tensor parallelism found by
-    `TensorParallelPropagation` inside each sequence chunk's group); see the module doc.
+    `TensorParallelPropagation` inside each sequence chunk's group; x pp: the layer stack cut into
+    pipeline stages as the pipeline strategies cut it); see the module doc.
 
-    Device (t, c) of the unit is t * cp + c: the cp devices of one tensor-parallel rank are
-    neighbours, as the ring wants them."""
+    Stage k runs on pipeline rank k % pp, whose devices are the cp x tp consecutive devices from
+    rank * cp * tp; device (t, c) of a rank is its first device + t * cp + c: the cp devices of one
+    tensor-parallel rank are neighbours, as the ring wants them. The sequence walk is one over the
+    whole graph, so every stage splits the sequence the same way (a value crossing stages keeps its
+    pieces' meaning), and each attention's ring runs over its own stage's cp devices."""
     tp = 1 if tp is None else int(tp)
-    if builder.unit_size % tp:
-        raise PlanError(f"tp={tp} does not divide the plan's unit of {builder.unit_size} devices")
-    n = builder.unit_size // tp
+    pp = 1 if pp is None else int(pp)
+    virtual_stages = int(virtual_stages)
+    if tp < 1 or pp < 1 or builder.unit_size % (tp * pp):
+        raise PlanError(f"tp={tp} x pp={pp} does not divide the plan's unit of {builder.unit_size} devices")
+    n = builder.unit_size // (tp * pp)
     if cp is not None and int(cp) != n:
-        raise PlanError(f"cp={cp} but the plan's unit has {builder.unit_size} devices for tp={tp}; the "
-                        "context-parallel degree is the unit size / tp")
+        raise PlanError(f"cp={cp} but the plan's unit has {builder.unit_size} devices for tp={tp} x pp={pp}; the "
+                        "context-parallel degree is the unit size / (tp x pp)")
     if balance is None:
         balance = any(bool(op_call(builder.graph, op.node).arg(5, "is_causal", False))
                       for op in attention_ops(builder))
@@ -166,42 +182,76 @@ def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm:
     choices = sequence_choices(builder, n, length, block) if n > 1 else {op.name: None for op in builder.ops}
     if n > 1 and not any(choices[op.name] for op in attention_ops(builder)):
         raise PlanError(f"context parallelism could not split the attention's sequence ({length}) {n} ways")
-    tp_choices = {}
-    if tp > 1:
-        prop = TensorParallelPropagation(builder, degree=tp)
-        tp_choices = {k: c for k, c in prop.run().items() if c.label is not None}
-        prop.check_something_split()
-    for op in builder.ops:
-        seq = choices[op.name]
-        t = tp_choices.get(op.name)
-        if t is not None and seq == t.label:
-            seq = None
-        _place(builder, op, t.label if t else None, t.block if t else 1, tp, seq, block, n)
+    segments, stage_devices = _stages(builder, pp, n * tp, schedule, virtual_stages)
+    tp_found = False
+    for segment, devices in zip(segments, stage_devices):
+        tp_choices = {}
+        if tp > 1:
+            prop = TensorParallelPropagation(builder, degree=tp, ops=None if pp == 1 else segment)
+            tp_choices = {k: c for k, c in prop.run().items() if c.label is not None}
+            tp_found = tp_found or bool(tp_choices)
+            if pp == 1:
+                prop.check_something_split()
+        for op in segment:
+            seq = choices[op.name]
+            t = tp_choices.get(op.name)
+            if t is not None and seq == t.label:
+                seq = None
+            _place(builder, op, t.label if t else None, t.block if t else 1, tp, seq, block, n, devices)
+    if tp > 1 and pp > 1 and not tp_found:
+        raise PlanError(f"tensor parallelism over {tp} devices splits no weight of any pipeline stage of "
+                        f"{builder.graph.model_class}; choose a tp that divides its weight dims, or tp=1")
     apply_recompute(builder, options.get("recompute"))
+    if len(segments) > 1:
+        builder.op_order([[op.name for op in ops] for ops in segments], stage_devices, schedule=schedule)
+
+
+def _stages(builder: PlanBuilder, pp: int, size: int, schedule: Any,
+            virtual_stages: int) -> tuple[list[list[OpHandle]], list[list[int]]]:
+    """The ops in pipeline stages (one stage of every op when pp is 1) and each stage's devices."""
+    if pp == 1:
+        if virtual_stages > 1:
+            raise PlanError(f"virtual_stages={virtual_stages} needs pp > 1")
+        return [list(builder.ops)], [list(range(builder.unit_size))]
+    if virtual_stages < 1 or virtual_stages > 1 and schedule != "interleaved" and not callable(schedule):
+        raise PlanError(f"virtual_stages={virtual_stages} needs the 'interleaved' schedule (got {schedule!r})")
+    if schedule == "interleaved" and virtual_stages == 1:
+        virtual_stages = 2
+    num_stages = pp * virtual_stages
+    try:
+        stages = balanced_stages(layer_groups(builder.graph), num_stages)
+    except ValueError as e:
+        raise PlanError(f"strategy 'cp': cannot cut {builder.graph.model_class} into {num_stages} pipeline stages "
+                        f"(pp={pp}{f' x virtual_stages={virtual_stages}' if virtual_stages > 1 else ''}): {e}; "
+                        "choose a pp of at most its number of layers, or pp=1") from None
+    handles = {op.name: op for op in builder.ops}
+    rank_devices = [list(range(r * size, (r + 1) * size)) for r in range(pp)]
+    return ([[handles[op.name] for op in ops] for ops in stages],
+            [rank_devices[k % pp] for k in range(num_stages)])
 
 
 def _place(builder: PlanBuilder, op: OpHandle, tp_label: Optional[str], tp_block: int, tp: int,
-           seq: Optional[str], block: int, cp: int) -> None:
-    """Record op's pieces: (t, c) on device t * cp + c; a dim not split is a replica digit."""
+           seq: Optional[str], block: int, cp: int, devices: list[int]) -> None:
+    """Record op's pieces: (t, c) on devices[t * cp + c]; a dim not split is a replica digit."""
     if tp_label is None and seq is None:
-        builder.replicate(op)
+        builder.replicate(op, devices=devices)
         return
     if tp_label is not None and seq is not None:
         subs = builder.op_trans(op, dim=tp_label, num=tp, block=tp_block)
         for sub in list(subs):
             nested = builder.op_trans(sub, dim=seq, num=cp, block=block)
-        for device, sub in enumerate(nested):
-            builder.op_assign(sub, device)
+        for index, sub in enumerate(nested):
+            builder.op_assign(sub, devices[index])
         return
     if seq is not None:
         subs = builder.op_trans(op, replicate=tp) if tp > 1 else [op]
         subs = builder.op_trans(op, dim=seq, num=cp, block=block)
-        for device, sub in enumerate(subs):  # replica digit r = t: index r * cp + c
-            builder.op_assign(sub, device)
+        for index, sub in enumerate(subs):  # replica digit r = t: index r * cp + c
+            builder.op_assign(sub, devices[index])
         return
     if cp > 1:
         builder.op_trans(op, replicate=cp)
     subs = builder.op_trans(op, dim=tp_label, num=tp, block=tp_block)
     for index, sub in enumerate(subs):  # index r * tp + t with replica digit r = c
         r, t = divmod(index, tp)
-        builder.op_assign(sub, t * cp + r)
+        builder.op_assign(sub, devices[t * cp + r])

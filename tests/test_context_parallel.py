@@ -245,6 +245,40 @@ def test_cp_x_tp_trains_like_one_process(workers4, model, options, dp):
     assert not any(problems), problems
 
 
+CP_PP = [("causal", {"cp_comm": "ring", "cp": 2, "pp": 2}, 1)]
+CP_PP_ALL = [("llama", {"cp_comm": "ring", "cp": 2, "pp": 2, "micro_batches": 2}, 1),
+             ("causal", {"cp_comm": "allgather", "cp": 2, "pp": 2, "schedule": "gpipe", "micro_batches": 2}, 1),
+             ("llama", {"cp_comm": "ulysses", "cp": 2, "pp": 2}, 1),
+             ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "balance": False}, 1),
+             ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "schedule": "zero-bubble", "micro_batches": 2}, 1),
+             ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "schedule": "interleaved", "micro_batches": 2}, 1),
+             ("gpt2", {"cp_comm": "ring", "cp": 1, "pp": 2, "dp": 2}, 2),
+             ("causal", {"cp_comm": "ring", "cp": 1, "pp": 2, "tp": 2}, 1)]
+
+
+@pytest.mark.parametrize("model,options,dp", CP_PP + (CP_PP_ALL if ALL else []))
+def test_cp_x_pp_trains_like_one_process(workers4, model, options, dp):
+    """Each pipeline stage's ops sequence-split over the stage's own cp devices."""
+    problems = workers4.run(_equivalence, model, options, dp)
+    assert not any(problems), problems
+
+
+def test_cp_x_pp_plan_stages_and_refusals():
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    graph = _graph24()
+    plan = nns.plan(graph, strategy="cp", world_size=8, cp=2, pp=2, dp=2)
+    assert plan.dp == 2 and plan.pipeline is not None and plan.pipeline.stage_devices == [[0, 1], [2, 3]]
+    attn = [op for n, op in plan.ops.items() if "scaled_dot_product_attention" in n]
+    assert [(op.stage, op.devices, op.splits, op.blocks) for op in attn] == \
+        [(0, [0, 1], [("s", 2)], {"s": -2}), (1, [2, 3], [("s", 2)], {"s": -2})]
+    with pytest.raises(PlanError, match=r"pp=3 x tp=1 does not divide the world size 4"):
+        nns.plan(graph, strategy="cp", world_size=4, cp=2, pp=3)
+    with pytest.raises(PlanError, match=r"cannot cut CausalLM into 4 pipeline stages.*2 layers"):
+        nns.plan(graph, strategy="cp", world_size=8, cp=2, pp=4)
+
+
 def saved_activation_bytes(fn, params) -> int:
     """Bytes of the distinct storages autograd saves for backward while `fn` runs, parameters excepted."""
     skip = {p.untyped_storage().data_ptr() for p in params}
