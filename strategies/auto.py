@@ -28,6 +28,8 @@ from typing import Any, Optional, Sequence
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
+from .batch_statistics import apply_batch_statistics
+
 
 def degrees(world_size: int, **options: Any) -> tuple[int, int]:
     """The whole world is the unit; the search decides how it is used."""
@@ -38,7 +40,11 @@ def degrees(world_size: int, **options: Any) -> tuple[int, int]:
 
 
 def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (), memory_limit: Optional[Any] = None,
-         **_: Any) -> None:
+         batch_statistics: Optional[str] = None, **_: Any) -> None:
+    """The searched plan is one unit (dp = 1): its batch splits leave partial sums the lowering adds
+    up exactly, so the loss's nonlinear batch statistics (a router loss) are whole without
+    combining; only micro-batches would compute them per micro-batch, which is refused before the
+    search unless `batch_statistics="local"`."""
     from nnscaler_plugins.search import cluster as make_cluster
     from nnscaler_plugins.search.adopt import adopt
     from nnscaler_plugins.search.constraints import (
@@ -48,6 +54,7 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
     )
     from nnscaler_plugins.search.solver import SearchError, search
 
+    apply_batch_statistics(builder, builder.strategy, batch_statistics)  # the search keeps the micro-batches
     constraints = list(constraints)
     if not any(isinstance(c, ZeroStages) for c in constraints):
         constraints.append(ZeroStages([0]))

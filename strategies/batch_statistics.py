@@ -156,17 +156,20 @@ def apply_batch_statistics(builder: PlanBuilder, strategy: str, mode: Optional[s
     """Records the plan's `batch_statistics` for the lowering: "global" (the default) combines them
     across data-parallel replicas; "local" keeps each replica's own (Hugging Face under DDP).
     Micro-batches see one micro-batch each, which no order of the forwards makes whole before
-    the first backward in 1F1B; "global" with micro-batches is refused when there are any."""
+    the first backward in 1F1B; "global" with micro-batches is refused when there are any.
+
+    Every strategy calls this, so a plan without such reductions (a dense LM, batch norm under
+    DDP's per-replica convention) records nothing and plans exactly as before."""
     mode = mode or "global"
     if mode not in ("global", "local"):
         raise PlanError(f"strategy {strategy!r}: batch_statistics={mode!r}; use 'global' or 'local'")
-    builder.options["batch_statistics"] = "local"
     if mode == "local":
+        builder.options["batch_statistics"] = "local"
         return
     found = batch_statistics(builder, strategy)
     if not found:
         return
-    micro = builder.micro_batches
+    micro = builder.pipeline.micro_batches if builder.pipeline is not None else builder.micro_batches
     if micro > 1:
         names = ", ".join(sorted(found))
         raise PlanError(f"strategy {strategy!r}: with {micro} micro-batches, the loss's statistics over the batch "

@@ -12,6 +12,7 @@ from typing import Any
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
+from .batch_statistics import apply_batch_statistics
 from .recompute import apply_recompute
 
 
@@ -29,10 +30,13 @@ def degrees(world_size: int, **options: Any) -> tuple[int, int]:
 
 
 def data_parallel(builder: PlanBuilder, **options: Any) -> None:
-    """Run every op whole on the unit's only device."""
+    """Run every op whole on the unit's only device. Each replica sees its share of the batch, so
+    the loss's nonlinear statistics over the batch (a router's load-balancing loss) are made whole
+    across the replicas unless `batch_statistics="local"` (also for the ZeRO stages, which run this)."""
     if builder.unit_size != 1:
         raise PlanError(f"strategy 'dp' plans a unit of one device, the builder has {builder.unit_size}; "
                         "use strategy='hybrid' to combine data and tensor parallelism")
     for op in builder.ops:
         builder.replicate(op, devices=[0])
     apply_recompute(builder, options.get("recompute"))
+    apply_batch_statistics(builder, builder.strategy, options.get("batch_statistics"))

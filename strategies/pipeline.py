@@ -16,6 +16,7 @@ from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
+from .batch_statistics import apply_batch_statistics
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
 from .sequence_parallel import apply_sequence_parallel
@@ -51,8 +52,10 @@ def degrees(world_size: int, pp: Optional[int] = None, tp: Optional[int] = None,
 
 def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Optional[int] = None,
              tp: Optional[int] = None, virtual_stages: int = 1, recompute: Any = None,
-             sequence_parallel: bool = False, **_: Any) -> None:
-    """Stages of equal layer counts on pp device groups of tp devices each, ordered by `schedule`."""
+             sequence_parallel: bool = False, batch_statistics: Optional[str] = None, **_: Any) -> None:
+    """Stages of equal layer counts on pp device groups of tp devices each, ordered by `schedule`.
+    The loss's nonlinear statistics over the batch (a router loss) are whole only without
+    micro-batches (see `batch_statistics.apply_batch_statistics`)."""
     tp = 1 if tp is None else int(tp)
     pp = builder.unit_size // tp if pp is None else int(pp)
     if pp * tp != builder.unit_size:
@@ -71,6 +74,7 @@ def pipeline(builder: PlanBuilder, *, schedule: str = DEFAULT_SCHEDULE, pp: Opti
     _tensor_parallel_stages(builder, stages, stage_devices, sequence_parallel=bool(sequence_parallel))
     apply_recompute(builder, recompute)
     builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule=schedule)
+    apply_batch_statistics(builder, builder.strategy, batch_statistics)
 
 
 def _tensor_parallel_stages(builder: PlanBuilder, stages: list[list[Any]], stage_devices: list[list[int]],
@@ -88,7 +92,7 @@ def _tensor_parallel_stages(builder: PlanBuilder, stages: list[list[Any]], stage
 
 
 def interlaced_pipeline(builder: PlanBuilder, *, pp: Optional[int] = None, tp: Optional[int] = None,
-                        recompute: Any = None, **_: Any) -> None:
+                        recompute: Any = None, batch_statistics: Optional[str] = None, **_: Any) -> None:
     """The interlaced pipeline: the layers in pp stages (tp devices each) while what comes before
     them (a large embedding) and after them (the LM head and its loss) are tensor-parallel across
     every device of the unit, as two shared stages the schedule interlaces into the 1F1B order."""
@@ -112,6 +116,7 @@ def interlaced_pipeline(builder: PlanBuilder, *, pp: Optional[int] = None, tp: O
     apply_recompute(builder, recompute)
     builder.op_order([[op.name for op in ops] for ops in stages], stage_devices, schedule="interlaced",
                      stage_rank=[-1] + list(range(pp)) + [-1])
+    apply_batch_statistics(builder, builder.strategy, batch_statistics)
 
 
 def _named(schedule: str):
@@ -144,7 +149,7 @@ def megatron_degrees(world_size: int, pp: Optional[int] = None, tp: Optional[int
 
 def megatron(builder: PlanBuilder, *, tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
              schedule: Optional[str] = None, virtual_stages: int = 1, sequence_parallel: bool = False,
-             recompute: Optional[str] = None, **_: Any) -> None:
+             recompute: Optional[str] = None, batch_statistics: Optional[str] = None, **_: Any) -> None:
     """A Megatron-LM configuration written down: tp x pp x dp, the schedule (1F1B, or interleaved
     with `virtual_stages` > 1), micro-batches (`micro_batches` or `micro_batch_size`, resolved by
     `nns.plan`), `sequence_parallel` (the layer norms, dropouts and residual adds split along the
@@ -163,7 +168,8 @@ def megatron(builder: PlanBuilder, *, tp: Optional[int] = None, pp: Optional[int
             apply_sequence_parallel(prop)
         prop.apply()
         apply_recompute(builder, recompute)
+        apply_batch_statistics(builder, builder.strategy, batch_statistics)
     else:
         pipeline(builder, schedule=schedule, pp=pp, tp=tp, virtual_stages=virtual_stages, recompute=recompute,
-                 sequence_parallel=sequence_parallel)
+                 sequence_parallel=sequence_parallel, batch_statistics=batch_statistics)
     builder.options.update({"sequence_parallel": bool(sequence_parallel), "recompute": recompute or "none"})

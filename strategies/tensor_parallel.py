@@ -11,6 +11,7 @@ from typing import Any, Optional
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
+from .batch_statistics import apply_batch_statistics
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
 
@@ -37,13 +38,16 @@ def degrees(world_size: int, tp: Optional[int] = None, dp: Optional[int] = None,
 
 
 def tensor_parallel(builder: PlanBuilder, **options: Any) -> None:
-    """Split the model across the unit's devices; every op gets a split or runs whole."""
+    """Split the model across the unit's devices; every op gets a split or runs whole. A split of
+    the batch inside the unit leaves partial sums the lowering adds up exactly; the `dp` copies of
+    the unit (hybrid) get the loss's nonlinear batch statistics made whole across them."""
     tp = options.get("tp")
     if tp is not None and tp != builder.unit_size:
         raise PlanError(f"tp={tp} but the plan's unit has {builder.unit_size} devices; the tensor-parallel "
                         "degree is the unit size")
     TensorParallelPropagation(builder).apply()
     apply_recompute(builder, options.get("recompute"))
+    apply_batch_statistics(builder, builder.strategy, options.get("batch_statistics"))
 
 
 def coshard(builder: PlanBuilder, *, chunks: int = 2, modules: Optional[tuple[str, ...]] = None,
@@ -78,3 +82,4 @@ def coshard(builder: PlanBuilder, *, chunks: int = 2, modules: Optional[tuple[st
         for i, sub in enumerate(subs):
             builder.op_assign(sub, i // c)
     apply_recompute(builder, options.get("recompute"))  # co-sharded ops are recomputed already
+    apply_batch_statistics(builder, builder.strategy, options.get("batch_statistics"))
