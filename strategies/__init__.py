@@ -61,8 +61,8 @@ class Strategy:
 
 # Options each strategy reads (its apply function and its degrees); zero, precision, micro_batches,
 # micro_batch_size, cluster and constraints are every strategy's and not repeated here.
-_UNIT = ("tp", "dp", "recompute")
-_PIPELINE = ("pp", "tp", "dp", "virtual_stages", "recompute", "sequence_parallel")
+_UNIT = ("tp", "dp", "recompute", "batch_statistics")
+_PIPELINE = ("pp", "tp", "dp", "virtual_stages", "recompute", "sequence_parallel", "batch_statistics")
 
 DP = Strategy("dp", data_parallel.data_parallel, data_parallel.degrees,
               "data parallel: the whole model on every rank, gradients averaged", _UNIT)
@@ -93,13 +93,13 @@ PIPELINE = Strategy("pipeline", pipeline.pipeline, pipeline.degrees,
 INTERLACED = Strategy("interlaced", pipeline.interlaced_pipeline, pipeline.degrees,
                       "interlaced pipeline: layers in pp stages, the embedding and the LM head with its loss "
                       "tensor-parallel over every device, interlaced into the 1F1B order; options pp, tp, dp, "
-                      "micro_batches", ("pp", "tp", "dp", "recompute"))
+                      "micro_batches", ("pp", "tp", "dp", "recompute", "batch_statistics"))
 MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.megatron_degrees,
                     "a Megatron-LM configuration: tp, pp, dp, micro_batch_size or micro_batches, schedule, "
                     "virtual_stages, sequence_parallel, recompute", _PIPELINE + ("schedule",))
 AUTO = Strategy("auto", auto_search.auto, auto_search.degrees,
                 "the fastest plan the search finds for the cluster (default: this machine) within its memory",
-                ("dp", "memory_limit"))
+                ("dp", "memory_limit", "batch_statistics"))
 ZERO1 = Strategy("zero1", zero.zero_stage(1), zero.degrees,
                  "data parallel with ZeRO stage 1: optimizer state sharded across the replicas", _UNIT)
 ZERO2 = Strategy("zero2", zero.zero_stage(2), zero.degrees,
