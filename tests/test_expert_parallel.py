@@ -91,7 +91,14 @@ def qwen3_moe_no_aux():
     return qwen3_moe(aux=False)
 
 
-MODELS = {"mixtral": mixtral, "mixtral_padded": mixtral_padded, "padded_no_aux": lambda: mixtral_padded(False),
+def tiny(layout):
+    """A hand-written MoE (`_TinyMoE`, below) with its experts in `layout`."""
+    torch.manual_seed(0)
+    return _TinyMoE(layout), {"x": torch.randn(8, 16)}
+
+
+MODELS = {"tiny_biased": lambda: tiny("biased"), "tiny_interleaved": lambda: tiny("interleaved"),
+          "mixtral": mixtral, "mixtral_padded": mixtral_padded, "padded_no_aux": lambda: mixtral_padded(False),
           "qwen3_moe": qwen3_moe, "mixtral_no_aux": mixtral_no_aux, "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
           "qwen3_moe_no_aux": qwen3_moe_no_aux}
 
@@ -100,7 +107,8 @@ def _equivalence(rank, world, name, options, dp):
     return sgd_equivalence(rank, world, MODELS[name], "ep", options, dp, what=f"{name} ep {options}")
 
 
-@pytest.mark.parametrize("name,options", [("mixtral", {"ep": 2}), ("qwen3_moe", {"ep": 1, "etp": 2})]
+@pytest.mark.parametrize("name,options", [("mixtral", {"ep": 2}), ("qwen3_moe", {"ep": 1, "etp": 2}),
+                                          ("tiny_biased", {"ep": 1, "etp": 2}), ("tiny_interleaved", {"ep": 1, "etp": 2})]
                          + ([("mixtral", {"ep": 1, "etp": 2, "tp": 2}), ("deepseek_v3", {"ep": 1, "etp": 2}),("qwen3_moe", {"ep": 2}), ("mixtral", {"ep": 2, "tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2}),
                              ("qwen2_moe", {"ep": 2}), ("deepseek_v3", {"ep": 2}), ("deepseek_v3", {"ep": 2, "tp": 2})]
                             if EVERY else []))
@@ -298,7 +306,8 @@ def test_dispatch_kernel(workers2, capacity_factor):
 class _LoopExperts(torch.nn.Module):
     """A hand-written experts module in three layouts: "fused" (gate and up rows stacked, as HF),
     "transposed" (weights stored input-major), "interleaved" (gate and up rows alternating) and
-    "biased" (a bias added after the down projection)."""
+    "biased" (a bias added after the down projection) and "normed" (the width normalized between the
+    projections, which no cut of the width computes in pieces)."""
 
     def __init__(self, layout, experts=4, hidden=16, width=8):
         super().__init__()
@@ -318,7 +327,10 @@ class _LoopExperts(torch.nn.Module):
             dn = self.down[e].t() if self.layout == "transposed" else self.down[e]
             y = torch.nn.functional.linear(x[rows], gu)
             gate, up = (y[:, ::2], y[:, 1::2]) if self.layout == "interleaved" else y.chunk(2, -1)
-            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, dn)
+            act = torch.nn.functional.silu(gate) * up
+            if self.layout == "normed":
+                act = act / act.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+            y = torch.nn.functional.linear(act, dn)
             if self.layout == "biased":
                 y = y + self.down_bias[e]
             out = out.index_add(0, rows, y * weights[rows, slot, None])
@@ -337,7 +349,8 @@ class _TinyMoE(torch.nn.Module):
 
 
 @pytest.mark.parametrize("layout,found", [("fused", ((1, 2), (2, 1))), ("transposed", ((2, 2), (1, 1))),
-                                          ("interleaved", None), ("biased", None)])
+                                          ("interleaved", ((1, 1), (2, 1))), ("biased", ((1, 2), (2, 1), None)),
+                                          ("normed", None)])
 def test_expert_width_found_by_running_the_module(layout, found):
     """Which weight dims hold each expert's width (and their fused sections) is found by running
     the module on slices; layouts whose slices do not add up are not split."""
@@ -358,7 +371,7 @@ def test_expert_tensor_parallel_refused_before_launch():
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     with pytest.raises(PlanError, match="does not add up from slices of its width"):
-        nns.plan(_TinyMoE("biased"), strategy="ep", world_size=2, ep=1, etp=2, example_inputs=(x,))
+        nns.plan(_TinyMoE("normed"), strategy="ep", world_size=2, ep=1, etp=2, example_inputs=(x,))
     plan = nns.plan(_TinyMoE("transposed"), strategy="ep", world_size=4, ep=2, etp=2, example_inputs=(x,))
     experts = [p for name, p in plan.ops.items() if dict(p.splits).get("f")]
     assert experts and dict(experts[0].splits) == {"t": 2, "f": 2}, plan.ops

@@ -11,16 +11,20 @@ and other libraries their own, so which dim is the width, and how it is sectione
 from names. It is checked by running the module itself:
 
 1. Candidates from the shapes: every weight dim other than the expert dim is either the model's
-   hidden size or a multiple `m` of one common width `I` (`m` fused sections). A dim equal to both
-   (a width equal to the hidden size) yields one candidate for each reading.
+   hidden size or a multiple `m` of one common width `I`, read as `m` fused sections one after the
+   other (cut in `m` blocks) or as one run with the sections interleaved (gpt-oss's gate and up
+   rows alternate: a contiguous cut keeps pairs together). A weight with only hidden dims (a bias
+   after the down projection) is read as added once: one piece gets it, the others zeros, as a
+   row-parallel linear's bias. A dim equal to both (a width equal to the hidden size) yields one
+   candidate for each reading.
 2. Each candidate is probed: the module's own forward on small random weights of the same layout
-   (hidden and width shrunk so they differ), once whole and once per piece of a 2-way cut of the
-   width in `m` blocks; the pieces must add up to the whole output. A reading that fails to run or
-   to add up is dropped; the first that passes is the answer.
+   (hidden and width shrunk so they differ), once whole and once per piece of a 2-way cut; the
+   pieces must add up to the whole output. A reading that fails to run or to add up is dropped;
+   the first that passes is the answer.
 
-No reading passing (a bias added after the down projection, a norm over the width, an interleaved
-gate) means the width is not split: the rule then offers expert parallelism alone, and a plan
-asking for more is refused by the strategy, by name.
+No reading passing (a norm over the width, an activation mixing width positions) means the width
+is not split: the rule then offers expert parallelism alone, and a plan asking for more is
+refused by the strategy, by name.
 """
 from __future__ import annotations
 
@@ -38,63 +42,77 @@ _PROBE_HIDDEN, _PROBE_WIDTH, _PROBE_TOKENS = 16, 8, 5  # hidden and width differ
 @dataclass(frozen=True)
 class IntermediateDims:
     """Per stacked weight, the dim (counting the expert dim as 0) holding the width and its number
-    of fused sections (2 for a gate and an up projection stored as one tensor)."""
+    of fused sections (2 for a gate and an up projection stored one after the other), or None for
+    a weight without the width that the forward adds once (a bias after the down projection)."""
 
-    dims: tuple[tuple[int, int], ...]
+    dims: tuple[Optional[tuple[int, int]], ...]
 
 
 _CACHE: dict[tuple, Optional[IntermediateDims]] = {}
 
+# (dim, multiple of the width, sections) per weight, or None: added once
+_Reading = tuple[Optional[tuple[int, int, int]], ...]
 
-def _readings(shapes: Sequence[tuple[int, ...]], hidden: int) -> list[tuple[tuple[int, int], ...]]:
-    """Candidate (dim, sections) per weight: exactly one non-hidden dim per weight, every such dim a
-    multiple of the smallest."""
-    options: list[list[tuple[int, ...]]] = []
+
+def _readings(shapes: Sequence[tuple[int, ...]], hidden: int) -> list[_Reading]:
+    """Candidate readings, most specific first: each weight has one non-hidden dim, every such dim a
+    multiple of the smallest (read as that many fused sections, or as one interleaved run, which
+    splits contiguously), or only hidden dims (added once, given to one piece)."""
+    options: list[list[Optional[int]]] = []
     for shape in shapes:
         rest = shape[1:]
-        per: list[tuple[int, ...]] = []
-        for d in range(len(rest)):
-            others = [rest[j] for j in range(len(rest)) if j != d]
-            if all(o == hidden for o in others):
-                per.append((d + 1,))
+        per: list[Optional[int]] = [d + 1 for d in range(len(rest))
+                                    if all(rest[j] == hidden for j in range(len(rest)) if j != d)]
+        if all(r == hidden for r in rest):
+            per.append(None)
         if not per:
             return []
-        options.append([p[0] for p in per])
-    found = []
+        options.append(per)
+    found: list[_Reading] = []
     for choice in itertools.product(*options):
-        widths = [shapes[i][d] for i, d in enumerate(choice)]
+        widths = [shapes[i][d] for i, d in enumerate(choice) if d is not None]
+        if not widths:
+            continue
         base = min(widths)
         if base < 1 or any(w % base for w in widths):
             continue
-        found.append(tuple((d, w // base) for d, w in zip(choice, widths)))
+        multiples = [None if d is None else shapes[i][d] // base for i, d in enumerate(choice)]
+        fused = tuple(None if d is None else (d, m, m) for d, m in zip(choice, multiples))
+        found.append(fused)
+        if any(m is not None and m > 1 for m in multiples):
+            found.append(tuple(None if d is None else (d, m, 1) for d, m in zip(choice, multiples)))
     return found
 
 
-def _probe_shape(shape: tuple[int, ...], experts: int, width_dim: int, sections: int) -> tuple[int, ...]:
-    return (experts,) + tuple(_PROBE_WIDTH * sections if i + 1 == width_dim else _PROBE_HIDDEN
+def _probe_shape(shape: tuple[int, ...], experts: int, reading: Optional[tuple[int, int, int]]) -> tuple[int, ...]:
+    dim = reading[0] if reading is not None else None
+    return (experts,) + tuple(_PROBE_WIDTH * reading[1] if i + 1 == dim else _PROBE_HIDDEN
                               for i in range(len(shape) - 1))
 
 
-def _piece(w: torch.Tensor, dim: int, sections: int, index: int, pieces: int) -> torch.Tensor:
-    """Piece `index` of `pieces` along `dim`, taken from each of `sections` equal blocks."""
+def _piece(w: torch.Tensor, reading: Optional[tuple[int, int, int]], index: int, pieces: int) -> torch.Tensor:
+    """Piece `index` of `pieces`: along the width dim, taken from each of its sections; a weight
+    added once goes whole to piece 0 and as zeros to the others."""
+    if reading is None:
+        return w if index == 0 else torch.zeros_like(w)
+    dim, _, sections = reading
     blocks = w.chunk(sections, dim)
     return torch.cat([b.chunk(pieces, dim)[index] for b in blocks], dim)
 
 
 def _passes(key: str, names: tuple[str, ...], shapes: Sequence[tuple[int, ...]], top_k: int,
-            reading: tuple[tuple[int, int], ...]) -> bool:
+            reading: _Reading) -> bool:
     experts = top_k + 1
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(_probe_shape(s, experts, d, m), generator=gen, dtype=torch.float32) * 0.5
-               for s, (d, m) in zip(shapes, reading)]
+    weights = [torch.randn(_probe_shape(s, experts, r), generator=gen, dtype=torch.float32) * 0.5
+               for s, r in zip(shapes, reading)]
     x = torch.randn(_PROBE_TOKENS, _PROBE_HIDDEN, generator=gen, dtype=torch.float32)
     ids = (torch.arange(_PROBE_TOKENS).unsqueeze(1) + torch.arange(top_k).unsqueeze(0)) % experts
     w = torch.rand(_PROBE_TOKENS, top_k, generator=gen, dtype=torch.float32)
     try:
         with torch.no_grad():
             whole = run_experts(key, names, x, ids, w, tuple(weights))
-            parts = [run_experts(key, names, x, ids, w, tuple(_piece(t, d, m, i, 2) for t, (d, m)
-                                                             in zip(weights, reading)))
+            parts = [run_experts(key, names, x, ids, w, tuple(_piece(t, r, i, 2) for t, r in zip(weights, reading)))
                      for i in range(2)]
     except Exception:  # a reading whose shapes the forward cannot take is simply not this module's
         return False
@@ -111,7 +129,7 @@ def intermediate_dims(key: str, names: Sequence[str], shapes: Sequence[tuple[int
         found = None
         for reading in _readings([tuple(s) for s in shapes], hidden):
             if _passes(key, tuple(names), shapes, top_k, reading):
-                found = IntermediateDims(tuple(reading))
+                found = IntermediateDims(tuple(None if r is None else (r[0], r[2]) for r in reading))
                 break
         _CACHE[cache_key] = found
     return _CACHE[cache_key]

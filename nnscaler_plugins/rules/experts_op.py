@@ -64,9 +64,12 @@ def experts_signature(call: OpCall, capacity_factor: Optional[float] = None) -> 
     width = intermediate_dims(key, names, [tuple(p.shape) for p in params], x.shape[1], ids.shape[1])
     weight_labels = []
     blocks = {}
+    added_once = set()  # weights without the width, added once (given to one piece of a width split)
     for i, p in enumerate(params):
         labels = list((SPLIT,) + _frozen(f"p{i}_", p.ndim - 1))
-        if width is not None:
+        if width is not None and width.dims[i] is None:
+            added_once.add(3 + i)
+        elif width is not None:
             dim, sections = width.dims[i]
             labels[dim] = WIDTH
             if sections > 1:
@@ -76,6 +79,7 @@ def experts_signature(call: OpCall, capacity_factor: Optional[float] = None) -> 
         inputs=((SPLIT, "^h"), (SPLIT, "^k"), (SPLIT, "^k"), *weight_labels),
         outputs=((SPLIT, "^h"),),
         reduce=frozenset({WIDTH}) if width is not None else frozenset(),
+        partial_inputs={WIDTH: frozenset(added_once)} if added_once else {},
         blocks=blocks, localize=localize, comm_labels=frozenset({SPLIT}),
         note="experts split with their tokens: all-to-all dispatch and combine"
              + ("; each expert's width split: partial sums" if width is not None else ""))
