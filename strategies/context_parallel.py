@@ -192,6 +192,8 @@ def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm:
             tp_found = tp_found or bool(tp_choices)
             if pp == 1:
                 prop.check_something_split()
+        if str(cp_comm) == "ulysses":
+            _check_ulysses_heads(builder, segment, tp_choices, tp, n)
         for op in segment:
             seq = choices[op.name]
             t = tp_choices.get(op.name)
@@ -204,6 +206,24 @@ def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm:
     apply_recompute(builder, options.get("recompute"))
     if len(segments) > 1:
         builder.op_order([[op.name for op in ops] for ops in segments], stage_devices, schedule=schedule)
+
+
+def _check_ulysses_heads(builder: PlanBuilder, ops: list[OpHandle], tp_choices: dict[str, Any], tp: int,
+                         cp: int) -> None:
+    """Ulysses swaps the sequence split for a head split of what each device holds: where tensor
+    parallelism already splits the heads tp ways, heads / tp must divide by cp (refused by size)."""
+    for op in ops:
+        t = tp_choices.get(op.name)
+        labels = op.signature.inputs[0] if op.signature.inputs else None
+        if t is None or not _is_attention(op) or not labels or len(labels) < 3 or t.label != labels[-3]:
+            continue
+        call = op_call(builder.graph, op.node)
+        q, k = call.inputs[0].shape[-3], call.inputs[1].shape[-3]
+        if (q // tp) % cp or (k // tp) % cp:
+            raise PlanError(f"cp_comm='ulysses' over cp={cp} devices with the heads split tp={tp} ways needs query "
+                            f"heads / tp ({q} / {tp} = {q // tp}) and key/value heads / tp ({k} / {tp} = {k // tp}) "
+                            f"divisible by {cp}; use cp_comm='ring', or a cp x tp dividing both head counts",
+                            op=op.name, where=op.where())
 
 
 def _stages(builder: PlanBuilder, pp: int, size: int, schedule: Any,

@@ -103,7 +103,7 @@ def hf_family(family: str, batch: int = 2, seq: int = 16):
 
 
 FAMILIES = ("qwen2", "mistral", "phi3", "neox", "gpt2")
-BUILDERS = {"causal": causal_lm, "llama": llama_gqa, **{f: functools.partial(hf_family, f) for f in FAMILIES}}
+BUILDERS = {"causal": causal_lm, "causal4": functools.partial(causal_lm, layers=4), "llama": llama_gqa, **{f: functools.partial(hf_family, f) for f in FAMILIES}}
 
 
 def _equivalence(rank, world, model, options, dp):
@@ -189,6 +189,10 @@ def test_refused_before_launch_with_sizes():
     with pytest.raises(PlanError, match=r"cp_comm='ulysses' over cp=4 devices needs query heads \(4\) and "
                                         r"key/value heads \(2\) divisible by 4"):
         nns.plan(graph, strategy="cp", world_size=4, cp_comm="ulysses")
+    # Ulysses under tp: the heads each device holds (4 / 2 and 2 / 2) must split cp ways again
+    with pytest.raises(PlanError, match=r"query heads / tp \(4 / 2 = 2\) and key/value heads / tp \(2 / 2 = 1\) "
+                                        r"divisible by 2"):
+        nns.plan(graph, strategy="cp", world_size=4, cp=2, tp=2, cp_comm="ulysses")
     with pytest.raises(PlanError, match="cp_comm='ringg'"):
         nns.plan(graph, strategy="cp", world_size=2, cp_comm="ringg")
 
@@ -251,7 +255,7 @@ CP_PP_ALL = [("llama", {"cp_comm": "ring", "cp": 2, "pp": 2, "micro_batches": 2}
              ("llama", {"cp_comm": "ulysses", "cp": 2, "pp": 2}, 1),
              ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "balance": False}, 1),
              ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "schedule": "zero-bubble", "micro_batches": 2}, 1),
-             ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "schedule": "interleaved", "micro_batches": 2}, 1),
+             ("causal4", {"cp_comm": "ring", "cp": 2, "pp": 2, "schedule": "interleaved", "micro_batches": 2}, 1),
              ("gpt2", {"cp_comm": "ring", "cp": 1, "pp": 2, "dp": 2}, 2),
              ("causal", {"cp_comm": "ring", "cp": 1, "pp": 2, "tp": 2}, 1)]
 
