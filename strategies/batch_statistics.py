@@ -172,8 +172,10 @@ def apply_batch_statistics(builder: PlanBuilder, strategy: str, mode: Optional[s
     micro = builder.pipeline.micro_batches if builder.pipeline is not None else builder.micro_batches
     if micro > 1:
         names = ", ".join(sorted(found))
+        first = next(op for op in builder.ops if op.name in found)
         raise PlanError(f"strategy {strategy!r}: with {micro} micro-batches, the loss's statistics over the batch "
                         f"({names}: e.g. a router load-balancing loss) would be computed per micro-batch, not over "
                         "the whole batch as one device does; pass batch_statistics='local' to accept that "
-                        "(Megatron's per-micro-batch auxiliary loss), or train without micro-batches")
+                        "(Megatron's per-micro-batch auxiliary loss), or train without micro-batches",
+                        op=first.name, where=first.where())
     builder.options["batch_statistics"] = found
