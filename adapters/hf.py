@@ -341,7 +341,8 @@ class NNScalerTrainerMixin:
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         if self.nns_module is not None and self._nns_on_meta():
             # the model object has no weights to keep in sync: the whole tensors go to the writer
-            full = self.nns_module.full_state_dict()
+            # only the writing process keeps whole tensors (rank 0, or each node's first with save_on_each_node)
+            full = self.nns_module.full_state_dict(rank0_only=not self.args.save_on_each_node)
             if self.args.should_save:
                 self._save(output_dir or self.args.output_dir, state_dict=full)
             return

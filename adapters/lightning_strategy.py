@@ -372,7 +372,8 @@ class NNScalerStrategyMixin:
         lm = self.lightning_module
         prefix = self._attr + "."
         out = {k: v for k, v in lm.state_dict().items() if not k.startswith(prefix)}
-        out.update({prefix + k: v for k, v in self.pmodule.full_state_dict().items()})
+        # rank 0 writes the checkpoint (`save_checkpoint`): the others hold no whole tensor of it
+        out.update({prefix + k: v for k, v in self.pmodule.full_state_dict(rank0_only=True).items()})
         return out
 
     def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:

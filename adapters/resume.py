@@ -96,7 +96,7 @@ def save_state(module: Any, optimizer: Any) -> dict[str, Any]:
         dist.all_gather_object(everyone, mine)
     if all(everyone):
         keep = (lambda sizes: set(sizes)) if rank == 0 else (lambda sizes: set())
-        return {WHOLE: full_optimizer_state(module, opt, keep=keep), PLAN: record}
+        return {WHOLE: full_optimizer_state(module, opt, keep=keep, rank0_only=True), PLAN: record}
     local = opt.state_dict()
     gathered: list[Any] = [local]
     if world > 1:

@@ -410,3 +410,25 @@ def test_fallback_swap_survives_a_crash_between_its_renames(tmp_path, monkeypatc
     assert nns.checkpoint.load(path, model) == {"step": 2}
     nns.checkpoint.save(path, model, step=3)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"] and nns.checkpoint.load(path, model) == {"step": 3}
+
+
+def _rank0_only(rank: int, world: int) -> list[str]:
+    """Whole model and optimizer state kept by rank 0 only (what a framework checkpoint written by
+    rank 0 needs): rank 0's equals the every-rank version, tied weights included; rank 1 keeps none."""
+    _, pm, opt, sched = _build(rank, world, "zero1")
+    _train(pm, opt, sched, range(1))
+    full, full_opt = pm.full_state_dict(), opt.full_state_dict()
+    mine, mine_opt = pm.full_state_dict(rank0_only=True), opt.full_state_dict(rank0_only=True)
+    if rank != 0:
+        return [] if not mine and not mine_opt["state"] else [f"rank {rank} kept {len(mine)} tensors"]
+    problems = [f"{k} differs" for k in full if k not in mine or not torch.equal(full[k], mine[k])]
+    problems += [f"optimizer {k} differs" for k in full_opt["state"]
+                 if any(not torch.equal(a, b) for a, b in zip(full_opt["state"][k].values(),
+                                                               mine_opt["state"].get(k, {}).values())
+                        if torch.is_tensor(a))]
+    return problems + ([] if set(mine_opt["state"]) == set(full_opt["state"]) else ["optimizer keys differ"])
+
+
+def test_whole_state_kept_by_rank0_only(workers2):
+    problems = workers2.run(_rank0_only)
+    assert not any(problems), problems

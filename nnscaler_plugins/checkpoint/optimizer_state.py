@@ -69,13 +69,15 @@ def _shard_shaped(t: Any, lay: Optional[Layout]) -> bool:
 Keep = Callable[[dict[tuple[str, str], int]], set[tuple[str, str]]]
 
 
-def full_optimizer_state(module: torch.nn.Module, optimizer: Any, keep: Optional[Keep] = None) -> dict[str, Any]:
+def full_optimizer_state(module: torch.nn.Module, optimizer: Any, keep: Optional[Keep] = None,
+                         rank0_only: bool = False) -> dict[str, Any]:
     """Whole optimizer state (collective for a ParallelModule over several ranks): on every rank,
     or with `keep` (for a plain torch optimizer over several ranks) only the entries it selects,
-    the rest as meta placeholders."""
+    the rest as meta placeholders; with `rank0_only`, a plan-aware optimizer's whole tensors are
+    kept by global rank 0 only."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if knows_plan(optimizer):
-        full = optimizer.full_state_dict()
+        full = optimizer.full_state_dict(rank0_only=rank0_only)
         if world > 1:  # pipeline stages list only their own parameters in their groups
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, [{"params": list(g["params"])} for g in full["param_groups"]])

@@ -271,16 +271,20 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 return per, scalars
         return [], {}
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """Whole optimizer state under parameter names (collective: call on every rank)."""
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
+        """Whole optimizer state under parameter names (collective: call on every rank); with
+        `rank0_only`, the other ranks keep no tensor of it (their "state" is empty)."""
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
         m = self.module
         per, scalars = self._elementwise_keys()
         keys = per + (["master_param"] if self.precision != "fp32" else [])
         mine = {e.fqn: e for e in self.entries}
         state: dict[str, dict[str, Any]] = {}
+        seen: set[str] = set()
         for v, s in m.program.shards.items():
-            if s.kind != "param" or not m.graph.meta(s.value).requires_grad or s.fqn in state:
+            if s.kind != "param" or not m.graph.meta(s.value).requires_grad or s.fqn in seen:
                 continue
+            seen.add(s.fqn)
             e = mine.get(s.fqn) if v in m.held_keys else None
             out: dict[str, Any] = {}
             for k in keys:
@@ -289,13 +293,15 @@ class ParallelOptimizer(torch.optim.Optimizer):
                     src = e.master if k == "master_param" else self.state[e.master][k]
                     local = self._whole_local(e, src)
                 whole = m.whole_tensor(v, local, torch.float32)
-                out[k] = whole.detach().cpu().clone()
+                if keep:
+                    out[k] = whole.detach().cpu().clone()
+                del whole
             if e is not None:
                 out.update({k: (val.clone() if torch.is_tensor(val) else val)
                             for k, val in self.state.get(e.master, {}).items() if k in scalars})
             else:
                 out.update({k: (val.clone() if torch.is_tensor(val) else val) for k, val in scalars.items()})
-            if out:
+            if out and keep:
                 state[s.fqn] = out
         fqn_of = {id(e.master): e.fqn for e in self.entries}
         groups = []

@@ -434,18 +434,28 @@ class ParallelModule(torch.nn.Module):
             return f.read()
 
     # -- state ------------------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole tensors under the model's own names (collective: call on every rank)."""
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Whole tensors under the model's own names (collective: call on every rank).
+
+        `rank0_only`: only global rank 0 keeps them (the others get an empty dict), so a framework
+        checkpoint written by rank 0 costs the other ranks one whole tensor at a time, not a whole
+        model each (FSDP's full state dict with `rank0_only` does the same)."""
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
         out: dict[str, torch.Tensor] = {}
+        seen: set[str] = set()
         for v, s in self.program.shards.items():
-            if not s.in_state_dict or s.fqn in out:  # a tied weight's copies hold the same values
+            if not s.in_state_dict or s.fqn in seen:  # a tied weight's copies hold the same values
                 continue
+            seen.add(s.fqn)
             local = self.local_tensor(v) if v in self._held else None
             dtype = self.graph.meta(s.value).dtype
             if local is not None and self.zero3 is not None and s.fqn in self._zero3_key:
                 with torch.no_grad():
                     local = self.zero3.gather([self._zero3_key[s.fqn]])[self._zero3_key[s.fqn]]
             whole = self.whole_tensor(v, None if local is None else local.detach().to(dtype), dtype)
+            if not keep:
+                del whole
+                continue
             t = whole.detach().cpu().clone()
             out[s.fqn] = t
             for a in s.aliases:
