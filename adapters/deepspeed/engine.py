@@ -165,10 +165,10 @@ class DeepSpeedEngine(torch.nn.Module):
             self._materialize()
             return self._model_params[name].detach().float()
         if isinstance(self.optimizer, ZeroOptimizer):
-            master = self.optimizer.inner.full_state_dict()["state"].get(name, {}).get("master_param")
+            master = self.optimizer.inner.full_state_dict(only=[name])["state"].get(name, {}).get("master_param")
             if master is not None:
                 return master.float()
-        return self._pmodule.full_state_dict()[name].float()
+        return self._pmodule.full_state_dict(only=[name])[name].float()
 
     def refresh_model_parameters(self, params: list) -> None:
         """Write the whole, current values into these model parameters (collective once parallelized)."""
@@ -181,7 +181,7 @@ class DeepSpeedEngine(torch.nn.Module):
                 raise NotImplementedError(f"GatheredParameters: {name} is this rank's piece of the parameter; pass "
                                           "the model's own parameters (model.parameters()) to see it whole")
         params = [p for p in params if id(p) in self._model_param_names]
-        whole = self._pmodule.full_state_dict()
+        whole = self._pmodule.full_state_dict(only=sorted({self._model_param_names[id(p)] for p in params}))
         with torch.no_grad():
             for p in params:
                 value = whole[self._model_param_names[id(p)]]

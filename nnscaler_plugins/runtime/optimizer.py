@@ -37,7 +37,7 @@ changed after it last wrote them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -271,10 +271,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 return per, scalars
         return [], {}
 
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
+    def full_state_dict(self, rank0_only: bool = False, only: Optional[Collection[str]] = None) -> dict[str, Any]:
         """Whole optimizer state under parameter names (collective: call on every rank); with
-        `rank0_only`, the other ranks keep no tensor of it (their "state" is empty)."""
+        `rank0_only`, the other ranks keep no tensor of it (their "state" is empty); with `only`,
+        just these parameters' state (every rank passes the same names)."""
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        wanted = None if only is None else set(only)
         m = self.module
         per, scalars = self._elementwise_keys()
         keys = per + (["master_param"] if self.precision != "fp32" else [])
@@ -283,6 +285,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         seen: set[str] = set()
         for v, s in m.program.shards.items():
             if s.kind != "param" or not m.graph.meta(s.value).requires_grad or s.fqn in seen:
+                continue
+            if wanted is not None and s.fqn not in wanted:
                 continue
             seen.add(s.fqn)
             e = mine.get(s.fqn) if v in m.held_keys else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -434,17 +434,22 @@ class ParallelModule(torch.nn.Module):
             return f.read()
 
     # -- state ------------------------------------------------------------------------------------
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False,
+                        only: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
         """Whole tensors under the model's own names (collective: call on every rank).
 
         `rank0_only`: only global rank 0 keeps them (the others get an empty dict), so a framework
         checkpoint written by rank 0 costs the other ranks one whole tensor at a time, not a whole
-        model each (FSDP's full state dict with `rank0_only` does the same)."""
+        model each (FSDP's full state dict with `rank0_only` does the same). `only`: just these
+        names (every rank passes the same), so fetching one parameter gathers one tensor."""
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        wanted = None if only is None else set(only)
         out: dict[str, torch.Tensor] = {}
         seen: set[str] = set()
         for v, s in self.program.shards.items():
             if not s.in_state_dict or s.fqn in seen:  # a tied weight's copies hold the same values
+                continue
+            if wanted is not None and s.fqn not in wanted and not wanted.intersection(s.aliases):
                 continue
             seen.add(s.fqn)
             local = self.local_tensor(v) if v in self._held else None
