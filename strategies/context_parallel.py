@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.placement import merged_host
 from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import op_call
@@ -114,41 +115,74 @@ def _label_of(op: OpHandle, i: int, d: int) -> Optional[str]:
     return None if labs is None or d >= len(labs) else labs[d]
 
 
-def sequence_choices(builder: PlanBuilder, cp: int, length: int, block: int) -> dict[str, Optional[str]]:
-    """The label each op splits for the sequence (None: it runs whole), found by the walk."""
+def _may_split(op: OpHandle, lab: str) -> bool:
+    """Whether the sequence may split op along `lab`: not a frozen dim, and not a sum over it (or a
+    label whose pieces talk to each other) unless the op is attention or a loss that averages over
+    the pieces itself (cross-entropy's mean: the local sum over the global count of tokens)."""
+    sig = op.signature
+    if sig.is_frozen(lab):
+        return False
+    if lab in sig.reduce or lab in sig.comm_labels:
+        return _is_attention(op) or (lab in sig.reduce and lab in sig.comm_labels)
+    return True
+
+
+def _candidates(op: OpHandle, i: int, dim: int, blocks: int, base: int) -> list[tuple[str, int]]:
+    """(label, block) an op may split the sequence of input i along: the label of its dim, or --
+    where the dim is a reshape's merge of rows holding the sequence (batch x sequence, blocks =
+    rows x base) and the op unmerges it -- the inner label that carries the sequence again."""
+    lab = _label_of(op, i, dim)
+    if lab is None:
+        return []
+    out = []
+    for inner, (host, rows) in (getattr(op.signature, "merged", None) or {}).items():
+        if host == lab and rows > 1 and blocks == rows * base:
+            out.append((inner, base))
+    return out + [(lab, blocks)]
+
+
+def sequence_choices(builder: PlanBuilder, cp: int, length: int, block: int) -> dict[str, Optional[tuple[str, int]]]:
+    """The (label, block) each op splits for the sequence (None: it runs whole), found by the walk.
+
+    A value's sequence is tracked as (dim, block count): `block` where the dim is the sequence,
+    rows x `block` where a reshape merged rows of it into one dim (the flattened logits of an LM
+    head: (b, s, V) -> (b*s, V) holds each row's mirrored pieces in b blocks), so the ops after
+    such a merge -- the loss over flattened logits -- still run on the local pieces."""
     graph = builder.graph
-    seq_dim: dict[str, int] = {}
+    seq_at: dict[str, tuple[int, int]] = {}
     for spec in graph.inputs:
         v = graph.values.get(spec.name)
         meta = None if v is None else v.meta
         if meta is not None and v.kind == "input" and len(meta.shape) >= 2 and meta.shape[1] == length:
-            seq_dim[spec.name] = 1
-    choices: dict[str, Optional[str]] = {}
+            seq_at[spec.name] = (1, block)
+    choices: dict[str, Optional[tuple[str, int]]] = {}
     for op in builder.ops:
         sig = op.signature
-        candidates = [SEQUENCE] if _is_attention(op) else []
+        candidates = [(SEQUENCE, block)] if _is_attention(op) else []
         for i, name in enumerate(op.node.inputs):
-            if name in seq_dim:
-                lab = _label_of(op, i, seq_dim[name])
-                if lab is not None and lab not in candidates:
-                    candidates.append(lab)
+            if name in seq_at:
+                for cand in _candidates(op, i, *seq_at[name], block):
+                    if cand not in candidates:
+                        candidates.append(cand)
         chosen = None
-        for lab in candidates:
-            if sig.is_frozen(lab) or lab in sig.reduce or lab in sig.comm_labels and not _is_attention(op):
-                continue
-            if block < 0 and lab in (getattr(sig, "merged", None) or {}):
-                continue  # merged into another dim (batch x sequence flattened): a mirrored split cannot pass
-            if op.splittable(lab, cp, block):
-                chosen = lab
+        for lab, blk in candidates:
+            if _may_split(op, lab) and op.splittable(lab, cp, blk):
+                chosen = (lab, blk)
                 break
         choices[op.name] = chosen
         if chosen is None:
             continue
+        lab, blk = chosen
         for j, out in enumerate(op.node.outputs):
             labs = sig.outputs[j] if j < len(sig.outputs) else None
-            dims = [d for d, l in enumerate(labs or ()) if l == chosen]
-            if out is not None and len(dims) == 1:
-                seq_dim[out] = dims[0]
+            dims = [d for d, l in enumerate(labs or ()) if l == lab]
+            host = merged_host(sig, lab, labs)
+            if out is None:
+                continue
+            if len(dims) == 1:
+                seq_at[out] = (dims[0], blk)
+            elif host is not None and (blk > 0 or blk % 2 == 0):
+                seq_at[out] = (host[0], host[1] * blk)
     return choices
 
 
@@ -195,11 +229,11 @@ def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm:
         if str(cp_comm) == "ulysses":
             _check_ulysses_heads(builder, segment, tp_choices, tp, n)
         for op in segment:
-            seq = choices[op.name]
+            seq, seq_block = choices[op.name] or (None, block)
             t = tp_choices.get(op.name)
             if t is not None and seq == t.label:
                 seq = None
-            _place(builder, op, t.label if t else None, t.block if t else 1, tp, seq, block, n, devices)
+            _place(builder, op, t.label if t else None, t.block if t else 1, tp, seq, seq_block, n, devices)
     if tp > 1 and pp > 1 and not tp_found:
         raise PlanError(f"tensor parallelism over {tp} devices splits no weight of any pipeline stage of "
                         f"{builder.graph.model_class}; choose a tp that divides its weight dims, or tp=1")

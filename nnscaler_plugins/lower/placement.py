@@ -107,8 +107,11 @@ def tensor_blocks(sig: Signature, p: OpPlacement, labels: Optional[Sequence[str]
                                  "both merged into it")
             hosted[host[0]] = label
             plan_block = p.blocks.get(label, 1)
-            if plan_block < 0:
-                raise ValueError(f"{label!r} is merged into dim {host[0]}; it cannot be split mirrored there")
+            if plan_block < 0 and plan_block % 2 and host[1] > 1:
+                # a mirrored split alternates across the merged dim's blocks; each of the host's
+                # rows must start on an even block for the rows to mirror alike
+                raise ValueError(f"{label!r} is merged into dim {host[0]}; its mirrored split of {-plan_block} "
+                                 f"blocks (odd) cannot repeat in the dim's {host[1]} rows")
             out[host[0]] = host[1] * plan_block  # each of the merged dim's blocks holds the label's blocks
     return tuple(out)
 

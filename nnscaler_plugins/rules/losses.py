@@ -49,8 +49,11 @@ def cross_entropy(call: OpCall) -> Signature:
                              (args[0], args[1], args[2], 1, ignore_index, smoothing or 0.0), group_label=label)
         return Localized(call.target, call.args, call.kwargs)
 
+    # the rows (a sum, or a mean over the global count of counted targets) need no offsets, so
+    # they may be split in blocks: the mirrored sequence pieces of flattened logits
     return Signature(inputs=tuple(ins), outputs=(out,), reduce=reduce, localize=localize,
-                     comm_labels=frozenset({"c"} | ({"n"} | set(extra) if reduction == 1 else set())))
+                     comm_labels=frozenset({"c"} | ({"n"} | set(extra) if reduction == 1 else set())),
+                     order_free=frozenset({"n"} | set(extra)))
 
 
 @rule("aten.mse_loss.default", "aten.l1_loss.default", "aten.smooth_l1_loss.default", "aten.huber_loss.default")

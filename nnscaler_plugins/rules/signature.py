@@ -119,6 +119,10 @@ class Signature:
     # label -> (host label, b): on a tensor that lacks `label` but carries `host`, splitting `label`
     # splits the host's dim in b blocks (a reshape merging (b, h) into b*h with h split).
     merged: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # Reduce or group-aware labels whose pieces need no offsets: any equal share of the indices
+    # gives the same partial result (a sum; a mean over the global count), so a plan may split them
+    # in blocks (the flattened logits' rows of a sequence split mirrored, see `blockable`).
+    order_free: frozenset[str] = frozenset()
     # Labels that may only be split if every label in the tuple divides; informative for search.
     note: str = ""
 
@@ -184,7 +188,7 @@ class Signature:
         """
         if self.is_frozen(label):
             return f"dim {label!r} is frozen"
-        if label in self.reduce or label in self.comm_labels:
+        if (label in self.reduce or label in self.comm_labels) and label not in self.order_free:
             return f"dim {label!r} is a reduction; only spatial dims may be split in blocks"
         if any(l == label for l, _ in self.blocks):
             return f"the op's rule already fixes the blocks of dim {label!r}"
