@@ -414,11 +414,17 @@ def test_fallback_swap_survives_a_crash_between_its_renames(tmp_path, monkeypatc
 
 def _rank0_only(rank: int, world: int) -> list[str]:
     """Whole model and optimizer state kept by rank 0 only (what a framework checkpoint written by
-    rank 0 needs): rank 0's equals the every-rank version, tied weights included; rank 1 keeps none."""
+    rank 0 needs): rank 0's equals the every-rank version, tied weights included; rank 1 keeps none.
+    And a few names only, on every rank (what fetching one parameter needs)."""
     _, pm, opt, sched = _build(rank, world, "zero1")
     _train(pm, opt, sched, range(1))
     full, full_opt = pm.full_state_dict(), opt.full_state_dict()
     mine, mine_opt = pm.full_state_dict(rank0_only=True), opt.full_state_dict(rank0_only=True)
+    names = sorted(full)[-2:]  # `only=`: just these, gathered on every rank
+    some, some_opt = pm.full_state_dict(only=names), opt.full_state_dict(only=names)
+    if set(some) != set(names) or any(not torch.equal(some[k], full[k]) for k in names) \
+            or set(some_opt["state"]) != set(names) & set(full_opt["state"]):
+        return [f"only={names} gave {sorted(some)} and optimizer state of {sorted(some_opt['state'])}"]
     if rank != 0:
         return [] if not mine and not mine_opt["state"] else [f"rank {rank} kept {len(mine)} tensors"]
     problems = [f"{k} differs" for k in full if k not in mine or not torch.equal(full[k], mine[k])]
