@@ -286,7 +286,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         for v, s in m.program.shards.items():
             if s.kind != "param" or not m.graph.meta(s.value).requires_grad or s.fqn in seen:
                 continue
-            if wanted is not None and s.fqn not in wanted:
+            if wanted is not None and s.fqn not in wanted and not wanted.intersection(s.aliases):
                 continue
             seen.add(s.fqn)
             e = mine.get(s.fqn) if v in m.held_keys else None
