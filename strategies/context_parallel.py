@@ -231,7 +231,11 @@ def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm:
         for op in segment:
             seq, seq_block = choices[op.name] or (None, block)
             t = tp_choices.get(op.name)
-            if t is not None and seq == t.label:
+            sig = op.signature
+            if t is not None and (seq == t.label or t.label in sig.comm_labels and
+                                  (seq in sig.comm_labels or seq in sig.reduce)):
+                # tp splits this dim, or a group-aware piece (vocabulary-parallel cross-entropy)
+                # talks along tp's label and cannot also sum over sequence pieces: tp alone
                 seq = None
             _place(builder, op, t.label if t else None, t.block if t else 1, tp, seq, seq_block, n, devices)
     if tp > 1 and pp > 1 and not tp_found:
