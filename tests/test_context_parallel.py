@@ -288,6 +288,35 @@ def test_cp_x_pp_plan_stages_and_refusals():
         nns.plan(graph, strategy="cp", world_size=8, cp=2, pp=4)
 
 
+def test_cp_x_pp_is_priced_by_the_simulator():
+    import nnscaler_plugins as nns
+
+    graph = _graph24()
+    cluster = nns.cluster("h100-dgx")
+    both = nns.simulate(nns.plan(graph, strategy="cp", world_size=4, cp=2, pp=2), cluster, graph)
+    alone = nns.simulate(nns.plan(graph, strategy="1f1b", world_size=2, pp=2), cluster, graph)
+    assert 0 < both.step_time_s < float("inf")
+    assert both.max_memory_bytes < alone.max_memory_bytes  # each stage's activations halved by cp
+
+
+@pytest.mark.skipif(not ALL, reason="a 13 s search; NNS_TEST_ALL_PLANS=1")
+def test_search_finds_cp_x_pp_plans_for_long_sequences():
+    """The search prices cp inside each intra-op group and pipelines around the groups, so cp x pp
+    plans come out of it at long sequences (here 32k tokens, pipelines of 2 stages asked for)."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.search.constraints import PipelineStages
+
+    with torch.device("meta"):
+        model = CausalLM(layers=4, heads=16, kv_heads=8, hidden=2048, positions=32768)
+    ids = torch.randint(0, VOCAB, (1, 32768), device="meta")
+    graph = nns.capture(model, kwargs={"input_ids": ids, "labels": ids})
+    result = nns.search(graph, world_size=16, cluster="h100-dgx", constraints=[PipelineStages([2])],
+                        progress=False, memory_limit="8GiB")
+    found = [p for p in result.plans if p.pipeline is not None and all(
+        dict(op.splits).get("s", 1) > 1 for n, op in p.ops.items() if "scaled_dot_product_attention" in n)]
+    assert found, [(p.pipeline, p.dp) for p in result.plans]
+
+
 def saved_activation_bytes(fn, params, which=lambda t: True) -> int:
     """Bytes of the distinct storages autograd saves for backward while `fn` runs, parameters
     excepted (only the tensors `which` picks). Measured through the runtime's meter: a parallel
