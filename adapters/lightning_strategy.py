@@ -31,6 +31,10 @@ from .lightning_model import PlannedModel, Recorded, Recorder
 from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
 
 
+#: Marks a checkpoint (and its optimizer entries) whose parallelized state is in a sharded directory.
+SHARDED = "nnscaler_sharded"
+
+
 class NNScalerStrategyMixin:
     """Shared implementation; see `nnscaler_plugins.adapters.lightning.NNScalerStrategy`."""
 
@@ -42,17 +46,22 @@ class NNScalerStrategyMixin:
                  process_group_backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                  cache_dir: str = ".nnscaler_cache", accelerator: Any = None, parallel_devices: Any = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
-                 **plan_options: Any) -> None:
+                 state_dict_type: str = "full", **plan_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         check_plan(plan, "NNScalerStrategy(plan=...)")
         check_plan_options(plan, plan_options, "NNScalerStrategy(...)")
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"NNScalerStrategy: state_dict_type={state_dict_type!r}; use 'full' (one .ckpt file of "
+                             "whole tensors, written by rank 0) or 'sharded' (a directory, each rank writing its own "
+                             "pieces: nns.checkpoint's format)")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"NNScalerStrategy: start_method={start_method!r}; use 'popen', 'spawn', 'fork' or "
                              "'forkserver'")
         self.plan = plan
         self.plan_options = plan_options
+        self.state_dict_type = state_dict_type
         self.module_attr = module_attr
         self.example_inputs = example_inputs
         self.loss_fn = loss_fn
@@ -372,6 +381,8 @@ class NNScalerStrategyMixin:
         lm = self.lightning_module
         prefix = self._attr + "."
         out = {k: v for k, v in lm.state_dict().items() if not k.startswith(prefix)}
+        if self.state_dict_type == "sharded":
+            return out  # the parallelized weights go to `save_checkpoint` as each rank's pieces
         # rank 0 writes the checkpoint (`save_checkpoint`): the others hold no whole tensor of it
         out.update({prefix + k: v for k, v in self.pmodule.full_state_dict(rank0_only=True).items()})
         return out
@@ -379,7 +390,8 @@ class NNScalerStrategyMixin:
     def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
         prefix = self._attr + "."
         state = checkpoint["state_dict"]
-        self.pmodule.load_full_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        if not checkpoint.get(SHARDED):  # a sharded checkpoint's weights are in the shards already
+            self.pmodule.load_full_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         rest = {k: v for k, v in state.items() if not k.startswith(prefix)}
         result = self.lightning_module.load_state_dict(rest, strict=False)
         if strict and result.unexpected_keys:
@@ -391,23 +403,67 @@ class NNScalerStrategyMixin:
         Collective: Lightning calls it on every rank."""
         from .resume import save_state
 
+        if self.state_dict_type == "sharded":
+            return {SHARDED: True}  # the state goes to `save_checkpoint` as each rank's pieces
         return save_state(self.pmodule, optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: dict) -> None:
         from .resume import load_state
 
         states = checkpoint.get("optimizer_states")
-        if not states:
-            return
+        if not states or checkpoint.get(SHARDED):
+            return  # a sharded checkpoint's state was read into the shards by `load_checkpoint`
         for optimizer, saved in zip(self.optimizers, states):
             load_state(self.pmodule, optimizer, saved)  # checked by load_checkpoint, before any restore
 
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        """'full': rank 0 writes one file (Lightning's way). 'sharded': `filepath` becomes a
+        directory in `nns.checkpoint`'s format, each rank writing its own pieces of the weights and
+        the optimizer state (no whole tensor anywhere) and the rest of Lightning's checkpoint as its
+        extra; it loads under any plan and process count, atomically replaced (collective)."""
+        if self.state_dict_type != "sharded":
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        import nnscaler_plugins as nns
+
+        if storage_options is not None:
+            raise TypeError("NNScalerStrategy(state_dict_type='sharded') writes with nns.checkpoint and takes no "
+                            "storage_options")
+        rest = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+        rest["optimizer_states"] = [{SHARDED: True} for _ in checkpoint.get("optimizer_states") or []]
+        nns.checkpoint.save(str(filepath), self.pmodule, self._sharded_optimizer(), lightning=rest)
+
+    def _sharded_optimizer(self) -> Any:
+        """The one optimizer a sharded checkpoint holds (None outside fit)."""
+        opts = list(self.optimizers or [])
+        if len(opts) > 1:
+            raise ValueError(f"NNScalerStrategy(state_dict_type='sharded') holds one optimizer's state; "
+                             f"configure_optimizers gives {len(opts)}: use state_dict_type='full'")
+        return opts[0] if opts else None
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         if os.path.isdir(checkpoint_path):
-            raise IsADirectoryError(f"NNScalerStrategy checkpoints are single files (the .ckpt ModelCheckpoint "
-                                    f"writes); {checkpoint_path} is a directory")
+            return self._load_sharded(str(checkpoint_path))
         checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._check_resumable(checkpoint)
+        return checkpoint
+
+    def _load_sharded(self, path: str) -> dict:
+        """A directory `save_checkpoint` wrote in 'sharded' mode (whichever mode this run uses): the
+        weights and the optimizer state go straight into this plan's shards (`nns.checkpoint.load`
+        checks names and shapes on every rank before it changes anything); Lightning gets the rest."""
+        import nnscaler_plugins as nns
+        from nnscaler_plugins.checkpoint.format import METADATA
+
+        if not os.path.isfile(os.path.join(path, METADATA)):
+            raise IsADirectoryError(f"NNScalerStrategy: {path} is a directory but not a sharded checkpoint "
+                                    f"({METADATA} is missing); full checkpoints are single .ckpt files")
+        if self.pmodule is None:
+            raise RuntimeError("NNScalerStrategy: a sharded checkpoint loads into the parallelized model, which "
+                               "exists once the trainer has set it up (fit/validate with ckpt_path=)")
+        fitting = self._trainer is not None and self._trainer.state.fn == "fit"
+        extra = nns.checkpoint.load(path, self.pmodule, self._sharded_optimizer() if fitting else None)
+        checkpoint = dict(extra.get("lightning") or {})
+        checkpoint[SHARDED] = True
         return checkpoint
 
     def _check_resumable(self, checkpoint: dict) -> None:

@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume-under", default="",
                     help="';'-separated plans to resume the first plan's checkpoint under too (same data-parallel "
                          "size: the optimizer state is resharded)")
+    ap.add_argument("--state-dict-type", choices=["full", "sharded"], default="full",
+                    help="the resume check's checkpoints: one .ckpt of whole tensors (rank 0 writes) or a directory "
+                         "each rank writes its own pieces to")
     args = ap.parse_args(argv)
     launcher = "LOCAL_RANK" not in os.environ  # Lightning's re-run children have it set
     rtol = 1e-4 if args.precision == "32-true" else 3e-2
@@ -192,15 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         plan, options = parse_plan(args.plans.split(";")[0])
         with tempfile.TemporaryDirectory() as tmp:
             tmp = strategy.broadcast(tmp)  # one directory for all processes
-            _, full = fit(NNScalerStrategy(plan=plan, **options), args.devices, args.batch_size, args.steps, epochs=2,
-                          ckpt_dir=tmp, **kw)
+            _, full = fit(NNScalerStrategy(plan=plan, state_dict_type=args.state_dict_type, **options), args.devices,
+                          args.batch_size, args.steps, epochs=2, ckpt_dir=tmp, **kw)
             first = os.path.join(tmp, sorted(f for f in os.listdir(tmp) if f.startswith("epoch=0"))[0])
             _, resumed = fit(NNScalerStrategy(plan=plan, **options), args.devices, args.batch_size, args.steps, epochs=2,
                              ckpt_path=first, **kw)
-            if launcher:
+            if launcher and args.state_dict_type == "full":
                 plain = GPT2Module()  # the checkpoint is an ordinary one: a plain module loads it strictly
                 plain.load_state_dict(torch.load(first, weights_only=True)["state_dict"])
-                row = {"resume": plan, "full": full, "resumed": resumed,
+            if launcher:
+                row = {"resume": plan, "state_dict_type": args.state_dict_type, "directory": os.path.isdir(first),
+                       "full": full, "resumed": resumed,
                        "match": _close(resumed, full[args.steps * args.accumulate:], 1e-5)}
                 ok &= row["match"]
                 print(json.dumps(row), flush=True)

@@ -132,15 +132,18 @@ def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path)
 def test_zero_plans_rebuild_the_optimizer_with_accumulation_clipping_and_resume(tmp_path):
     """ZeRO plans: configure_optimizers' AdamW becomes the plan's sharded optimizer (same
     hyperparameters), clipping uses its global norm, and a ZeRO-3 run resumes exactly, and under
-    plain data parallelism (the sharded state becomes the plain AdamW's)."""
+    plain data parallelism (the sharded state becomes the plain AdamW's), from sharded checkpoints
+    (`state_dict_type="sharded"`: a directory each rank writes its own pieces to)."""
     rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "zero3;zero2", "--steps", "2",
-                       "--accumulate", "2", "--clip", "0.5", "--resume-check", "--resume-under", "dp")
+                       "--accumulate", "2", "--clip", "0.5", "--resume-check", "--resume-under", "dp",
+                       "--state-dict-type", "sharded")
     plans = {r["plan"]: r for r in rows if "plan" in r}
     assert set(plans) == {"zero3", "zero2"}
     for name, r in plans.items():
         assert r["match"] and r["optimizer"] == "ParallelOptimizer" and r["zero"] == int(name[-1]), r
     resume = [r for r in rows if "resume" in r]
     assert [r.get("under") for r in resume] == [None, "dp"] and all(r["match"] for r in resume), resume
+    assert resume[0]["state_dict_type"] == "sharded" and resume[0]["directory"], resume
 
 
 def test_four_processes_bf16_mixed_in_the_pytorch_lightning_package(tmp_path):
