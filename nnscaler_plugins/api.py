@@ -16,6 +16,7 @@ from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.capture.microbatch import resolve_micro_batches, split_batch
 from nnscaler_plugins.capture.tracing import capture, normalize_inputs
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.batch_statistics import with_batch_statistics
 from nnscaler_plugins.lower.lowering import Program, lower
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.primitives import PlanBuilder
@@ -75,7 +76,7 @@ def _plan_and_program(graph: Graph, source: PlanSource, world_size: int, micro: 
     zero, precision = options.pop("zero", None), options.pop("precision", None)
     offload = options.pop("offload", None)
     if source.plan is not None:
-        p = source.plan
+        p = with_batch_statistics(source.plan, graph)  # a searched or saved plan that does not say
     else:
         unit, dp = source.degrees(world_size, options)
         builder = PlanBuilder(graph, unit, dp, strategy=source.name,

@@ -1,155 +1,16 @@
-"""Reductions over the batch that the loss uses nonlinearly: what data-parallel replicas must combine.
-
-Each data-parallel replica runs the plan's unit on its share of the batch, and the replicas' losses
-are weighted by their items before gradients are averaged. A reduction over the batch that reaches
-the loss only through sums and scalings (a mean cross-entropy, `aux * coef` added to it) is exact
-that way. One that meets a nonlinear op first -- the router load-balancing loss multiplies the
-fraction of tokens sent to each expert by the mean router probability, both means over every
-token -- is not, and Hugging Face's own loss under DDP or gradient accumulation differs from one
-device's on the whole batch for that reason. The lowering makes the reductions found here whole
-across the replicas (`runtime.replica_statistics`), so every replica reads the whole batch's value.
-
-The batch dim is followed from the model's inputs through every op's dimension rule, as the
-strategies find it, so nothing depends on the model's module names.
+"""The plan's `batch_statistics`: what every strategy with data-parallel replicas or micro-batches
+records, so a loss that uses a reduction over the batch nonlinearly (a mixture-of-experts router's
+load-balancing loss) trains as one device on the whole batch does. Finding them is the core's
+(`nnscaler_plugins.lower.batch_statistics`, which also fills them in for a ready-made plan); the
+choice between the whole batch's and each replica's own is the strategy option read here.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
-from nnscaler_plugins.runtime.loss import loss_position
-
-#: Ops the loss is linear in (each input listed is entered): views, copies, sums and scalings.
-_THROUGH_ALL = ("aten.view.", "aten.reshape.", "aten._unsafe_view.", "aten.clone.", "aten.alias.", "aten._to_copy.",
-                "aten.to.", "aten.squeeze.", "aten.unsqueeze.", "aten.add.", "aten.sub.", "aten.neg.",
-                "aten.sum.", "aten.mean.", "aten.select.", "aten.slice.", "aten.expand.", "aten.contiguous.",
-                "aten.add_.", "aten.sub_.", "aten.neg_.")
-_SCALINGS = ("aten.mul.", "aten.div.", "aten.mul_.", "aten.div_.")  # linear in an input the other does not scale
-_SUMS = ("aten.sum.",)
-_MEANS = ("aten.mean.",)
-#: Ops that keep the batch whole and count over it: their pieces' counts add up (histograms).
-_COUNTS = ("aten.histc.", "aten.bincount.")
-#: Rows of the batch added into a buffer at indices (a histogram or per-expert sum when the buffer
-#: starts at zero, which `batch_statistics` checks).
-_SCATTER_SUMS = ("aten.scatter_add.", "aten.scatter_add_.", "aten.index_add.", "aten.index_add_.")
-_ZEROS = ("aten.zeros.", "aten.new_zeros.", "aten.zeros_like.")
-#: Ops that flatten or repeat rows, the batch staying outermost.
-_ROWS_KEPT = ("aten.reshape.", "aten.view.", "aten._unsafe_view.", "aten.flatten.", "aten.repeat_interleave.")
-
-
-def _batch_reductions(builder: PlanBuilder) -> tuple[dict[str, tuple[OpHandle, int]], set[str]]:
-    """Ops reducing over the batch dim (each with the input that carries the batch), and the
-    values that depend on the data inputs."""
-    graph = builder.graph
-    inputs = [v for v in graph.values.values() if v.kind == "input" and v.meta is not None and v.meta.ndim >= 1]
-    batch = inputs[0].meta.shape[0] if inputs else None
-    dim: dict[str, Optional[int]] = {v.name: (0 if v.meta.shape[0] == batch else None) for v in inputs}
-    data = {v.name for v in graph.values.values() if v.kind == "input"}
-    reductions: dict[str, tuple[OpHandle, int]] = {}
-    for op in builder.ops:
-        sig = op.signature
-        if any(name in data for name in op.node.inputs):
-            data.update(o for o in op.node.outputs if o is not None)
-        label, whole, carrier = None, None, 0
-        for i, name in enumerate(op.node.inputs):
-            d, labs = dim.get(name), (sig.inputs[i] if i < len(sig.inputs) else None)
-            if d is not None and (labs is None or d >= len(labs) or sig.is_frozen(labs[d])):
-                whole = i if whole is None else whole  # the op reads the batch whole
-            elif d is not None:
-                label, carrier = labs[d], i
-                break
-        outs = [sig.outputs[j] if j < len(sig.outputs) else None for j in range(len(op.node.outputs))]
-        rows = carrier if label is not None else whole
-        if op.node.op_name.startswith(_SCATTER_SUMS) and rows not in (None, 0):
-            reductions[op.name] = (op, rows)  # the batch's rows added into a buffer
-            label = None
-        elif label is not None and label in sig.reduce and not any(o and label in o for o in outs):
-            reductions[op.name] = (op, carrier)
-        elif label is None and whole is not None and op.node.op_name.startswith(_COUNTS):
-            reductions[op.name] = (op, whole)  # reads the whole batch to count over it
-        for out, labs in zip(op.node.outputs, outs):
-            if out is not None:
-                dim[out] = labs.index(label) if label is not None and labs and label in labs else None
-        if op.node.op_name.startswith(_ROWS_KEPT) and op.node.inputs and dim.get(op.node.inputs[0]) == 0:
-            _rows_kept(graph, op, dim)
-    return reductions, data
-
-
-def _rows_kept(graph, op: OpHandle, dim: dict[str, Optional[int]]) -> None:
-    """A reshape or repeat whose input has the batch outermost keeps it outermost when its rows
-    only grow by a whole factor (tokens x top-k flattened, each row repeated k times)."""
-    rows = graph.meta(op.node.inputs[0]).shape[0]
-    out = op.node.outputs[0]
-    meta = graph.meta(out) if out is not None else None
-    if meta is not None and meta.ndim >= 1 and rows and meta.shape[0] % rows == 0:
-        dim[out] = 0
-
-
-def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set[str]]:
-    """(ops the loss depends on, ops it depends on linearly), by op name."""
-    graph = builder.graph
-    at = loss_position(len(graph.outputs), graph.out_spec)
-    loss = graph.outputs[at] if at is not None else None
-    if loss is None:
-        return set(), set()
-    producer = {o: op for op in builder.ops for o in op.node.outputs if o is not None}
-    ancestors: set[str] = set()
-    stack = [loss]
-    while stack:
-        op = producer.get(stack.pop())
-        if op is not None and op.name not in ancestors:
-            ancestors.add(op.name)
-            stack.extend(op.node.inputs)
-    linear: set[str] = set()
-    stack = [loss]
-    while stack:
-        op = producer.get(stack.pop())
-        if op is None or op.name in linear:
-            continue
-        linear.add(op.name)
-        name = op.node.op_name
-        if name.startswith(_THROUGH_ALL):
-            stack.extend(op.node.inputs)
-        elif name.startswith(_SCALINGS):
-            ins = list(op.node.inputs)
-            dependent = [v for v in ins if v in data]
-            if name.startswith("aten.mul.") and len(dependent) == 1:
-                stack.extend(dependent)
-            elif name.startswith("aten.div.") and ins and all(v not in data for v in ins[1:]):
-                stack.append(ins[0])
-    return ancestors, linear
-
-
-def batch_statistics(builder: PlanBuilder, strategy: str) -> dict[str, list]:
-    """{op name: ["sum" | "mean", index of the input carrying the batch]} for each reduction over
-    the batch the loss uses nonlinearly; refuses (by name) one whose pieces the replicas cannot
-    combine exactly."""
-    reductions, data = _batch_reductions(builder)
-    ancestors, linear = _loss_ancestors(builder, data)
-    producer = {o: op for op in builder.ops for o in op.node.outputs if o is not None}
-    found: dict[str, list] = {}
-    for name, (op, carrier) in reductions.items():
-        if name not in ancestors or name in linear:
-            continue
-        target = op.node.op_name
-        meta = builder.graph.meta(op.node.outputs[0]) if op.node.outputs and op.node.outputs[0] else None
-        exact = meta is not None and meta.dtype.is_floating_point and len(op.node.outputs) == 1
-        reduces = op.signature.reduce and any(l in op.signature.reduce for l in op.signature.labels())
-        buffer = producer.get(op.node.inputs[0]) if op.node.inputs else None
-        if exact and target.startswith(_MEANS):
-            found[name] = ["mean", carrier]
-        elif exact and (target.startswith(_SUMS + _COUNTS) or (reduces and op.signature.localize is None)):
-            found[name] = ["sum", carrier]  # the pieces of a reduction without a piece function are partial sums
-        elif exact and target.startswith(_SCATTER_SUMS) and buffer is not None \
-                and buffer.node.op_name.startswith(_ZEROS):
-            found[name] = ["sum", carrier]
-        else:
-            raise PlanError(f"strategy {strategy!r}: the loss uses this reduction over the batch ({target}) "
-                            "nonlinearly, and its data-parallel pieces cannot be combined into the whole batch's "
-                            "value; pass batch_statistics='local' to compute it per replica (as DDP does)",
-                            op=name, where=op.where())
-    return found
+from nnscaler_plugins.lower.batch_statistics import batch_statistics, refuse_micro_batches
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
 
 def apply_batch_statistics(builder: PlanBuilder, strategy: str, mode: Optional[str]) -> None:
@@ -171,11 +32,8 @@ def apply_batch_statistics(builder: PlanBuilder, strategy: str, mode: Optional[s
         return
     micro = builder.pipeline.micro_batches if builder.pipeline is not None else builder.micro_batches
     if micro > 1:
-        names = ", ".join(sorted(found))
-        first = next(op for op in builder.ops if op.name in found)
-        raise PlanError(f"strategy {strategy!r}: with {micro} micro-batches, the loss's statistics over the batch "
-                        f"({names}: e.g. a router load-balancing loss) would be computed per micro-batch, not over "
-                        "the whole batch as one device does; pass batch_statistics='local' to accept that "
-                        "(Megatron's per-micro-batch auxiliary loss), or train without micro-batches",
-                        op=first.name, where=first.where())
+        refuse_micro_batches(builder, strategy, found, micro)
     builder.options["batch_statistics"] = found
+
+
+__all__ = ["apply_batch_statistics", "batch_statistics"]

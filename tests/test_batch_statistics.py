@@ -3,12 +3,14 @@ loss multiplies two statistics over the whole batch, so replicas that each compu
 train differently from one process. dp and zero2 at world 2 (HF Mixtral, top-2 routing, aux loss on,
 padding in one replica's rows only) equal one process on the whole batch (SGD, fp32, relative 1e-5);
 `batch_statistics="local"` keeps each replica's own statistics (DDP's behaviour) and differs;
-micro-batches are refused by name unless "local"; models without such statistics (a dense model,
-batch norm under DDP's per-replica convention) record nothing and are not refused.
+micro-batches are refused by name unless "local"; a ready-made plan (from `nns.search`) gets the
+same; models without such statistics (a dense model, batch norm under DDP's per-replica
+convention) record nothing and are not refused.
 NNS_TEST_ALL_PLANS=1 adds hybrid, the pipelines, megatron, auto and the other MoE models.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -79,6 +81,22 @@ def test_micro_batches_refused_by_name_unless_local(mixtral_graph):
         assert local.options["batch_statistics"] == "local"
     with pytest.raises(PlanError, match="batch_statistics='sync'; use 'global' or 'local'"):
         nns.plan(mixtral_graph, strategy="tp", world_size=2, batch_statistics="sync")
+
+
+def test_searched_plan_gets_them_or_is_refused(mixtral_graph):
+    """A ready-made plan (here from `nns.search`) did not go through a strategy: the statistics are
+    found when it is planned or run, and its micro-batches are refused with the way out."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    whole = next(p for p in nns.search(mixtral_graph, world_size=2, progress=False) if p.dp == 2)
+    assert whole.num_micro_batches == 1 and "batch_statistics" not in whole.options
+    assert len(nns.plan(mixtral_graph, strategy=whole, world_size=2).options["batch_statistics"]) == 2 * LAYERS
+    micro = dataclasses.replace(whole, micro_batches=2, options=dict(whole.options))
+    with pytest.raises(PlanError, match="micro-batches.*plan.options\\['batch_statistics'\\] = 'local'"):
+        nns.plan(mixtral_graph, strategy=micro, world_size=2)
+    micro.options["batch_statistics"] = "local"
+    assert nns.plan(mixtral_graph, strategy=micro, world_size=2).options["batch_statistics"] == "local"
 
 
 class _ConvBN(torch.nn.Module):
