@@ -12,8 +12,15 @@ plan's `cp_comm` ("ring", "allgather" or "ulysses").
 
 Causal load balancing (on by default when some attention is causal): the sequence is split as a
 mirrored 2-block split, device j holding chunks j and 2cp-1-j of 2cp, on every op the sequence
-reaches; ops that cannot take that split (a reshape merging batch and sequence) get their inputs
-gathered by the lowering, which is exact and costs memory there.
+reaches. A reshape merging batch and sequence (the LM head's logits flattened for the loss) keeps
+it: the merged dim holds each row's pieces as rows x 2 mirrored blocks, and the walk follows it
+into the loss, whose rows are split in those blocks (cross-entropy's mean is the local sum over the
+global count). Ops that cannot take the split get their inputs gathered by the lowering, which is
+exact and costs memory there.
+
+With `pp`, the layer stack is cut into stages as the pipeline strategies cut it, each stage on its
+own cp x tp devices; the walk above is one over the whole graph, so a value crossing stages keeps
+its pieces' meaning, and each attention's ring is the group of its own stage's devices.
 
 What cannot run exactly is refused before launch, with sizes: a length not divisible by 2cp
 (balanced) or cp, Ulysses with more devices than key/value heads (or query heads), attention
