@@ -1,6 +1,7 @@
 """`ep` (experts split, tokens by all-to-all) vs replicated experts (`dp`), gloo processes, same data.
 
     python benchmarks/expert_parallel.py            # 2 and 4 processes, 8 and 16 experts
+    python benchmarks/expert_parallel.py --etp      # 4 processes: ep 4 against ep 2 x etp 2
 
 A small Mixtral (2 layers, hidden 128, expert FFN 256, top-2, router loss on). Both plans train on
 the same global batch: `dp` gives each rank `b` sequences and keeps every expert on every rank;
@@ -74,7 +75,57 @@ def bench(rank: int, world: int, experts: int):
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+def bench_etp(rank: int, world: int, experts: int):
+    """Same unit of `world` devices and global batch: experts split `world` ways (ep) against
+    split world / 2 ways with each expert's width cut in 2 (ep x etp 2)."""
+    import torch.distributed as dist
+
+    import nnscaler_plugins as nns
+
+    glob = common.batch(PER_RANK * world, SEQ, seed=7)
+    ep = nns.parallelize(mixtral(experts), glob, plan="ep", ep=world, cache_dir="/tmp/nns_bench_cache")
+    et = nns.parallelize(mixtral(experts), glob, plan="ep", ep=world // 2, etp=2, cache_dir="/tmp/nns_bench_cache")
+    opt_e = nns.build_optimizer(ep, torch.optim.Adam, lr=1e-4)
+    opt_t = nns.build_optimizer(et, torch.optim.Adam, lr=1e-4)
+
+    def ep_step():
+        ep.train_step(glob)
+        opt_e.step()
+        opt_e.zero_grad(set_to_none=False)
+
+    def et_step():
+        et.train_step(glob)
+        opt_t.step()
+        opt_t.zero_grad(set_to_none=False)
+
+    t_e, t_t, ratio = common.time_paired(ep_step, et_step, warmup=1, iters=6, sync=dist.barrier)
+    return t_e, t_t, ratio, state_bytes(ep, opt_e), state_bytes(et, opt_t)
+
+
+def main_etp() -> None:
+    rows = []
+    world = 4
+    for experts in (8, 16):
+        t_e, t_t, ratio, (ep_all, ep_exp), (et_all, et_exp) = common.spawn(bench_etp, world, experts)
+        mib = 1 / 2**20
+        rows.append((f"{world}", f"{experts}", f"{t_e * 1e3:.0f}", f"{t_t * 1e3:.0f}", f"{ratio:.2f}",
+                     f"{ep_all * mib:.1f} ({ep_exp * mib:.1f})", f"{et_all * mib:.1f} ({et_exp * mib:.1f})"))
+        print(rows[-1], flush=True)
+    print(common.record(
+        "expert_parallel.py --etp: experts split 4 ways (`ep=4`) vs 2 ways with each expert's width split 2 ways "
+        "(`ep=2, etp=2`), Mixtral 2x128, top-2, 4 gloo processes (train step)",
+        rows, ("processes", "experts", "ep 4 ms", "ep 2 x etp 2 ms", "median per-step ratio ep/etp",
+               "ep 4 state MiB/rank (experts)", "ep 2 x etp 2 state MiB/rank (experts)"),
+        notes="Same unit and global batch (4 sequences of 64 tokens per rank). Both hold a quarter of the "
+              "experts' state per rank; etp adds a gather of each layer's tokens over the pair and a "
+              "reduce-scatter of the partial outputs, and each rank dispatches its pair's tokens to 2 ranks "
+              "instead of its own to 4."))
+
+
 def main() -> None:
+    if "--etp" in sys.argv[1:]:
+        main_etp()
+        return
     rows = []
     for world in (2, 4):
         for experts in (8, 16):
