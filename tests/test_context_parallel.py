@@ -262,7 +262,10 @@ CP_PP_ALL = [("llama", {"cp_comm": "ring", "cp": 2, "pp": 2, "micro_batches": 2}
              ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "schedule": "zero-bubble", "micro_batches": 2}, 1),
              ("causal4", {"cp_comm": "ring", "cp": 2, "pp": 2, "schedule": "interleaved", "micro_batches": 2}, 1),
              ("gpt2", {"cp_comm": "ring", "cp": 1, "pp": 2, "dp": 2}, 2),
-             ("causal", {"cp_comm": "ring", "cp": 1, "pp": 2, "tp": 2}, 1)]
+             ("causal", {"cp_comm": "ring", "cp": 1, "pp": 2, "tp": 2}, 1),
+             ("causal", {"cp_comm": "ring", "cp": 2, "pp": 2, "recompute": "full", "micro_batches": 2}, 1),
+             ("neox", {"cp_comm": "ring", "cp": 2, "pp": 2}, 1),
+             ("qwen2", {"cp_comm": "ulysses", "cp": 2, "pp": 2, "micro_batches": 2}, 1)]
 
 
 @pytest.mark.parametrize("model,options,dp", CP_PP + (CP_PP_ALL if ALL else []))
