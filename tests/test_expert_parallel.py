@@ -118,8 +118,8 @@ def test_ep_2(workers2, name, options):
 
 
 @pytest.mark.parametrize("name,options,dp", [("mixtral", {"ep": 2, "dp": 2}, 2), ("mixtral", {"ep": 4, "tp": 2}, 1),
-                                            ("mixtral", {"ep": 2, "etp": 2}, 1)]
-                         + ([("qwen3_moe", {"ep": 2, "etp": 2, "tp": 2}, 1), ("qwen2_moe", {"ep": 2, "etp": 2}, 1),
+                                            ("mixtral", {"ep": 2, "etp": 2}, 1), ("mixtral", {"ep": 2, "pp": 2}, 1)]
+                         + ([("qwen3_moe", {"ep": 2, "etp": 2, "tp": 2}, 1), ("qwen3_moe", {"ep": 1, "etp": 2, "pp": 2}, 1), ("qwen2_moe", {"ep": 2, "etp": 2}, 1),
                              ("deepseek_v3", {"ep": 2, "etp": 2, "tp": 2}, 1), ("mixtral", {"ep": 1, "etp": 2, "dp": 2}, 2),
                              ("mixtral_no_aux", {"ep": 1, "etp": 2, "pp": 2, "micro_batches": 2}, 1),
                              ("mixtral", {"ep": 1, "etp": 2, "dp": 2, "zero": 3}, 2),("qwen3_moe", {"ep": 4, "tp": 2}, 1), ("qwen2_moe", {"ep": 4, "tp": 2}, 1),
