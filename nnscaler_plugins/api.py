@@ -84,7 +84,7 @@ def _plan_and_program(graph: Graph, source: PlanSource, world_size: int, micro: 
                               micro_batches=micro, zero=0 if zero is None else zero,
                               precision="fp32" if precision is None else precision)
         source.call(builder, options)
-        p = builder.finish(validate=False)
+        p = with_batch_statistics(builder.finish(validate=False), graph, builder)  # any strategy's replicas
     if (zero is not None and zero != p.zero) or (precision is not None and precision != p.precision):
         p = dataclasses.replace(p, zero=p.zero if zero is None else zero,
                                 precision=p.precision if precision is None else precision)

@@ -9,10 +9,10 @@ token -- is not, and Hugging Face's own loss under DDP or gradient accumulation 
 device's on the whole batch for that reason. The lowering makes the reductions found here whole
 across the replicas (`runtime.replica_statistics`), so every replica reads the whole batch's value.
 
-Strategies record them in the plan (`strategies/batch_statistics.py`); a ready-made plan that does
-not say (one from `nns.search`, or saved before) gets them here before it is lowered
-(`with_batch_statistics`), so no plan with replicas or micro-batches runs a router loss silently
-per replica. The batch dim is followed from the model's inputs through every op's dimension rule,
+Strategies record them in the plan (`strategies/batch_statistics.py`); a plan that does not say
+(one from `nns.search`, saved before, or made by a strategy that does not look) gets them here
+before it is lowered (`with_batch_statistics`), so no plan with replicas or micro-batches runs a
+router loss silently per replica. The batch dim is followed from the model's inputs through every op's dimension rule,
 as the strategies find it, so nothing depends on the model's module names.
 """
 from __future__ import annotations
@@ -172,16 +172,20 @@ def refuse_micro_batches(builder: PlanBuilder, strategy: str, found: dict[str, l
                     op=first.name, where=first.where())
 
 
-def with_batch_statistics(plan: Plan, graph: Graph) -> Plan:
+def with_batch_statistics(plan: Plan, graph: Graph, builder: Optional[PlanBuilder] = None) -> Plan:
     """`plan` with its `batch_statistics` found, when it has data-parallel replicas or micro-batches
     and does not already say ("local", or the strategy's findings); refused by name when they
-    cannot be made whole (micro-batches). A plan whose loss has no such reduction is returned as is."""
+    cannot be made whole (micro-batches). A plan whose loss has no such reduction is returned as is.
+    `builder`, the one that made the plan, saves computing the ops' signatures again."""
     said = plan.options.get("batch_statistics")
     micro = plan.num_micro_batches
     if said not in (None, "global") or (plan.dp == 1 and micro == 1):
         return plan
-    builder = PlanBuilder(graph, plan.unit_size, plan.dp, strategy=plan.strategy, micro_batches=micro)
-    way_out = "set plan.options['batch_statistics'] = 'local'"
+    if builder is None:
+        builder = PlanBuilder(graph, plan.unit_size, plan.dp, strategy=plan.strategy, micro_batches=micro)
+        way_out = "set plan.options['batch_statistics'] = 'local'"
+    else:
+        way_out = "pass batch_statistics='local' (a strategy that does not take it: set it in the builder's options)"
     found = batch_statistics(builder, plan.strategy, way_out)
     if not found:
         return plan
