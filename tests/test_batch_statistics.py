@@ -67,6 +67,26 @@ def test_recorded_for_each_data_parallel_strategy_and_combined_in_the_program(mi
             assert program.collective_counts(0)["kernel:across_replicas"] == 2 * LAYERS
 
 
+def _replicas(builder, **_):
+    for op in builder.ops:
+        builder.replicate(op, devices=[0])
+
+
+_replicas.degrees = lambda world_size, **_: (1, world_size)  # type: ignore[attr-defined]
+
+
+def test_a_strategy_that_does_not_look_gets_them(mixtral_graph):
+    """A plugin's strategy (or cp) that never calls `apply_batch_statistics`: its replicas still
+    combine the router statistics, and its micro-batches are refused by name."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    plan = nns.plan(mixtral_graph, strategy=_replicas, world_size=2)
+    assert len(plan.options["batch_statistics"]) == 2 * LAYERS
+    with pytest.raises(PlanError, match="2 micro-batches"):
+        nns.plan(mixtral_graph, strategy=_replicas, world_size=2, micro_batches=2)
+
+
 def test_micro_batches_refused_by_name_unless_local(mixtral_graph):
     import nnscaler_plugins as nns
     from nnscaler_plugins.errors import PlanError
