@@ -115,7 +115,8 @@ EP = Strategy("ep", expert_parallel.expert_parallel, expert_parallel.degrees,
 CP = Strategy("cp", context_parallel.context_parallel, context_parallel.degrees,
                "context parallel: the sequence split over cp= devices, attention by cp_comm= ring (default), "
                "allgather or ulysses, causal load balancing by default; pp= pipeline stages of cp x tp devices",
-               ("cp", "dp", "tp", "pp", "schedule", "virtual_stages", "cp_comm", "balance", "recompute"))
+               ("cp", "dp", "tp", "pp", "schedule", "virtual_stages", "cp_comm", "balance", "recompute",
+                "batch_statistics"))
 BUILTIN = (DP, TP, HYBRID, COSHARD, GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, PIPELINE, INTERLACED, MEGATRON, AUTO,
            ZERO1, ZERO2, ZERO3, EP, CP)
 

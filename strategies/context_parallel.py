@@ -37,6 +37,7 @@ from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.attention import SEQUENCE, sequence_split_problem
 
+from .batch_statistics import apply_batch_statistics
 from .pipeline import DEFAULT_SCHEDULE
 from .propagation import TensorParallelPropagation
 from .recompute import apply_recompute
@@ -249,6 +250,7 @@ def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm:
         raise PlanError(f"tensor parallelism over {tp} devices splits no weight of any pipeline stage of "
                         f"{builder.graph.model_class}; choose a tp that divides its weight dims, or tp=1")
     apply_recompute(builder, options.get("recompute"))
+    apply_batch_statistics(builder, "cp", options.get("batch_statistics"))
     if len(segments) > 1:
         builder.op_order([[op.name for op in ops] for ops in segments], stage_devices, schedule=schedule)
 
