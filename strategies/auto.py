@@ -78,3 +78,9 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
         plans = run([])
     adopt(builder, plans.best)
     builder.options["cluster"] = cluster.name
+
+
+# Read by the entry points before capture (capture/experts.py: wants_experts_as_one_op): a
+# mixture-of-experts layer captured as one op may be split along its experts (ep) and widths
+# (etp) by the search, or run whole; captured as transformers writes it, only the whole is open.
+auto.experts_as_one_op = True  # type: ignore[attr-defined]

@@ -84,3 +84,16 @@ def test_auto_prices_the_precision_and_recompute_it_runs():
     est = nns.simulate(plan, spec)
     assert est.details["training"]["dtype"] == "bf16" and est.details["training"]["recompute"] == "full"
     assert est.step_time_s == pytest.approx(plan.options["estimated_step_s"], rel=1e-9)
+
+
+def test_auto_sees_each_mixture_of_experts_layer_as_one_op():
+    """`auto` captures a MoE layer as one op, so the search may split its experts (ep) or widths
+    (etp) or keep it whole; its plan records that, so a run captures the same way."""
+    import torch
+    from test_expert_parallel import mixtral
+
+    torch.manual_seed(0)
+    model, batch = mixtral()
+    plan = nns.plan(model, strategy="auto", world_size=2, example_inputs=batch)
+    experts = [name for name in plan.ops if name.startswith("experts_call")]
+    assert len(experts) == 2 and plan.options.get("experts_as_one_op") is True, sorted(plan.ops)[:8]
