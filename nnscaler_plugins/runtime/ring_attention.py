@@ -62,9 +62,11 @@ def _block_mask(qc: int, kc: int, width: int, device: torch.device) -> Optional[
     return torch.ones(width, width, dtype=torch.bool, device=device).tril()
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's output and log-sum-exp (accumulation dtype) for all query heads."""
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's output and log-sum-exp (accumulation dtype) for all query heads; `mask` is None
+    (all keys visible) or the lower triangle of a diagonal block. Public so that a device check
+    (`benchmarks/gpu_wave.py`) can hold the kernel a ring step runs against whole attention."""
     if q.is_cuda:  # untested here: no GPU was available when this was written
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, mask is not None, scale=scale)[:2]
@@ -77,7 +79,9 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     return torch.matmul(p, v.to(_acc(q))), lse
 
 
-def _merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], o: torch.Tensor, l: torch.Tensor):
+def merge_blocks(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], o: torch.Tensor,
+                 l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two blocks' partial attention merged by their log-sum-exps (None: nothing merged yet)."""
     if out is None:
         return o, l
     new = torch.logaddexp(lse, l)
@@ -144,8 +148,8 @@ def _attend_local(q, kvs, pairs, src_of, scale):
     for t, (k, v) in enumerate(kvs):
         ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
         for a, b, mask in pairs.blocks(src_of(t), q.device):
-            o, l = _block_forward(pairs.cut(q, a), pairs.cut(ke, b), pairs.cut(ve, b), mask, scale)
-            outs[a], lses[a] = _merge(outs[a], lses[a], o, l)
+            o, l = block_attention(pairs.cut(q, a), pairs.cut(ke, b), pairs.cut(ve, b), mask, scale)
+            outs[a], lses[a] = merge_blocks(outs[a], lses[a], o, l)
     return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
@@ -164,8 +168,8 @@ class _RingAttention(torch.autograd.Function):
             src = (me - step) % size
             ke, ve = _expand_kv(cur_k, heads), _expand_kv(cur_v, heads)
             for a, b, mask in pairs.blocks(src, q.device):
-                o, l = _block_forward(pairs.cut(q, a), pairs.cut(ke, b), pairs.cut(ve, b), mask, scale)
-                outs[a], lses[a] = _merge(outs[a], lses[a], o, l)
+                o, l = block_attention(pairs.cut(q, a), pairs.cut(ke, b), pairs.cut(ve, b), mask, scale)
+                outs[a], lses[a] = merge_blocks(outs[a], lses[a], o, l)
             if works is not None:
                 for w in works:
                     w.wait()
@@ -246,7 +250,7 @@ def _allgather_attention(q, k, v, causal, scale, balanced, group):
                 s = s.masked_fill(~mask, float("-inf"))
             l = torch.logsumexp(s, -1)
             o = torch.matmul(torch.exp(s - l.unsqueeze(-1)), vb)
-            outs[a], lses[a] = _merge(outs[a], lses[a], o, l)
+            outs[a], lses[a] = merge_blocks(outs[a], lses[a], o, l)
     return torch.cat(outs, -2).to(q.dtype)
 
 
