@@ -83,6 +83,37 @@ def deepseek_v3():
     return model, {"input_ids": ids, "labels": ids}
 
 
+def other_moe(name):
+    """MoE decoders the strategy was not written against (transformers 5 configs, 8 experts, top-2)."""
+    import transformers as T
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    experts = dict(num_experts_per_tok=TOP_K, output_router_logits=True)
+    if name == "olmoe":
+        model = T.OlmoeForCausalLM(T.OlmoeConfig(**common, **experts, intermediate_size=24, num_experts=EXPERTS))
+    elif name == "phimoe":
+        model = T.PhimoeForCausalLM(T.PhimoeConfig(**common, **experts, intermediate_size=24,
+                                                   num_local_experts=EXPERTS))
+    elif name == "granitemoe":
+        model = T.GraniteMoeForCausalLM(T.GraniteMoeConfig(**common, **experts, intermediate_size=24,
+                                                           num_local_experts=EXPERTS))
+    elif name == "gpt_oss":  # biases and gate/up rows interleaved
+        model = T.GptOssForCausalLM(T.GptOssConfig(**common, **experts, head_dim=8, intermediate_size=24,
+                                                   num_local_experts=EXPERTS, sliding_window=8,
+                                                   layer_types=["full_attention"] * LAYERS))
+    else:  # glm4_moe: a shared expert, grouped routing
+        model = T.Glm4MoeForCausalLM(T.Glm4MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
+                                                     n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                                     n_shared_experts=1, first_k_dense_replace=0, n_group=1,
+                                                     topk_group=1, head_dim=8))
+    ids = torch.randint(0, 64, (4, 8))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+OTHER_MOE = ("olmoe", "phimoe", "granitemoe", "gpt_oss", "glm4_moe")
+
+
 def mixtral_no_aux():
     return mixtral(aux=False)
 
@@ -100,7 +131,8 @@ def tiny(layout):
 MODELS = {"tiny_biased": lambda: tiny("biased"), "tiny_interleaved": lambda: tiny("interleaved"),
           "mixtral": mixtral, "mixtral_padded": mixtral_padded, "padded_no_aux": lambda: mixtral_padded(False),
           "qwen3_moe": qwen3_moe, "mixtral_no_aux": mixtral_no_aux, "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3,
-          "qwen3_moe_no_aux": qwen3_moe_no_aux}
+          "qwen3_moe_no_aux": qwen3_moe_no_aux,
+          **{name: (lambda n=name: other_moe(n)) for name in OTHER_MOE}}
 
 
 def _equivalence(rank, world, name, options, dp):
@@ -109,6 +141,8 @@ def _equivalence(rank, world, name, options, dp):
 
 @pytest.mark.parametrize("name,options", [("mixtral", {"ep": 2}), ("qwen3_moe", {"ep": 1, "etp": 2}),
                                           ("tiny_biased", {"ep": 1, "etp": 2}), ("tiny_interleaved", {"ep": 1, "etp": 2})]
+                         + ([(name, options) for name in OTHER_MOE for options in ({"ep": 2}, {"ep": 1, "etp": 2})]
+                            if EVERY else [])
                          + ([("mixtral", {"ep": 1, "etp": 2, "tp": 2}), ("deepseek_v3", {"ep": 1, "etp": 2}),("qwen3_moe", {"ep": 2}), ("mixtral", {"ep": 2, "tp": 2}), ("qwen3_moe", {"ep": 2, "tp": 2}),
                              ("qwen2_moe", {"ep": 2}), ("deepseek_v3", {"ep": 2}), ("deepseek_v3", {"ep": 2, "tp": 2})]
                             if EVERY else []))
