@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import difflib
 import gc
 import importlib
+import inspect
 import os
 import signal
 from typing import Any, Callable, Optional
@@ -29,6 +31,17 @@ import torch.distributed as dist
 
 from .lightning_model import PlannedModel, Recorded, Recorder
 from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
+
+
+def _check_own_keywords(plan_options: dict) -> None:
+    """A misspelt keyword of the strategy itself (`state_dict_typ=`) would otherwise be read as a plan
+    option and refused without pointing at the keyword meant."""
+    own = [p for p in inspect.signature(NNScalerStrategyMixin.__init__).parameters
+           if p not in ("self", "plan", "plan_options")]
+    for key in plan_options:
+        close = difflib.get_close_matches(key, own, n=1, cutoff=0.8)
+        if close:
+            raise TypeError(f"NNScalerStrategy got an unexpected keyword {key!r} (did you mean {close[0]!r}?)")
 
 
 #: Marks a checkpoint (and its optimizer entries) whose parallelized state is in a sharded directory.
@@ -51,6 +64,7 @@ class NNScalerStrategyMixin:
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         check_plan(plan, "NNScalerStrategy(plan=...)")
+        _check_own_keywords(plan_options)
         check_plan_options(plan, plan_options, "NNScalerStrategy(...)")
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"NNScalerStrategy: state_dict_type={state_dict_type!r}; use 'full' (one .ckpt file of "

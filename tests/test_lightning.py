@@ -64,6 +64,10 @@ def test_plan_arguments_checked_before_launch(tmp_path):
         NNScalerStrategy(plan=str(tmp_path / "missing.json"))
     with pytest.raises(TypeError, match="strategy name, a function, a Plan or a plan file"):
         NNScalerStrategy(plan=3)
+    with pytest.raises(TypeError, match="'state_dict_typ' \\(did you mean 'state_dict_type'\\?\\)"):
+        NNScalerStrategy(plan="tp", state_dict_typ="sharded")
+    with pytest.raises(ValueError, match="state_dict_type='shard'; use 'full'"):
+        NNScalerStrategy(plan="tp", state_dict_type="shard")
 
 
 CAPTURE_FAILS = """
