@@ -47,16 +47,28 @@ def plan_label(plan: Any) -> str:
     unit = int(getattr(plan, "unit_size", 1) or 1)
     pp = pipe.num_ranks if pipe is not None and hasattr(pipe, "num_ranks") else int(opts.get("pp", 1) or 1)
     group = max(1, unit // max(1, pp))
-    tp = int(opts["tp"]) if opts.get("tp") else group
+    cp_asked = int(opts.get("cp", 1) or 1)  # the search's plans record their cp and ep
+    expert_plan = getattr(plan, "strategy", None) == "ep"
+    if opts.get("tp"):
+        tp = int(opts["tp"])
+    elif cp_asked > 1:  # a cp plan without tp= splits the sequence over the whole group
+        tp = group // cp_asked
+    elif expert_plan:  # the ep strategy's dense part is batch-split inside the unit
+        tp = 1
+    else:
+        tp = group
     tp = max(1, min(tp, group))
-    cp = max(1, min(int(opts.get("cp", 1) or 1), group // tp))  # the search's plans record their cp and ep
+    cp = max(1, min(cp_asked, group // tp))
     dp = int(getattr(plan, "dp", 1) or 1) * max(1, group // (tp * cp))  # batch splits inside a unit are data parallel too
     degrees = [f"{name} {n}" for name, n in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)) if n > 1]
     if cp > 1 and opts.get("cp_comm"):
         degrees[[d.split()[0] for d in degrees].index("cp")] += f" ({opts['cp_comm']})"
     words = [" x ".join(degrees) or "1 device"]
-    if int(opts.get("ep", 1) or 1) > 1:
-        words.append(f"experts split {int(opts['ep'])} ways (ep {int(opts['ep'])})")
+    etp = int(opts.get("etp", 1) or 1)
+    ep = int(opts.get("ep", 0) or 0) or (group // etp if expert_plan else 1)
+    if ep > 1 or etp > 1:
+        words.append(f"experts split {ep} ways (ep {ep})" + (f", each expert's width {etp} ways (etp {etp})"
+                                                            if etp > 1 else ""))
     if pipe is not None:
         sched = SCHEDULES.get(pipe.schedule, str(pipe.schedule))
         chunks = pipe.num_stages // max(1, pp)

@@ -99,3 +99,18 @@ def test_pareto_numbers_plans_as_the_table_and_draws_the_limit(graphs, cpu):
     assert any(t.startswith("memory limit") for t in texts)
     far = render_pareto(plans, None, memory_limit=80 * 2 ** 30)
     assert "far above every plan" in far and "step time (ms)" in far
+
+
+def test_labels_of_context_and_expert_parallel_plans():
+    """A cp plan without tp= splits the sequence over its group (not "tp"); the ep strategy's dense
+    part is batch-split in its unit, and its experts split ep (and etp) ways."""
+    from test_context_parallel import causal_lm
+    from test_expert_parallel import mixtral
+
+    model, batch = causal_lm(seq=16, kv_heads=2, heads=4)
+    assert plan_label(nns.plan(model, strategy="cp", world_size=2, cp=2, example_inputs=batch)) \
+        == "cp 2 (ring), no ZeRO, no recompute"
+    torch.manual_seed(0)
+    model, batch = mixtral()
+    assert plan_label(nns.plan(model, strategy="ep", world_size=4, ep=2, etp=2, example_inputs=batch)) == \
+        "dp 4, experts split 2 ways (ep 2), each expert's width 2 ways (etp 2), no ZeRO, no recompute"
