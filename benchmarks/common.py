@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import socket
@@ -38,6 +39,32 @@ def batch(b: int, s: int, vocab: int = 2048, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (b, s), generator=g)
     return {"input_ids": ids, "labels": ids}
+
+
+# -- one device, world 1 (the one-GPU benchmarks) -----------------------------------------------
+def env_world_one() -> None:
+    """The launcher variables of a one-process job, so parallelize opens the process group itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def sync_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    """Frees what is cached and restarts the GPU's peak-memory count (no-op without a GPU)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
 
 
 def time_paired(step_a: Callable[[], None], step_b: Callable[[], None], warmup: int = 3, iters: int = 20,

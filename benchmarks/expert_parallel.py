@@ -48,58 +48,42 @@ def state_bytes(module: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[in
     return total, experts
 
 
-def bench(rank: int, world: int, experts: int):
+def paired(experts: int, a: tuple[dict, dict], b: tuple[dict, dict]):
+    """Two plans of the same model, each (the batch this rank feeds it, parallelize options), trained
+    with Adam in alternating steps: (a s, b s, median per-step ratio a/b, state of a, state of b)."""
     import torch.distributed as dist
 
     import nnscaler_plugins as nns
 
+    runs = []
+    for batch, options in (a, b):
+        pm = nns.parallelize(mixtral(experts), batch, cache_dir="/tmp/nns_bench_cache", **options)
+        opt = nns.build_optimizer(pm, torch.optim.Adam, lr=1e-4)
+
+        def step(pm=pm, opt=opt, batch=batch):
+            pm.train_step(batch)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        runs.append((pm, opt, step))
+    (pa, oa, sa), (pb, ob, sb) = runs
+    t_a, t_b, ratio = common.time_paired(sa, sb, warmup=1, iters=6, sync=dist.barrier)
+    return t_a, t_b, ratio, state_bytes(pa, oa), state_bytes(pb, ob)
+
+
+def bench(rank: int, world: int, experts: int):
+    """Replicated experts (dp, this rank's sequences) against ep over the world (the global batch)."""
     glob = common.batch(PER_RANK * world, SEQ, seed=7)
     mine = {k: v[rank * PER_RANK:(rank + 1) * PER_RANK] for k, v in glob.items()}
-    dp = nns.parallelize(mixtral(experts), mine, plan="dp", cache_dir="/tmp/nns_bench_cache")
-    ep = nns.parallelize(mixtral(experts), glob, plan="ep", ep=world, cache_dir="/tmp/nns_bench_cache")
-    opt_d = nns.build_optimizer(dp, torch.optim.Adam, lr=1e-4)
-    opt_e = nns.build_optimizer(ep, torch.optim.Adam, lr=1e-4)
-
-    def dp_step():
-        dp.train_step(mine)
-        opt_d.step()
-        opt_d.zero_grad(set_to_none=False)
-
-    def ep_step():
-        ep.train_step(glob)
-        opt_e.step()
-        opt_e.zero_grad(set_to_none=False)
-
-    t_d, t_e, ratio = common.time_paired(dp_step, ep_step, warmup=1, iters=6, sync=dist.barrier)
-    return (t_d, t_e, ratio, state_bytes(dp, opt_d), state_bytes(ep, opt_e),
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    out = paired(experts, (mine, {"plan": "dp"}), (glob, {"plan": "ep", "ep": world}))
+    return out + (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,)
 
 
 def bench_etp(rank: int, world: int, experts: int):
     """Same unit of `world` devices and global batch: experts split `world` ways (ep) against
     split world / 2 ways with each expert's width cut in 2 (ep x etp 2)."""
-    import torch.distributed as dist
-
-    import nnscaler_plugins as nns
-
     glob = common.batch(PER_RANK * world, SEQ, seed=7)
-    ep = nns.parallelize(mixtral(experts), glob, plan="ep", ep=world, cache_dir="/tmp/nns_bench_cache")
-    et = nns.parallelize(mixtral(experts), glob, plan="ep", ep=world // 2, etp=2, cache_dir="/tmp/nns_bench_cache")
-    opt_e = nns.build_optimizer(ep, torch.optim.Adam, lr=1e-4)
-    opt_t = nns.build_optimizer(et, torch.optim.Adam, lr=1e-4)
-
-    def ep_step():
-        ep.train_step(glob)
-        opt_e.step()
-        opt_e.zero_grad(set_to_none=False)
-
-    def et_step():
-        et.train_step(glob)
-        opt_t.step()
-        opt_t.zero_grad(set_to_none=False)
-
-    t_e, t_t, ratio = common.time_paired(ep_step, et_step, warmup=1, iters=6, sync=dist.barrier)
-    return t_e, t_t, ratio, state_bytes(ep, opt_e), state_bytes(et, opt_t)
+    return paired(experts, (glob, {"plan": "ep", "ep": world}), (glob, {"plan": "ep", "ep": world // 2, "etp": 2}))
 
 
 def main_etp() -> None:

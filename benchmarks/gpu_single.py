@@ -19,9 +19,7 @@ memory is measured with each side alone on the device.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,34 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import nnscaler_plugins as nns  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env_world_one() -> None:
-    """The launcher variables of a one-process job, so parallelize opens the process group itself."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _peak_reset() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
 
 
 def _on(batch: dict, device: torch.device) -> dict:
@@ -87,12 +57,12 @@ def fp32_generated_vs_eager(device: torch.device, small: bool, iters: int) -> li
             ours.train_step(inputs)
             ours.zero_grad(set_to_none=True)
 
-        t_e, t_o, ratio = common.time_paired(eager_step, ours_step, warmup=3, iters=iters, sync=_sync)
+        t_e, t_o, ratio = common.time_paired(eager_step, ours_step, warmup=3, iters=iters, sync=common.sync_device)
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
         rows.append((name, f"{b}x{s}", backend, f"{t_e * 1e3:.1f}", f"{t_o * 1e3:.1f}", f"{ratio:.3f}"))
         print(rows[-1], flush=True)
         del eager, ours
-        _peak_reset()
+        common.reset_peak()
     return rows
 
 
@@ -133,17 +103,17 @@ def bf16_training(device: torch.device, small: bool, iters: int) -> list[tuple[s
 
     peaks = {}
     for name, side in (("plain", plain_side), ("ours", ours_side)):  # each alone for its peak memory
-        _peak_reset()
+        common.reset_peak()
         held = side()
         for _ in range(3):
             held[2]()
-        _sync()
-        peaks[name] = _peak_gib()
+        common.sync_device()
+        peaks[name] = common.peak_gib()
         del held
-    _peak_reset()
+    common.reset_peak()
     _, _, plain_step, plain_losses = plain_side()
     _, _, ours_step, ours_losses = ours_side()
-    t_p, t_o, ratio = common.time_paired(plain_step, ours_step, warmup=3, iters=iters, sync=_sync)
+    t_p, t_o, ratio = common.time_paired(plain_step, ours_step, warmup=3, iters=iters, sync=common.sync_device)
     # Both sides took the same steps from the same weights: their losses agree within bf16's tolerance.
     first_diff = max(abs(float(a) - float(b)) / abs(float(a)) for a, b in zip(plain_losses[:5], ours_losses[:5]))
     row = (f"gpt2 {'2x64' if small else '12x768'} bf16 AdamW", f"{b}x{s}", f"{t_p * 1e3:.1f}", f"{t_o * 1e3:.1f}",
@@ -176,25 +146,25 @@ def lightning_bf16(device: torch.device, small: bool, steps: int) -> list[tuple[
             self._t = 0.0
 
         def on_train_batch_start(self, *a):
-            _sync()
+            common.sync_device()
             self._t = time.perf_counter()
 
         def on_train_batch_end(self, *a):
-            _sync()
+            common.sync_device()
             self.times.append(time.perf_counter() - self._t)
 
     data = torch.randint(0, vocab, (b * steps, s), generator=torch.Generator().manual_seed(0))
     results = {}
     accel = "gpu" if device.type == "cuda" else "cpu"
     for name, strategy in (("lightning", "auto"), ("nnscaler", "nnscaler")):
-        _peak_reset()
+        common.reset_peak()
         timer = Timer()
         trainer = pl.Trainer(strategy=strategy, accelerator=accel, devices=1, precision="bf16-mixed",
                              max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0)
         trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=b))
         warm = timer.times[3:] or timer.times
-        results[name] = (statistics.median(warm), _peak_gib(), type(trainer.strategy).__name__)
+        results[name] = (statistics.median(warm), common.peak_gib(), type(trainer.strategy).__name__)
         print(name, results[name], flush=True)
     ratio = results["lightning"][0] / results["nnscaler"][0]
     return [(f"gpt2 {'2x64' if small else '12x768'}", f"{b}x{s}", results["nnscaler"][2],
@@ -212,7 +182,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _env_world_one()
+    common.env_world_one()
     sections = args.sections.split(",")
     out = []
     if "fp32" in sections:

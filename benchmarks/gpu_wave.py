@@ -13,7 +13,7 @@ Three sections, each written to RESULTS.md:
    AdamW on the GPU), or "OOM" where plain PyTorch does not fit.
 2. moe: a Mixtral-shaped model, training steps through the generated code (plan "ep" at world 1:
    each experts layer one op) against the same model eager, same weights and batch: first-step
-   loss and largest gradient difference, and the step-time ratio (steps alternate).
+   loss and largest gradient difference, and the median per-step time ratio (steps alternate).
 3. ring: the kernel a ring-attention step runs per block (`runtime.ring_attention.block_attention`:
    on CUDA torch's memory-efficient SDPA, which returns the log-sum-exp) on two key blocks merged by
    their log-sum-exps (`merge_blocks`), against `scaled_dot_product_attention` on the whole
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import math
 import os
-import socket
-import statistics
 import sys
 import time
 
@@ -37,30 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import nnscaler_plugins as nns  # noqa: E402
-
-
-def _env_world_one() -> None:
-    """The launcher variables of a one-process job, so parallelize opens the process group itself."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _peak_reset() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
 
 
 def _tokens(batch: int, seq: int, vocab: int, device: torch.device) -> dict:
@@ -79,37 +52,37 @@ def meta_offload(device: torch.device, small: bool) -> list[tuple[str, ...]]:
     cfg = LlamaConfig(**shape, max_position_embeddings=4096)
     batch = _tokens(1, 64 if small else 512, cfg.vocab_size, device)
 
-    _peak_reset()
+    common.reset_peak()
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
     pm = nns.parallelize(model, batch, plan="zero3", precision="bf16", offload="optimizer",
                          cache_dir="/tmp/nns_bench_cache")
     opt = nns.build_optimizer(pm, torch.optim.AdamW, lr=1e-5)
-    _sync()
+    common.sync_device()
     start = time.perf_counter()
     loss = pm.train_step(batch).item()
     opt.step()
-    _sync()
-    ours_s, ours_gib = time.perf_counter() - start, _peak_gib()
+    common.sync_device()
+    ours_s, ours_gib = time.perf_counter() - start, common.peak_gib()
     del pm, opt, model
-    _peak_reset()
+    common.reset_peak()
 
     plain_s, plain_gib = float("nan"), "OOM"
     try:
         plain = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
         popt = torch.optim.AdamW(plain.parameters(), lr=1e-5, fused=device.type == "cuda")
-        _peak_reset()
-        _sync()
+        common.reset_peak()
+        common.sync_device()
         start = time.perf_counter()
         plain(**batch).loss.backward()
         popt.step()
-        _sync()
-        plain_s, plain_gib = time.perf_counter() - start, f"{_peak_gib():.1f}"
+        common.sync_device()
+        plain_s, plain_gib = time.perf_counter() - start, f"{common.peak_gib():.1f}"
         del plain, popt
     except torch.OutOfMemoryError:
         pass
-    _peak_reset()
+    common.reset_peak()
     name = f"llama {shape['num_hidden_layers']}x{shape['hidden_size']} ({params / 1e9:.2f}B)" if params > 1e9 else \
         f"llama {shape['num_hidden_layers']}x{shape['hidden_size']} ({params / 1e6:.1f}M)"
     return [(name, f"{batch['input_ids'].numel()}", f"{ours_gib:.1f}", plain_gib, f"{ours_s:.2f}",
@@ -154,18 +127,10 @@ def moe_generated_vs_eager(device: torch.device, small: bool, iters: int) -> lis
             compared += 1
     if compared < len(grads):
         raise RuntimeError(f"compared {compared} of {len(grads)} gradients: the shards' names did not match")
-    times = {"eager": [], "ours": []}
-    for _ in range(iters):
-        for name, step in (("eager", eager_step), ("ours", ours_step)):
-            _sync()
-            start = time.perf_counter()
-            step()
-            _sync()
-            times[name].append(time.perf_counter() - start)
-    e, o = statistics.median(times["eager"]), statistics.median(times["ours"])
+    e, o, ratio = common.time_paired(eager_step, ours_step, warmup=1, iters=iters, sync=common.sync_device)
     name = f"mixtral {shape['num_hidden_layers']}x{shape['hidden_size']} 8 experts top-2"
     return [(name, f"{batch['input_ids'].numel()}", f"{abs(first_ours - first_eager) / abs(first_eager):.1e}",
-             f"{worst:.1e}", f"{e * 1e3:.1f}", f"{o * 1e3:.1f}", f"{e / o:.2f}")]
+             f"{worst:.1e}", f"{e * 1e3:.1f}", f"{o * 1e3:.1f}", f"{ratio:.2f}")]
 
 
 # -- 3. ring attention's per-block kernel against whole attention -----------------------------------
@@ -203,17 +168,9 @@ def ring_blocks(device: torch.device, small: bool, iters: int) -> list[tuple[str
 
             want, got = whole().float(), ring().float()
             err = float((got - want).abs().max() / want.abs().max())
-            times = {"sdpa": [], "ring": []}
-            for _ in range(iters):
-                for name, fn in (("sdpa", whole), ("ring", ring)):
-                    _sync()
-                    start = time.perf_counter()
-                    fn()
-                    _sync()
-                    times[name].append(time.perf_counter() - start)
-            w, r = statistics.median(times["sdpa"]), statistics.median(times["ring"])
+            w, r, ratio = common.time_paired(whole, ring, warmup=1, iters=iters, sync=common.sync_device)
             rows.append((f"{b}x{h}x{s}x{d}", str(dtype).replace("torch.", ""), "causal" if causal else "full",
-                         f"{err:.1e}", f"{w * 1e3:.2f}", f"{r * 1e3:.2f}", f"{w / r:.2f}"))
+                         f"{err:.1e}", f"{w * 1e3:.2f}", f"{r * 1e3:.2f}", f"{ratio:.2f}"))
     return rows
 
 
@@ -227,7 +184,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _env_world_one()
+    common.env_world_one()
     sections = args.sections.split(",")
     unknown = set(sections) - {"meta", "moe", "ring"}
     if unknown:

@@ -17,7 +17,6 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-import gpu_single  # noqa: E402
 
 import nnscaler_plugins as nns  # noqa: E402
 
@@ -32,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    gpu_single._env_world_one()
+    common.env_world_one()
     if args.small:
         build = (lambda: common.gpt2(2, 64, 4)) if args.model == "gpt2" else (lambda: common.llama(2, 64, 4, 2))
         b, s, vocab = 2, 32, 2048
@@ -69,11 +68,11 @@ def main() -> None:
     for name, step in (("eager", eager_step), ("generated", ours_step)):
         for _ in range(3):
             step()
-        gpu_single._sync()
+        common.sync_device()
         with profile(activities=acts) as prof:
             for _ in range(3):
                 step()
-            gpu_single._sync()
+            common.sync_device()
         print(f"==== {name} (3 steps)")
         print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
 

@@ -119,26 +119,15 @@ def test_searched_plan_gets_them_or_is_refused(mixtral_graph):
     assert nns.plan(mixtral_graph, strategy=micro, world_size=2).options["batch_statistics"] == "local"
 
 
-class _ConvBN(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = torch.nn.BatchNorm2d(8)
-        self.head = torch.nn.Linear(8, 4)
-
-    def forward(self, x, labels):
-        h = torch.relu(self.bn(self.conv(x)))
-        logits = self.head(torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
-        return torch.nn.functional.cross_entropy(logits, labels)
-
-
 def test_batch_norm_and_dense_models_record_nothing_and_take_micro_batches():
     """Batch norm's per-replica statistics are DDP's convention, and a mean loss is linear in its
     batch reductions: neither is a statistic to combine nor a reason to refuse micro-batches."""
     import nnscaler_plugins as nns
 
     torch.manual_seed(0)
-    bn = _ConvBN().train()
+    from test_zoo import ConvBN
+
+    bn = ConvBN().train()
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     for model, inputs in ((bn, (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))), (dense, (torch.randn(4, 8),))):
         for strategy in ("dp", "zero2", "tp"):

@@ -84,7 +84,7 @@ def test_data_dependent_guard_is_refused_in_a_few_lines_naming_the_model_line():
     assert len(text.splitlines()) <= 5, text
 
 
-class _ConvBN(torch.nn.Module):
+class ConvBN(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
@@ -106,8 +106,8 @@ def _bn_dp_against_ddp(rank, world):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    ref = _ConvBN()
-    model = _ConvBN()
+    ref = ConvBN()
+    model = ConvBN()
     model.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(8, 3, 6, 6, generator=g), "labels": torch.randint(0, 4, (8,), generator=g)}
