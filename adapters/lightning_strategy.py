@@ -167,7 +167,7 @@ class NNScalerStrategyMixin:
                 return
             inner, example = found
             from nnscaler_plugins.api import _graph_of
-            from nnscaler_plugins.capture.microbatch import resolve_micro_batches
+            from nnscaler_plugins.batches import resolve_micro_batches
             from nnscaler_plugins.plan.plan import Plan
 
             plan = Plan.load(self.plan) if isinstance(self.plan, (str, os.PathLike)) and \

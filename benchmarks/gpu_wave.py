@@ -135,7 +135,7 @@ def moe_generated_vs_eager(device: torch.device, small: bool, iters: int) -> lis
 
 # -- 3. ring attention's per-block kernel against whole attention -----------------------------------
 def ring_blocks(device: torch.device, small: bool, iters: int) -> list[tuple[str, ...]]:
-    from nnscaler_plugins.runtime.ring_attention import block_attention, merge_blocks
+    from nnscaler_plugins.kernels.ring_attention import block_attention, merge_blocks
 
     rows = []
     dtypes = (torch.float32,) if device.type != "cuda" else (torch.bfloat16, torch.float16)

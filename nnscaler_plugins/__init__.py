@@ -12,9 +12,9 @@ from nnscaler_plugins import (
     checkpoint,  # nns.checkpoint.save / load / export / merge
     search,  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
 )
-from nnscaler_plugins.api import parallelize, plan, strategies
+from nnscaler_plugins.api import capture, parallelize, plan, strategies
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.capture.tracing import CaptureError, capture
+from nnscaler_plugins.capture.tracing import CaptureError
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.framework_imports import watch as _watch_frameworks
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
@@ -39,14 +39,13 @@ from nnscaler_plugins.search import (
 import sys as _sys
 
 from nnscaler_plugins import api as _api
-from nnscaler_plugins.capture import tracing as _tracing
 from nnscaler_plugins.plan import schedules as _schedules
 from nnscaler_plugins.plan import timeline as _timeline
 
 # `nns.plan` and `nns.capture` are the functions; the subpackages of the same names (plan/, capture/)
 # are reached by import (`from nnscaler_plugins.plan import Plan`), never as these attributes.
 plan = _api.plan
-capture = _tracing.capture
+capture = _api.capture
 # Module paths earlier releases documented, kept importable: nnscaler_plugins.schedules.Task,
 # nnscaler_plugins.timeline.check (now under plan/).
 _sys.modules.setdefault(__name__ + ".schedules", _schedules)

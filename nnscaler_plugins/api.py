@@ -13,8 +13,8 @@ import torch.utils._pytree as pytree
 
 from nnscaler_plugins.capture.experts import experts_as_one_op, wants_experts_as_one_op
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.capture.microbatch import resolve_micro_batches, split_batch
-from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+from nnscaler_plugins.batches import normalize_inputs, resolve_micro_batches, split_batch
+from nnscaler_plugins.capture import tracing
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.lower.batch_statistics import with_batch_statistics
 from nnscaler_plugins.lower.lowering import Program, lower
@@ -23,6 +23,16 @@ from nnscaler_plugins.plan.primitives import PlanBuilder
 from nnscaler_plugins.plan.source import PlanLike, PlanSource, resolve
 from nnscaler_plugins.plan.validate import validate
 from nnscaler_plugins.plugins import get_plugin_manager
+from nnscaler_plugins.rules.table import warn_replicate_only
+
+
+def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = None, *,
+            trace_repeated_layers_once: bool = True) -> Graph:
+    """Capture `model(*args, **kwargs)` as a `Graph` (see `capture.tracing.capture`), then warn once,
+    listing every op no dimension rule covers (plans can only replicate those) with its source line."""
+    graph = tracing.capture(model, args, kwargs, trace_repeated_layers_once=trace_repeated_layers_once)
+    warn_replicate_only(graph)
+    return graph
 
 
 def _graph_of(model_or_graph: Any, example_inputs: Any, micro_batches: int = 1, whole_experts: bool = False) -> Graph:

@@ -105,7 +105,8 @@ def _hf_model(path: str, micro_batch: int, seq: int) -> tuple[Any, Any]:
 
 
 def _graph(spec: str, micro_batch: int, seq: int, plan: Optional[Plan] = None):
-    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+    from nnscaler_plugins.batches import normalize_inputs
+    from nnscaler_plugins.api import capture
 
     if plan is not None and plan.input_shapes:
         shape = next(iter(plan.input_shapes.values()))

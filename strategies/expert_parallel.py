@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.autograd_functions import FunctionTarget
-from nnscaler_plugins.runtime.experts_module import ExpertsCall
+from nnscaler_plugins.kernels.experts_module import ExpertsCall
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder

@@ -55,7 +55,7 @@ class TPKind(enum.Enum):
 @dataclass(frozen=True)
 class TPLayout:
     """Where a tensor's elements live on the unit, as the walk sees it (one split of `n` pieces at
-    a time; the lowering's full RVD reading of a plan is `nnscaler_plugins.lower.layout.Layout`).
+    a time; the lowering's full RVD reading of a plan is `nnscaler_plugins.layout.Layout`).
 
     `dim` is the dim a SPLIT cuts; with `block` > 1, each of `block` equal sections is split
     separately.

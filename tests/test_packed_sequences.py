@@ -51,7 +51,7 @@ def _pad(batch: dict, length: int) -> dict:
 
 def run_packed(rank: int, world: int, builder: str, strategy: str, options: dict, steps: list) -> list[str]:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     torch.manual_seed(0)
     ref, _ = getattr(models, builder)()

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
-from nnscaler_plugins.runtime.loss import extract_loss
+from nnscaler_plugins.outputs import extract_loss
 
 from . import checkpoint as ckpt
 from .checkpoint import universal

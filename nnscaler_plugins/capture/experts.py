@@ -7,7 +7,7 @@ those forms can be split so that each device holds only its experts *and* sees o
 routed to them: that needs the tokens moved by all-to-all, with sizes known at run time. Seen as one
 op `experts(x, top_k_index, top_k_weights, *stacked weights)`, the same computation has a plain
 dimension rule (`rules/experts_op.py`) whose expert split runs the dispatching kernel of
-`runtime/expert_dispatch.py`.
+`kernels/expert_dispatch.py`.
 
 What is recognized, by structure and not by class name: a module whose parameters are all stacked
 along a leading dim of `E` experts (`E` equal to its `num_experts` attribute), called with a token
@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from nnscaler_plugins.capture.autograd_functions import opaque_call
-from nnscaler_plugins.runtime.experts_module import ExpertsCall, register_template
+from nnscaler_plugins.kernels.experts_module import ExpertsCall, register_template
 
 def stacked_parameters(module: torch.nn.Module) -> Optional[list[tuple[str, torch.nn.Parameter]]]:
     """The module's parameters when they are all stacked along one leading expert dim equal to its

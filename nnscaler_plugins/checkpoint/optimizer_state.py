@@ -22,7 +22,7 @@ from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.model_state import is_parallel
 from nnscaler_plugins.checkpoint.pieces import knows_plan_pieces, optimizer_slots
 from nnscaler_plugins.checkpoint.regions import Box, read_piece
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 
 
 def knows_plan(optimizer: Any) -> bool:

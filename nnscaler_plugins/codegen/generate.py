@@ -232,7 +232,7 @@ def _stmt_uses(s: Stmt) -> list[str]:
 
 @dataclass
 class _Region:
-    """Consecutive co-sharded ops of one device, run piece by piece (see runtime/coshard.py)."""
+    """Consecutive co-sharded ops of one device, run piece by piece (see kernels/coshard.py)."""
 
     stmts: list[Stmt]
     chunks: int
@@ -482,7 +482,7 @@ def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: O
 
 def _region_lines(region: _Region, number: int, em: "_Emitter", ind: str) -> list[str]:
     """One nested function per piece, each run under a checkpoint, then the pieces put together."""
-    from nnscaler_plugins.runtime import coshard as cs
+    from nnscaler_plugins.kernels import coshard as cs
 
     c = region.chunks
     names = list(region.inputs)

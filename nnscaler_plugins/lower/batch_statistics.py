@@ -24,7 +24,7 @@ from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
-from nnscaler_plugins.runtime.loss import loss_position
+from nnscaler_plugins.outputs import loss_position
 
 #: Ops the loss is linear in (each input listed is entered): views, copies, sums and scalings.
 _THROUGH_ALL = ("aten.view.", "aten.reshape.", "aten._unsafe_view.", "aten.clone.", "aten.alias.", "aten._to_copy.",

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler_plugins.capture.graph import Graph, OpNode, Ref, TensorMeta
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.lower.placement import (
     layout_from_digits,
     merged_host,
@@ -29,7 +29,7 @@ from nnscaler_plugins.lower.placement import (
 from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
-from nnscaler_plugins.runtime.replica_statistics import across_replicas
+from nnscaler_plugins.kernels.replica_statistics import across_replicas
 from nnscaler_plugins.rules import (
     LocalCall,
     Localized,
@@ -266,7 +266,7 @@ def _loss_index(graph: Graph) -> Optional[int]:
         structured = pytree.tree_unflatten(list(range(n)), graph.out_spec)
     except Exception:
         return None
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
     try:
         idx = extract_loss(structured)
     except (TypeError, ValueError):
@@ -501,7 +501,7 @@ class _Lowering:
     def emit_replica_statistic(self, op: OpNode, local_names: list[str]) -> None:
         """A reduction over the batch that the loss uses nonlinearly (the plan's `batch_statistics`,
         found by the strategy) made whole across the data-parallel replicas right after the op
-        (`runtime.replica_statistics`); its pieces stay partial sums inside the unit."""
+        (`kernels.replica_statistics`); its pieces stay partial sums inside the unit."""
         stats = self.plan.options.get("batch_statistics")
         found = stats.get(op.name) if isinstance(stats, dict) and self.plan.dp > 1 else None
         if found is None or op.outputs[0] is None:

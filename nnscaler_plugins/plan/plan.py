@@ -368,7 +368,8 @@ class Plan:
     # -- reading ----------------------------------------------------------------------------------
     def explain(self, graph: Optional[Graph] = None) -> str:
         """A short human summary: strategy, degrees, and how ops are split (grouped by pattern)."""
-        from nnscaler_plugins.render import fmt_bytes, fmt_seconds, plan_label
+        from nnscaler_plugins.plan.label import plan_label
+        from nnscaler_plugins.units import fmt_bytes, fmt_seconds
 
         # the search's internal summary is said in words below; floats rounded for reading
         shown = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in self.options.items()
@@ -433,7 +434,7 @@ class Plan:
     def render_timeline(self, path: str | os.PathLike, duration: Any = None, transfer: Any = None) -> str:
         """Write the pipeline timeline (one row per device, one box per task, gaps are bubbles) as SVG,
         or as a page when `path` ends in .html; returns the SVG."""
-        from nnscaler_plugins.render import render_timeline
+        from nnscaler_plugins.plan.timeline_picture import render_timeline
 
         tl = self.timeline(duration, transfer, per_device=True)
         title = (f"{self.model_class}: {self.pipeline.schedule}, {self.pipeline.num_stages} stages, "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
-from nnscaler_plugins.runtime.ring_attention import context_parallel_attention
+from nnscaler_plugins.kernels.ring_attention import context_parallel_attention
 
 SEQUENCE = "s"
 

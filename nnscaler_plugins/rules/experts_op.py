@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nnscaler_plugins.runtime.experts_module import ExpertsCall
+from nnscaler_plugins.kernels.experts_module import ExpertsCall
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
 from nnscaler_plugins.rules.experts_intermediate import intermediate_dims
-from nnscaler_plugins.runtime import expert_dispatch
+from nnscaler_plugins.kernels import expert_dispatch
 
 SPLIT = "t"
 WIDTH = "f"

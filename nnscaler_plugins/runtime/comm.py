@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nnscaler_plugins.runtime.collectives import identity_fwd_allreduce_bwd
+from nnscaler_plugins.kernels.collectives import identity_fwd_allreduce_bwd
 from nnscaler_plugins.runtime.plan_groups import UnitGroups
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -21,22 +21,21 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.capture.microbatch import split_batch
-from nnscaler_plugins.capture.tracing import normalize_inputs
+from nnscaler_plugins.batches import normalize_inputs, split_batch
 from nnscaler_plugins.codegen.generate import write_and_load
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.lower.lowering import Program
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.capture.skeleton import meta_skeleton
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.runtime.batch_shapes import BatchShapes
-from nnscaler_plugins.runtime.collectives import saved_tensor_hooks
+from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.runtime.comm import Comm
-from nnscaler_plugins.runtime.coshard import active_meter
+from nnscaler_plugins.kernels.coshard import active_meter
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
-from nnscaler_plugins.runtime.loss import extract_loss
+from nnscaler_plugins.outputs import extract_loss
 from nnscaler_plugins.runtime.loss_items import LossItems
 from nnscaler_plugins.runtime.materialize import InitError, has_meta_tensors, materialize, move_tensor
 from nnscaler_plugins.runtime.params_on_use import params_on_use

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, Task
-from nnscaler_plugins.runtime.collectives import pack_saved, saved_bytes, unpack_saved
+from nnscaler_plugins.kernels.collectives import pack_saved, saved_bytes, unpack_saved
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
 from nnscaler_plugins.runtime.split_backward import SplitBackward
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.lower.resharding import COMMUNICATING, Step
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.search.cluster import ClusterSpec
@@ -454,6 +454,6 @@ class CostModel:
 def gathered_from_pieces(src: Layout, dst: Layout) -> bool:
     """Whether `dst` is reached from `src` by gathering pieces (all-gathers, no partial sums): the
     runtime then keeps, for a consumer whose gradient is partial (column-split pieces), only the piece
-    (`runtime.collectives.pack_saved`), as Megatron's sequence parallelism does."""
+    (`kernels.collectives.pack_saved`), as Megatron's sequence parallelism does."""
     return (src != dst and src.partial == 1 and set(src.group) == set(dst.group)
             and math.prod(src.local_shape()) < math.prod(dst.local_shape()))

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.plan.layers import layer_groups
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.anchors import matmul_anchor, vocab_anchor

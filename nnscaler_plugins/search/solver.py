@@ -582,8 +582,9 @@ def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: An
                   search: "Search") -> ParetoSet:
     """The frontier again, each plan priced over the length histogram."""
     from nnscaler_plugins.capture.experts import experts_as_one_op
-    from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
-    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+    from nnscaler_plugins.batches import batch_size as inputs_batch
+    from nnscaler_plugins.batches import normalize_inputs
+    from nnscaler_plugins.capture.tracing import capture
     from nnscaler_plugins.search.lengths import at_length, price_over_lengths
 
     full = inputs_batch(example_inputs) or 1
@@ -650,8 +651,9 @@ def _graphs(model_or_graph: Any, example_inputs: Any, constraints: Sequence,
     if example_inputs is None:
         raise TypeError("searching a model needs example_inputs= (one micro-batch of what its forward takes)")
     from nnscaler_plugins.capture.experts import experts_as_one_op
-    from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
-    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+    from nnscaler_plugins.batches import batch_size as inputs_batch
+    from nnscaler_plugins.batches import normalize_inputs
+    from nnscaler_plugins.capture.tracing import capture
 
     sizes = None
     for c in constraints:

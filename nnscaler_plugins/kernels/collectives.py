@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
+from nnscaler_plugins.layout import cat_dim, chunk_dim
 
 Order = Optional[Sequence[int]]
 # The dtypes a transfer's header can name.

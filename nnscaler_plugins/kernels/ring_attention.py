@@ -2,7 +2,7 @@
 
 Each device holds its queries, keys and values for some chunks of the sequence: chunk j of cp
 (contiguous split) or chunks j and 2cp-1-j of 2cp (causal load balancing, a mirrored 2-block split,
-see `nnscaler_plugins.lower.layout`). Three ways to meet every key:
+see `nnscaler_plugins.layout`). Three ways to meet every key:
 
 - ring: key/value blocks travel around the ring, one hop per step, sent while the local block
   computes. Each step gives a partial output and its log-sum-exp; partials merge exactly
@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from nnscaler_plugins.runtime.collectives import all_to_all
+from nnscaler_plugins.kernels.collectives import all_to_all
 
 MODES = ("ring", "allgather", "ulysses")
 

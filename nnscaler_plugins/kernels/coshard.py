@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.utils.checkpoint as ckpt
 
-from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
-from nnscaler_plugins.runtime.collectives import pack_saved, saved_bytes, unpack_saved
+from nnscaler_plugins.layout import cat_dim, chunk_dim
+from nnscaler_plugins.kernels.collectives import pack_saved, saved_bytes, unpack_saved
 
 _meters: list["SavedBytes"] = []
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from nnscaler_plugins.runtime.experts_module import run_experts
+from nnscaler_plugins.kernels.experts_module import run_experts
 
 
 class _AllToAllRows(Function):

@@ -1,5 +1,7 @@
-"""Cutting a batch into micro-batches: every tensor whose leading dim is the batch size is split
-along it, everything else is handed whole to each micro-batch.
+"""A batch as a model's forward takes it: one convention for example inputs and training batches
+(a dict is keyword arguments, a tuple positional ones, a tensor the single argument), and cutting a
+batch into micro-batches: every tensor whose leading dim is the batch size is split along it,
+everything else is handed whole to each micro-batch.
 
 Plans are made for the shapes of one micro-batch, so the same rule serves capture (the graph is
 traced on the first micro-batch) and `train_step` (the batch is cut before it runs); pieces of
@@ -13,6 +15,19 @@ import torch
 import torch.utils._pytree as pytree
 
 from nnscaler_plugins.errors import PlanError
+
+
+def normalize_inputs(args: Any, kwargs: Optional[dict]) -> tuple[tuple, dict]:
+    """One convention for example inputs everywhere: dict -> kwargs, tensor -> single arg."""
+    kwargs = dict(kwargs or {})
+    if isinstance(args, dict):
+        kwargs.update(args)
+        args = ()
+    elif isinstance(args, torch.Tensor):
+        args = (args,)
+    elif isinstance(args, list):
+        args = tuple(args)
+    return tuple(args), kwargs
 
 
 def batch_size(batch: Any) -> Optional[int]:
