@@ -12,7 +12,8 @@ from nnscaler_plugins import (
     checkpoint,  # nns.checkpoint.save / load / export / merge
     search,  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
 )
-from nnscaler_plugins.api import capture, parallelize, plan, strategies
+from nnscaler_plugins.api import capture, compile, parallelize, plan, strategies
+from nnscaler_plugins.compiler import Artifact, Compiled
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.capture.tracing import CaptureError
 from nnscaler_plugins.errors import PlanError
@@ -55,7 +56,7 @@ _watch_frameworks()  # Trainer(strategy="nnscaler") once Lightning is imported, 
 
 __version__ = "0.1.0"
 
-__all__ = ["capture", "CaptureError", "plan", "parallelize", "strategies", "Plan", "OpPlacement", "PlanError",
+__all__ = ["capture", "CaptureError", "plan", "compile", "Compiled", "Artifact", "parallelize", "strategies", "Plan", "OpPlacement", "PlanError",
            "PlanBuilder", "SubOp", "op_trans", "op_assign", "op_order", "Graph", "__version__"]
 __all__ += ["search", "cluster", "simulate", "ClusterSpec", "Estimate", "ParetoSet", "SearchError", "constraints"]
 __all__ += ["checkpoint"]

@@ -15,6 +15,7 @@ from nnscaler_plugins.capture.experts import experts_as_one_op, wants_experts_as
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.batches import normalize_inputs, resolve_micro_batches, split_batch
 from nnscaler_plugins.capture import tracing
+from nnscaler_plugins.compiler import DEFAULT_CACHE_DIR, Compiled, compile_program
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.lower.batch_statistics import with_batch_statistics
 from nnscaler_plugins.lower.lowering import Program, lower
@@ -130,9 +131,37 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
     return 0, 1
 
 
+def compile(model: Any, example_inputs: Any = None, plan: PlanLike = "tp", *, world_size: Optional[int] = None,
+            cache_dir: str = DEFAULT_CACHE_DIR, **options: Any) -> Compiled:
+    """The compile stage on its own: capture `model` (or take a Graph), make the plan (a strategy name,
+    a function, a Plan or a plan file, with `options`), lower it and return the `Compiled` plan whose
+    `artifact(device)` / `artifact_for_rank(rank)` is what each rank runs: its generated module, its
+    shard and group specs, and the callback that serves inputs of other sizes. No process group is
+    needed; `world_size` defaults to the plan's (a ready plan) or 1.
+
+        compiled = nns.compile(model, batch, "tp", world_size=4)
+        print(compiled.artifact(0).source())   # the code device 0 runs
+    """
+    source = resolve(plan)
+    source.check_options(options)
+    if world_size is None:
+        world_size = source.plan.world_size if source.plan is not None else 1
+    if source.plan is not None:
+        micro = source.plan.num_micro_batches
+        if not isinstance(model, Graph):
+            resolve_micro_batches(example_inputs, micro)
+    else:
+        micro = resolve_micro_batches(None if isinstance(model, Graph) else example_inputs,
+                                      options.pop("micro_batches", None), options.pop("micro_batch_size", None))
+    graph = _graph_of(model, example_inputs, micro, wants_experts_as_one_op(source.fn or source.plan))
+    made, program = _plan_and_program(graph, source, world_size, micro, options, lower_now=lambda p: True)
+    return compile_program(graph, made, model=None if isinstance(model, Graph) else model, program=program,
+                           cache_dir=cache_dir)
+
+
 def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike = "tp",
                 world_size: Optional[int] = None, device: Optional[Union[str, torch.device]] = None,
-                cache_dir: str = ".nnscaler_cache", loss_fn: Optional[Callable] = None,
+                cache_dir: str = DEFAULT_CACHE_DIR, loss_fn: Optional[Callable] = None,
                 init_seed: Optional[int] = None, **options: Any):
     """Capture, plan, lower and generate code for this rank; returns its ParallelModule.
 
@@ -165,9 +194,10 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike =
                                       options.pop("micro_batch_size", None))
     graph = _capture_on_every_rank(model, example_inputs, micro, rank, world_size,
                                    wants_experts_as_one_op(source.fn or source.plan))
-    _, program = _plan_and_program(graph, source, world_size, micro, options, lower_now=lambda p: True)
+    made, program = _plan_and_program(graph, source, world_size, micro, options, lower_now=lambda p: True)
+    compiled = compile_program(graph, made, model=model, program=program, cache_dir=cache_dir)
     seed = _agreed_init_seed(init_seed, dev, world_size) if has_meta_tensors(model) else None
-    return ParallelModule(program, model, rank=rank, world_size=world_size, device=dev, cache_dir=cache_dir,
+    return ParallelModule(compiled.artifact_for_rank(rank), model, rank=rank, world_size=world_size, device=dev,
                           loss_fn=loss_fn, init_seed=seed)
 
 

@@ -1,5 +1,9 @@
 """Batches of any size: which input dims vary, the program that serves them, and what a size must divide.
 
+This is the compile stage's callback to the runtime: a ParallelModule hands it each call's inputs and
+runs the `ShapeProgram` it gets back; making a new program (capture at other sizes, lowering,
+generating code) happens here, never in the runtime.
+
 The plan and the program are made for the example's shapes. When a call brings other sizes, the
 input dims that have differed from the example in any call so far become symbols (dims that have
 always agreed in size share one: batch, sequence). For each set of symbols the program is
@@ -24,10 +28,25 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from nnscaler_plugins.capture.tracing import CaptureError, capture
+from nnscaler_plugins.codegen.generate import generate, load_source
+from nnscaler_plugins.codegen.shape_template import fit_ints, fit_sources, same_code
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.lowering import Program, lower
+from nnscaler_plugins.progress import phase
 
 Shapes = tuple[Optional[tuple[int, ...]], ...]
 Position = tuple[int, int]  # (graph input index, dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeProgram:
+    """What runs a call of given sizes: the generated module (its `_S` sizes filled in) and the Program
+    whose communication tables its collectives index (the example's, or, for a program generated at
+    other sizes that communicates differently, its own over the same process groups)."""
+
+    module: Any
+    program: Program
 
 
 class _Fitted:
@@ -56,10 +75,10 @@ class _Fitted:
         self.hi = [max(v, hi) for v, hi in zip(values, self.hi)]
 
 
-class BatchShapes:
-    """Per ParallelModule: picks (and when needed makes) the generated module for a call's sizes."""
+class ShapePrograms:
+    """Per rank: picks (and when needed makes) the program for a call's sizes."""
 
-    def __init__(self, program: Any, unit_device: int, live_module: Any, live_source: str, skeleton: Any,
+    def __init__(self, program: Program, unit_device: int, live_module: Any, live_source: str, skeleton: Any,
                  cache_dir: str, why_no_skeleton: str = ""):
         self.program = program
         self.graph = program.graph
@@ -74,7 +93,7 @@ class BatchShapes:
         self.seen: list[Shapes] = [self.example]  # the example and each shape that added a symbol
         self.symbols: Optional[list[list[Position]]] = None
         self.fitted: dict[tuple, Optional[_Fitted]] = {}
-        self.per_shape: dict[Shapes, Any] = {}
+        self.per_shape: dict[Shapes, ShapeProgram] = {}
         self.per_shape_boundary: dict[Shapes, dict[str, tuple[int, ...]]] = {}
         self.fit_failure = ""
         self.rebuild_seconds: list[float] = []
@@ -83,12 +102,13 @@ class BatchShapes:
     def shapes_of(self, flat: Sequence[Any]) -> Shapes:
         return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
 
-    def module_for(self, flat: Sequence[Any], args: tuple, kwargs: dict) -> Any:
-        """The generated module to run these inputs with, `_S` filled in; raises PlanError for sizes
-        the plan cannot take. `args`/`kwargs` (the call's own structure) are what a new capture takes."""
+    def program_for(self, flat: Sequence[Any], args: tuple, kwargs: dict) -> ShapeProgram:
+        """The program to run these inputs with (its module's `_S` filled in); raises PlanError for
+        sizes the plan cannot take. `args`/`kwargs` (the call's own structure) are what a new capture
+        takes."""
         shapes = self.shapes_of(flat)
         if shapes == self.example and self.symbols is None:
-            return self.live
+            return ShapeProgram(self.live, self.program)
         if not self._fits_symbols(shapes):
             self._check_ranks(shapes)
             if len(self.seen) == 1:
@@ -99,14 +119,13 @@ class BatchShapes:
             self.symbols = self._symbols()
         key = tuple(tuple(g) for g in self.symbols)
         if key not in self.fitted and not self.fit_failure:
-            from nnscaler_plugins.progress import phase
-
             with phase(f"{self.graph.model_class}: one program for every size of "
                        f"{', '.join(self.describe(g[0]) for g in self.symbols)} (once)"):
                 self.fitted[key] = self._fit(self.symbols, args, kwargs)
         fitted = self.fitted.get(key)
         if fitted is None:
-            return self.live if shapes == self.example else self._per_shape(shapes, args, kwargs)
+            return ShapeProgram(self.live, self.program) if shapes == self.example else \
+                self._per_shape(shapes, args, kwargs)
         values = [shapes[g[0][0]][g[0][1]] for g in self.symbols]
         if shapes != self.example:
             self._check_divisible(fitted, values)
@@ -115,7 +134,7 @@ class BatchShapes:
             if not fitted.covers(values) and not self._holds_at(fitted, values, args, kwargs):
                 return self._per_shape(shapes, args, kwargs)
         fitted.module._S[:] = values
-        return fitted.module
+        return ShapeProgram(fitted.module, self.program)
 
     def _fits_symbols(self, shapes: Shapes) -> bool:
         """Whether `shapes` differ from the example only in the symbols' dims, each symbol's dims
@@ -139,7 +158,7 @@ class BatchShapes:
     def check(self, flat: Sequence[Any], args: tuple, kwargs: dict) -> Optional[str]:
         """Why these inputs cannot run (None when they can), without running them."""
         try:
-            self.module_for(flat, args, kwargs)
+            self.program_for(flat, args, kwargs)
         except PlanError as e:
             return str(e)
         return None
@@ -152,7 +171,7 @@ class BatchShapes:
         if shapes in self.per_shape_boundary:
             return self.per_shape_boundary[shapes][value]
         fitted = self._current()
-        assert fitted is not None, "module_for runs before a boundary is received"
+        assert fitted is not None, "program_for runs before a boundary is received"
         values = [shapes[g[0][0]][g[0][1]] for g in fitted.symbols]
         return tuple(int(p(values)) for p in fitted.boundary[value])
 
@@ -224,8 +243,6 @@ class BatchShapes:
 
     # -- making programs --------------------------------------------------------------------------------
     def _fit(self, symbols: list[list[Position]], args: tuple, kwargs: dict) -> Optional[_Fitted]:
-        from nnscaler_plugins.codegen.shape_template import fit_ints, fit_sources, same_code
-
         start = time.perf_counter()
         if self.skeleton is None:
             self.fit_failure = self.why_no_skeleton or "the model could not be copied for another capture"
@@ -275,8 +292,6 @@ class BatchShapes:
     def _holds_at(self, fitted: _Fitted, values: list[int], args: tuple, kwargs: dict) -> bool:
         """Whether the fitted program is the one generated at sizes outside the range it was
         checked on (widening the range when it is); once per new smallest or largest size."""
-        from nnscaler_plugins.codegen.shape_template import same_code
-
         def fits(probe: list[int]) -> bool:
             made = self._generate(self.symbols, probe, args, kwargs)
             return not isinstance(made, str) and same_code(fitted.template.at(probe), made[0]) and all(
@@ -333,10 +348,6 @@ class BatchShapes:
     def _generate(self, symbols: list[list[Position]], sizes: Sequence[int], args: tuple, kwargs: dict,
                   exact: Optional[Shapes] = None) -> Any:
         """(source, boundary shapes) of this rank at these sizes, or why it could not be made."""
-        from nnscaler_plugins.capture.tracing import CaptureError, capture
-        from nnscaler_plugins.codegen.generate import generate
-        from nnscaler_plugins.lower.lowering import lower
-
         a, k = self._inputs_at(symbols, sizes, args, kwargs, exact)
         try:
             g = capture(self.skeleton, a, k)
@@ -379,11 +390,9 @@ class BatchShapes:
         return mine[4] == theirs[4] and set(prog.groups_needed()) <= set(self.program.groups_needed())
 
     def _load(self, source: str, tag: str) -> Any:
-        from nnscaler_plugins.codegen.generate import load_source
-
         return load_source(self.program, self.unit_device, self.cache_dir, source, tag)
 
-    def _per_shape(self, shapes: Shapes, args: tuple, kwargs: dict) -> Any:
+    def _per_shape(self, shapes: Shapes, args: tuple, kwargs: dict) -> ShapeProgram:
         if shapes in self.per_shape:
             return self.per_shape[shapes]
         start = time.perf_counter()
@@ -392,9 +401,9 @@ class BatchShapes:
             raise PlanError(f"inputs of shapes {[s for s in shapes if s is not None]} cannot run under this plan: "
                             f"{self._which_sizes(shapes, made)}{made}")
         module = self._load(made[0], "shape_" + "_".join("x".join(map(str, s)) for s in shapes if s is not None))
-        if made[2].tables_key() != self.program.tables_key():
-            module._nns_program = made[2]  # its collectives index its own tables (Comm.for_module)
-        self.per_shape[shapes] = module
+        # its collectives index its own tables where they differ from the example's
+        own = made[2] if made[2].tables_key() != self.program.tables_key() else self.program
+        self.per_shape[shapes] = ShapeProgram(module, own)
         self.per_shape_boundary[shapes] = made[1]
         took = time.perf_counter() - start
         self.rebuild_seconds.append(took)
@@ -403,7 +412,7 @@ class BatchShapes:
                           f"({self.fit_failure}); each new shape gets its own program when it first comes "
                           f"(this one took {took:.2f} s). Padding batches to a few fixed lengths avoids it.",
                           stacklevel=3)
-        return module
+        return self.per_shape[shapes]
 
 
 def _name(spec: Any) -> str:
