@@ -17,8 +17,9 @@ from nnscaler_plugins.batches import normalize_inputs, resolve_micro_batches, sp
 from nnscaler_plugins.capture import tracing
 from nnscaler_plugins.compiler import DEFAULT_CACHE_DIR, Compiled, compile_program
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.lower.batch_statistics import with_batch_statistics
 from nnscaler_plugins.lower.lowering import Program, lower
+from nnscaler_plugins.passes.batch_statistics import with_batch_statistics
+from nnscaler_plugins.plan.knobs import KNOB_OPTIONS, Knobs
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.primitives import PlanBuilder
 from nnscaler_plugins.plan.source import PlanLike, PlanSource, resolve
@@ -86,14 +87,15 @@ def _plan_and_program(graph: Graph, source: PlanSource, world_size: int, micro: 
     # Training knobs every strategy takes: set on the plan, not handed to the strategy function.
     zero, precision = options.pop("zero", None), options.pop("precision", None)
     offload = options.pop("offload", None)
+    knobs = {k: options.pop(k) for k in KNOB_OPTIONS if k in options}
     if source.plan is not None:
         p = with_batch_statistics(source.plan, graph)  # a searched or saved plan that does not say
     else:
-        unit, dp = source.degrees(world_size, options)
-        builder = PlanBuilder(graph, unit, dp, strategy=source.name,
+        builder = PlanBuilder(graph, mesh=source.mesh(world_size, options), strategy=source.name,
                               options={k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
                               micro_batches=micro, zero=0 if zero is None else zero,
-                              precision="fp32" if precision is None else precision)
+                              precision="fp32" if precision is None else precision,
+                              knobs=Knobs().replace(**knobs))
         source.call(builder, options)
         p = with_batch_statistics(builder.finish(validate=False), graph, builder)  # any strategy's replicas
     if (zero is not None and zero != p.zero) or (precision is not None and precision != p.precision):
@@ -101,6 +103,8 @@ def _plan_and_program(graph: Graph, source: PlanSource, world_size: int, micro: 
                                 precision=p.precision if precision is None else precision)
     if offload is not None and offload != p.offload:
         p = dataclasses.replace(p, offload=offload)
+    if knobs and any(getattr(p.knobs, k) != v for k, v in knobs.items()):
+        p = dataclasses.replace(p, knobs=p.knobs.replace(**knobs))
     p.check_runnable()
     validate(p, graph, world_size=world_size)
     return p, (lower(graph, p) if lower_now(p) else None)

@@ -15,3 +15,8 @@ class PlanError(ValueError):
         self.where = where
         prefix = f"{where}: " if where else (f"{op}: " if op else "")
         super().__init__(prefix + message)
+
+
+class PlanFormatWarning(UserWarning):
+    """A plan file written by an earlier version was migrated when it was loaded (saving it again
+    writes the current format)."""

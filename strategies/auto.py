@@ -26,17 +26,22 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.passes import apply_batch_statistics
+from nnscaler_plugins.plan.mesh import MeshLayout
 from nnscaler_plugins.plan.primitives import PlanBuilder
+from nnscaler_plugins.search import cluster as make_cluster
+from nnscaler_plugins.search.adopt import adopt
+from nnscaler_plugins.search.constraints import PipelineStages, RecomputeModes, ZeroStages
+from nnscaler_plugins.search.solver import SearchError, search
 
-from .batch_statistics import apply_batch_statistics
 
-
-def degrees(world_size: int, **options: Any) -> tuple[int, int]:
-    """The whole world is the unit; the search decides how it is used."""
-    dp = options.get("dp")
+def _check(world_size: int, dp: Optional[int] = None, **_: Any) -> None:
     if dp not in (None, 1):
         raise PlanError("strategy 'auto' chooses data parallelism itself; leave dp= out (or use strategy='hybrid')")
-    return world_size, 1
+
+
+#: The whole world is the unit until the search names its axes (`adopt` sets the searched plan's mesh).
+MESH = MeshLayout(("dp", "unit"), fill=("unit",), check=_check)
 
 
 def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (), memory_limit: Optional[Any] = None,
@@ -45,16 +50,7 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
     up exactly, so the loss's nonlinear batch statistics (a router loss) are whole without
     combining; only micro-batches would compute them per micro-batch, which is refused before the
     search unless `batch_statistics="local"`."""
-    from nnscaler_plugins.search import cluster as make_cluster
-    from nnscaler_plugins.search.adopt import adopt
-    from nnscaler_plugins.search.constraints import (
-        PipelineStages,
-        RecomputeModes,
-        ZeroStages,
-    )
-    from nnscaler_plugins.search.solver import SearchError, search
-
-    apply_batch_statistics(builder, builder.strategy, batch_statistics)  # the search keeps the micro-batches
+    apply_batch_statistics(builder, batch_statistics)  # the search keeps the micro-batches
     constraints = list(constraints)
     if not any(isinstance(c, ZeroStages) for c in constraints):
         constraints.append(ZeroStages([0]))
@@ -76,8 +72,7 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
             plans = run([])
     else:
         plans = run([])
-    adopt(builder, plans.best)
-    builder.options["cluster"] = cluster.name
+    adopt(builder, plans.best)  # its splits, pipeline, mesh and knobs (the cluster it was found for among them)
 
 
 # Read by the entry points before capture (capture/experts.py: wants_experts_as_one_op): a

@@ -48,7 +48,7 @@ def _graph(name: str):
 @pytest.mark.parametrize("name", zoo_models.DECODER_LMS if EVERY else ("falcon", "mixtral", "llama"))
 def test_tp_splits_the_matmul_flops_of_decoder_lms(name):
     import nnscaler_plugins as nns
-    from nnscaler_plugins.strategies.propagation import split_matmul_flops
+    from nnscaler_plugins.passes.tensor_parallel import split_matmul_flops
 
     graph = _graph(name)
     with warnings.catch_warnings():

@@ -83,10 +83,9 @@ def experts_as_one_op(model: torch.nn.Module) -> Iterator[list[str]]:
 
 
 def wants_experts_as_one_op(strategy_or_plan: Any) -> bool:
-    """Whether a strategy (attribute `experts_as_one_op`) or a plan it made (recorded in its
-    options) needs the experts captured as one op."""
+    """Whether a strategy (attribute `experts_as_one_op`) or a plan it made (its knob
+    `experts_as_one_op`) needs the experts captured as one op."""
     if getattr(strategy_or_plan, "experts_as_one_op", False) or \
             getattr(getattr(strategy_or_plan, "apply", None), "experts_as_one_op", False):
         return True
-    options = getattr(strategy_or_plan, "options", None)
-    return isinstance(options, dict) and bool(options.get("experts_as_one_op", False))
+    return bool(getattr(getattr(strategy_or_plan, "knobs", None), "experts_as_one_op", False))

@@ -30,6 +30,7 @@ from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
 from nnscaler_plugins.kernels.replica_statistics import across_replicas
+from nnscaler_plugins.rules.signature import KernelChoices
 from nnscaler_plugins.rules import (
     LocalCall,
     Localized,
@@ -314,6 +315,7 @@ class _Lowering:
         self.grad_groups: list[tuple[tuple[int, ...], ...]] = []
         self.kernel_groups: list[tuple[tuple[int, ...], ...]] = []
         self.replica_kernels: list[int] = []
+        self.kernels = KernelChoices(plan.knobs.cp_comm, plan.knobs.capacity_factor)
         self.stmts: dict[tuple[int, int], list[Stmt]] = {(d, k): [] for k, g in enumerate(self.stage_groups)
                                                           for d in g}
         # produced[k][v]: the layout value v has on stage k's devices.
@@ -486,7 +488,7 @@ class _Lowering:
         renames = dict(zip(op.inputs, local_names))
         unit_p = p.unit_view()
         for idx, dev in enumerate(lays.devices):
-            local = _localize(graph, op, sig, call, unit_p, idx, lays, self.plan.options)
+            local = _localize(graph, op, sig, call, unit_p, idx, lays, self.kernels)
             args, kwargs = _rename(local.args, local.kwargs, renames)
             gkw = None
             if local.group_label is not None:
@@ -502,8 +504,8 @@ class _Lowering:
         """A reduction over the batch that the loss uses nonlinearly (the plan's `batch_statistics`,
         found by the strategy) made whole across the data-parallel replicas right after the op
         (`kernels.replica_statistics`); its pieces stay partial sums inside the unit."""
-        stats = self.plan.options.get("batch_statistics")
-        found = stats.get(op.name) if isinstance(stats, dict) and self.plan.dp > 1 else None
+        stats = self.plan.knobs.batch_statistic_ops
+        found = stats.get(op.name) if self.plan.knobs.batch_statistics == "global" and self.plan.dp > 1 else None
         if found is None or op.outputs[0] is None:
             return
         how, carrier = found  # "sum" | "mean", the input holding the batch's elements
@@ -688,13 +690,13 @@ def _local_meta(meta: Optional[TensorMeta], lay: Optional[Layout]) -> Optional[T
 
 
 def _localize(graph: Graph, op: OpNode, sig: Signature, call, p: OpPlacement, idx: int,
-              lays: OpLayouts, options: Optional[dict] = None) -> Localized:
+              lays: OpLayouts, kernels: Optional[KernelChoices] = None) -> Localized:
     if not p.splits or sig.localize is None:
         return Localized(op.target, op.args, op.kwargs)
     lc = LocalCall(call=call, splits=p.label_counts(), index=p.label_index(idx),
                    local_inputs=tuple(_local_meta(m, l) for m, l in zip(call.inputs, lays.inputs)),
                    local_outputs=tuple(_local_meta(m, l) for m, l in zip(call.outputs, lays.outputs)),
-                   blocks=dict(p.blocks), options=dict(options or {}))
+                   blocks=dict(p.blocks), kernels=kernels or KernelChoices())
     return sig.localize(lc)
 
 

@@ -56,7 +56,7 @@ def experts_signature(call: OpCall, capacity_factor: Optional[float] = None) -> 
             return Localized(call.target, call.args, call.kwargs)
         local = lc.local_inputs[3].shape[0]
         kwargs = dict(key=key, names=names, first_expert=lc.index[SPLIT] * local, num_experts=experts)
-        factor = capacity_factor if capacity_factor is not None else lc.options.get("capacity_factor")
+        factor = capacity_factor if capacity_factor is not None else lc.kernels.capacity_factor
         if factor is not None:
             kwargs["capacity_factor"] = float(factor)
         return Localized(expert_dispatch.expert_all_to_all, tuple(refs), kwargs, group_label=SPLIT)

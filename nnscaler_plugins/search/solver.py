@@ -40,6 +40,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.knobs import Knobs
 from nnscaler_plugins.plan.plan import PRECISIONS, Plan
 from nnscaler_plugins.search.cluster import PRESETS, ClusterSpec
 from nnscaler_plugins.search.cluster import cluster as make_cluster
@@ -59,7 +60,7 @@ from nnscaler_plugins.search.pareto import ParetoSet, frontier
 from nnscaler_plugins.search.progress import Progress
 from nnscaler_plugins.search.segments import Segment
 from nnscaler_plugins.search.simulator import Estimate, replay_plan
-from nnscaler_plugins.search.space import RECOMPUTE, Config, divisors, meshes
+from nnscaler_plugins.search.space import RECOMPUTE, Config, divisors, mesh_of_config, meshes
 from nnscaler_plugins.search.stages import Part, analytic_step, compose, overlap_factor
 
 GiB = 1024 ** 3
@@ -464,26 +465,19 @@ class Search:
         if cfg.pp > 1:
             pipeline = PipelineSpec(stage_devices, cfg.micro_batches, cfg.schedule, [k % cfg.pp for k in range(S)],
                                     cfg.schedule in SPLITS_BACKWARD)
-        # The training knobs the runtime reads are plan fields (zero, precision, each op's recompute
-        # group, each op's splits); options record how the plan was priced, for people and for
-        # `simulate`, which re-prices the plan from the same inputs (`simulator.training_of`).
-        options = {"recompute": cfg.recompute, "precision": self.dtype, "micro_batch_size": cfg.micro_batch_size,
-                   "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
-                   "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
-        if cfg.sequence_parallel:
-            options["sequence_parallel"] = True  # the layers' sequence splits are in the ops' placements
-        if cfg.cp > 1:
-            options["cp_comm"] = cfg.cp_comm  # attention's sequence pieces meet their keys this way
-            options["cp"] = cfg.cp
-        if cfg.ep > 1:
-            options["ep"] = cfg.ep
-        if any(kind_of(graph, op) == "experts" for op in graph.ops):
-            options["experts_as_one_op"] = True  # captured so; a run of the plan captures the same way
+        # How the plan was priced, for people (`explain`) and the checkpoint's record: the runtime and
+        # `simulate` read the plan's mesh, fields and knobs, never these.
+        options = {"micro_batch_size": cfg.micro_batch_size,
+                   "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "summary": cand.describe()}
+        knobs = Knobs(recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                      cp_comm=cfg.cp_comm if cfg.cp > 1 else "ring", cluster=self.cluster.name,
+                      experts_as_one_op=any(kind_of(graph, op) == "experts" for op in graph.ops))
         if id(graph) not in self._prints:
             self._prints[id(graph)] = graph.fingerprint()
         plan = Plan(graph_fingerprint=self._prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
                     dp=cfg.dp, ops=ops, strategy="search", options=options, pipeline=pipeline,
-                    micro_batches=cfg.micro_batches, zero=cfg.zero, precision=self.dtype)
+                    micro_batches=cfg.micro_batches, zero=cfg.zero, precision=self.dtype, mesh=mesh_of_config(cfg),
+                    knobs=knobs)
         plan.input_shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
                              list(graph.meta(i.name).shape) for i in graph.inputs if graph.values[i.name].meta is not None}
         plan.structure_fingerprint = graph.structure_fingerprint()
@@ -594,7 +588,7 @@ def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: An
         b = batch_size(plan.graph) or full
         if (b, n) not in graphs:
             args, kwargs = normalize_inputs(at_length(_first_rows(example_inputs, b, full), n), None)
-            with experts_as_one_op(model) if plan.options.get("experts_as_one_op") else contextlib.nullcontext():
+            with experts_as_one_op(model) if plan.knobs.experts_as_one_op else contextlib.nullcontext():
                 graphs[(b, n)] = capture(model, args, kwargs)
         return graphs[(b, n)]
 

@@ -7,12 +7,14 @@ that way. One that meets a nonlinear op first -- the router load-balancing loss 
 fraction of tokens sent to each expert by the mean router probability, both means over every
 token -- is not, and Hugging Face's own loss under DDP or gradient accumulation differs from one
 device's on the whole batch for that reason. The lowering makes the reductions found here whole
-across the replicas (`runtime.replica_statistics`), so every replica reads the whole batch's value.
+across the replicas (`kernels.replica_statistics`), so every replica reads the whole batch's value.
 
-Strategies record them in the plan (`strategies/batch_statistics.py`); a plan that does not say
-(one from `nns.search`, saved before, or made by a strategy that does not look) gets them here
-before it is lowered (`with_batch_statistics`), so no plan with replicas or micro-batches runs a
-router loss silently per replica. The batch dim is followed from the model's inputs through every op's dimension rule,
+Strategies record them in the plan's knobs (`apply_batch_statistics`, the pass every built-in
+strategy ends with: "global", the default, finds and records them; "local" keeps each replica's
+own, as Hugging Face under DDP); a plan that does not say (one from `nns.search`, saved before, or
+made by a strategy that does not look) gets them here before it is lowered
+(`with_batch_statistics`), so no plan with replicas or micro-batches runs a router loss silently
+per replica. The batch dim is followed from the model's inputs through every op's dimension rule,
 as the strategies find it, so nothing depends on the model's module names.
 """
 from __future__ import annotations
@@ -172,23 +174,47 @@ def refuse_micro_batches(builder: PlanBuilder, strategy: str, found: dict[str, l
                     op=first.name, where=first.where())
 
 
+def apply_batch_statistics(builder: PlanBuilder, mode: Optional[str] = None) -> None:
+    """Record the plan's batch statistics (the pass every built-in strategy ends with): "global"
+    (the default) finds the reductions the loss uses nonlinearly and records them for the lowering
+    to combine across data-parallel replicas; "local" keeps each replica's own (Hugging Face under
+    DDP). Micro-batches see one micro-batch each, which no order of the forwards makes whole before
+    the first backward in 1F1B: "global" with micro-batches is refused when there are any. A plan
+    without such reductions (a dense LM) records nothing and plans exactly as before."""
+    strategy = builder.strategy
+    mode = mode or "global"
+    if mode not in ("global", "local"):
+        raise PlanError(f"strategy {strategy!r}: batch_statistics={mode!r}; use 'global' or 'local'")
+    if mode == "local":
+        builder.set_knobs(batch_statistics="local", batch_statistic_ops={})
+        return
+    found = batch_statistics(builder, strategy)
+    if not found:
+        return
+    micro = builder.pipeline.micro_batches if builder.pipeline is not None else builder.micro_batches
+    if micro > 1:
+        refuse_micro_batches(builder, strategy, found, micro)
+    builder.set_knobs(batch_statistics="global", batch_statistic_ops={k: tuple(v) for k, v in found.items()})
+
+
 def with_batch_statistics(plan: Plan, graph: Graph, builder: Optional[PlanBuilder] = None) -> Plan:
-    """`plan` with its `batch_statistics` found, when it has data-parallel replicas or micro-batches
+    """`plan` with its batch statistics found, when it has data-parallel replicas or micro-batches
     and does not already say ("local", or the strategy's findings); refused by name when they
     cannot be made whole (micro-batches). A plan whose loss has no such reduction is returned as is.
     `builder`, the one that made the plan, saves computing the ops' signatures again."""
-    said = plan.options.get("batch_statistics")
+    knobs = plan.knobs
     micro = plan.num_micro_batches
-    if said not in (None, "global") or (plan.dp == 1 and micro == 1):
+    if knobs.batch_statistics == "local" or knobs.batch_statistic_ops or (plan.dp == 1 and micro == 1):
         return plan
     if builder is None:
-        builder = PlanBuilder(graph, plan.unit_size, plan.dp, strategy=plan.strategy, micro_batches=micro)
-        way_out = "set plan.options['batch_statistics'] = 'local'"
+        builder = PlanBuilder(graph, mesh=plan.mesh, strategy=plan.strategy, micro_batches=micro)
+        way_out = "set the plan's knobs to batch_statistics='local' (plan.knobs.replace(batch_statistics='local'))"
     else:
-        way_out = "pass batch_statistics='local' (a strategy that does not take it: set it in the builder's options)"
+        way_out = "pass batch_statistics='local' (a strategy that does not take it: builder.set_knobs(" \
+                  "batch_statistics='local'))"
     found = batch_statistics(builder, plan.strategy, way_out)
     if not found:
         return plan
     if micro > 1:
         refuse_micro_batches(builder, plan.strategy, found, micro, way_out)
-    return dataclasses.replace(plan, options={**plan.options, "batch_statistics": found})
+    return dataclasses.replace(plan, knobs=knobs.replace(batch_statistic_ops={k: tuple(v) for k, v in found.items()}))

@@ -21,7 +21,8 @@ _PRODUCTS = ("mm", "matmul", "einsum", "scaled_dot_product", "attention")
 
 
 def apply_recompute(builder: PlanBuilder, recompute: Union[None, str, Sequence[str]]) -> int:
-    """Mark the recompute groups on the builder; returns how many groups were made."""
+    """Mark the recompute groups on the builder and record the mode in its knobs ("full",
+    "selective", or "custom" for module names); returns how many groups were made."""
     if recompute in (None, "none", False):
         return 0
     graph = builder.graph
@@ -49,6 +50,7 @@ def apply_recompute(builder: PlanBuilder, recompute: Union[None, str, Sequence[s
                         "a module class name or module paths")
     for ops in groups:
         builder.recompute(ops)
+    builder.set_knobs(recompute=recompute if recompute in ("full", "selective") else "custom")
     return len(groups)
 
 

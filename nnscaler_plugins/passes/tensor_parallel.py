@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import enum
 import inspect
+import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.lower.placement import Digit, DigitKind, label_digit, merged_host
+from nnscaler_plugins.passes.parallelization import Parallelization
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.rules import Signature, op_call, signature_for
@@ -716,3 +718,46 @@ def split_matmul_flops(graph: Graph, plan: Plan) -> tuple[int, int]:
         if f and plan.ops[op.name].splits:
             done += f
     return done, total
+
+
+def apply_tp(par: Parallelization, axes: Sequence[str] = ("tp",), check: str = "each") -> dict[str, Choice]:
+    """Megatron tensor parallelism found by propagation (`TensorParallelPropagation`) along `axes`
+    of the mesh, in every pipeline stage over that stage's devices (a stage every rank shares, the
+    interlaced pipeline's embedding and head, over all the unit's devices). Recorded on `par`;
+    returns every op's choice.
+
+    `check`: "each" refuses a stage in which no weight is split (a degree that divides none of its
+    weight dims would run every op whole on every device, which looks like tensor parallelism and is
+    not); "any" refuses only when no stage splits one; "none" checks nothing."""
+    builder = par.builder
+    found: dict[str, Choice] = {}
+    split_somewhere = False
+    for ops, rank in par.segments():
+        shared = par.stages is not None and rank is None
+
+        def names_of(op: OpHandle) -> list[str]:
+            view = par.view_of(op)
+            return [n for n, _ in view] if shared else [n for n in axes if n in dict(view)]
+
+        # ops whose view has the axes take part (an experts op of an ep plan sees its own axes)
+        taking = [op for op in ops if names_of(op)]
+        if not taking:
+            continue
+        degree = math.prod(s for n, s in par.view_of(taking[0]) if n in names_of(taking[0]))
+        if degree <= 1:
+            continue
+        prop = TensorParallelPropagation(builder, degree=degree, ops=None if par.stages is None else ops)
+        choices = prop.run()
+        if check == "each":
+            prop.check_something_split()
+        for op in taking:
+            c = choices[op.name]
+            found[op.name] = c
+            if c.label is not None:
+                split_somewhere = True
+                par.split(op, names_of(op), c.label, c.block)
+    if check == "any" and not split_somewhere and any(par.degree(a) > 1 for a in axes):
+        degree = math.prod(par.degree(a) for a in axes)
+        raise PlanError(f"tensor parallelism over {degree} devices splits no weight of any pipeline stage of "
+                        f"{builder.graph.model_class}; choose a tp that divides its weight dims, or tp=1")
+    return found
