@@ -60,8 +60,8 @@ def test_recorded_for_each_data_parallel_strategy_and_combined_in_the_program(mi
     for strategy, world, options in (("dp", 2, {}), ("zero1", 2, {}), ("hybrid", 4, {"tp": 2, "dp": 2}),
                                      ("gpipe", 4, {"pp": 2, "dp": 2}), ("megatron", 4, {"tp": 2, "dp": 2})):
         plan = nns.plan(mixtral_graph, strategy=strategy, world_size=world, **options)
-        stats = plan.options.get("batch_statistics")
-        assert isinstance(stats, dict) and len(stats) == 2 * LAYERS, (strategy, stats)
+        stats = plan.knobs.batch_statistic_ops
+        assert plan.knobs.batch_statistics == "global" and len(stats) == 2 * LAYERS, (strategy, stats)
         if strategy == "hybrid":
             program = lower(mixtral_graph, plan)
             assert program.collective_counts(0)["kernel:across_replicas"] == 2 * LAYERS
@@ -82,7 +82,7 @@ def test_a_strategy_that_does_not_look_gets_them(mixtral_graph):
     from nnscaler_plugins.errors import PlanError
 
     plan = nns.plan(mixtral_graph, strategy=_replicas, world_size=2)
-    assert len(plan.options["batch_statistics"]) == 2 * LAYERS
+    assert len(plan.knobs.batch_statistic_ops) == 2 * LAYERS
     with pytest.raises(PlanError, match="2 micro-batches"):
         nns.plan(mixtral_graph, strategy=_replicas, world_size=2, micro_batches=2)
 
@@ -95,10 +95,10 @@ def test_micro_batches_refused_by_name_unless_local(mixtral_graph):
         with pytest.raises(PlanError, match="2 micro-batches.*batch_statistics='local'") as info:
             nns.plan(mixtral_graph, strategy=strategy, world_size=2, micro_batches=2, **options)
         assert info.value.op in nns.plan(mixtral_graph, strategy=strategy, world_size=2, **options
-                                         ).options["batch_statistics"]
+                                         ).knobs.batch_statistic_ops
         local = nns.plan(mixtral_graph, strategy=strategy, world_size=2, micro_batches=2, batch_statistics="local",
                          **options)
-        assert local.options["batch_statistics"] == "local"
+        assert local.knobs.batch_statistics == "local" and not local.knobs.batch_statistic_ops
     with pytest.raises(PlanError, match="batch_statistics='sync'; use 'global' or 'local'"):
         nns.plan(mixtral_graph, strategy="tp", world_size=2, batch_statistics="sync")
 
@@ -110,13 +110,13 @@ def test_searched_plan_gets_them_or_is_refused(mixtral_graph):
     from nnscaler_plugins.errors import PlanError
 
     whole = next(p for p in nns.search(mixtral_graph, world_size=2, progress=False) if p.dp == 2)
-    assert whole.num_micro_batches == 1 and "batch_statistics" not in whole.options
-    assert len(nns.plan(mixtral_graph, strategy=whole, world_size=2).options["batch_statistics"]) == 2 * LAYERS
-    micro = dataclasses.replace(whole, micro_batches=2, options=dict(whole.options))
-    with pytest.raises(PlanError, match="micro-batches.*plan.options\\['batch_statistics'\\] = 'local'"):
+    assert whole.num_micro_batches == 1 and not whole.knobs.batch_statistic_ops
+    assert len(nns.plan(mixtral_graph, strategy=whole, world_size=2).knobs.batch_statistic_ops) == 2 * LAYERS
+    micro = dataclasses.replace(whole, micro_batches=2)
+    with pytest.raises(PlanError, match="micro-batches.*batch_statistics='local'"):
         nns.plan(mixtral_graph, strategy=micro, world_size=2)
-    micro.options["batch_statistics"] = "local"
-    assert nns.plan(mixtral_graph, strategy=micro, world_size=2).options["batch_statistics"] == "local"
+    micro = dataclasses.replace(micro, knobs=micro.knobs.replace(batch_statistics="local"))
+    assert nns.plan(mixtral_graph, strategy=micro, world_size=2).knobs.batch_statistics == "local"
 
 
 def test_batch_norm_and_dense_models_record_nothing_and_take_micro_batches():
@@ -132,4 +132,4 @@ def test_batch_norm_and_dense_models_record_nothing_and_take_micro_batches():
     for model, inputs in ((bn, (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))), (dense, (torch.randn(4, 8),))):
         for strategy in ("dp", "zero2", "tp"):
             plan = nns.plan(model, strategy=strategy, world_size=2, example_inputs=inputs, micro_batches=2)
-            assert "batch_statistics" not in plan.options, (strategy, plan.options)
+            assert not plan.knobs.batch_statistic_ops, (strategy, plan.knobs)

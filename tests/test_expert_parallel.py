@@ -253,7 +253,7 @@ def test_batch_statistics_and_capacity_in_the_plan():
     with experts_as_one_op(model):
         graph = nns.capture(model, kwargs=half)
     plan = nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, capacity_factor=1.5)
-    assert len(plan.options["batch_statistics"]) == 2 * LAYERS, plan.options["batch_statistics"]
+    assert len(plan.knobs.batch_statistic_ops) == 2 * LAYERS, plan.knobs
     program = lower(graph, plan)
     assert program.collective_counts(0)["kernel:across_replicas"] == 2 * LAYERS
     calls = [line for line in generate(program, 0).splitlines() if "across_replicas(" in line]
@@ -264,7 +264,7 @@ def test_batch_statistics_and_capacity_in_the_plan():
     with pytest.raises(PlanError, match="2 micro-batches"):
         nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, micro_batches=2)
     local = nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, micro_batches=2, batch_statistics="local")
-    assert local.options["batch_statistics"] == "local"
+    assert local.knobs.batch_statistics == "local"
     with pytest.raises(PlanError, match="capacity_factor=0"):
         nns.plan(graph, strategy="ep", world_size=2, ep=2, capacity_factor=0)
 

@@ -31,7 +31,8 @@ LAYERS: list[frozenset[str]] = [
     frozenset({"compiler"}),  # lower + codegen -> one artifact per rank
     frozenset({"runtime"}),
     frozenset({"checkpoint"}),
-    frozenset({"session", "api"}),
+    frozenset({"session"}),  # one job through the stages (the adapters keep one)
+    frozenset({"api"}),
     frozenset({"cli"}),
     frozenset({""}),  # nnscaler_plugins/__init__.py: the public names
 ]
@@ -115,6 +116,23 @@ def test_layers_import_only_downward():
     assert not bad, f"{len(bad)} import(s) against the layers:\n" + "\n".join(bad)
 
 
+def _project_module_aliases(tree: ast.AST) -> set[str]:
+    """Names a file binds to modules of the project (`from nnscaler_plugins import api`,
+    `import nnscaler_plugins.session as s`): `alias._private` on them is a private name used across files."""
+    mods = _modules()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nnscaler_plugins"):
+            for a in node.names:
+                if f"{node.module}.{a.name}" in mods:
+                    names.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("nnscaler_plugins") and a.asname:
+                    names.add(a.asname)
+    return names
+
+
 def test_no_private_name_imported_across_files():
     """`from nnscaler_plugins.x import _y` anywhere (core, plugins, tests, benchmarks, recipes): a private
     name used from another file is a missing public one."""
@@ -128,7 +146,12 @@ def test_no_private_name_imported_across_files():
                     continue
                 path = os.path.join(dirpath, f)
                 tree = ast.parse(open(path).read())
+                modules = _project_module_aliases(tree)
                 for node in ast.walk(tree):
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                            and node.value.id in modules and node.attr.startswith("_") \
+                            and not node.attr.startswith("__"):
+                        bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}")
                     if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
                             "nnscaler_plugins", "strategies", "adapters", "tests") or (
                             isinstance(node, ast.ImportFrom) and node.level):

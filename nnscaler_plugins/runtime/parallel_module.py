@@ -75,7 +75,9 @@ class ParallelModule(torch.nn.Module):
         self.dp_size = plan.dp
         self.loss_fn = loss_fn
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self.groups = create_groups(program, world_size)
+        # process groups from the plan's mesh (its DeviceMesh) and the sets the program communicates over
+        self.groups, self.device_mesh = create_groups(program, world_size,
+                                                      "cuda" if self._device.type == "cuda" else "cpu")
         self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
         self.source_path = artifact.source_path
         # Other batch sizes and lengths than the example's: the compile stage's callback makes their programs.
