@@ -7,6 +7,10 @@
     class MyTrainer(NNScalerTrainerMixin, SomeTrainerSubclass): ...           # any other Trainer
     MyTrainer(..., args=SomeArguments(...), plan="1f1b", plan_options={"micro_batches": 2})
 
+A script that reads its arguments with `HfArgumentParser` (every transformers example) needs only its
+`Trainer` and `TrainingArguments` swapped for these classes: `--plan tp --plan_options '{"tp": 2}'`
+then come from its command line (or its JSON / YAML argument file).
+
 What changes against a plain Trainer, and why:
 - The model is captured and parallelized on the first training batch, when the training dataloader
   is first asked for (later batches may have any size and length); accelerate never wraps it
@@ -33,21 +37,25 @@ What changes against a plain Trainer, and why:
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.source import resolve
+
 from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
 
 OPTIMIZER_FILE = "optimizer.nnscaler.pt"  # the whole optimizer state (see adapters.resume), next to the weights
 
 
-def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
+def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any, parallelism: Any = None) -> None:
     if plan is None:
         return
     if deepspeed:
@@ -57,23 +65,70 @@ def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
     if fsdp:
         raise ValueError(f"NNScaler Trainer: plan= and fsdp={fsdp!r} cannot be combined: the plan already decides "
                          "how parameters are sharded. Drop fsdp= (ZeRO stages are plans: plan='zero3'), or drop plan=")
+    if parallelism is not None:
+        raise ValueError("NNScaler Trainer: plan= and parallelism_config= cannot be combined: the plan already decides "
+                         "the tensor, context and data parallelism. Drop parallelism_config= (give the degrees as "
+                         "plan_options, e.g. plan='tp', plan_options={'tp': 2}), or drop plan=")
+
+
+def plan_options_from(value: Any, where: str) -> dict:
+    """`plan_options` as a dict: a dict as given, None as {}, a JSON object string (how a command line
+    gives it, as for TrainingArguments' own dict-valued fields: --plan_options '{"pp": 2}') parsed."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: {value!r} is not valid JSON ({e}); give the strategy's options as a JSON "
+                             """object, e.g. --plan_options '{"pp": 2, "micro_batches": 4}'""") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{where}: {value!r} is not a JSON object; give the strategy's options by name, "
+                             """e.g. --plan_options '{"tp": 2}'""")
+        return parsed
+    raise TypeError(f"{where}: expected a dict of the strategy's options (or its JSON text), got "
+                    f"{type(value).__name__}")
 
 
 @dataclass
 class NNScalerTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the plan: a strategy name ("dp", "tp", "1f1b", "auto", ...), a Plan, a
-    plan .json file or a callable `fn(builder, **options)`; `plan_options` go to the strategy."""
+    plan .json file or a callable `fn(builder, **options)`; `plan_options` go to the strategy.
 
-    plan: Any = field(default="dp", metadata={"help": "strategy name, Plan, plan .json file or callable"})
-    plan_options: dict = field(default_factory=dict, metadata={"help": "options for the strategy (tp=, pp=, ...)"})
+    Both parse from a command line through `HfArgumentParser` like TrainingArguments' own fields
+    (`--plan 1f1b --plan_options '{"pp": 2}'`), and from `parse_dict` / `parse_json_file` /
+    `parse_yaml_file` (where `plan_options` is a mapping or its JSON text)."""
+
+    # The types are written for HfArgumentParser as well as for readers: it reads a field typed
+    # `X | str | None` as a string option (the way TrainingArguments types its dict-valued fields,
+    # `dict | str | None`), so `str` must come second. In code any of the other types may be given.
+    plan: Optional[Union[Plan, str, os.PathLike, Callable]] = field(
+        default="dp", metadata={"help": "strategy name (dp, tp, 1f1b, zero3, auto, ...) or plan .json file"})
+    plan_options: Optional[Union[dict, str]] = field(
+        default_factory=dict, metadata={"help": "the strategy's options, as a JSON object on a command line: "
+                                                """'{"tp": 2}', '{"pp": 2, "micro_batches": 4}'"""})
 
     def __post_init__(self) -> None:
+        self.plan_options = plan_options_from(self.plan_options, "NNScalerTrainingArguments(plan_options=...)")
         # Before the parent's checks, which would start setting DeepSpeed or FSDP up.
-        _refuse_other_engines(self.plan, self.deepspeed, self.fsdp)
+        _refuse_other_engines(self.plan, self.deepspeed, self.fsdp, getattr(self, "parallelism_config", None))
         if self.plan is not None:
             check_plan(self.plan, "NNScalerTrainingArguments(plan=...)")
             check_plan_options(self.plan, self.plan_options, "NNScalerTrainingArguments(plan_options=...)")
         super().__post_init__()
+
+    def to_dict(self) -> dict[str, Any]:
+        """TrainingArguments' serialization (what loggers and `to_json_string` write), with a plan given as
+        an object (a Plan, a function) written as its description, so the result stays JSON."""
+        d = super().to_dict()
+        plan = d.get("plan")
+        if isinstance(plan, os.PathLike):
+            d["plan"] = os.fspath(plan)
+        elif plan is not None and not isinstance(plan, str):
+            d["plan"] = resolve(plan).label
+        return d
 
 
 class _PlannedModel(torch.nn.Module):
@@ -114,9 +169,12 @@ class NNScalerTrainerMixin:
                             "plan=... to the trainer")
         check_plan(plan, f"{type(self).__name__}(plan=...)")
         if targs is not None:
-            _refuse_other_engines(plan, getattr(targs, "deepspeed", None), getattr(targs, "fsdp", None))
+            _refuse_other_engines(plan, getattr(targs, "deepspeed", None), getattr(targs, "fsdp", None),
+                                  getattr(targs, "parallelism_config", None))
         self.nns_plan = plan
-        self.nns_plan_options = dict(plan_options if plan_options is not None else getattr(targs, "plan_options", {}) or {})
+        self.nns_plan_options = plan_options_from(plan_options if plan_options is not None
+                                                  else getattr(targs, "plan_options", None),
+                                                  f"{type(self).__name__}(plan_options=...)")
         check_plan_options(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
         # Weights read into the shards once planned (`nns.checkpoint.load`: a save_pretrained directory
         # or the library's checkpoint), each rank reading its pieces: with a model built on the meta
