@@ -58,7 +58,7 @@ from transformers.trainer import SCHEDULER_NAME
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.source import resolve
 
-from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
+from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state, session_for
 
 OPTIMIZER_FILE = "optimizer.nnscaler.pt"  # the whole optimizer state (see adapters.resume), next to the weights
 
@@ -211,7 +211,8 @@ class NNScalerTrainerMixin:
         self.nns_plan_options = plan_options_from(plan_options if plan_options is not None
                                                   else getattr(targs, "plan_options", None),
                                                   f"{type(self).__name__}(plan_options=...)")
-        check_plan_options(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
+        # the job's one Session: the plan resolved and its options checked once, here
+        self.nns_session = session_for(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
         # Weights read into the shards once planned (`nns.checkpoint.load`: a save_pretrained directory
         # or the library's checkpoint), each rank reading its pieces: with a model built on the meta
         # device (`model=` or `model_init=`), no process ever holds the whole model.
@@ -230,9 +231,8 @@ class NNScalerTrainerMixin:
         model = self.model
         example = example_inputs(model, self._nns_first_batch())
         model.train()
-        self.nns_module = nns.parallelize(model, example, plan=self.nns_plan, device=self.args.device,
-                                          cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"),
-                                          **self.nns_plan_options)
+        self.nns_module = self.nns_session.parallelize(
+            model, example, device=self.args.device, cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"))
         if self.nns_weights is not None:
             nns.checkpoint.load(self.nns_weights, self.nns_module)
         check_training_state(self.nns_module.plan, type(self).__name__, zero=True)
