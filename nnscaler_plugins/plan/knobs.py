@@ -11,12 +11,11 @@ typed from the start); everything that used to travel in `plan.options` is here.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.errors import PlanError, refuse_unknown
 
 RECOMPUTE_MODES = ("none", "full", "selective")  # or a module class name / module paths (recorded as "custom")
 CP_COMMS = ("ring", "allgather", "ulysses")
@@ -57,7 +56,7 @@ class Knobs:
 
     def replace(self, **changes: Any) -> "Knobs":
         """A copy with `changes` (names checked, with the name meant for a misspelt one)."""
-        refuse_unknown(changes, "knob")
+        refuse_unknown_knobs(changes)
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict:
@@ -74,7 +73,7 @@ class Knobs:
     def from_json(cls, d: Mapping[str, Any], where: str = "the plan's knobs") -> "Knobs":
         if not isinstance(d, Mapping):
             raise PlanError(f"{where} must be an object, not {type(d).__name__}")
-        refuse_unknown(d, "knob", where)
+        refuse_unknown_knobs(d, where)
         values = dict(d)
         if "batch_statistic_ops" in values:
             values["batch_statistic_ops"] = {k: tuple(v) for k, v in values["batch_statistic_ops"].items()}
@@ -87,15 +86,8 @@ KNOB_OPTIONS = frozenset({"tp_comm_overlap", "overlap_grad_reduce", "overlap_par
                           "collective_timeout_s", "on_nonfinite"})
 
 
-def refuse_unknown(names: Mapping[str, Any], what: str = "knob", where: str = "") -> None:
-    unknown = [k for k in names if k not in KNOB_NAMES]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), KNOB_NAMES, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise PlanError(f"{where + ': ' if where else ''}unknown {what}(s) {', '.join(hints)}; the knobs are "
-                        f"{', '.join(KNOB_NAMES)}")
+def refuse_unknown_knobs(names: Mapping[str, Any], where: str = "") -> None:
+    refuse_unknown(names, KNOB_NAMES, "knob", where)
 
 
 def check(k: Knobs) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.errors import PlanError, PlanFormatWarning
+from nnscaler_plugins.errors import PlanError, PlanFormatWarning, refuse_unknown
 from nnscaler_plugins.plan.knobs import Knobs, from_v1_options
 from nnscaler_plugins.plan.mesh import Mesh, unit_mesh
 from nnscaler_plugins.plan.migrate import migrated_mesh
@@ -40,17 +40,9 @@ _PIPELINE_KEYS = ("stage_devices", "stage_rank", "micro_batches", "schedule", "s
 
 def check_keys(d: Any, allowed: tuple[str, ...], where: str) -> None:
     """Refuse keys outside `allowed`, naming each with the closest valid one."""
-    import difflib
-
     if not isinstance(d, dict):
         raise PlanError(f"{where} must be a JSON object, not {type(d).__name__}")
-    unknown = [k for k in d if k not in allowed]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), allowed, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise PlanError(f"{where}: unknown key(s) {', '.join(hints)}; valid keys are {', '.join(allowed)}")
+    refuse_unknown(d, allowed, "key", where)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.plan.layers import layer_groups
+from nnscaler_plugins.plan.mesh import subop_devices
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.anchors import matmul_anchor, vocab_anchor
 from nnscaler_plugins.rules.signature import LocalCall
@@ -73,24 +74,7 @@ class Choice:
         copy_axes = [i for i, (l, _) in enumerate(self.axes) if l is None]
         splits = tuple((self.axes[i][0], self.axes[i][1]) for i in split_axes)
         replicate = math.prod(mesh[i] for i in copy_axes)
-        strides = [math.prod(mesh[i + 1:]) for i in range(len(mesh))]
-        radices = [replicate] + [mesh[i] for i in split_axes]
-        out = []
-        for idx in range(math.prod(mesh)):
-            digits = []
-            x = idx
-            for r in reversed(radices):
-                digits.append(x % r)
-                x //= r
-            digits.reverse()
-            coord = [0] * len(mesh)
-            rep = digits[0]
-            for i in reversed(copy_axes):
-                coord[i] = rep % mesh[i]
-                rep //= mesh[i]
-            for i, dgt in zip(split_axes, digits[1:]):
-                coord[i] = dgt
-            out.append(devices[sum(c * s for c, s in zip(coord, strides))])
+        out = [devices[d] for d in subop_devices(mesh, split_axes)]
         return Placement(splits, replicate, tuple(sorted(self.blocks)), tuple(out))
 
 
