@@ -7,7 +7,8 @@ holds:
 - ZeRO 0 in fp32: the parameter itself (nothing is copied);
 - ZeRO 1/2 (data-parallel size > 1): an fp32 copy of this replica's chunk of the parameter
   (runtime/zero.py); after the step every replica's updated chunks are all-gathered into the
-  parameters, one collective per group;
+  parameters, in buckets that run beside the next forward and are waited for right before its
+  first use of them (the plan's overlap_param_gather; False: finished in the step);
 - ZeRO 3: the parameter is the chunk already (its fp32 copy in bf16/fp16);
 - bf16/fp16: fp32 copies, written back rounded to the compute dtype after each step.
 
@@ -134,6 +135,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if self._prepared:
             return
         self._prepared = True
+        self.module.param_gather.wait_all()  # parameters read below (and compared with the masters) are settled
         convert_src: list[torch.Tensor] = []
         convert_dst: list[_Entry] = []
         for e in self.entries:
@@ -208,15 +210,31 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.inner.step()
         chunked = [e for e in self.entries if e.mode == "chunk"]
         if chunked:  # offloaded masters travel to the device first: the gather runs there
-            all_gather_chunks([e.shard for e in chunked], [e.master.to(e.param.device, non_blocking=True)
-                                                           for e in chunked],
-                              [e.param.detach().view(-1) for e in chunked])
+            self._gather_updated(chunked)
         copies = [e for e in self.entries if e.mode in ("whole", "zero3") and e.master is not e.param]
         if copies:  # rounded back to the compute dtype, one foreach copy rather than a kernel per tensor
             copy_all([e.param for e in copies], [e.master.view_as(e.param) for e in copies])
         for e in self.entries:
-            e.version = e.param._version
+            if e.mode != "chunk":  # chunks' parameters are written when their gather lands (`_gather_updated`)
+                e.version = e.param._version
         return loss
+
+    def _gather_updated(self, chunked: list[_Entry]) -> None:
+        """Every replica's updated chunks into the parameters. With the plan's overlap_param_gather
+        (on unless set False) the all-gathers only start here, one per bucket, and each bucket is
+        waited for right before the next forward first uses one of its parameters
+        (`zero.PendingGather`), so the gathers run beside that forward; else they finish here."""
+        gather = self.module.param_gather
+        chunks = [e.master.to(e.param.device, non_blocking=True) for e in chunked]
+        outs = [e.param.detach().view(-1) for e in chunked]
+
+        def done(indices: list[int]) -> None:  # a parameter written by the gather is the master's value
+            for i in indices:
+                chunked[i].version = chunked[i].param._version
+
+        gather.launch([e.shard for e in chunked], chunks, outs, on_done=done)
+        if self.module.plan.knobs.overlap_param_gather is False:
+            gather.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         reducer = self.module.grad_reducer
@@ -246,6 +264,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.module.param_gather.wait_all()  # masters re-read from parameters below: settled first
         sd = dict(state_dict)
         extra = sd.pop("nnscaler", None) or {}
         self.inner.load_state_dict(sd)
@@ -341,6 +360,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         """Install one parameter's state as `local_state` gives it (tensors of this rank's chunk or
         piece). Without "master_param" a master that is a copy is re-read from the parameter (load
         the module first)."""
+        self.module.param_gather.wait_all()  # masters re-read from parameters below: settled first
         e = next((e for e in self.entries if e.fqn == fqn), None)
         if e is None:
             raise KeyError(f"this rank's optimizer holds no parameter {fqn!r}")
@@ -368,6 +388,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
     def load_full_state_dict(self, sd: dict[str, Any]) -> None:
         """Keep this rank's pieces of a whole optimizer state (as `full_state_dict` writes it)."""
+        self.module.param_gather.wait_all()  # masters re-read from parameters below: settled first
         m = self.module
         states = sd.get("state", {})
         missing = [e.fqn for e in self.entries if e.fqn not in states]

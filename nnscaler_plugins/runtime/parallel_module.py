@@ -36,7 +36,7 @@ from nnscaler_plugins.runtime.params_on_use import params_on_use
 from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
 from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
-from nnscaler_plugins.runtime.zero import Zero3Params
+from nnscaler_plugins.runtime.zero import PendingGather, Zero3Params
 from nnscaler_plugins.runtime.zero_setup import chunk_parameters, zero_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,6 +117,11 @@ class ParallelModule(torch.nn.Module):
                 self.register_buffer(_safe(s.fqn), local, persistent=s.in_state_dict)
         # The loss is multiplied by this before backward (fp16 loss scaling; the optimizer sets it).
         self.loss_scale = 1.0
+        # ZeRO-1/2's gathers of updated weights, which the optimizer leaves in flight for the next
+        # forward: whatever reads or writes parameters outside it waits for them first.
+        self.param_gather = PendingGather()
+        self.register_state_dict_pre_hook(lambda m, *_: m.param_gather.wait_all())
+        self.register_load_state_dict_pre_hook(lambda m, *_: m.param_gather.wait_all())
         # Set by nns.build_optimizer: ZeRO-2's gradient chunks have a reader (see `_scatter_gradients`).
         self.sharded_optimizer = False
         self._warned_whole_gradients = False
@@ -213,6 +218,11 @@ class ParallelModule(torch.nn.Module):
     def local_tensor(self, key: str) -> torch.Tensor:
         """This device's tensor of shard `key` (one of `held_keys`): its Parameter (under ZeRO-3 the
         chunk this replica owns) or buffer."""
+        self.param_gather.wait_all()
+        return self._tensor(key)
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        """`local_tensor` without waiting for gathers in flight (the forward waits per parameter)."""
         s = self.program.shards[key]
         return self.shards[_safe(s.fqn)] if s.kind == "param" else getattr(self, _safe(s.fqn))
 
@@ -220,6 +230,7 @@ class ParallelModule(torch.nn.Module):
         """This rank's Parameter of the model's parameter `fqn` (its piece; under ZeRO-3 the chunk
         this replica owns); None where this device holds none of it."""
         key = _safe(fqn)
+        self.param_gather.wait_all()
         return self.shards[key] if key in self.shards else None
 
     def counts_in_norm(self, key: str) -> bool:
@@ -250,7 +261,7 @@ class ParallelModule(torch.nn.Module):
         """The trainable Parameters (ZeRO-3: chunks) whose gradients stage `stage` computes."""
         out, seen = [], set()
         for key in self.program.ranks[self.unit_device].stages[stage].params:
-            t = self.local_tensor(key)
+            t = self._tensor(key)  # the Parameter objects, not their values: no gather waited for
             if isinstance(t, torch.nn.Parameter) and t.requires_grad and id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)
@@ -259,7 +270,7 @@ class ParallelModule(torch.nn.Module):
     def _params_on_use(self, stage: int = 0) -> Any:
         """What stage `stage`'s generated code unpacks as `_P` (see `runtime/params_on_use.py`)."""
         return params_on_use(self.program, self.program.ranks[self.unit_device].stages[stage].params,
-                             self.local_tensor, self.plan.precision, self.zero3, self._zero3_key)
+                             self._tensor, self.plan.precision, self.zero3, self._zero3_key, self.param_gather)
 
     def _flat_inputs(self, args: tuple, kwargs: dict, on_device: bool = True) -> list[Any]:
         """The graph inputs from a call, on this module's device (`on_device=False`: where the call

@@ -1,9 +1,11 @@
 """What a stage function of the generated code unpacks as `_P`: this device's parameters and
 buffers of that stage, in Program order, as the code takes them (`precision.for_compute`).
 
-Without ZeRO-3 that is a plain list. Under ZeRO-3 it is `GatheredOnUse`: the generated code binds
-each parameter `_P[i]` at its first use and deletes it after its last, so each one is gathered
-whole at that moment (`Zero3Params.fetch`), with the next one's gather started, not all up front.
+Without ZeRO-3 that is a plain list, or, while ZeRO-1/2's gathers of the updated weights are still
+in flight (`zero.PendingGather`), `SettledOnUse`, which waits for a parameter's gather when the code
+first reads it. Under ZeRO-3 it is `GatheredOnUse`: the generated code binds each parameter `_P[i]`
+at its first use and deletes it after its last, so each one is gathered whole at that moment
+(`Zero3Params.fetch`), with the next one's gather started, not all up front.
 """
 from __future__ import annotations
 
@@ -12,17 +14,21 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from nnscaler_plugins.runtime.precision import for_compute
-from nnscaler_plugins.runtime.zero import Zero3Params
+from nnscaler_plugins.runtime.zero import PendingGather, Zero3Params
 
 if TYPE_CHECKING:  # pragma: no cover
     from nnscaler_plugins.lower.lowering import Program
 
 
 def params_on_use(program: Program, keys: list[str], local: Callable[[str], torch.Tensor], precision: str,
-                  zero3: Optional[Zero3Params] = None, zero3_index: Optional[dict[str, int]] = None) -> Any:
+                  zero3: Optional[Zero3Params] = None, zero3_index: Optional[dict[str, int]] = None,
+                  pending: Optional[PendingGather] = None) -> Any:
     """`_P` for the shards `keys` (`local(key)` is this device's tensor of one); under ZeRO-3,
-    `zero3_index` gives each chunked parameter's key in `zero3` by fqn."""
+    `zero3_index` gives each chunked parameter's key in `zero3` by fqn; `pending`: gathers of
+    updated weights that may still be in flight."""
     if zero3 is None:
+        if pending is not None and pending.pending:
+            return SettledOnUse(keys, local, precision, pending)
         return [for_compute(local(key), precision) for key in keys]
     return GatheredOnUse(program, keys, local, precision, zero3, zero3_index or {})
 
@@ -56,4 +62,23 @@ class GatheredOnUse:
         nxt = self._next.get(i) if i not in self._read else None
         self._read.add(i)
         t = self._local(self._keys[i]) if z is None else self._zero3.fetch(z, nxt)
+        return for_compute(t, self._precision)
+
+
+class SettledOnUse:
+    """The generated code's `_P` while ZeRO-1/2 gathers of updated weights are in flight: item i is
+    this device's parameter or buffer i, its gather waited for when the code first reads it."""
+
+    def __init__(self, keys: list[str], local: Callable[[str], torch.Tensor], precision: str, pending: PendingGather):
+        self._keys = keys
+        self._local = local
+        self._precision = precision
+        self._pending = pending
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        t = self._local(self._keys[i])
+        self._pending.wait_for(t)
         return for_compute(t, self._precision)

@@ -9,7 +9,10 @@ still bucketed: the chunks of all parameters in one group travel in one collecti
 replica-major so that the gathered buffer is every parameter's flat tensor back to back.
 
 Stage 1 keeps whole gradients (all-reduced as in DDP) and steps only the owned chunk; stage 2
-reduce-scatters gradients so each replica keeps its chunk only (GradReducer in "shard" mode);
+reduce-scatters gradients so each replica keeps its chunk only (GradReducer in "shard" mode); at
+both, the updated chunks are all-gathered back into the parameters after the step, in buckets
+left in flight (`PendingGather`) that the next forward waits for one at a time, right before it
+first reads one of their parameters (Megatron's overlap-param-gather);
 stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gathers each whole
 parameter just before the forward's first use of it (prefetching the next) and lets it go after
 the last, lets saved-tensor hooks drop them from what autograd keeps for backward (they are gathered again when backward needs them, the next one prefetched while the
@@ -19,6 +22,7 @@ asynchronously from the backward, overlapped with the rest of it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
 import weakref
@@ -111,24 +115,120 @@ def _buckets(shards: list[FlatShard]) -> list[tuple[Any, list[int]]]:
 def all_gather_chunks(shards: list[FlatShard], chunks: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
     """Every replica's owned chunks into `outs` (flat views of whole shards), one collective per
     group; shards of size 1 are copied locally."""
-    pending = []
-    for i, s in enumerate(shards):
-        if s.size == 1 and s.numel:
+    gather = PendingGather(bucket_bytes=None)
+    gather.launch(shards, chunks, outs)
+    gather.wait_all()
+
+
+@dataclass
+class _GatherBucket:
+    """One all-gather in flight: its buffer and the flat tensors it fills once done."""
+
+    work: Any
+    buf: torch.Tensor
+    width: int  # elements each replica sends
+    targets: list[tuple[FlatShard, torch.Tensor]]  # (shard, flat out) in the buffer's order
+    sent: Optional[torch.Tensor] = None  # what the collective reads, kept alive until it is done
+    on_done: Optional[Callable[[], None]] = None
+
+
+class PendingGather:
+    """ZeRO-1/2 updated weights gathered asynchronously (Megatron's overlap-param-gather).
+
+    `launch` starts one all-gather per bucket (at most `bucket_bytes` of whole parameters of one
+    process group, in the order given: the order the forward first uses them) and returns at once;
+    `wait_for(out)` waits for the bucket holding one parameter and copies every replica's chunks of
+    that bucket into their parameters; `wait_all` settles everything. Until a bucket is waited for,
+    its parameters keep their old values (the collective writes into a buffer of its own), so a
+    reader that waits first never sees a half-written tensor. Whoever reads or writes the
+    parameters outside the forward waits first (the module's accessors and state-dict hooks do)."""
+
+    def __init__(self, bucket_bytes: Optional[int] = BUCKET_BYTES) -> None:
+        self.bucket_bytes = bucket_bytes  # None: one collective per process group
+        self._by_out: dict[int, _GatherBucket] = {}  # data pointer of a parameter -> its bucket in flight
+        self._buckets: list[_GatherBucket] = []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._buckets)
+
+    @property
+    def in_flight(self) -> int:
+        """Buckets launched and not yet waited for."""
+        return len(self._buckets)
+
+    def launch(self, shards: list[FlatShard], chunks: list[torch.Tensor], outs: list[torch.Tensor],
+               on_done: Optional[Callable[[list[int]], None]] = None) -> None:
+        """Start gathering `chunks` (this replica's) into `outs`; `on_done(indices)` runs after the
+        copies of a bucket's parameters (indices into the lists given here)."""
+        self.wait_all()  # a parameter is never the target of two gathers at once
+        local = [i for i, s in enumerate(shards) if s.size == 1 and s.numel]
+        for i in local:
             outs[i].copy_(chunks[i].reshape(-1))
-    for group, idx in _buckets(shards):
-        dtype = outs[idx[0]].dtype
-        local = torch.cat([shards[i].chunk_padded(chunks[i].to(dtype)) for i in idx])
-        buf = local.new_empty(shards[idx[0]].size * local.numel())
+        if local and on_done is not None:
+            on_done(local)
+        for group, idx in _buckets(shards):
+            for part in _split_bytes(idx, shards, outs, self.bucket_bytes):
+                self._start(group, [shards[i] for i in part], [chunks[i] for i in part], [outs[i] for i in part],
+                            None if on_done is None else functools.partial(on_done, part))
+
+    def _start(self, group: Any, shards: list[FlatShard], chunks: list[torch.Tensor], outs: list[torch.Tensor],
+               on_done: Optional[Callable[[], None]]) -> None:
+        dtype = outs[0].dtype
+        local = torch.cat([s.chunk_padded(c.to(dtype)) for s, c in zip(shards, chunks)])
+        buf = local.new_empty(shards[0].size * local.numel())
         work = all_gather_flat(buf, local, group=group, async_op=True)
-        pending.append((work, buf, local.numel(), idx))
-    for work, buf, width, idx in pending:
-        work.wait()
-        table = buf.view(-1, width)
+        bucket = _GatherBucket(work, buf, local.numel(), list(zip(shards, outs)), local, on_done)
+        self._buckets.append(bucket)
+        for o in outs:
+            self._by_out[o.data_ptr()] = bucket
+
+    def wait_for(self, t: torch.Tensor) -> None:
+        """Settle the gather writing into `t` (a parameter), if one is in flight; earlier buckets
+        (launched before it) are settled first, as the collectives complete in order anyway."""
+        bucket = self._by_out.get(t.data_ptr()) if self._by_out else None
+        if bucket is None:
+            return
+        while self._buckets:
+            first = self._buckets[0]
+            self._finish(first)
+            if first is bucket:
+                break
+
+    def wait_all(self) -> None:
+        while self._buckets:
+            self._finish(self._buckets[0])
+
+    def _finish(self, bucket: _GatherBucket) -> None:
+        self._buckets.remove(bucket)
+        bucket.work.wait()
+        table = bucket.buf.view(-1, bucket.width)
         off = 0
-        for i in idx:
-            s = shards[i]
-            outs[i].copy_(table[:, off:off + s.chunk].reshape(-1)[:s.numel])
-            off += s.chunk
+        with torch.no_grad():
+            for s, out in bucket.targets:
+                self._by_out.pop(out.data_ptr(), None)
+                out.copy_(table[:, off:off + s.chunk].reshape(-1)[:s.numel])
+                off += s.chunk
+        bucket.buf = bucket.sent = None
+        if bucket.on_done is not None:
+            bucket.on_done()
+
+
+def _split_bytes(idx: list[int], shards: list[FlatShard], outs: list[torch.Tensor],
+                 bucket_bytes: Optional[int]) -> list[list[int]]:
+    """`idx` cut into consecutive runs of at most `bucket_bytes` of whole parameters (a larger one alone)."""
+    if bucket_bytes is None:
+        return [idx]
+    out: list[list[int]] = [[]]
+    size = 0
+    for i in idx:
+        n = shards[i].size * shards[i].chunk * outs[i].element_size()
+        if out[-1] and size + n > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
 
 
 def reduce_scatter_layout(shards: list[FlatShard], grads: list[torch.Tensor], scale: float,
