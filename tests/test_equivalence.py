@@ -41,10 +41,18 @@ def split_linears(builder, **_):
             builder.replicate(op)
 
 
-def _global_batch(name: str):
+def _global_batch(name: str, train: bool = False):
+    """The model and its global batch; dropout off (pieces would otherwise draw other masks than the
+    reference): by eval(), or with `train` in training mode with every dropout probability zero."""
     torch.manual_seed(0)
     model, inputs = getattr(models, name)()
-    model.eval()  # dropout off: pieces would otherwise draw different masks than the reference
+    if train:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        model.train()
+    else:
+        model.eval()
     return model, inputs
 
 
@@ -92,20 +100,21 @@ def _global_loss(loss: torch.Tensor, plan, world: int) -> torch.Tensor:
     return loss
 
 
-def run_case(rank: int, world: int, name: str, strategy, options: dict, steps: int = 3):
+def run_case(rank: int, world: int, name: str, strategy, options: dict, steps: int = 3, train: bool = False):
     """Two trainings from the same start, each against a single-process reference:
 
     SGD, checked exactly (losses, every gradient and every parameter after every step, fp32
     relative 1e-5), driving the module three ways: `train_step`, DDP-style `forward` +
     `loss.backward()`, and two batches accumulated under `no_sync()`; then AdamW for `steps` steps.
+    `train`: the models in training mode (dropout probabilities zero) instead of eval().
     """
     import nnscaler_plugins as nns
     from nnscaler_plugins.outputs import extract_loss
 
     if strategy == "custom_mlp":
         strategy = split_linears
-    ref_model, inputs = _global_batch(name)
-    model, _ = _global_batch(name)
+    ref_model, inputs = _global_batch(name, train)
+    model, _ = _global_batch(name, train)
     initial = {k: v.clone() for k, v in ref_model.state_dict().items()}
     plan = nns.plan(model, strategy=strategy, world_size=world, example_inputs=_slice_batch(inputs, 0, _dp(strategy, world, options)), **options)
     dp = plan.dp

@@ -459,7 +459,7 @@ def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: O
     lines = notes.lines(s, ind) if s.kind in ("op", "reshard", "grad_sum") else []
     if s.kind == "op" and s.op is not None:
         outs = [o if o is not None else "_" for o in s.out]
-        lhs = (", ".join(outs) + ("," if len(outs) == 1 else "")) if s.op.multi_output else outs[0]
+        lhs = (", ".join(outs) + ("," if len(outs) == 1 else "")) if s.op.multi_output or s.tuple_out else outs[0]
         target, args, kwargs = (s.target, s.args, s.kwargs) if piece is None else s.coshard.pieces[piece]
         args, kwargs = _readable_call(target, tuple(args), dict(kwargs))
         arg_text = ", ".join(em.value(a) for a in args)
@@ -469,6 +469,8 @@ def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: O
             kws.append(f"group=_comm.kernel({s.group_kwarg})")
             if em.program is not None and s.group_kwarg in em.program.replica_kernels:
                 note = "  # communicates over this device's data-parallel replicas"
+            elif em.program is not None and s.fused_reshards is not None and s.comment:  # collectives fused with matmuls
+                note = f"  # {s.comment}"
             elif em.program is not None:
                 note = f"  # communicates over {_devices(_own_group(em.program.kernel_groups[s.group_kwarg], em.device))}"
         call = f"{em.callable_name(target)}({', '.join([a for a in [arg_text] if a] + kws)})"

@@ -19,10 +19,18 @@ No row is dropped unless `capacity_factor` is given: then each device sends at m
 `ceil(capacity_factor * rows / experts)` rows to each expert (its rows in token order) and the
 others contribute zero, as Megatron's capacity does. That changes the numbers against the
 model run in one process; it is opt-in for that reason.
+
+Where the model has compute that needs neither the experts' inputs nor their output (a shared
+expert), the lowering runs the layer in three calls with that compute between them
+(lower/expert_overlap.py): `expert_dispatch_start` (counts, then the dispatch started),
+`expert_dispatch_compute` (the dispatch waited for, the experts run, the combine started) and
+`expert_dispatch_finish` (the combine waited for and summed per token), so each all-to-all is in
+flight beside the shared expert's matmuls. `expert_all_to_all` is the three in a row.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -33,13 +41,20 @@ from nnscaler_plugins.kernels.experts_module import run_experts
 
 
 class _AllToAllRows(Function):
-    """Rows sent in `send` sized chunks to the group's ranks, `recv` sized chunks received."""
+    """Rows sent in `send` sized chunks to the group's ranks, `recv` sized chunks received. With a
+    `pending` list the forward only starts the exchange and appends its work there: whoever reads
+    the result waits for it first (backward waits at once)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list, recv: list, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, send: list, recv: list, group: Any, pending: Optional[list] = None
+                ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        sent = x.contiguous()
+        work = dist.all_to_all_single(out, sent, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                      async_op=pending is not None)
+        if pending is not None:
+            pending.append((work, sent))
         return out
 
     @staticmethod
@@ -47,12 +62,14 @@ class _AllToAllRows(Function):
         out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
                                group=ctx.group)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, send: list, recv: list, group: Any) -> torch.Tensor:
-    """Autograd-aware uneven all-to-all of rows (the dispatch and the combine)."""
-    return _AllToAllRows.apply(x, send, recv, group)
+def all_to_all_rows(x: torch.Tensor, send: list, recv: list, group: Any, pending: Optional[list] = None
+                    ) -> torch.Tensor:
+    """Autograd-aware uneven all-to-all of rows (the dispatch and the combine); with `pending`, only
+    started (its work appended there, to be waited for before the result is read)."""
+    return _AllToAllRows.apply(x, send, recv, group, pending)
 
 
 def exchange_counts(counts: torch.Tensor, piece: int, group: Any) -> torch.Tensor:
@@ -74,18 +91,40 @@ def within_capacity(sorted_ids: torch.Tensor, capacity: int) -> torch.Tensor:
     return index - run_start < capacity
 
 
-def expert_all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *params: torch.Tensor,
-                      key: str, names: tuple, first_expert: int, num_experts: int,
-                      capacity_factor: Optional[float] = None, group: Any = None) -> torch.Tensor:
-    """This device's share of an experts layer: its tokens `x` (T, H) routed by `ids`/`weights`
-    (T, K) over `num_experts` experts, of which it holds `params` (experts
-    [first_expert, first_expert + E_local)). Returns (T, H) like the whole layer."""
+@dataclass
+class ExpertExchange:
+    """One experts layer between its three calls: the rows in flight and what puts them back."""
+
+    t: int
+    k: int
+    dtype: torch.dtype
+    weights: torch.Tensor
+    order: Optional[torch.Tensor] = None
+    keep: Optional[torch.Tensor] = None
+    send: Optional[list] = None
+    recv: Optional[list] = None
+    group: Any = None
+    rows: Optional[torch.Tensor] = None  # the dispatched rows (arrived once `pending` is done), then the combined
+    pending: Optional[list] = None
+    run: Optional[tuple] = None  # (key, names, local ids, params) of the local experts
+    done: Optional[torch.Tensor] = None  # the layer's output when one device holds every expert
+
+    def wait(self) -> None:
+        for work, _ in self.pending or ():
+            work.wait()
+        self.pending = []
+
+
+def expert_dispatch_start(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *params: torch.Tensor,
+                          key: str, names: tuple, first_expert: int, num_experts: int,
+                          capacity_factor: Optional[float] = None, group: Any = None) -> ExpertExchange:
+    """The counts exchanged and the dispatch all-to-all started (see `expert_all_to_all`)."""
     t, k = ids.shape
     local = params[0].shape[0]
     flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
     if group is None:  # one device holds every expert
-        return run_experts(key, tuple(names), x, ids, weights, params)
+        return ExpertExchange(t, k, x.dtype, weights, done=run_experts(key, tuple(names), x, ids, weights, params))
+    counts = torch.bincount(flat, minlength=num_experts)
     capacity = None if capacity_factor is None else math.ceil(capacity_factor * flat.numel() / num_experts)
     sent_counts = counts if capacity is None else counts.clamp(max=capacity)
     table = exchange_counts(sent_counts, first_expert // local, group)  # step 1: counts (and who holds what)
@@ -101,14 +140,46 @@ def expert_all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     send = [int(per_rank[int(p)]) for p in table[:, 0].tolist()]
     mine = table[:, 1 + first_expert:1 + first_expert + local]  # (ranks, local experts) rows coming to me
     recv = [int(c) for c in mine.sum(1).tolist()]
-    rows = x[order // k]
-    arrived = all_to_all_rows(rows, send, recv, group)  # step 2: dispatch
+    pending: list = []
+    arrived = all_to_all_rows(x[order // k], send, recv, group, pending)  # step 2: dispatch, started
     local_ids = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(mine.shape[0]), mine.reshape(-1))
-    ones = torch.ones((arrived.shape[0], 1), dtype=weights.dtype, device=x.device)
-    y = run_experts(key, tuple(names), arrived, local_ids.unsqueeze(1), ones, params)
-    back = all_to_all_rows(y, recv, send, group)  # step 3: combine
-    if keep is None:
-        out_rows = back[torch.argsort(order)]
+    return ExpertExchange(t, k, x.dtype, weights, order, keep, send, recv, group, arrived, pending,
+                          (key, tuple(names), local_ids, params))
+
+
+def expert_dispatch_compute(ex: ExpertExchange) -> ExpertExchange:
+    """The dispatched rows waited for, the local experts run on them, the combine all-to-all started."""
+    if ex.done is not None:
+        return ex
+    ex.wait()
+    key, names, local_ids, params = ex.run
+    arrived = ex.rows
+    ones = torch.ones((arrived.shape[0], 1), dtype=ex.weights.dtype, device=arrived.device)
+    y = run_experts(key, names, arrived, local_ids.unsqueeze(1), ones, params)
+    ex.run = None
+    ex.rows = all_to_all_rows(y, ex.recv, ex.send, ex.group, ex.pending)  # step 3: combine, started
+    return ex
+
+
+def expert_dispatch_finish(ex: ExpertExchange) -> torch.Tensor:
+    """The combined rows waited for and summed per token with the router weights."""
+    if ex.done is not None:
+        return ex.done
+    ex.wait()
+    back = ex.rows
+    if ex.keep is None:
+        out_rows = back[torch.argsort(ex.order)]
     else:
-        out_rows = back.new_zeros((t * k,) + tuple(back.shape[1:])).index_add(0, order, back)
-    return (out_rows.view(t, k, -1) * weights.unsqueeze(-1).to(out_rows.dtype)).sum(1).to(x.dtype)
+        out_rows = back.new_zeros((ex.t * ex.k,) + tuple(back.shape[1:])).index_add(0, ex.order, back)
+    return (out_rows.view(ex.t, ex.k, -1) * ex.weights.unsqueeze(-1).to(out_rows.dtype)).sum(1).to(ex.dtype)
+
+
+def expert_all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *params: torch.Tensor,
+                      key: str, names: tuple, first_expert: int, num_experts: int,
+                      capacity_factor: Optional[float] = None, group: Any = None) -> torch.Tensor:
+    """This device's share of an experts layer: its tokens `x` (T, H) routed by `ids`/`weights`
+    (T, K) over `num_experts` experts, of which it holds `params` (experts
+    [first_expert, first_expert + E_local)). Returns (T, H) like the whole layer."""
+    ex = expert_dispatch_start(x, ids, weights, *params, key=key, names=names, first_expert=first_expert,
+                               num_experts=num_experts, capacity_factor=capacity_factor, group=group)
+    return expert_dispatch_finish(expert_dispatch_compute(ex))

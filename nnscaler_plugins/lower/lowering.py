@@ -26,6 +26,7 @@ from nnscaler_plugins.lower.placement import (
     tensor_digits,
     tensor_layout,
 )
+from nnscaler_plugins.lower import expert_overlap, tp_overlap
 from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
@@ -86,6 +87,11 @@ class Stmt:
     output_of: Optional[int] = None  # index of the model output this statement only serves
     coshard: Optional[CoShardCall] = None
     recompute: Optional[int] = None  # the recompute group of the op this statement serves
+    # a kernel call standing for collectives the lowering found next to matmuls (lower/tp_overlap.py):
+    # the reshards it runs in forward (by key, for counting; None: not such a call), and whether it
+    # returns its outputs as a tuple
+    fused_reshards: Optional[tuple[int, ...]] = None
+    tuple_out: bool = False
 
 
 @dataclass
@@ -212,6 +218,9 @@ class Program:
             for s in sp.stmts:
                 if s.kind == "reshard":
                     c.update(self.reshards[s.key].count())
+                elif s.fused_reshards is not None:  # collectives run by a kernel next to the matmuls they overlap
+                    for key in s.fused_reshards:
+                        c.update(self.reshards[key].count())
                 elif s.kind == "op" and s.group_kwarg is not None:
                     c["kernel:" + getattr(s.target, "__name__", str(s.target))] += 1
         return c
@@ -300,7 +309,8 @@ class _Lowering:
        local call (co-sharded pieces where the plan co-shards it).
     5. `mark_recompute`: statements serving an op of a recompute group join that group.
     6. `emit_stage_outputs`: what leaves each stage, made whole (boundary values, model outputs).
-    7. `assemble`: the per-rank, per-stage programs.
+    7. `overlap_tp_collectives`: collectives next to tensor-parallel matmuls fused with them.
+    8. `assemble`: the per-rank, per-stage programs.
     """
 
     def __init__(self, graph: Graph, plan: Plan):
@@ -329,6 +339,7 @@ class _Lowering:
         self.emit_ops()
         self.mark_recompute()
         self.emit_stage_outputs()
+        self.overlap_tp_collectives()
         return self.assemble()
 
     # -- 1. stages and pipeline boundaries ----------------------------------------------------------
@@ -552,7 +563,37 @@ class _Lowering:
                                                      Layout.replicated(graph.meta(o).shape, g), f"model output {o}",
                                                      output_of=oi)
 
-    # -- 7. per-rank programs --------------------------------------------------------------------------
+    # -- 7. tensor-parallel collectives fused with their matmuls ----------------------------------------
+    def overlap_tp_collectives(self) -> None:
+        """Collectives next to tensor-parallel matmuls become kernels that pipeline them
+        (lower/tp_overlap.py), and experts layers run around independent compute
+        (lower/expert_overlap.py), unless the plan says tp_comm_overlap=False."""
+        returned = {v for v in self.sent_vars.values()} | {v for v in self.out_vars.values() if v is not None}
+
+        def tables(k: int, stmts: list[Stmt]) -> tp_overlap.Tables:
+            return tp_overlap.Tables(self.reshards, self.grad_groups, self.kernel_groups,
+                                     self.local_shapes(k, stmts).get, self.plan.knobs.tp_comm_overlap)
+
+        self.stmts = tp_overlap.fuse_program(self.stmts, returned, tables)
+        self.stmts = expert_overlap.overlap_experts(self.stmts, self.plan.knobs.tp_comm_overlap is not False)
+
+    def local_shapes(self, k: int, stmts: list[Stmt]) -> dict[str, tuple[int, ...]]:
+        """Each value's shape on one device of stage k (what its statements make, and what enters it)."""
+        out = {name: tuple(lay.local_shape()) for name, lay in self.produced[k].items()
+               if name in self.graph.values and self.graph.values[name].kind != "op"}
+        for st in stmts:
+            if st.kind == "reshard":
+                out[st.out[0]] = tuple(self.reshards[st.key].dst.local_shape())
+            elif st.kind == "grad_sum" and st.src in out:
+                out[st.out[0]] = out[st.src]
+            elif st.kind == "op" and st.op is not None and st.op.name in self.op_info:
+                lays = self.op_info[st.op.name][1].outputs
+                for j, o in enumerate(st.out):
+                    if o and j < len(lays) and lays[j] is not None and o == st.op.outputs[j]:
+                        out[o] = tuple(lays[j].local_shape())
+        return out
+
+    # -- 8. per-rank programs --------------------------------------------------------------------------
     def stage_inputs(self) -> list[list[str]]:
         """Per stage: the graph inputs it reads (every input without a pipeline), then the boundary
         values it receives."""
