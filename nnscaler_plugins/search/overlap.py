@@ -8,10 +8,13 @@ preset assumes):
   next to them (Megatron-Core's tp-comm-overlap, PyTorch's async TP). A ring over t devices cannot
   start computing before its first chunk arrives, so 1/t of the communication stays exposed; the rest
   hides behind the stage's compute of the same pass, up to that compute's length, and slows it by
-  the overlap factor kappa. THIS RUNTIME DOES NOT DO IT: its generated code runs tensor-parallel
-  collectives synchronously (over gloo they share the CPU cores with compute; on NCCL the chunked
-  kernels are not written). A plan with it on is priced as the stacks that do, and `simulate` says so in
-  `Estimate.details["not_run_as_priced"]`.
+  the overlap factor kappa. The runtime does it (`lower/tp_overlap.py` fuses each all-gather,
+  all-reduce or reduce-scatter next to a matmul with it into `kernels/tp_matmul.py`, which runs the
+  collective asynchronously in chunks, one in flight while the matmul computes another, and in
+  backward reduces the input gradient beside the weight gradients; the experts' all-to-alls run
+  beside a shared expert, `kernels/expert_dispatch.py`). Unset, it chunks where collectives have a
+  stream of their own (NCCL) and runs each collective whole on gloo, whose collectives take the
+  compute cores (as the CPU cluster prices it); False keeps the collectives as separate statements.
 - ``overlap_grad_reduce``: gradients reduced (or reduce-scattered) in buckets as the last backward
   produces them (DDP, Megatron's overlap-grad-reduce, FSDP). The runtime does this
   (`runtime/grad_reducer.py`: async bucketed all-reduce / reduce-scatter from backward hooks, waited
@@ -21,9 +24,10 @@ preset assumes):
 - ``overlap_param_gather``: ZeRO's weight all-gathers hidden under compute: ZeRO-3 gathers the next
   weights while the current ones compute (prefetch); ZeRO-1/2 gather the updated weights during the
   next step's first forward (Megatron's overlap-param-gather) instead of after the optimizer step.
-  The runtime does it for ZeRO-3 (`runtime/zero.py` launches the next weight's all-gather
-  asynchronously while the current one computes, forward and backward) but gathers ZeRO-1/2 weights
-  right after the optimizer step, so for ZeRO-1/2 plans it runs as "off" (and `simulate` says so).
+  The runtime does both (`runtime/zero.py`: ZeRO-3 launches the next weight's all-gather
+  asynchronously while the current one computes, forward and backward; ZeRO-1/2's optimizer step
+  leaves one all-gather per bucket in flight, `PendingGather`, and the next forward waits for each
+  bucket right before its first use of one of its weights). False: ZeRO-1/2 wait in the step.
 - ``overlap_p2p``: pipeline sends and receives asynchronous, beside compute (the runtime's pipeline
   executor posts them with batch_isend_irecv and waits only when the data is needed). Off: the sender
   also waits for each transfer. The runtime always sends asynchronously (a blocking send before its
@@ -36,8 +40,8 @@ from typing import Any, Mapping, Optional
 
 OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p")
 # What this repository's runtime does with each switch (for messages and `Estimate.details`).
-RUNTIME_DOES = {"tp_comm_overlap": False, "overlap_grad_reduce": True, "overlap_param_gather": True,
-                "overlap_p2p": True}  # overlap_grad_reduce both ways; overlap_p2p only "on"
+RUNTIME_DOES = {"tp_comm_overlap": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+                "overlap_p2p": True}  # each both ways, but overlap_p2p only "on"
 
 
 @dataclass(frozen=True)
@@ -84,14 +88,16 @@ class Overlap:
 
 def not_run_as_priced(options: Mapping[str, Any], cluster, zero: int = 0, tp: bool = True) -> list[str]:
     """The switches a plan is priced with that this runtime does not do (empty when it runs as priced):
-    tensor-parallel overlap when the plan has tensor-parallel communication (`tp`), the ZeRO-1/2 weight
-    all-gather under the next forward."""
+    tensor-parallel overlap when the plan has tensor-parallel communication (`tp`), ZeRO's weight
+    all-gather under compute at stages 1-3, blocking pipeline sends."""
     o = Overlap.of(options, cluster)
     out = []
     if o.tp_comm and tp and not RUNTIME_DOES["tp_comm_overlap"]:
         out.append("tp_comm_overlap")
-    if o.param_gather and zero in (1, 2):
+    if o.param_gather and zero in (1, 2, 3) and not RUNTIME_DOES["overlap_param_gather"]:
         out.append("overlap_param_gather")
+    if o.grad_reduce and not RUNTIME_DOES["overlap_grad_reduce"]:
+        out.append("overlap_grad_reduce")
     if not o.p2p and o.kappa is not None:
         out.append("overlap_p2p=False")
     return out
