@@ -25,7 +25,10 @@ expert), the lowering runs the layer in three calls with that compute between th
 (lower/expert_overlap.py): `expert_dispatch_start` (counts, then the dispatch started),
 `expert_dispatch_compute` (the dispatch waited for, the experts run, the combine started) and
 `expert_dispatch_finish` (the combine waited for and summed per token), so each all-to-all is in
-flight beside the shared expert's matmuls. `expert_all_to_all` is the three in a row.
+flight beside the shared expert's matmuls. In backward, each all-to-all's reverse exchange starts
+as soon as its gradient is whole (`early_backward`), so it is in flight while autograd runs the
+shared expert's nodes, which were made after the exchange started and so come first.
+`expert_all_to_all` is the three in a row.
 """
 from __future__ import annotations
 
@@ -40,15 +43,25 @@ from torch.autograd import Function
 from nnscaler_plugins.kernels.experts_module import run_experts
 
 
+class _Early:
+    """The reverse exchange of one all-to-all, started in backward before its node runs."""
+
+    __slots__ = ("work", "out", "sent")
+
+    def __init__(self) -> None:
+        self.work = self.out = self.sent = None
+
+
 class _AllToAllRows(Function):
     """Rows sent in `send` sized chunks to the group's ranks, `recv` sized chunks received. With a
     `pending` list the forward only starts the exchange and appends its work there: whoever reads
-    the result waits for it first (backward waits at once)."""
+    the result waits for it first. Backward runs the exchange reversed, or waits for it where
+    `early_backward` started it already."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list, recv: list, group: Any, pending: Optional[list] = None
-                ) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx: Any, x: torch.Tensor, send: list, recv: list, group: Any, pending: Optional[list] = None,
+                early: Optional[_Early] = None) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.early = send, recv, group, early
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         sent = x.contiguous()
         work = dist.all_to_all_single(out, sent, output_split_sizes=recv, input_split_sizes=send, group=group,
@@ -59,17 +72,51 @@ class _AllToAllRows(Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
-        return out, None, None, None, None
+        early = ctx.early
+        if early is not None and early.work is not None:
+            early.work.wait()
+            out, early.work, early.out, early.sent = early.out, None, None, None
+            return out, None, None, None, None, None
+        return _reverse(grad, ctx.send, ctx.recv, ctx.group, False)[0], None, None, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, send: list, recv: list, group: Any, pending: Optional[list] = None
-                    ) -> torch.Tensor:
+def _reverse(grad: torch.Tensor, send: list, recv: list, group: Any, async_op: bool) -> tuple:
+    out = grad.new_empty((sum(send),) + tuple(grad.shape[1:]))
+    sent = grad.contiguous()
+    work = dist.all_to_all_single(out, sent, output_split_sizes=send, input_split_sizes=recv, group=group,
+                                  async_op=async_op)
+    return out, work, sent
+
+
+class _StartEarly(Function):
+    """Identity forward; backward starts the reverse exchange of the all-to-all that made `x` (which
+    then only waits for it), so it is in flight while autograd runs the nodes made between the two
+    (the shared expert's, placed there by the lowering)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list, recv: list, group: Any, early: _Early) -> torch.Tensor:
+        ctx.args = (send, recv, group, early)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        send, recv, group, early = ctx.args
+        early.out, early.work, early.sent = _reverse(grad, send, recv, group, True)
+        return grad, None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, send: list, recv: list, group: Any, pending: Optional[list] = None,
+                    early: Optional[_Early] = None) -> torch.Tensor:
     """Autograd-aware uneven all-to-all of rows (the dispatch and the combine); with `pending`, only
-    started (its work appended there, to be waited for before the result is read)."""
-    return _AllToAllRows.apply(x, send, recv, group, pending)
+    started (its work appended there, to be waited for before the result is read); with `early`,
+    its backward waits for the reverse exchange `early_backward` started."""
+    return _AllToAllRows.apply(x, send, recv, group, pending, early)
+
+
+def early_backward(x: torch.Tensor, send: list, recv: list, group: Any, early: _Early) -> torch.Tensor:
+    """`x` (an all-to-all's result) for its readers, its gradient's reverse exchange started as soon
+    as backward has it."""
+    return _StartEarly.apply(x, send, recv, group, early)
 
 
 def exchange_counts(counts: torch.Tensor, piece: int, group: Any) -> torch.Tensor:
@@ -108,6 +155,7 @@ class ExpertExchange:
     pending: Optional[list] = None
     run: Optional[tuple] = None  # (key, names, local ids, params) of the local experts
     done: Optional[torch.Tensor] = None  # the layer's output when one device holds every expert
+    early: Optional[_Early] = None  # the backward exchange of the all-to-all in flight now
 
     def wait(self) -> None:
         for work, _ in self.pending or ():
@@ -141,10 +189,11 @@ def expert_dispatch_start(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     mine = table[:, 1 + first_expert:1 + first_expert + local]  # (ranks, local experts) rows coming to me
     recv = [int(c) for c in mine.sum(1).tolist()]
     pending: list = []
-    arrived = all_to_all_rows(x[order // k], send, recv, group, pending)  # step 2: dispatch, started
+    early = _Early()
+    arrived = all_to_all_rows(x[order // k], send, recv, group, pending, early)  # step 2: dispatch, started
     local_ids = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(mine.shape[0]), mine.reshape(-1))
     return ExpertExchange(t, k, x.dtype, weights, order, keep, send, recv, group, arrived, pending,
-                          (key, tuple(names), local_ids, params))
+                          (key, tuple(names), local_ids, params), early=early)
 
 
 def expert_dispatch_compute(ex: ExpertExchange) -> ExpertExchange:
@@ -153,11 +202,14 @@ def expert_dispatch_compute(ex: ExpertExchange) -> ExpertExchange:
         return ex
     ex.wait()
     key, names, local_ids, params = ex.run
-    arrived = ex.rows
+    # backward: the dispatch's reverse exchange starts once the experts' backward is done, beside
+    # the nodes made since the dispatch started
+    arrived = early_backward(ex.rows, ex.send, ex.recv, ex.group, ex.early)
     ones = torch.ones((arrived.shape[0], 1), dtype=ex.weights.dtype, device=arrived.device)
     y = run_experts(key, names, arrived, local_ids.unsqueeze(1), ones, params)
     ex.run = None
-    ex.rows = all_to_all_rows(y, ex.recv, ex.send, ex.group, ex.pending)  # step 3: combine, started
+    ex.early = _Early()
+    ex.rows = all_to_all_rows(y, ex.recv, ex.send, ex.group, ex.pending, ex.early)  # step 3: combine, started
     return ex
 
 
@@ -166,7 +218,7 @@ def expert_dispatch_finish(ex: ExpertExchange) -> torch.Tensor:
     if ex.done is not None:
         return ex.done
     ex.wait()
-    back = ex.rows
+    back = early_backward(ex.rows, ex.recv, ex.send, ex.group, ex.early)  # the combine's reverse, started early
     if ex.keep is None:
         out_rows = back[torch.argsort(ex.order)]
     else:
