@@ -70,6 +70,8 @@ class ParallelModule(torch.nn.Module):
         self.graph: "Graph" = program.graph
         self.artifact = artifact
         self.rank = rank
+        # this rank on the plan's mesh ({"dp": 1, "pp": 0, "tp": 1}); the replicas are its outer axes
+        self.coordinate = plan.mesh.coordinate(rank)
         self.unit_device = rank % plan.unit_size
         self.dp_rank = rank // plan.unit_size
         self.dp_size = plan.dp
