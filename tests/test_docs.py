@@ -7,9 +7,10 @@
   `torch.manual_seed(0)` set before the first. On a page:
     `<!-- docs-test: skip (why) -->` right before a block skips that block; the reason is required
         (a block that needs several processes, a GPU, a framework's trainer or a model hub).
-    `<!-- docs-test: setup tiny_model -->` anywhere on the page runs docs/snippets/tiny_model.py
-        first: the page's `model`, `batch` and `graph` are the tiny model of the Getting started page
-        (run once per test session; each page gets its own copy of the model).
+    `<!-- docs-test: setup tiny_lm tiny_model -->` anywhere on the page runs docs/snippets/tiny_lm.py
+        then docs/snippets/tiny_model.py first, in one namespace: the page's `TinyLM`, `model`,
+        `batch` and `graph` are the tiny model of the Getting started page (run once per test
+        session; each page gets its own copy of the model).
   A line `--8<-- "path"` inside a block (pymdownx.snippets) is replaced by that file, as the site does.
 - docs/images/layers.svg is what docs/images/layers.py draws from the import contract of
   tests/test_layers.py (`LAYERS`), so the picture in CONTRIBUTING.md and on the site stays true.
@@ -36,7 +37,7 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[^\s`]*)[^\n]*\n(?P<body>.*?
                    re.MULTILINE | re.DOTALL)
 MARKER = re.compile(r"<!--\s*docs-test:(?P<what>.*?)-->", re.DOTALL)
 SKIP = re.compile(r"^\s*skip\s*\((?P<why>[^)]*\S[^)]*)\)\s*$")
-SETUP = re.compile(r"^\s*setup\s+(?P<name>[\w-]+)\s*$")
+SETUP = re.compile(r"^\s*setup((?:\s+[\w-]+)+)\s*$")
 SNIPPET = re.compile(r"^[ \t]*--8<--[ \t]*\"(?P<path>[^\"]+)\"[ \t]*$", re.MULTILINE)
 
 
@@ -78,7 +79,7 @@ def read_page(rel: str, text: Optional[str] = None) -> Page:
             if SKIP.match(what):
                 pending_skip = SKIP.match(what).group("why").strip()
             elif SETUP.match(what):
-                setups.append(SETUP.match(what).group("name"))
+                setups.extend(SETUP.match(what).group(1).split())
             else:
                 problems.append(f"{rel}:{line}: docs-test marker {what.strip()!r} is neither "
                                 "'skip (why)' (a reason is required) nor 'setup NAME'")
@@ -105,21 +106,23 @@ def read_page(rel: str, text: Optional[str] = None) -> Page:
     return Page(rel, blocks, setups)
 
 
-_SETUPS: dict[str, dict] = {}
+_SETUPS: dict[tuple[str, ...], dict] = {}
 
 
-def setup_namespace(name: str) -> dict:
-    """The names docs/snippets/NAME.py defines, run once; each call gets copies of its modules."""
-    if name not in _SETUPS:
-        path = os.path.join(DOCS, "snippets", f"{name}.py")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"docs-test setup {name!r}: no file docs/snippets/{name}.py")
-        ns: dict = {"__name__": f"docs_setup_{name}"}
-        exec(compile(open(path).read(), path, "exec"), ns)
-        _SETUPS[name] = ns
+def setup_namespace(names: tuple[str, ...]) -> dict:
+    """The names docs/snippets/NAME.py files define, run in order in one namespace, once per session;
+    each call gets its own copies of the modules among them."""
+    if names not in _SETUPS:
+        ns: dict = {"__name__": "docs_setup"}
+        for name in names:
+            path = os.path.join(DOCS, "snippets", f"{name}.py")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"docs-test setup {name!r}: no file docs/snippets/{name}.py")
+            exec(compile(open(path).read(), path, "exec"), ns)
+        _SETUPS[names] = ns
     import torch
 
-    return {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in _SETUPS[name].items()}
+    return {k: copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v for k, v in _SETUPS[names].items()}
 
 
 def run_page(page: Page, workdir: str) -> list[str]:
@@ -131,8 +134,8 @@ def run_page(page: Page, workdir: str) -> list[str]:
     here = os.getcwd()
     os.chdir(workdir)
     try:
-        for name in page.setups:
-            ns.update(setup_namespace(name))
+        if page.setups:
+            ns.update(setup_namespace(tuple(page.setups)))
         torch.manual_seed(0)
         for block in page.blocks:
             if block.skip is not None:
