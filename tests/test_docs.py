@@ -129,9 +129,11 @@ def run_page(page: Page, workdir: str) -> list[str]:
     """Runs the page's blocks; returns the skipped blocks' lines and reasons."""
     import torch
 
+    import torch.distributed as dist
+
     ns: dict = {"__name__": "__docs__"}
     skipped = []
-    here = os.getcwd()
+    here, environ, had_group = os.getcwd(), dict(os.environ), dist.is_initialized()
     os.chdir(workdir)
     try:
         if page.setups:
@@ -152,6 +154,11 @@ def run_page(page: Page, workdir: str) -> list[str]:
                 raise AssertionError(f"the python block at {where} failed: {type(e).__name__}: {e}") from e
     finally:
         os.chdir(here)
+        # a page that started a one-process group (the DeepSpeed drop-in does) leaves none behind
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
     return skipped
 
 
