@@ -29,6 +29,7 @@ from nnscaler_plugins.lower.placement import (
 from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
+from nnscaler_plugins.kernels.batch_norm_statistics import KERNELS as BATCH_NORM_KERNELS
 from nnscaler_plugins.kernels.replica_statistics import across_replicas
 from nnscaler_plugins.rules.signature import KernelChoices
 from nnscaler_plugins.rules import (
@@ -508,11 +509,18 @@ class _Lowering:
         found = stats.get(op.name) if self.plan.knobs.batch_statistics == "global" and self.plan.dp > 1 else None
         if found is None or op.outputs[0] is None:
             return
-        how, carrier = found  # "sum" | "mean", the input holding the batch's elements
+        how, carrier = found  # "sum" | "mean" | "batch_norm", the input holding the batch's elements
         lays = self.op_info[op.name][1]
         gkw = len(self.kernel_groups)
         self.kernel_groups.append(tuple((d,) for d in lays.devices))
         self.replica_kernels.append(gkw)
+        if how == "batch_norm":  # the op itself takes the whole batch's statistics (SyncBatchNorm's kernel)
+            k = self.stage_of[op.name]
+            for dev in lays.devices:
+                st = next(s for s in reversed(self.stmts[(dev, k)]) if s.kind == "op" and s.op is op)
+                st.target, st.group_kwarg = BATCH_NORM_KERNELS[op.op_name], gkw
+                st.comment = "batch norm over the whole batch of every data-parallel replica"
+            return
         out = op.outputs[0]
         dims = op.args[1] if op.op_name.endswith((".dim", ".dim_IntList")) and len(op.args) > 1 else ()
         dims = tuple([dims] if isinstance(dims, int) else dims or ())
