@@ -301,8 +301,13 @@ class Search:
         else:
             batch = "the batch dim reaches no op that may split it"
         bound = [c.describe() for c in self.constraints if type(c).allows_op is not Constraint.allows_op]
-        why = batch + (f"; the constraints {', '.join(bound)} keep ops whole" if bound else
-                       f", and no op's other dims split {g} ways")
+        if bound:
+            rest = f"; the constraints {', '.join(bound)} keep ops whole"
+        elif cand.intra.tp > 1 or cand.intra.cp > 1:
+            rest = ", and the ops whose other dims split (tensor or context parallelism) are not most of the work"
+        else:
+            rest = f", and no op's other dims split {g} ways"
+        why = batch + rest
         return (f"every plan for groups of {g} devices computes {cand.intra.duplicated:.0%} of the work again on "
                 f"several devices: {why}. Give the step a batch divisible by {g}, or run on fewer devices")
 
