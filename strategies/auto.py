@@ -20,9 +20,18 @@ across; recomputation only pays where memory binds, and passing `RecomputeModes(
 search use it (the runtime runs the plan's recompute groups under checkpoint). With a single micro-batch a pipeline's stages run one after
 another (and its plan cannot run DDP-style `forward`), so pipelines are only considered then when no
 plan without one fits in memory.
+
+The plan parallelizes: where the cost model prices "every device runs every op" fastest (slow
+collectives next to small ops, as on a CPU), that plan would use the world like one device, so the
+search keeps only plans whose devices divide the work (`search/replication.py`); data parallelism
+is always among them when the batch divides over the devices. Only when no plan divides the work
+(a batch that does not split, constraints that keep ops whole) is a copying plan returned, with a
+warning and `options["why_copies"]` saying why, and a label that says every op is copied. When
+nothing fits in memory the search's error names the memory limit and what data parallelism needs.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Sequence
 
 from nnscaler_plugins.errors import PlanError
@@ -73,6 +82,9 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
     else:
         plans = run([])
     adopt(builder, plans.best)  # its splits, pipeline, mesh and knobs (the cluster it was found for among them)
+    why = plans.best.options.get("why_copies")
+    if why:  # the search found nothing that divides the work: said where the plan is made, and in its options
+        warnings.warn(f"strategy 'auto': {why}", stacklevel=2)
 
 
 # Read by the entry points before capture (capture/experts.py: wants_experts_as_one_op): a

@@ -24,6 +24,7 @@ from nnscaler_plugins.batches import normalize_inputs, split_batch
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
+from nnscaler_plugins.kernels.piece_rng import agree_seed
 from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.outputs import extract_loss
 from nnscaler_plugins.plan.plan import Plan
@@ -81,6 +82,8 @@ class ParallelModule(torch.nn.Module):
         self.groups, self.device_mesh = create_groups(program, world_size,
                                                       "cuda" if self._device.type == "cuda" else "cpu")
         self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
+        if program.draws:  # random ops seeded per piece (kernels/piece_rng.py): one base seed on every rank
+            agree_seed(self._comm, self._device if self._device.type != "meta" else None)
         self.source_path = artifact.source_path
         # Other batch sizes and lengths than the example's: the compile stage's callback makes their programs.
         self.shape_programs = artifact.shapes

@@ -58,6 +58,7 @@ from nnscaler_plugins.search.group_kernels import kind_of
 from nnscaler_plugins.search.intraop import IntraResult, IntraSolver
 from nnscaler_plugins.search.pareto import ParetoSet, frontier
 from nnscaler_plugins.search.progress import Progress
+from nnscaler_plugins.search.replication import PARALLEL
 from nnscaler_plugins.search.segments import Segment
 from nnscaler_plugins.search.simulator import Estimate, replay_plan
 from nnscaler_plugins.search.space import RECOMPUTE, Config, divisors, mesh_of_config, meshes
@@ -246,6 +247,7 @@ class Search:
         self.searched = len(candidates)
         if not candidates:
             raise SearchError(self._no_plan_message())
+        candidates, why_copies = self._parallel(candidates)
         fitting = [c for c in candidates if c.memory <= self.memory_limit * 1.1]
         if not fitting:
             raise SearchError(self._memory_message(candidates))
@@ -270,7 +272,44 @@ class Search:
         validate(plans[order[0]], chosen[order[0]].graph, world_size=self.world)
         seconds = time.monotonic() - t0
         self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
-        return ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
+        result = ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
+        if why_copies is not None:
+            for plan in result.plans:
+                plan.options["why_copies"] = why_copies
+            result.notes.append(why_copies)
+        return result
+
+    def _parallel(self, cands: list[Candidate]) -> tuple[list[Candidate], Optional[str]]:
+        """The candidates whose devices divide the work (at most `replication.PARALLEL` of it done
+        twice), when there are any: a plan that copies the model onto every device of its group is
+        one device's plan on more devices, whatever the cost model says of its speed. Otherwise the
+        ones that duplicate least, with the reason no plan divides the work (None when some do)."""
+        keep = [c for c in cands if c.intra.duplicated <= PARALLEL]
+        if keep:
+            return keep, None
+        least = min(c.intra.duplicated for c in cands)
+        keep = [c for c in cands if c.intra.duplicated <= least + 1e-9]
+        return keep, self._why_copies(keep[0])
+
+    def _why_copies(self, cand: Candidate) -> str:
+        g, graph = cand.cfg.group, cand.graph
+        b = batch_size(graph)
+        if b is None:
+            batch = "the model's inputs have no batch dim to split"
+        elif b % g:
+            batch = f"the batch of {b} rows does not split {g} ways (data parallelism needs a multiple of {g})"
+        else:
+            batch = "the batch dim reaches no op that may split it"
+        bound = [c.describe() for c in self.constraints if type(c).allows_op is not Constraint.allows_op]
+        if bound:
+            rest = f"; the constraints {', '.join(bound)} keep ops whole"
+        elif cand.intra.tp > 1 or cand.intra.cp > 1:
+            rest = ", and the ops whose other dims split (tensor or context parallelism) are not most of the work"
+        else:
+            rest = f", and no op's other dims split {g} ways"
+        why = batch + rest
+        return (f"every plan for groups of {g} devices computes {cand.intra.duplicated:.0%} of the work again on "
+                f"several devices: {why}. Give the step a batch divisible by {g}, or run on fewer devices")
 
     def _cp_for(self, graph: Graph) -> bool:
         """Whether context parallelism is searched on this graph: as asked, else where some
@@ -355,7 +394,7 @@ class Search:
                         cfg = Config(group=g, mesh=intra.mesh, pp=pp, dp=dp, micro_batch_size=b, micro_batches=m,
                                      schedule=schedule, virtual=v, zero=zero, recompute=rec, tp=intra.tp,
                                      sequence_parallel=intra.sequence_parallel, cp=intra.cp,
-                                     cp_comm=intra.cp_comm if intra.cp > 1 else "ring", ep=intra.ep)
+                                     cp_comm=intra.cp_comm if intra.cp > 1 else "ring", ep=intra.ep, batch=intra.batch)
                         if not self._allowed(cfg):
                             continue
                         t, mem = self._price(cm, cfg, intra, bounds, pre, post, layers)
@@ -501,8 +540,12 @@ class Search:
         if estimates:
             lowest = min(lowest, min(e.max_memory_bytes for e in estimates))
         source = "the memory limit" if self.memory_from_user else f"the device memory of {self.cluster.name}"
-        return (f"binding constraint: peak memory per device <= {self.memory_limit / GiB:.2f} GiB ({source}); the "
-                f"smallest peak any plan reaches is {lowest / GiB:.2f} GiB ({smallest.describe()}). Use more "
+        dp = [c for c in cands if c.intra.duplicated <= PARALLEL and c.cfg.tp == 1 and c.cfg.cp == 1 and c.cfg.pp == 1
+              and c.cfg.dp * c.intra.batch == self.world]
+        needs = (f"data parallelism over {self.world} devices needs {min(c.memory for c in dp) / GiB:.2f} GiB per "
+                 "device, and no other plan fits either. ") if dp else ""
+        return (f"binding constraint: peak memory per device <= {self.memory_limit / GiB:.2f} GiB ({source}); "
+                f"{needs}the smallest peak any plan reaches is {lowest / GiB:.2f} GiB ({smallest.describe()}). Use more "
                 "devices, a smaller micro-batch, or allow ZeRO-3 / full recomputation if a constraint excludes them.")
 
 
