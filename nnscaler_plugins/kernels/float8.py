@@ -17,7 +17,6 @@ runtime refuses a plan that needs it on a device without it, unless emulation wa
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
@@ -60,9 +59,14 @@ def check_float8(device: torch.device, emulate: bool) -> None:
                         "float8 products in fp32 from float8 values (the same numbers, without the speed)")
 
 
-@functools.lru_cache(maxsize=None)
+_CONFIGS: dict[tuple[str, bool], tuple[Any, Any]] = {}  # made once per recipe (a plain dict: torch.compile reads it)
+
+
 def _configs(recipe: str, emulate: bool) -> tuple[Any, Any]:
     """torchao's configuration of `recipe` and the matmul configuration `Float8Linear` derives from it."""
+    found = _CONFIGS.get((recipe, emulate))
+    if found is not None:
+        return found
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig
@@ -74,6 +78,7 @@ def _configs(recipe: str, emulate: bool) -> tuple[Any, Any]:
     gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
     mm = LinearMMConfig(*(ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim)
                           for g in gemms))
+    _CONFIGS[(recipe, emulate)] = (config, mm)
     return config, mm
 
 
