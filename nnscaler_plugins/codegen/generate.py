@@ -94,7 +94,7 @@ class _Emitter:
         if program is not None and program.plan.precision == "fp8":
             local = {sh.value: tuple(sh.layout.local_shape()) for sh in program.shards.values()
                      if sh.kind == "param" and device in sh.layout.group}
-            self.float8 = frozenset(float8_linears(program.graph, program.plan, local))
+            self.float8 = frozenset(float8_linears(program.graph, program.plan.knobs, local))
             self.float8_kwargs = {"recipe": program.plan.knobs.fp8_recipe, "emulate": program.plan.knobs.fp8_emulate}
 
     def callable_name(self, fn: Any) -> str:

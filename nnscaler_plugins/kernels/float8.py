@@ -29,7 +29,7 @@ def torchao_missing() -> Optional[str]:
     try:
         from torchao.float8 import Float8LinearConfig  # noqa: F401
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - not installed, or built for another torch
         return (f"precision='fp8' runs torchao's float8 training, which is not importable here ({e}); install it "
                 "with the torch you have: pip install 'nnscaler-plugins[fp8]' -c <(echo torch==<your torch version>)")
     return None

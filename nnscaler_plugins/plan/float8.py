@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from nnscaler_plugins.capture.graph import Graph, OpNode
-from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.knobs import Knobs
 
 FLOAT8_MULTIPLE = 16  # float8 matmuls take dims that are multiples of 16
 
@@ -32,25 +32,22 @@ def is_module_linear(graph: Graph, op: OpNode) -> bool:
     return w is not None and w.kind == "param" and w.fqn == f"{op.module_path}.weight"
 
 
-def chosen(plan: Plan, module_path: str) -> bool:
-    """Whether the plan's knobs let the module at `module_path` run in float8."""
-    k = plan.knobs
-    if any(s in module_path for s in k.fp8_skip):
+def chosen(knobs: Knobs, module_path: str) -> bool:
+    """Whether the knobs let the module at `module_path` run in float8."""
+    if any(s in module_path for s in knobs.fp8_skip):
         return False
-    return not k.fp8_linears or any(fnmatch.fnmatchcase(module_path, p) for p in k.fp8_linears)
+    return not knobs.fp8_linears or any(fnmatch.fnmatchcase(module_path, p) for p in knobs.fp8_linears)
 
 
-def float8_linears(graph: Graph, plan: Plan, local_shape: Optional[dict[str, tuple[int, ...]]] = None) -> list[str]:
-    """Names of the linear ops that run in float8 under `plan` (none unless its precision is fp8).
+def float8_linears(graph: Graph, knobs: Knobs = Knobs(),
+                   local_shape: Optional[dict[str, tuple[int, ...]]] = None) -> list[str]:
+    """Names of the linear ops a `precision="fp8"` plan with these knobs runs in float8.
     `local_shape`: weight value -> the shape of the piece one device multiplies (default: whole)."""
-    if plan.precision != "fp8":
-        return []
     out = []
     for op in graph.ops:
-        if not is_module_linear(graph, op) or not chosen(plan, op.module_path):
+        if not is_module_linear(graph, op) or not chosen(knobs, op.module_path):
             continue
         shape = (local_shape or {}).get(op.inputs[1]) or tuple(graph.meta(op.inputs[1]).shape)
         if len(shape) == 2 and all(d % FLOAT8_MULTIPLE == 0 for d in shape):
             out.append(op.name)
     return out
-
