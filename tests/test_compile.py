@@ -248,3 +248,35 @@ def test_compiled_plans_equal_uncompiled_2(workers2, name, strategy, options, dp
 def test_compiled_plans_equal_uncompiled_4(workers4, name, strategy, options, dp):
     problems = workers4.run(compare_compiled, name, strategy, options, dp)
     assert not any(problems), problems
+
+
+def test_deepspeed_compile_section_and_engine_compile():
+    """The config's compile.deepcompile and engine.compile() run the per-rank program compiled,
+    computing what the uncompiled engine computes; compile arguments it cannot honour are refused."""
+    from nnscaler_plugins.adapters import deepspeed
+
+    def engine(extra: dict):
+        torch.manual_seed(0)
+        model, batch = models.mlp()
+        cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+               "nnscaler": {"plan": "dp", "compile_backend": BACKEND}, **extra}
+        return deepspeed.initialize(model=model, config=cfg, example_inputs=batch)[0], batch
+
+    plain, batch = engine({})
+    from_config, _ = engine({"compile": {"deepcompile": True}})
+    late, _ = engine({})
+    assert not plain.is_compiled and from_config.is_compiled and not late.is_compiled
+    late.compile(backend=BACKEND)
+    assert late.is_compiled and late.module.artifact.compile_backend == BACKEND
+    assert from_config.module.artifact.compile_backend == BACKEND
+    for _ in range(2):
+        losses = []
+        for e in (plain, from_config, late):
+            loss = e(**batch)
+            e.backward(loss)
+            e.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(losses[2], losses[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="not supported here"):
+        late.compile(compile_kwargs={"mode": "max-autotune"})

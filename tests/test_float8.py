@@ -90,6 +90,20 @@ def test_converted_linears_follow_torchao_defaults_and_the_knobs():
     assert _float8_calls(compiled.artifact(0).source()) == 1  # only lm_head is an nn.Linear
 
 
+def test_fp8_knobs_in_plan_files(tmp_path):
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.plan.plan import Plan
+
+    torch.manual_seed(0)
+    model, batch = models.mlp()
+    plan = nns.plan(model, strategy="dp", world_size=1, example_inputs=batch, precision="fp8", fp8_recipe="rowwise",
+                    fp8_skip=["head"], fp8_linears=["fc*"], fp8_emulate=True)
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.precision == "fp8" and loaded.knobs.fp8_recipe == "rowwise" and loaded.knobs.fp8_emulate
+    assert loaded.knobs.fp8_skip == ("head",) and loaded.knobs.fp8_linears == ("fc*",)
+
+
 def test_device_without_float8_matmuls_is_refused_by_name():
     import nnscaler_plugins as nns
     from nnscaler_plugins.errors import PlanError
