@@ -280,3 +280,24 @@ def test_deepspeed_compile_section_and_engine_compile():
         torch.testing.assert_close(losses[2], losses[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="not supported here"):
         late.compile(compile_kwargs={"mode": "max-autotune"})
+
+
+def test_lightning_strategy_and_hf_arguments_pass_compile_through(tmp_path):
+    """Both adapters hand plan options to their Session: compile=True becomes the plan's knob."""
+    pytest.importorskip("lightning")
+    from transformers import HfArgumentParser
+
+    from nnscaler_plugins.adapters.hf import NNScalerTrainingArguments
+    from nnscaler_plugins.adapters.lightning import NNScalerStrategy
+    from nnscaler_plugins.errors import PlanError
+
+    torch.manual_seed(0)
+    model, batch = models.mlp()
+    strategy = NNScalerStrategy(plan="dp", compile=True, compile_backend=BACKEND)
+    plan = strategy.session.plan_for(model, batch, world_size=1)
+    assert plan.knobs.compile and plan.knobs.compile_backend == BACKEND
+    (args,) = HfArgumentParser((NNScalerTrainingArguments,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--plan", "dp", "--plan_options", '{"compile": true, "compile_backend": "aot_eager"}'])
+    assert args.plan_options == {"compile": True, "compile_backend": "aot_eager"}
+    with pytest.raises(PlanError, match="compile_backend='inductr'"):
+        NNScalerStrategy(plan="dp", compile=True, compile_backend="inductr").session.plan_for(model, batch, world_size=1)
