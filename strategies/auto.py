@@ -54,11 +54,17 @@ MESH = MeshLayout(("dp", "unit"), fill=("unit",), check=_check)
 
 
 def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (), memory_limit: Optional[Any] = None,
-         batch_statistics: Optional[str] = None, **_: Any) -> None:
+         batch_statistics: Optional[str] = None, choose_compile: bool = False, choose_fp8: bool = False,
+         **_: Any) -> None:
     """The searched plan is one unit (dp = 1): its batch splits leave partial sums the lowering adds
     up exactly, so the loss's nonlinear batch statistics (a router loss) are whole without
     combining; only micro-batches would compute them per micro-batch, which is refused before the
-    search unless `batch_statistics="local"`."""
+    search unless `batch_statistics="local"`.
+
+    `compile=True` (the knob every strategy takes) prices the plans compiled; `choose_compile=True`
+    lets the search compile the plan where the cluster prices that faster (the GPU presets), and
+    `choose_fp8=True` makes the plan train in bf16 or in fp8, whichever the cluster prices faster
+    (fp8 only where its devices multiply in float8: H100, H200); give it without precision=."""
     apply_batch_statistics(builder, batch_statistics)  # the search keeps the micro-batches
     constraints = list(constraints)
     if not any(isinstance(c, ZeroStages) for c in constraints):
@@ -72,7 +78,9 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
     def run(extra: list):
         return search(builder.graph, world_size=builder.unit_size, cluster=cluster, constraints=constraints + extra,
                       memory_limit=memory_limit, progress=False, data_parallel="unit",
-                      micro_batches=builder.micro_batches, precision=builder.precision_name)
+                      micro_batches=builder.micro_batches,
+                      precision="bf16" if choose_fp8 and builder.precision_name == "fp32" else builder.precision_name,
+                      compile=True if builder.knobs.compile else (None if choose_compile else False), fp8=choose_fp8)
 
     if builder.micro_batches == 1 and not any(isinstance(c, PipelineStages) for c in constraints):
         try:
@@ -82,6 +90,7 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
     else:
         plans = run([])
     adopt(builder, plans.best)  # its splits, pipeline, mesh and knobs (the cluster it was found for among them)
+    builder.set_knobs(compile=plans.best.knobs.compile)  # as chosen (or asked for)
     why = plans.best.options.get("why_copies")
     if why:  # the search found nothing that divides the work: said where the plan is made, and in its options
         warnings.warn(f"strategy 'auto': {why}", stacklevel=2)

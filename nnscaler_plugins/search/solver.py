@@ -33,6 +33,7 @@ sequence-parallel candidates, the sequence splits that were priced.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.knobs import Knobs
+from nnscaler_plugins.plan.float8 import float8_linears
 from nnscaler_plugins.plan.plan import PRECISIONS, Plan
 from nnscaler_plugins.search.cluster import PRESETS, ClusterSpec
 from nnscaler_plugins.search.cluster import cluster as make_cluster
@@ -52,7 +54,7 @@ from nnscaler_plugins.search.constraints import (
     MicroBatchSize,
     parse_bytes,
 )
-from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.costmodel import CostModel, Training, compiles_faster, supports_fp8
 from nnscaler_plugins.search.dims import batch_size
 from nnscaler_plugins.search.group_kernels import kind_of
 from nnscaler_plugins.search.intraop import IntraResult, IntraSolver
@@ -156,8 +158,10 @@ class Search:
                  max_group: Optional[int] = None, schedules: Sequence[str] = ("1f1b", "gpipe", "interleaved",
                                                                                "zero-bubble"),
                  sequence_parallel: bool = False, precision: Optional[str] = None,
-                 context_parallel: Optional[bool] = None):
+                 context_parallel: Optional[bool] = None, compile: Optional[bool] = False):
         self.graphs = graphs
+        self.compile = compile  # True: priced and run compiled; None: chosen per plan where it is faster
+        self._fp8_ops: Optional[frozenset] = None
         self.context_parallel = context_parallel
         self.world = int(world_size)
         self.cluster = cluster
@@ -190,6 +194,15 @@ class Search:
         self._prints: dict[int, str] = {}  # graph fingerprints
         self._layers: dict[int, bool] = {}  # graph -> has repeated layers (recompute groups)
 
+    def _training(self, **kw: Any) -> Training:
+        """How candidates are priced: the search's precision (fp8: bf16 with the graphs' float8
+        linears, torchao's default choice, at the fp8 peak) and its compile setting."""
+        if self.dtype != "fp8":
+            return Training(dtype=self.dtype, compiled=self.compile is True, **kw)
+        if self._fp8_ops is None:
+            self._fp8_ops = frozenset(n for g in self.graphs.values() for n in float8_linears(g))
+        return Training(dtype="bf16", fp8_ops=self._fp8_ops, compiled=self.compile is True, **kw)
+
     # -- configurations ---------------------------------------------------------------------------------
     def group_sizes(self) -> list[int]:
         if self.unit_mode:
@@ -217,7 +230,7 @@ class Search:
     # -- the run ------------------------------------------------------------------------------------------
     def run(self) -> ParetoSet:
         t0 = time.monotonic()
-        training = Training(dtype=self.dtype)
+        training = self._training()
         candidates: list[Candidate] = []
         intra_jobs = [(b, g, mesh) for b in sorted(self.graphs) for g in self.group_sizes()
                       for mesh in self.meshes_for(g, self.graphs[b])]
@@ -403,7 +416,7 @@ class Search:
 
     def _price(self, cm: CostModel, cfg: Config, intra: IntraResult, bounds: list[int], pre: Segment, post: Segment,
                layers: list[Segment]) -> tuple[float, float]:
-        training = Training(dtype=self.dtype, zero=cfg.zero, recompute=cfg.recompute)
+        training = self._training(zero=cfg.zero, recompute=cfg.recompute)
         S = cfg.stages
         mode = MODE[cfg.recompute]
         parts_per_stage: list[list[Part]] = []
@@ -510,6 +523,7 @@ class Search:
                    "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "summary": cand.describe()}
         knobs = Knobs(recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                       cp_comm=cfg.cp_comm if cfg.cp > 1 else "ring", cluster=self.cluster.name,
+                      compile=self.compile is True,
                       experts_as_one_op=any(kind_of(graph, op) == "experts" for op in graph.ops))
         if id(graph) not in self._prints:
             self._prints[id(graph)] = graph.fingerprint()
@@ -555,7 +569,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
            progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
            max_simulated: int = 8, max_group: Optional[int] = None, sequence_parallel: bool = False,
            precision: Optional[str] = None, lengths: Any = None, context_parallel: Optional[bool] = None,
-           expert_parallel: bool = True) -> ParetoSet:
+           expert_parallel: bool = True, compile: Optional[bool] = False, fp8: bool = False) -> ParetoSet:
     """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
 
     `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one
@@ -581,6 +595,11 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     layers (stacked-experts modules, `capture/experts.py`) are captured as one op each, so that
     splitting their experts with their tokens (ep, all-to-all) is in the space beside keeping them
     whole; False captures them as written (a graph passed in is searched as it was captured).
+    `compile`: False (default) plans run eagerly; True every plan runs under torch.compile (the
+    compile knob) and is priced so; None puts it in the space: each plan compiled where that is
+    priced faster (the GPU presets, see costmodel.COMPILE_SPEEDUP). `fp8=True` puts precision fp8
+    in the space beside bf16 where the cluster's devices multiply in float8 (an fp8 peak: H100,
+    H200): each plan then trains in fp8 where that is priced faster (float8 numerics: opt in).
     """
     from nnscaler_plugins.plugins import get_plugin_manager
 
@@ -605,14 +624,42 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     s = Search(graphs, world_size, spec, constraints, options["global_batch_size"], limit, progress,
                unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
                max_group=max_group, sequence_parallel=sequence_parallel, precision=options["precision"],
-               context_parallel=context_parallel)
+               context_parallel=context_parallel, compile=compile)
     result = s.run()
+    if compile is None or fp8:
+        result = _choose_speed_knobs(result, spec, compile, fp8, s)
     if pairs is not None and len(pairs) > 1:
         result = _over_lengths(result, pairs, model_or_graph, example_inputs, spec, s)
     hooks.nnscaler_search_result(result=result, options=options)
     if not result.plans:
         raise SearchError("a search plugin removed every plan from the result (nnscaler_search_result hook)")
     return result
+
+
+def _choose_speed_knobs(result: ParetoSet, spec: ClusterSpec, compile: Optional[bool], fp8: bool,
+                        search: "Search") -> ParetoSet:
+    """Each frontier plan with the fastest of its compile / fp8 variants the cluster supports
+    (compile: results unchanged, kernels faster; fp8: bf16 plans' linears in float8), repriced;
+    then the frontier again."""
+    plans, estimates = [], []
+    for plan in result.plans:
+        compiles = [False, True] if compile is None and compiles_faster(spec) else [compile is True]
+        precisions = [plan.precision] + (["fp8"] if fp8 and supports_fp8(spec) and plan.precision == "bf16" else [])
+        best = None
+        for c in compiles:
+            for prec in precisions:
+                variant = dataclasses.replace(plan, precision=prec, knobs=plan.knobs.replace(compile=c))
+                est = replay_plan(variant, spec, plan.graph, search._cost_model(plan.graph))
+                if best is None or est.step_time_s < best[1].step_time_s:
+                    best = (variant, est)
+        best[0].estimate = best[1].to_json()
+        plans.append(best[0])
+        estimates.append(best[1])
+    order = frontier([(e.step_time_s, e.max_memory_bytes) for e in estimates])
+    out = ParetoSet([plans[i] for i in order], [estimates[i] for i in order], result.searched, result.simulated,
+                    result.seconds)
+    out.notes = list(result.notes) + [f"compile and fp8 chosen per plan where {spec.name} prices them faster"]
+    return out
 
 
 def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: Any, spec: ClusterSpec,
