@@ -142,6 +142,7 @@ def test_tp_overlap_plans_train_like_one_process_2(workers2, name, sp):
     assert not any(problems), problems
 
 
+@pytest.mark.skipif(os.environ.get("NNS_TEST_ALL_PLANS") != "1", reason="world-4 plans run with NNS_TEST_ALL_PLANS=1")
 def test_tp_overlap_sequence_parallel_4(workers4):
     from test_equivalence import run_case
 

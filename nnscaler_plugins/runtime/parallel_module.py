@@ -24,6 +24,8 @@ from nnscaler_plugins.batches import normalize_inputs, split_batch
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
+from nnscaler_plugins.kernels.float8 import check_float8
+from nnscaler_plugins.kernels.piece_rng import agree_seed
 from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.outputs import extract_loss
 from nnscaler_plugins.plan.plan import Plan
@@ -65,11 +67,15 @@ class ParallelModule(torch.nn.Module):
         if world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} processes, this job has {world_size}")
         plan.check_runnable()
+        if plan.precision == "fp8":
+            check_float8(torch.device(device) if device is not None else torch.device("cpu"), plan.knobs.fp8_emulate)
         self.program = program
         self.plan: Plan = plan
         self.graph: "Graph" = program.graph
         self.artifact = artifact
         self.rank = rank
+        # this rank on the plan's mesh ({"dp": 1, "pp": 0, "tp": 1}); the replicas are its outer axes
+        self.coordinate = plan.mesh.coordinate(rank)
         self.unit_device = rank % plan.unit_size
         self.dp_rank = rank // plan.unit_size
         self.dp_size = plan.dp
@@ -79,6 +85,8 @@ class ParallelModule(torch.nn.Module):
         self.groups, self.device_mesh = create_groups(program, world_size,
                                                       "cuda" if self._device.type == "cuda" else "cpu")
         self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
+        if program.draws:  # random ops seeded per piece (kernels/piece_rng.py): one base seed on every rank
+            agree_seed(self._comm, self._device if self._device.type != "meta" else None)
         self.source_path = artifact.source_path
         # Other batch sizes and lengths than the example's: the compile stage's callback makes their programs.
         self.shape_programs = artifact.shapes
@@ -444,6 +452,23 @@ class ParallelModule(torch.nn.Module):
         with self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext(), \
                 self.zero3.no_sync() if self.zero3 is not None else contextlib.nullcontext():
             yield
+
+    def compile(self, *args: Any, backend: Optional[str] = None, **kwargs: Any) -> None:
+        """Run this rank's program under torch.compile from now on, as the plan's `compile` knob
+        does: its compiled regions (the runs of ops between collectives, one per distinct layer)
+        compiled at their first call, its collectives eager (compiler/regions.py). `backend`: a
+        torch.compile backend name (default: the plan's `compile_backend`, inductor)."""
+        if args or kwargs or (backend is not None and not isinstance(backend, str)):
+            raise TypeError("ParallelModule.compile(backend=None) takes only a backend name: its regions are compiled "
+                            "by the compile stage (the plan's compile knob), not as one module")
+        art = self.artifact
+        if art.compile_backend is not None and backend in (None, art.compile_backend):
+            return
+        if art.with_compile is None:
+            raise RuntimeError("this module's artifact was made without the compile stage's callback; make the plan "
+                               "with compile=True instead")
+        art = art.with_compile(backend)
+        self.artifact, self.shape_programs, self.source_path = art, art.shapes, art.source_path
 
     def generated_source(self) -> str:
         with open(self.source_path) as f:

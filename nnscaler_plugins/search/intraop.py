@@ -37,6 +37,7 @@ from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.dims import BATCH, SEQUENCE, tag_labels
 from nnscaler_plugins.search.layouts import Placement
 from nnscaler_plugins.search.pass_seeds import PassSeeds
+from nnscaler_plugins.search.replication import PARALLEL, batch_degree, duplicated_share
 from nnscaler_plugins.search.segments import Segment, Walker, itemsize
 
 _PLACEMENTS: dict = {}  # (Choice, devices) -> Placement; a pure function's cache
@@ -95,6 +96,8 @@ class IntraResult:
     cp: int = 1  # context parallelism: attention split along its sequence this many ways (0 ops: 1)
     cp_comm: str = "ring"  # how those pieces meet their keys (the plan's `cp_comm`)
     ep: int = 1  # expert parallelism: the largest expert split of a mixture-of-experts layer
+    batch: int = 1  # the largest split of an op along its batch (data parallelism inside the group)
+    duplicated: float = 0.0  # share of the work the group's copies compute again (`replication`)
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.choices.items()))
@@ -518,6 +521,10 @@ class IntraSolver:
         result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(self.graph.op(var))
                                    and not (self.context_parallel and l == self.seq_label(self.graph.op(var))))
                          for var, ch in assign.items()), default=1)
+        costs = self.cm.costs.ops
+        result.batch = batch_degree(choices, lambda name: self.batch_label(self.graph.op(name)))
+        result.duplicated = duplicated_share(((costs[name], math.prod(n for l, n in ch.axes if l is None))
+                                              for name, ch in choices.items()), self.group)
         return result
 
     # -- the search ---------------------------------------------------------------------------------------------
@@ -808,7 +815,9 @@ def pareto_results(results: Iterable[IntraResult]) -> list[IntraResult]:
         if k in seen:
             continue
         seen.add(k)
-        if any(o.time <= r.time and o.memory <= r.memory for o in out):
+        # a plan that divides the work is only given up for another that does (`replication`)
+        if any(o.time <= r.time and o.memory <= r.memory and (o.duplicated <= PARALLEL or r.duplicated > PARALLEL)
+               for o in out):
             continue
         out.append(r)
     return out
