@@ -110,6 +110,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", required=True, help="folder of this job's checkpoints")
     ap.add_argument("--plan", default="tp", help="strategy name (planned again for each world size), or 'auto'")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=INT",
+                    help="a degree option of the strategy, e.g. --option tp=2 (repeatable)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=None,
@@ -133,13 +135,14 @@ def main(argv: Optional[list[str]] = None, *, model_fn: Callable[..., torch.nn.M
     `on_start(first_step, module)` once resumed (tests inject faults there)."""
     args = parse(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    degrees = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
     options: dict[str, Any] = {"on_nonfinite": args.on_nonfinite,
-                               "report_dir": args.report_dir or os.path.join(args.root, "reports")}
+                               "report_dir": args.report_dir or os.path.join(args.root, "reports"), **degrees}
     if args.micro_batch_size:
         options["micro_batch_size"] = args.micro_batch_size
     if args.collective_timeout:
         options["collective_timeout_s"] = args.collective_timeout
-    dp = replicas(args.plan, world, {k: v for k, v in options.items() if k == "micro_batch_size"})
+    dp = replicas(args.plan, world, degrees)
     rank = int(os.environ.get("RANK", "0"))
     dp_rank = rank // (world // dp)
     example = replica_slice(global_batch(0, args.global_batch), dp_rank, dp)

@@ -91,9 +91,10 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_scenario(work: str, plan: str, fault: str, rest: list[str], seed: int, steps: int, save_every: int) -> None:
-    name = f"{plan}-{fault}"
-    out = os.path.join(work, f"{name}.pt")
+def run_scenario(work: str, plan: str, fault: str, rest: list[str], seed: int, steps: int, save_every: int,
+                 work_tag: str = "", final_tag: str = "") -> None:
+    name = f"{plan}-{fault}{work_tag}"
+    out = os.path.join(work, f"{name}{final_tag}.pt")
     if os.path.exists(out):
         return
     root = os.path.join(work, name)
@@ -166,18 +167,21 @@ def reference(work: str, plan: str, rest: list[str], steps: int, save_every: int
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
-    ap.add_argument("--scenarios", required=True, help="PLAN:FAULT,... (FAULT: kill, savekill, stall, none)")
+    ap.add_argument("--scenarios", required=True, help="PLAN:FAULT,... (FAULT: kill, savekill, stall, or none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--work-tag", default="", help="appended to each scenario's folder name")
+    ap.add_argument("--final-tag", default="", help="appended to each scenario's final weights file name")
     args, rest = ap.parse_known_args()
     os.makedirs(args.work, exist_ok=True)
     for item in args.scenarios.split(","):
         plan, fault = item.split(":")
         if not args.no_reference:
             reference(args.work, plan, rest, args.steps, args.save_every)
-        run_scenario(args.work, plan, fault, rest, args.seed, args.steps, args.save_every)
+        run_scenario(args.work, plan, fault, rest, args.seed, args.steps, args.save_every, args.work_tag,
+                     args.final_tag)
 
 
 if __name__ == "__main__":

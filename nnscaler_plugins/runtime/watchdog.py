@@ -90,6 +90,7 @@ def generated_position(frame: Any, recorder: FlightRecorder) -> Optional[dict[st
     stage = int(re.match(r"stage(\d+)", fn).group(1)) if re.match(r"stage(\d+)", fn) else None
     stages = recorder.program.ranks[recorder.unit_device].stages
     order = [stage] if stage in stages else list(stages)
+    gather = _parameter_gather(line, stages[order[0]] if order else None, recorder)
     for uses in (False, True):  # the statement binding the line's name; else (a parameter fetched) its first use
         for s in order:
             for stmt in stages[s].stmts:
@@ -99,8 +100,24 @@ def generated_position(frame: Any, recorder: FlightRecorder) -> Optional[dict[st
                 if names and hit:
                     return {"stage": s, "line": line, "op": op.where() if op is not None else names[0],
                             "source": getattr(op, "source", None),
-                            "source_code": getattr(op, "source_code", None) or None}
-    return {"stage": stage, "line": line, "op": None, "source": None, "source_code": None}
+                            "source_code": getattr(op, "source_code", None) or None, "gather": gather}
+    return {"stage": stage, "line": line, "op": None, "source": None, "source_code": None, "gather": gather}
+
+
+def _parameter_gather(line: str, stage: Any, recorder: FlightRecorder) -> Optional[dict[str, Any]]:
+    """A line binding a parameter (`x = _P[i]`) under ZeRO-3 gathers it from the data-parallel
+    replicas first: which parameter, over which ranks."""
+    m = re.search(r"=\s*_P\[(\d+)\]", line)
+    plan = recorder.program.plan
+    if m is None or stage is None or not (plan.zero >= 3 and plan.dp > 1):
+        return None
+    i = int(m.group(1))
+    if i >= len(stage.params):
+        return None
+    shard = recorder.program.shards[stage.params[i]]
+    d = recorder.unit_device
+    return {"collective": f"ZeRO-3 all-gather of parameter {shard.fqn}",
+            "ranks": [r * plan.unit_size + d for r in range(plan.dp)]}
 
 
 def _frame_where(frame: Any) -> Optional[str]:
@@ -263,7 +280,12 @@ def hang_report(rank: int, world: int, me: dict, peers: dict[int, Optional[dict]
                 heartbeat_s: float) -> dict[str, Any]:
     """The report of a rank that waited `timeout_s` in a collective (JSON-ready, with `message`)."""
     pos = me.get("position", {})
-    collective = pos.get("waiting_in") or pos.get("backward_reached")
+
+    def waited_in(state: dict) -> Optional[dict]:
+        p = state.get("position", {})
+        return p.get("waiting_in") or (state.get("in_op") or {}).get("gather") or p.get("backward_reached")
+
+    collective = waited_in(me)
     in_op = me.get("in_op") or {}
     group = (collective or {}).get("ranks") or list(range(world))
     same = (pos.get("step"), (collective or {}).get("collective"))
@@ -272,9 +294,8 @@ def hang_report(rank: int, world: int, me: dict, peers: dict[int, Optional[dict]
         st = peers.get(r)
         if st is None or not st.get("waiting"):
             return False
-        p = st.get("position", {})
-        theirs = p.get("waiting_in") or p.get("backward_reached") or {}
-        return (p.get("step"), theirs.get("collective")) == same or collective is None
+        theirs = waited_in(st) or {}
+        return (st.get("position", {}).get("step"), theirs.get("collective")) == same or collective is None
 
     missing = [r for r in group if r != rank and not arrived(r)]
     if collective is not None:
@@ -285,7 +306,9 @@ def hang_report(rank: int, world: int, me: dict, peers: dict[int, Optional[dict]
         serves = _op_words(in_op)
     head = (f"nnscaler watchdog: rank {rank} waited {me.get('no_progress_s', 0):.1f} s (collective_timeout_s="
             f"{timeout_s:g}) in step {pos.get('step')}, {pos.get('phase')}, stage {pos.get('stage')}, micro-batch "
-            f"{pos.get('micro_batch')}: in {what}" + (f", for op {serves}" if serves else "") + ".")
+            f"{pos.get('micro_batch')}: in {what}" + (f", for op {serves}" if serves else "") + "."
+            + (f"\n  Its main thread waits at {me['main_thread']}." if me.get("main_thread") and collective is not None
+               else ""))
     if missing:
         head += f"\n  Missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not reach it."
     else:
