@@ -108,6 +108,13 @@ def run_scenario(work: str, plan: str, fault: str, rest: list[str], seed: int, s
     back = {"after": None}
 
     def on_start(first: int, pm: Any) -> None:
+        mesh = pm.plan.mesh
+        if rank() == 0:
+            inner = [a for a in ("tp", "cp") if a in mesh.names]
+            say(event="mesh", scenario=name, axes=mesh.axes, devices_per_node=mesh.devices_per_node,
+                nodes=[mesh.node_of(r) for r in range(mesh.world_size)],
+                inner_within_node=mesh.within_node(inner) if inner else None,
+                dp_across_nodes=mesh.within_node(["dp"]) if "dp" in mesh.names else None)
         if os.path.exists(done):
             with open(done) as f:
                 back["after"] = json.load(f)["time"]

@@ -286,3 +286,55 @@ def test_background_save_writes_the_state_of_the_call_while_training_goes_on(tmp
         bad.wait()
     assert nns.checkpoint.load(str(tmp_path / "a"), fresh) == {"step": 1}
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+# -- two launchers as two nodes -------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launchers_as_two_nodes_train_like_one_process(work):
+    """torchrun started twice with --nnodes 2 --nproc-per-node 2 and a c10d rendezvous on 127.0.0.1: the
+    mesh knows two ranks share each node (tp inside a node, dp across) and the job trains like one process."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+           "--monitor-interval", "0.5", JOB, "--work", work, "--cache-dir", os.path.join(work, "cache"),
+           "--scenarios", "tp:none", "--no-reference", "--work-tag=-two-nodes", "--option", "tp=2",
+           "--micro-batch-size", "2", "--dropout", "0", "--steps", "4"]
+    nodes = [subprocess.Popen(cmd, cwd=work, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-4000:] for o in outs)
+    mesh = [e for o in outs for e in events(o) if e["event"] == "mesh"]
+    assert len(mesh) == 1, mesh  # rank 0 (on one of the two nodes) says it
+    assert mesh[0]["axes"] == {"dp": 2, "tp": 2} and mesh[0]["devices_per_node"] == 2, mesh
+    assert mesh[0]["nodes"] == [0, 0, 1, 1] and mesh[0]["inner_within_node"] is True, mesh
+    assert mesh[0]["dp_across_nodes"] is False, mesh
+    got = torch.load(os.path.join(work, "tp-none-two-nodes.pt"))
+    for k, v in eager_reference(4).items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_the_search_plans_for_the_launchers_nodes(monkeypatch):
+    """`auto` under a launcher that started 2 processes per node searches a cluster of such nodes
+    (tensor parallelism stays inside a node), and the plan's mesh records them."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.session import Session
+    from nnscaler_plugins.strategies import auto as auto_strategy
+
+    seen = []
+
+    def cluster(name, nodes=None, devices=None, **kw):
+        seen.append((name, nodes, devices))
+        return nns.cluster(name, nodes=nodes, devices=devices, measure=False)
+
+    monkeypatch.setattr(auto_strategy, "make_cluster", cluster)
+    session = Session("auto")
+    session.devices_per_node = 2
+    model, batch = recipe.build_model(0, dropout=0.0), recipe.global_batch(0, 8)
+    plan = session.plan_for(model, batch, 4)
+    assert seen == [("local-cpu", 2, 2)], seen
+    assert plan.mesh.devices_per_node == 2 and plan.mesh.within_node(["tp", "cp"]) is True, plan.mesh
