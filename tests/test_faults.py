@@ -106,6 +106,32 @@ def test_kill_during_a_background_save_keeps_the_previous_checkpoint(work):
         assert not same_weights(os.path.join(work, f"{plan}-ref.pt"), os.path.join(work, f"{name}.pt")), name
 
 
+# -- the same through the three adapters --------------------------------------------------------------------------
+ADAPTER_JOB = os.path.join(HERE, "fault_adapters_job.py")
+
+
+def test_adapters_resume_a_killed_job_their_own_way_exactly(work):
+    """Lightning `fit(ckpt_path="last")` under tp, the Hugging Face Trainer `resume_from_checkpoint=True`
+    under zero3, the DeepSpeed engine `load_checkpoint` of the latest tag under tp: a rank SIGKILLed after
+    a seeded step, torchrun restarts the job, and the weights end equal to an uninterrupted run's."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    cases = ["lightning:tp", "hf:zero3", "deepspeed:tp"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "3", "--monitor-interval", "0.5", ADAPTER_JOB, "--work", work, "--adapters", ",".join(cases)]
+    proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=1500)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    ev = events(out)
+    for case in cases:
+        name = case.replace(":", "-")
+        kill = [e for e in ev if e["event"] == "kill" and e["scenario"] == f"{name}-kill"]
+        resumed = [e for e in ev if e["event"] == "resumed" and e["scenario"] == f"{name}-kill"]
+        assert len(kill) == 1 and len(resumed) == 1, (case, ev)
+        assert 2 <= resumed[0]["step"] < kill[0]["step"], (case, kill, resumed)  # from a checkpoint, not the start
+        assert not same_weights(os.path.join(work, f"{name}-ref.pt"), os.path.join(work, f"{name}-kill.pt")), case
+
+
 # -- a stalled rank -------------------------------------------------------------------------------------------
 TIMEOUT_S = 4.0
 
