@@ -207,6 +207,8 @@ def restore_rng(directory: str, meta: dict[str, Any], module: Any) -> bool:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if "pieces" in state and hasattr(module, "set_random_stream"):
+        module.set_random_stream(state["pieces"])
     return True
 
 

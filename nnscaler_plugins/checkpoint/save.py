@@ -204,7 +204,7 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
             job.groups = group_names(module, optimizer)
         job.aliases = aliases(module)
         job.pieces = _off_device(pieces) if background else pieces  # in place: written as they come
-        job.rng = pickle.dumps(rng_state())
+        job.rng = pickle.dumps(rng_state(module))
         if rank == 0:
             job.extra = _pickled(extra)
     except Exception as e:  # noqa: BLE001 - reported to every rank by the job, then raised everywhere
@@ -220,10 +220,13 @@ def _pickled(extra: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(module: Any = None) -> dict[str, Any]:
     """This process's random number generator states (torch's CPU generator, and the current CUDA
-    device's where there is one)."""
+    device's where there is one), and the module's per-piece random stream where it has one."""
     out: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    stream = module.random_stream() if hasattr(module, "random_stream") else None
+    if stream is not None:
+        out["pieces"] = stream
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state()
     return out

@@ -25,7 +25,7 @@ from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
 from nnscaler_plugins.kernels.float8 import check_float8
-from nnscaler_plugins.kernels.piece_rng import agree_seed
+from nnscaler_plugins.kernels.piece_rng import agree_seed, set_stream_state, stream_state
 from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.outputs import extract_loss
 from nnscaler_plugins.plan.plan import Plan
@@ -533,6 +533,16 @@ class ParallelModule(torch.nn.Module):
                                "with compile=True instead")
         art = art.with_compile(backend)
         self.artifact, self.shape_programs, self.source_path = art, art.shapes, art.source_path
+
+    def random_stream(self) -> Optional[tuple[int, int]]:
+        """(base seed, forwards drawn so far) of this module's per-piece random ops (kernels/piece_rng.py),
+        or None when its program draws nothing: checkpoints keep it per rank, so a resumed job
+        draws the dropout masks the uninterrupted one would."""
+        return stream_state(self._comm) if self._comm.program.draws else None
+
+    def set_random_stream(self, state: tuple[int, int]) -> None:
+        """Continue the per-piece random stream from `random_stream()` saved earlier."""
+        set_stream_state(self._comm, state)
 
     def generated_source(self) -> str:
         with open(self.source_path) as f:
