@@ -108,7 +108,8 @@ def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set
         op = producer.get(stack.pop())
         if op is not None and op.name not in ancestors:
             ancestors.add(op.name)
-            stack.extend(op.node.inputs)
+            counts = op.signature.row_counts  # counts of the op's own rows: each replica's, not statistics
+            stack.extend(v for i, v in enumerate(op.node.inputs) if i not in counts)
     linear: set[str] = set()
     stack = [loss]
     while stack:
