@@ -31,6 +31,7 @@ def _load_builtins() -> None:
     # Importing the rule modules fills BUILTIN through @rule.
     from nnscaler_plugins.rules import (  # noqa: F401
         attention,
+        complex_numbers,
         elementwise,
         embedding,
         experts,
