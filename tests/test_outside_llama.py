@@ -54,3 +54,15 @@ def test_q_and_k_stay_split_through_the_rotation(strategy, label_dim):
         splits = plan.ops[op.name].splits
         assert splits, f"{op.name} ({op.op_name}) runs whole under {strategy}"
         assert splits[0][0] == f"d{label_dim}", (op.name, splits)
+
+
+def test_a_value_that_only_lends_its_dtype_needs_no_gradient():
+    """The reference code's causal mask, `torch.triu(mask).type_as(h)`: h lends the dtype, no gradient
+    reaches the mask (a pipeline stage receiving it once waited for one forever)."""
+    graph, _ = _capture(outside_llama.reference_llama)
+    masks = [op for op in graph.ops if op.op_name == "aten.type_as.default"
+             and graph.values[op.inputs[0]].producer is not None and "triu" in graph.values[op.inputs[0]].producer]
+    assert masks, "no mask.type_as(h) in the graph"
+    assert not any(graph.meta(op.outputs[0]).requires_grad for op in masks)
+    rotary = [op for op in graph.ops if op.op_name == "aten.view_as_real.default"]
+    assert rotary and all(graph.meta(op.outputs[0]).requires_grad for op in rotary)

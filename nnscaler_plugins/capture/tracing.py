@@ -296,6 +296,29 @@ class _Converter:
     def requires_grad(self, refs: list[str]) -> bool:
         return any(self.values[r].meta is not None and self.values[r].meta.requires_grad for r in refs)
 
+    def autograd_says(self, target: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether autograd gives the op's output a gradient, asked by running the op on meta tensors
+        with its inputs' flags: an input that only lends a dtype or a size (`mask.type_as(h)`,
+        `h.new_zeros(...)`) passes none. A value marked as needing one that never gets it would wait
+        forever for its gradient at a pipeline boundary. Ops that cannot run on meta keep the rule
+        "any input needs a gradient"."""
+        if not isinstance(target, torch._ops.OpOverload):
+            return True
+
+        def meta(x: Any) -> Any:
+            if not isinstance(x, Ref):
+                return x
+            m = self.values[x.name].meta
+            t = torch.empty(m.shape, dtype=m.dtype, device="meta")
+            return t.requires_grad_(True) if m.requires_grad and _differentiable(t) else t
+
+        try:
+            with torch.enable_grad():
+                out = target(*pytree.tree_map(meta, args), **pytree.tree_map(meta, kwargs))
+        except Exception:  # noqa: BLE001 - no meta kernel, an in-place op on a leaf: the simple rule
+            return True
+        return any(isinstance(o, torch.Tensor) and o.requires_grad for o in pytree.tree_leaves(out))
+
     # graph walk --------------------------------------------------------------------------
     def run(self, graph: torch.fx.Graph, grad_enabled: bool = True, prefix: str = "") -> list[Any]:
         outputs: list[Any] = []
@@ -355,6 +378,8 @@ class _Converter:
             if isinstance(v, torch.Tensor) and any(_data_decides(d) for d in v.shape):
                 raise _data_dependent_error(node, target, v.shape)  # a row count only the data decides
         rg = grad_enabled and self.requires_grad(inputs)
+        if rg and not all(self.requires_grad([r]) for r in inputs):
+            rg = self.autograd_says(target, args, kwargs)
         module_path, module_type = _module_of(node)
         source, code = _source_of(node)
         if single:  # the Function returned one tensor; the opaque op returned a list of it

@@ -97,7 +97,8 @@ def _rows_kept(graph, op: OpHandle, dim: dict[str, Optional[int]]) -> None:
 def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set[str]]:
     """(ops the loss depends on, ops it depends on linearly), by op name."""
     graph = builder.graph
-    at = loss_position(len(graph.outputs), graph.out_spec)
+    at = loss_position(len(graph.outputs), graph.out_spec,
+                       [o is not None and graph.meta(o).ndim == 0 for o in graph.outputs])
     loss = graph.outputs[at] if at is not None else None
     if loss is None:
         return set(), set()
