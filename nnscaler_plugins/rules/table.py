@@ -43,6 +43,7 @@ def _load_builtins() -> None:
         pooling,
         reductions,
         shape_ops,
+        variable_length_attention,
     )
 
 
