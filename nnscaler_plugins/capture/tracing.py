@@ -242,7 +242,8 @@ def _source_of(node: torch.fx.Node) -> tuple[str, str]:
     if not frames:
         return "", ""
     pick = frames[-1]
-    outside_torch = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0]]
+    # generated code (`<eval_with_key>.N`, torch's own compiled wrappers) is nobody's source line
+    outside_torch = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0] and not f[0].startswith("<")]
     user = [f for f in outside_torch if not os.path.abspath(f[0]).startswith(_LIBRARY_DIR + os.sep)]
     if user or outside_torch:
         pick = (user or outside_torch)[-1]
@@ -270,6 +271,26 @@ def _meta_of(val: Any, requires_grad: bool = False) -> Optional[TensorMeta]:
     if isinstance(val, torch.Tensor):
         return TensorMeta(tuple(_size(s) for s in val.shape), val.dtype, requires_grad)
     return None
+
+
+#: Higher-order ops refused by name, with what to use instead. FlexAttention's mask and score
+#: functions are subgraphs over (batch, head, query, key) indices that the generated code cannot
+#: call yet, so no split of it (not even heads) can be shown exact; its CPU build has no backward.
+_REFUSED_HOPS = {"flex_attention": "FlexAttention (torch.nn.attention.flex_attention.flex_attention)",
+                 "flex_attention_backward": "FlexAttention (torch.nn.attention.flex_attention.flex_attention)"}
+_FLEX_WAYS = ("it is not captured yet (its block mask's mask_mod and score_mod have no rules). Ways out: "
+              "a causal mask -> F.scaled_dot_product_attention(q, k, v, is_causal=True) (batch and heads "
+              "split, and the sequence under cp); documents packed into one row or a sliding window -> "
+              "torch.nn.attention.varlen.varlen_attn(..., window_size=(w, 0)) (heads split); any other "
+              "mask -> scaled_dot_product_attention with attn_mask= a boolean tensor (batch and heads split)")
+_REFUSED_HOP_WAYS = {"flex_attention": _FLEX_WAYS, "flex_attention_backward": _FLEX_WAYS}
+
+
+def _refuse_named_hops(graph: torch.fx.Graph) -> None:
+    for node in graph.nodes:
+        hop = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if hop in _REFUSED_HOPS and isinstance(node.target, torch._ops.HigherOrderOperator):
+            raise CaptureError(f"{_REFUSED_HOPS[hop]} at {_source_of(node)[0]}: {_REFUSED_HOP_WAYS[hop]}")
 
 
 class _Converter:
@@ -322,6 +343,7 @@ class _Converter:
     # graph walk --------------------------------------------------------------------------
     def run(self, graph: torch.fx.Graph, grad_enabled: bool = True, prefix: str = "") -> list[Any]:
         outputs: list[Any] = []
+        _refuse_named_hops(graph)  # before the ops building their inputs (a block mask) fail less clearly
         for node in graph.nodes:
             if node.op == "placeholder":
                 continue  # bound by the caller
