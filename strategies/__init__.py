@@ -117,7 +117,7 @@ MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.MEGATRON_MESH,
                     "virtual_stages, sequence_parallel, recompute", _PIPELINE + ("schedule",))
 AUTO = Strategy("auto", auto_search.auto, auto_search.MESH,
                 "the fastest plan the search finds for the cluster (default: this machine) within its memory",
-                ("memory_limit", "batch_statistics"))
+                ("memory_limit", "batch_statistics", "choose_compile", "choose_fp8"))
 ZERO1 = Strategy("zero1", data_parallel.zero_stage(1), data_parallel.MESH,
                  "data parallel with ZeRO stage 1: optimizer state sharded across the replicas", _UNIT)
 ZERO2 = Strategy("zero2", data_parallel.zero_stage(2), data_parallel.MESH,

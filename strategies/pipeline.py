@@ -38,14 +38,20 @@ def pipeline(builder: PlanBuilder, *, schedule: Union[str, Callable[..., Any]] =
     micro-batches (see `passes.apply_batch_statistics`)."""
     par = Parallelization(builder, MESH, options)
     apply_pp(par, schedule, virtual_stages, always=True)
-    apply_tp(par)
-    if sequence_parallel:
-        apply_sp(par)
-        builder.set_knobs(sequence_parallel=True)
+    tensor_parallel(par, sequence_parallel)
     par.place()
     apply_recompute(builder, recompute)
     order(par, schedule)
     apply_batch_statistics(builder, batch_statistics)
+
+
+def tensor_parallel(par: Parallelization, sequence_parallel: bool) -> None:
+    """Megatron tensor parallelism in every stage, with its sequence-parallel norms and residual adds
+    when asked (recorded in the plan's knobs)."""
+    apply_tp(par)
+    if sequence_parallel:
+        apply_sp(par)
+        par.builder.set_knobs(sequence_parallel=True)
 
 
 def interlaced_pipeline(builder: PlanBuilder, *, recompute: Any = None, batch_statistics: Optional[str] = None,
@@ -95,10 +101,7 @@ def megatron(builder: PlanBuilder, *, schedule: Optional[str] = None, virtual_st
         return
     if int(virtual_stages) > 1:
         raise PlanError("megatron: virtual_stages needs pp > 1")
-    apply_tp(par)
-    if sequence_parallel:
-        apply_sp(par)
-        builder.set_knobs(sequence_parallel=True)
+    tensor_parallel(par, sequence_parallel)
     par.place()
     apply_recompute(builder, recompute)
     apply_batch_statistics(builder, batch_statistics)

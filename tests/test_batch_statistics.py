@@ -4,8 +4,8 @@ train differently from one process. dp and zero2 at world 2 (HF Mixtral, top-2 r
 padding in one replica's rows only) equal one process on the whole batch (SGD, fp32, relative 1e-5);
 `batch_statistics="local"` keeps each replica's own statistics (DDP's behaviour) and differs;
 micro-batches are refused by name unless "local"; a ready-made plan (from `nns.search`) gets the
-same; models without such statistics (a dense model, batch norm under DDP's per-replica
-convention) record nothing and are not refused.
+same; models without such statistics (a dense model, batch norm in eval mode) record nothing and
+are not refused. Batch norm in training: tests/test_batch_norm_statistics.py.
 NNS_TEST_ALL_PLANS=1 adds hybrid, the pipelines, megatron, auto and the other MoE models.
 """
 from __future__ import annotations
@@ -119,15 +119,16 @@ def test_searched_plan_gets_them_or_is_refused(mixtral_graph):
     assert nns.plan(mixtral_graph, strategy=micro, world_size=2).knobs.batch_statistics == "local"
 
 
-def test_batch_norm_and_dense_models_record_nothing_and_take_micro_batches():
-    """Batch norm's per-replica statistics are DDP's convention, and a mean loss is linear in its
-    batch reductions: neither is a statistic to combine nor a reason to refuse micro-batches."""
+def test_dense_models_and_batch_norm_in_eval_record_nothing_and_take_micro_batches():
+    """A mean loss is linear in its batch reductions, and batch norm in eval mode uses its running
+    statistics: neither is a statistic to combine nor a reason to refuse micro-batches. (Batch norm
+    in training is one: tests/test_batch_norm_statistics.py.)"""
     import nnscaler_plugins as nns
 
     torch.manual_seed(0)
     from test_zoo import ConvBN
 
-    bn = ConvBN().train()
+    bn = ConvBN().eval()
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     for model, inputs in ((bn, (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))), (dense, (torch.randn(4, 8),))):
         for strategy in ("dp", "zero2", "tp"):

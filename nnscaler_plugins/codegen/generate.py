@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -25,10 +26,12 @@ import torch
 
 from nnscaler_plugins.capture.autograd_functions import FunctionTarget
 from nnscaler_plugins.capture.graph import Ref
+from nnscaler_plugins.codegen.regions import MIN_REGION_OPS, RegionBook, rename_stmt
 from nnscaler_plugins.lower.lowering import Program, RankProgram, StageProgram, Stmt
 from nnscaler_plugins.lower.resharding import Step
+from nnscaler_plugins.plan.float8 import float8_linears
 
-GENERATOR_VERSION = "3"  # bump whenever the generated text changes
+GENERATOR_VERSION = "4"  # bump whenever the generated text changes
 
 
 def library_version() -> str:
@@ -80,11 +83,19 @@ def bound_targets(program: Program) -> dict[str, Any]:
 
 class _Emitter:
     def __init__(self, bound: Optional[dict[str, Any]] = None, program: Optional[Program] = None,
-                 device: int = 0) -> None:
+                 device: int = 0, regions: Optional[RegionBook] = None) -> None:
         self.imports: dict[str, str] = {}  # module -> alias
         self.bound = bound or {}
         self.program = program  # what the collectives' comments are read from
         self.device = device
+        self.regions = regions  # compiled regions being collected (the plan's compile knob), or None
+        self.float8: frozenset[str] = frozenset()  # linear ops that call the float8 kernel
+        self.float8_kwargs: dict[str, Any] = {}
+        if program is not None and program.plan.precision == "fp8":
+            local = {sh.value: tuple(sh.layout.local_shape()) for sh in program.shards.values()
+                     if sh.kind == "param" and device in sh.layout.group}
+            self.float8 = frozenset(float8_linears(program.graph, program.plan.knobs, local))
+            self.float8_kwargs = {"recipe": program.plan.knobs.fp8_recipe, "emulate": program.plan.knobs.fp8_emulate}
 
     def callable_name(self, fn: Any) -> str:
         for name, obj in self.bound.items():
@@ -359,13 +370,17 @@ def _rebinds(items: list[Any], index: dict[str, int], em: "_Emitter") -> list[tu
     return out
 
 
-def generate(program: Program, device: int) -> str:
+def generate(program: Program, device: int, regions: Optional[bool] = None) -> str:
     """The rank's module. Without a pipeline: `forward` returns every model output whole and
     `forward_loss` only the loss, skipping the gathering of the other outputs (logits of a
     vocabulary-split head, say). With one: `stage{k}` and `stage{k}_loss` for each stage the device
-    runs, returning the boundary values later stages read, then the model outputs."""
+    runs, returning the boundary values later stages read, then the model outputs.
+
+    `regions` (default: the plan's `compile` knob): runs of plain ops become the functions
+    torch.compile compiles, one per distinct layer's run (see regions.py)."""
     rank: RankProgram = program.ranks[device]
-    em = _Emitter(bound_targets(program), program, device)
+    book = RegionBook(program.graph) if (program.plan.knobs.compile if regions is None else regions) else None
+    em = _Emitter(bound_targets(program), program, device, book)
     li = program.loss_index
     funcs = []
     for k, sp in sorted(rank.stages.items()):
@@ -395,7 +410,14 @@ def generate(program: Program, device: int) -> str:
         "aten = torch.ops.aten",
     ]
     header += [f"import {m} as {a}" for m, a in em.imports.items()]
+    if book is not None and book.regions:
+        header.append(f"{SIZES_LINE}  # sizes a file fitted for every size reads (none: the example's sizes)")
+        return "\n".join(header) + book.text() + "".join(funcs)
     return "\n".join(header) + "".join(funcs)
+
+
+#: The module-level list of symbol values a shape template reads (shape_template.py fills it in).
+SIZES_LINE = "_S = []"
 
 
 def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt], outputs: list[Optional[str]],
@@ -421,8 +443,34 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
     defined = set(sp.inputs) | set(params)
     regions = 0
     notes = _SourceNotes()
-    for i, s in enumerate(items):
+    runs = dict(_compiled_runs(items, em.regions)) if em.regions is not None else {}
+    last_use: dict[str, int] = {}
+    if runs:
+        for i, item in enumerate(items):
+            for n in (item.uses() if isinstance(item, _Region) else _stmt_uses(item)):
+                last_use[n] = i
+        keep = {o for o in outputs if o}
+    i = -1
+    while i + 1 < len(items):
+        i += 1
+        s = items[i]
         ind = "    "
+        if i in runs:
+            end = runs[i]
+            no_grad_open = False
+            binds = sorted({b for k in range(i, end) for b in first.get(k, [])})
+            body += [f"    {n} = _P[{j}]" for j, n in binds]
+            needed = {n for n, at in last_use.items() if at >= end} | keep
+            lines, made = _run_call(items[i:end], needed, em)
+            body += lines
+            notes.reset()
+            defined.update(made)
+            dead = sorted({n for k in range(i, end) for n in frees.get(k, [])
+                           if n in defined and n not in sp.inputs})
+            if dead:
+                body.append(f"    del {', '.join(dead)}")
+            i = end - 1
+            continue
         if i in first:
             no_grad_open = False  # bound outside any no_grad block: a gathered weight keeps its autograd link
             body += [f"    {n} = _P[{j}]" for j, n in sorted(first[i])]
@@ -455,6 +503,62 @@ def _function(name: str, sp: StageProgram, params: list[str], stmts: list[Stmt],
             + "\n".join(body) + f"\n    return ({outs}{',' if len(outputs) == 1 else ''})\n")
 
 
+def _compilable(s: Any) -> bool:
+    """A statement a compiled region may hold: an op that computes locally (no collective, no
+    group-aware kernel, no user autograd.Function), outside co-shard and recompute regions."""
+    return (isinstance(s, Stmt) and s.kind == "op" and s.op is not None and s.group_kwarg is None
+            and s.coshard is None and s.grad_enabled and not isinstance(s.target, FunctionTarget))
+
+
+def _compiled_runs(items: list[Any], book: RegionBook) -> list[tuple[int, int]]:
+    """(start, end) of each run of compilable statements inside one block (a layer, or what comes
+    before or after the layers) long enough to be worth a compiled graph."""
+    runs, i = [], 0
+    while i < len(items):
+        if not _compilable(items[i]):
+            i += 1
+            continue
+        block, j = book.block(items[i]), i
+        while j < len(items) and _compilable(items[j]) and book.block(items[j]) == block:
+            j += 1
+        if j - i >= MIN_REGION_OPS:
+            runs.append((i, j))
+        i = j
+    return runs
+
+
+def _run_call(run: list[Stmt], needed: set[str], em: "_Emitter") -> tuple[list[str], list[str]]:
+    """The call of a run's region (its function registered in the book, named canonically) and the
+    names the call binds (what later statements or the outputs read)."""
+    made: set[str] = set()
+    inputs: list[str] = []
+    for s in run:
+        for n in _stmt_uses(s):
+            if n not in made and n not in inputs:
+                inputs.append(n)
+        made.update(o for o in s.out if o)
+    outs = list(dict.fromkeys(o for s in run for o in s.out if o and o in needed))
+    names = {n: f"a{k}" for k, n in enumerate(inputs)}
+    for s in run:
+        for o in s.out:
+            if o and o not in names:
+                names[o] = f"t{len(names) - len(inputs)}"
+    notes = _SourceNotes()
+    lines: list[str] = []
+    for s in run:
+        lines += _stmt_lines(rename_stmt(s, names), "    ", em, notes)
+    device = any(re.search(r"\b_device\b", ln) for ln in lines if not ln.lstrip().startswith("#"))
+    signature = ["_S"] + (["_device"] if device else []) + [names[n] for n in inputs]
+    block = em.regions.block(run[0]) or ""
+    name = em.regions.add(signature, lines, [names[o] for o in outs], block)
+    args = ", ".join(["_S"] + (["_device"] if device else []) + inputs)
+    head = [f"    # {block}: {len(run)} ops compiled as {name}" if block else f"    # {len(run)} ops compiled as {name}"]
+    if not outs:
+        return head + [f"    {name}({args})"], []
+    lhs = ", ".join(outs) + ("," if len(outs) == 1 else "")
+    return head + [f"    {lhs} = {name}({args})"], outs
+
+
 def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: Optional[int] = None) -> list[str]:
     lines = notes.lines(s, ind) if s.kind in ("op", "reshard", "grad_sum") else []
     if s.kind == "op" and s.op is not None:
@@ -471,6 +575,11 @@ def _stmt_lines(s: Stmt, ind: str, em: "_Emitter", notes: _SourceNotes, piece: O
                 note = "  # communicates over this device's data-parallel replicas"
             elif em.program is not None:
                 note = f"  # communicates over {_devices(_own_group(em.program.kernel_groups[s.group_kwarg], em.device))}"
+        if s.op.name in em.float8 and target is torch.ops.aten.linear.default:
+            from nnscaler_plugins.kernels import float8
+
+            target = float8.linear  # the same product in float8 (torchao's Float8Linear)
+            kws += [f"{k}={em.value(v)}" for k, v in em.float8_kwargs.items()]
         call = f"{em.callable_name(target)}({', '.join([a for a in [arg_text] if a] + kws)})"
         lines.append((f"{ind}{lhs} = {call}" if any(o is not None for o in s.out) else f"{ind}{call}") + note)
     elif s.kind == "reshard":
@@ -523,13 +632,23 @@ def _region_lines(region: _Region, number: int, em: "_Emitter", ind: str) -> lis
     return lines
 
 
-def write_and_load(program: Program, device: int, cache_dir: str) -> tuple[Any, str]:
-    """Generate (or reuse) the rank's file under cache_dir/<key>/ and import it."""
+def variant(program: Program, regions: Optional[bool]) -> str:
+    """The file-name suffix of a rank's file generated with or without compiled regions against
+    the plan's `compile` knob ("" when it follows the knob)."""
+    if regions is None or bool(regions) == program.plan.knobs.compile:
+        return ""
+    return "_regions" if regions else "_plain"
+
+
+def write_and_load(program: Program, device: int, cache_dir: str, regions: Optional[bool] = None) -> tuple[Any, str]:
+    """Generate (or reuse) the rank's file under cache_dir/<key>/ and import it. `regions`: as
+    `generate` takes it (default: the plan's compile knob)."""
     d = os.path.join(cache_dir, cache_key(program))
-    path = os.path.join(d, f"rank{device}.py")
+    suffix = variant(program, regions)
+    path = os.path.join(d, f"rank{device}{suffix}.py")
     if not os.path.exists(path):
-        _write(d, path, generate(program, device))
-    return _import(program, path, f"nnscaler_gen_{cache_key(program)}_rank{device}"), path
+        _write(d, path, generate(program, device, regions))
+    return _import(program, path, f"nnscaler_gen_{cache_key(program)}_rank{device}{suffix}"), path
 
 
 def load_source(program: Program, device: int, cache_dir: str, source: str, tag: str) -> Any:

@@ -10,10 +10,11 @@ items (`loss_items`, see `loss_items.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from nnscaler_plugins.compiler.loss_items import LossItems
+    from nnscaler_plugins.compiler.regions import RegionLog
     from nnscaler_plugins.compiler.shapes import ShapePrograms
     from nnscaler_plugins.lower.lowering import ParamShard, Program
 
@@ -31,6 +32,16 @@ class Artifact:
     loss_items: "LossItems"  # counts the items a batch's loss averages over (targets not ignored, or samples)
     compile_seconds: float = 0.0  # lowering, code generation and loading of this artifact
     notes: list[str] = field(default_factory=list)  # what the compile stage wants said once (warnings)
+    # torch.compile's backend its regions run under (None: eager), and their first calls' seconds
+    compile_backend: Optional[str] = None
+    region_log: Optional["RegionLog"] = None
+    # The same device's artifact with its regions under torch.compile (backend; None: the plan's)
+    with_compile: Optional[Callable[[Optional[str]], "Artifact"]] = field(default=None, repr=False)
+
+    @property
+    def torch_compile_seconds(self) -> float:
+        """Seconds the first calls of its compiled regions took so far (torch.compile's work)."""
+        return self.region_log.seconds if self.region_log is not None else 0.0
 
     @property
     def plan(self) -> Any:

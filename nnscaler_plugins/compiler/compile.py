@@ -21,6 +21,7 @@ from nnscaler_plugins.capture.skeleton import meta_skeleton
 from nnscaler_plugins.codegen.generate import write_and_load
 from nnscaler_plugins.compiler.artifact import Artifact
 from nnscaler_plugins.compiler.loss_items import LossItems
+from nnscaler_plugins.compiler.regions import RegionLog, compile_regions
 from nnscaler_plugins.compiler.shapes import ShapePrograms
 from nnscaler_plugins.lower.lowering import Program, lower
 from nnscaler_plugins.plan.plan import Plan
@@ -38,7 +39,7 @@ class Compiled:
         self.cache_dir = cache_dir
         self.why_no_skeleton = why_no_skeleton
         self.lower_seconds = lower_seconds
-        self._artifacts: dict[int, Artifact] = {}
+        self._artifacts: dict[tuple[int, Optional[str]], Artifact] = {}
 
     @property
     def plan(self) -> Plan:
@@ -52,21 +53,39 @@ class Compiled:
     def unit_size(self) -> int:
         return self.program.unit_size
 
-    def artifact(self, unit_device: int) -> Artifact:
-        """Device `unit_device`'s artifact (a global rank's is `artifact_for_rank(rank)`), made once."""
+    def artifact(self, unit_device: int, compile_backend: Optional[str] = None) -> Artifact:
+        """Device `unit_device`'s artifact (a global rank's is `artifact_for_rank(rank)`), made once.
+
+        Under the plan's `compile` knob its regions run under torch.compile (compiler/regions.py).
+        `compile_backend` asks for that whatever the knob says, with this backend: what
+        `ParallelModule.compile()` and `engine.compile()` use on a module made without it."""
         if not 0 <= unit_device < self.unit_size:
             raise ValueError(f"device {unit_device} is outside the plan's unit of {self.unit_size} devices")
-        if unit_device not in self._artifacts:
+        knobs = self.plan.knobs
+        backend = compile_backend or (knobs.compile_backend if knobs.compile else None)
+        key = (unit_device, backend)
+        if key not in self._artifacts:
             start = time.perf_counter()
-            module, path = write_and_load(self.program, unit_device, self.cache_dir)
+            regions = backend is not None
+            module, path = write_and_load(self.program, unit_device, self.cache_dir, regions)
             with open(path) as f:
                 source = f.read()
+            log = RegionLog()
+            label = f"{self.graph.model_class} (device {unit_device})"
+
+            def compiled(mod: Any, dynamic: bool) -> None:
+                if backend is not None:
+                    compile_regions(mod, backend=backend, dynamic=dynamic, label=label, log=log)
+            compiled(module, False)
             shapes = ShapePrograms(self.program, unit_device, module, source, self.skeleton, self.cache_dir,
-                                   self.why_no_skeleton)
-            self._artifacts[unit_device] = Artifact(
-                self.program, unit_device, module, path, shapes, LossItems(self.graph, self.program.loss_index),
-                compile_seconds=self.lower_seconds + time.perf_counter() - start)
-        return self._artifacts[unit_device]
+                                   self.why_no_skeleton, regions=regions, compile_module=compiled)
+            art = Artifact(self.program, unit_device, module, path, shapes,
+                           LossItems(self.graph, self.program.loss_index),
+                           compile_seconds=self.lower_seconds + time.perf_counter() - start,
+                           compile_backend=backend, region_log=log)
+            art.with_compile = lambda b, d=unit_device: self.artifact(d, b or knobs.compile_backend)
+            self._artifacts[key] = art
+        return self._artifacts[key]
 
     def artifact_for_rank(self, rank: int) -> Artifact:
         """The artifact global rank `rank` runs: its device in the unit (`rank % unit_size`)."""

@@ -24,12 +24,12 @@ import math
 import re
 import time
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from nnscaler_plugins.capture.tracing import CaptureError, capture
-from nnscaler_plugins.codegen.generate import generate, load_source
+from nnscaler_plugins.codegen.generate import generate, load_source, variant
 from nnscaler_plugins.codegen.shape_template import fit_ints, fit_sources, same_code
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.lower.lowering import Program, lower
@@ -79,7 +79,13 @@ class ShapePrograms:
     """Per rank: picks (and when needed makes) the program for a call's sizes."""
 
     def __init__(self, program: Program, unit_device: int, live_module: Any, live_source: str, skeleton: Any,
-                 cache_dir: str, why_no_skeleton: str = ""):
+                 cache_dir: str, why_no_skeleton: str = "", regions: Optional[bool] = None,
+                 compile_module: Optional[Callable[[Any, bool], None]] = None):
+        # Files for other sizes are generated as the live one was (with compiled regions or not), and
+        # each loaded one is handed to `compile_module(module, dynamic)`: dynamic for the file
+        # fitted for every size, static for a file of one shape.
+        self.regions = regions
+        self.compile_module = compile_module
         self.program = program
         self.graph = program.graph
         self.unit_device = unit_device
@@ -286,6 +292,8 @@ class ShapePrograms:
             return None
         module = self._load(template.render([self.describe(g[0]) for g in symbols]), "shapes_" + "_".join(
             "-".join(f"{i}.{d}" for i, d in g) for g in symbols))
+        if self.compile_module is not None:
+            self.compile_module(module, True)  # one graph per region for every size
         self.rebuild_seconds.append(time.perf_counter() - start)
         return _Fitted(module, template, symbols, boundary, list(points) + [check])
 
@@ -367,7 +375,7 @@ class ShapePrograms:
             return (f"the plan communicates otherwise at sizes {list(sizes) or [list(s) for s in exact if s]} than "
                     f"at the example's (a split through a dim merged with a size that varies, so its block count "
                     f"follows the size)")
-        return (generate(prog, self.unit_device), {b.value: tuple(g.meta(b.value).shape) for b in prog.boundaries},
+        return (generate(prog, self.unit_device, self.regions), {b.value: tuple(g.meta(b.value).shape) for b in prog.boundaries},
                 prog)
 
     def _which_sizes(self, shapes: Shapes, why: str) -> str:
@@ -390,7 +398,8 @@ class ShapePrograms:
         return mine[4] == theirs[4] and set(prog.groups_needed()) <= set(self.program.groups_needed())
 
     def _load(self, source: str, tag: str) -> Any:
-        return load_source(self.program, self.unit_device, self.cache_dir, source, tag)
+        return load_source(self.program, self.unit_device, self.cache_dir, source,
+                           tag + variant(self.program, self.regions))
 
     def _per_shape(self, shapes: Shapes, args: tuple, kwargs: dict) -> ShapeProgram:
         if shapes in self.per_shape:
@@ -401,6 +410,8 @@ class ShapePrograms:
             raise PlanError(f"inputs of shapes {[s for s in shapes if s is not None]} cannot run under this plan: "
                             f"{self._which_sizes(shapes, made)}{made}")
         module = self._load(made[0], "shape_" + "_".join("x".join(map(str, s)) for s in shapes if s is not None))
+        if self.compile_module is not None:
+            self.compile_module(module, False)
         # its collectives index its own tables where they differ from the example's
         own = made[2] if made[2].tables_key() != self.program.tables_key() else self.program
         self.per_shape[shapes] = ShapeProgram(module, own)

@@ -1,4 +1,10 @@
-"""Reductions over the batch that the loss uses nonlinearly: what data-parallel replicas must combine.
+"""Statistics over the batch: what data-parallel replicas must combine to compute what one device does.
+
+Two kinds. Batch norm in training normalizes with the mean and variance over the batch and updates
+its running statistics from them: every replica must take them over the whole global batch (the
+lowering replaces the op with `kernels.batch_norm_statistics`, SyncBatchNorm's arithmetic), or
+each replica trains another model, as DDP without SyncBatchNorm does. And reductions over the
+batch that the loss uses nonlinearly:
 
 Each data-parallel replica runs the plan's unit on its share of the batch, and the replicas' losses
 are weighted by their items before gradients are averaged. A reduction over the batch that reaches
@@ -9,9 +15,9 @@ token -- is not, and Hugging Face's own loss under DDP or gradient accumulation 
 device's on the whole batch for that reason. The lowering makes the reductions found here whole
 across the replicas (`kernels.replica_statistics`), so every replica reads the whole batch's value.
 
-Strategies record them in the plan's knobs (`apply_batch_statistics`, the pass every built-in
+Strategies record both in the plan's knobs (`apply_batch_statistics`, the pass every built-in
 strategy ends with: "global", the default, finds and records them; "local" keeps each replica's
-own, as Hugging Face under DDP); a plan that does not say (one from `nns.search`, saved before, or
+own, as Hugging Face under DDP and DDP without SyncBatchNorm do); a plan that does not say (one from `nns.search`, saved before, or
 made by a strategy that does not look) gets them here before it is lowered
 (`with_batch_statistics`), so no plan with replicas or micro-batches runs a router loss silently
 per replica. The batch dim is followed from the model's inputs through every op's dimension rule,
@@ -24,6 +30,7 @@ from typing import Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.kernels.batch_norm_statistics import KERNELS as BATCH_NORM_KERNELS
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 from nnscaler_plugins.outputs import loss_position
@@ -44,21 +51,44 @@ _SCATTER_SUMS = ("aten.scatter_add.", "aten.scatter_add_.", "aten.index_add.", "
 _ZEROS = ("aten.zeros.", "aten.new_zeros.", "aten.zeros_like.")
 #: Ops that flatten or repeat rows, the batch staying outermost.
 _ROWS_KEPT = ("aten.reshape.", "aten.view.", "aten._unsafe_view.", "aten.flatten.", "aten.repeat_interleave.")
+#: Batch norm: in training it normalizes with the mean and variance over the batch (and the spatial
+#: dims) and updates its running statistics from them; the kernels replacing it on each replica
+#: (`kernels.batch_norm_statistics.KERNELS`) take them over the whole batch.
+_BATCH_NORMS = ("aten.batch_norm.", "aten.native_batch_norm.", "aten._native_batch_norm_legit.",
+                "aten._native_batch_norm_legit_functional.")
 
 
-def _batch_reductions(builder: PlanBuilder) -> tuple[dict[str, tuple[OpHandle, int]], set[str]]:
-    """Ops reducing over the batch dim (each with the input that carries the batch), and the
-    values that depend on the data inputs."""
+def batch_norm_in_training(op: OpHandle) -> bool:
+    """Whether the op is a batch norm that takes its statistics from its input (training mode)."""
+    node = op.node
+    if not node.op_name.startswith(_BATCH_NORMS):
+        return False
+    at = 3 if node.op_name.startswith("aten._native_batch_norm_legit.no_stats") else 5
+    training = node.args[at] if len(node.args) > at else node.kwargs.get("training", False)
+    return bool(training)
+
+
+def _batch_reductions(builder: PlanBuilder) -> tuple[dict[str, tuple[OpHandle, int]], set[str], dict[str, OpHandle]]:
+    """Ops reducing over the batch dim (each with the input that carries the batch), the values
+    that depend on the data inputs, and the batch norms in training whose input carries the batch."""
     graph = builder.graph
     inputs = [v for v in graph.values.values() if v.kind == "input" and v.meta is not None and v.meta.ndim >= 1]
     batch = inputs[0].meta.shape[0] if inputs else None
     dim: dict[str, Optional[int]] = {v.name: (0 if v.meta.shape[0] == batch else None) for v in inputs}
     data = {v.name for v in graph.values.values() if v.kind == "input"}
     reductions: dict[str, tuple[OpHandle, int]] = {}
+    norms: dict[str, OpHandle] = {}
     for op in builder.ops:
         sig = op.signature
         if any(name in data for name in op.node.inputs):
             data.update(o for o in op.node.outputs if o is not None)
+        if batch_norm_in_training(op):
+            d = dim.get(op.node.inputs[0]) if op.node.inputs else None
+            if d is not None and d != 1:  # dim 1 is the channel: any other dim is reduced over
+                norms[op.name] = op
+            if op.node.outputs and op.node.outputs[0] is not None:
+                dim[op.node.outputs[0]] = d  # the output is the input normalized: its batch dim stays
+            continue
         label, whole, carrier = None, None, 0
         for i, name in enumerate(op.node.inputs):
             d, labs = dim.get(name), (sig.inputs[i] if i < len(sig.inputs) else None)
@@ -81,7 +111,7 @@ def _batch_reductions(builder: PlanBuilder) -> tuple[dict[str, tuple[OpHandle, i
                 dim[out] = labs.index(label) if label is not None and labs and label in labs else None
         if op.node.op_name.startswith(_ROWS_KEPT) and op.node.inputs and dim.get(op.node.inputs[0]) == 0:
             _rows_kept(graph, op, dim)
-    return reductions, data
+    return reductions, data, norms
 
 
 def _rows_kept(graph, op: OpHandle, dim: dict[str, Optional[int]]) -> None:
@@ -133,13 +163,19 @@ def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set
 
 def batch_statistics(builder: PlanBuilder, strategy: str,
                      way_out: str = "pass batch_statistics='local'") -> dict[str, list]:
-    """{op name: ["sum" | "mean", index of the input carrying the batch]} for each reduction over
-    the batch the loss uses nonlinearly; refuses (by name) one whose pieces the replicas cannot
-    combine exactly."""
-    reductions, data = _batch_reductions(builder)
+    """{op name: ["sum" | "mean" | "batch_norm", index of the input carrying the batch]} for each
+    batch norm in training over the batch and each reduction over the batch the loss uses
+    nonlinearly; refuses (by name) one whose pieces the replicas cannot combine exactly."""
+    reductions, data, norms = _batch_reductions(builder)
     ancestors, linear = _loss_ancestors(builder, data)
     producer = {o: op for op in builder.ops for o in op.node.outputs if o is not None}
     found: dict[str, list] = {}
+    for name, op in norms.items():  # whatever reads it: its output and its running statistics are the batch's
+        if op.node.op_name not in BATCH_NORM_KERNELS:
+            raise PlanError(f"strategy {strategy!r}: batch norm in training ({op.node.op_name}) cannot be given the "
+                            f"whole batch's statistics across data-parallel replicas; {way_out} to normalize each "
+                            "replica with its own rows (DDP without SyncBatchNorm)", op=name, where=op.where())
+        found[name] = ["batch_norm", 0]
     for name, (op, carrier) in reductions.items():
         if name not in ancestors or name in linear:
             continue
@@ -169,20 +205,24 @@ def refuse_micro_batches(builder: PlanBuilder, strategy: str, found: dict[str, l
     the first backward in 1F1B: refused, naming the first such reduction and the way out."""
     names = ", ".join(sorted(found))
     first = next(op for op in builder.ops if op.name in found)
-    raise PlanError(f"strategy {strategy!r}: with {micro} micro-batches, the loss's statistics over the batch "
-                    f"({names}: e.g. a router load-balancing loss) would be computed per micro-batch, not over "
+    kinds = sorted({"batch norm's mean and variance" if found[n][0] == "batch_norm" else
+                    "a statistic the loss uses nonlinearly (a router load-balancing loss)" for n in found})
+    raise PlanError(f"strategy {strategy!r}: with {micro} micro-batches, the statistics over the batch "
+                    f"({names}: {' and '.join(kinds)}) would be computed per micro-batch, not over "
                     f"the whole batch as one device does; {way_out} to accept that "
-                    "(Megatron's per-micro-batch auxiliary loss), or train without micro-batches",
+                    "(per-micro-batch statistics, as gradient accumulation in PyTorch and Megatron's "
+                    "auxiliary loss have them), or train without micro-batches",
                     op=first.name, where=first.where())
 
 
 def apply_batch_statistics(builder: PlanBuilder, mode: Optional[str] = None) -> None:
     """Record the plan's batch statistics (the pass every built-in strategy ends with): "global"
-    (the default) finds the reductions the loss uses nonlinearly and records them for the lowering
-    to combine across data-parallel replicas; "local" keeps each replica's own (Hugging Face under
-    DDP). Micro-batches see one micro-batch each, which no order of the forwards makes whole before
-    the first backward in 1F1B: "global" with micro-batches is refused when there are any. A plan
-    without such reductions (a dense LM) records nothing and plans exactly as before."""
+    (the default) finds the batch norms in training and the reductions the loss uses nonlinearly
+    and records them for the lowering to make whole across data-parallel replicas; "local" keeps
+    each replica's own (Hugging Face under DDP, DDP without SyncBatchNorm). Micro-batches see one
+    micro-batch each, which no order of the forwards makes whole before the first backward in
+    1F1B: "global" with micro-batches is refused when there are any. A plan without either (a
+    dense LM, a model in eval mode) records nothing and plans exactly as before."""
     strategy = builder.strategy
     mode = mode or "global"
     if mode not in ("global", "local"):

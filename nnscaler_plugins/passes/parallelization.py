@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.plan.mesh import Mesh, MeshLayout, resolve_mesh
+from nnscaler_plugins.plan.mesh import Mesh, MeshLayout, resolve_mesh, subop_devices
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
 
 View = tuple[tuple[str, int], ...]  # (axis name, size) outer to inner, over one stage's devices
@@ -159,7 +159,6 @@ class Parallelization:
             raise PlanError(f"is split along axis {unknown[0]!r}, which its stage's devices {dict(view)} do not have",
                             op=op.name, where=op.where())
         sizes = [s for _, s in view]
-        strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
         if math.prod(sizes) == 1:
             b.replicate(op, devices=[base])
             return
@@ -178,18 +177,5 @@ class Parallelization:
             s = splits[view[i][0]]
             num = sizes[i] * (chunks if i == innermost else 1)
             subs = b.op_trans(op, dim=s.label, num=num, block=s.block)
-        radices = [replicate] + [sizes[i] * (chunks if i == innermost else 1) for i in split_axes]
-        for index, sub in enumerate(subs):
-            digits, x = [], index
-            for r in reversed(radices):
-                digits.append(x % r)
-                x //= r
-            digits.reverse()
-            coord = [0] * len(view)
-            rep = digits[0]
-            for i in reversed(copy_axes):
-                coord[i] = rep % sizes[i]
-                rep //= sizes[i]
-            for i, d in zip(split_axes, digits[1:]):
-                coord[i] = d // chunks if i == innermost else d
-            b.op_assign(sub, base + sum(c * s for c, s in zip(coord, strides)))
+        for sub, device in zip(subs, subop_devices(sizes, split_axes, chunks)):
+            b.op_assign(sub, base + device)

@@ -586,9 +586,10 @@ class TensorParallelPropagation:
             return
         sizes = sorted({size for _, _, size, _ in dims})
         shown = f"{', '.join(map(str, sizes[:12]))}{' ...' if len(sizes) > 12 else ''}"
-        fits = [d for d in range(2, max(sizes) + 1) if sum(size % d == 0 for size in sizes) * 2 >= len(sizes)]
-        advice = (f"Choose a degree that divides them{f' (for example {fits[0]})' if fits else ''}, or use data "
-                  "parallelism (dp)")
+        fits = [d for d in range(2, max(sizes) + 1)
+                if d != self.n and sum(size % d == 0 for size in sizes) * 2 >= len(sizes)]
+        advice = (f"Choose a degree that divides them (for example {fits[0]}), or use data parallelism (dp)" if fits
+                  else "Use data parallelism (dp) for this model")
         if not any(divisible for *_, divisible in dims):
             raise PlanError(f"tensor-parallel degree {self.n} divides none of the weight dims of "
                             f"{self.graph.model_class} (sizes {shown}; first weight at {dims[0][0].node.where()}), "

@@ -11,17 +11,18 @@ typed from the start); everything that used to travel in `plan.options` is here.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.errors import PlanError, refuse_unknown
 
 RECOMPUTE_MODES = ("none", "full", "selective")  # or a module class name / module paths (recorded as "custom")
 CP_COMMS = ("ring", "allgather", "ulysses")
 ON_NONFINITE = ("raise", "skip", "ignore")
 BATCH_STATISTICS = ("global", "local")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile's backends the runtime is tested with
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float8 training recipes
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,15 @@ class Knobs:
     overlap_param_gather: Optional[bool] = None
     overlap_p2p: Optional[bool] = None
     # -- how it runs ---------------------------------------------------------------------------------------
-    compile: bool = False  # the per-rank program under torch.compile
+    compile: bool = False  # the per-rank program under torch.compile (compiled per region, see codegen/regions.py)
+    compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager": no code generated, for debugging)
+    # -- float8 training (precision="fp8"; see kernels/float8.py) -------------------------------------------
+    fp8_recipe: str = "tensorwise"  # torchao's scaling recipe: tensorwise, rowwise or rowwise_with_gw_hp
+    fp8_emulate: bool = False  # float8 matmuls emulated in high precision (a CPU, a GPU without fp8 units)
+    fp8_linears: tuple[str, ...] = ()  # module paths (fnmatch patterns) to convert; () is torchao's default
+    fp8_skip: tuple[str, ...] = ()  # module paths containing one of these stay in bf16 (torchao's filter_fqns)
     collective_timeout_s: Optional[float] = None  # a hung collective is reported after this (None: the backend's)
+    report_dir: Optional[str] = None  # where hang reports are written as JSON (None: ./nnscaler_reports)
     on_nonfinite: str = "raise"  # a non-finite loss or gradient: raise NonFiniteError, skip the step, or ignore
     # -- provenance ---------------------------------------------------------------------------------------
     cluster: Optional[str] = None  # the cluster preset a searched plan was found for
@@ -53,11 +61,17 @@ class Knobs:
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_statistic_ops",
                            {str(k): (str(v[0]), int(v[1])) for k, v in dict(self.batch_statistic_ops).items()})
+        for name in ("fp8_linears", "fp8_skip"):  # lists from a plan file or a config
+            v = getattr(self, name)
+            if isinstance(v, str):
+                v = (v,)
+            if isinstance(v, (list, tuple)):
+                object.__setattr__(self, name, tuple(v))
         check(self)
 
     def replace(self, **changes: Any) -> "Knobs":
         """A copy with `changes` (names checked, with the name meant for a misspelt one)."""
-        refuse_unknown(changes, "knob")
+        refuse_unknown_knobs(changes)
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict:
@@ -67,14 +81,15 @@ class Knobs:
             v = getattr(self, f.name)
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if v != default:
-                out[f.name] = {k: list(x) for k, x in v.items()} if f.name == "batch_statistic_ops" else v
+                out[f.name] = ({k: list(x) for k, x in v.items()} if f.name == "batch_statistic_ops"
+                               else list(v) if isinstance(v, tuple) else v)
         return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], where: str = "the plan's knobs") -> "Knobs":
         if not isinstance(d, Mapping):
             raise PlanError(f"{where} must be an object, not {type(d).__name__}")
-        refuse_unknown(d, "knob", where)
+        refuse_unknown_knobs(d, where)
         values = dict(d)
         if "batch_statistic_ops" in values:
             values["batch_statistic_ops"] = {k: tuple(v) for k, v in values["batch_statistic_ops"].items()}
@@ -84,18 +99,12 @@ class Knobs:
 KNOB_NAMES = tuple(f.name for f in dataclasses.fields(Knobs))
 #: Options every strategy takes (besides its own) that set a knob directly.
 KNOB_OPTIONS = frozenset({"tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p", "compile",
-                          "collective_timeout_s", "on_nonfinite"})
+                          "compile_backend", "fp8_recipe", "fp8_emulate", "fp8_linears", "fp8_skip",
+                          "collective_timeout_s", "on_nonfinite", "report_dir"})
 
 
-def refuse_unknown(names: Mapping[str, Any], what: str = "knob", where: str = "") -> None:
-    unknown = [k for k in names if k not in KNOB_NAMES]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), KNOB_NAMES, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise PlanError(f"{where + ': ' if where else ''}unknown {what}(s) {', '.join(hints)}; the knobs are "
-                        f"{', '.join(KNOB_NAMES)}")
+def refuse_unknown_knobs(names: Mapping[str, Any], where: str = "") -> None:
+    refuse_unknown(names, KNOB_NAMES, "knob", where)
 
 
 def check(k: Knobs) -> None:
@@ -107,7 +116,17 @@ def check(k: Knobs) -> None:
                         "changes), 'skip' (skip the step on every rank) or 'ignore'")
     if k.batch_statistics not in BATCH_STATISTICS:
         raise PlanError(f"batch_statistics={k.batch_statistics!r}; use 'global' or 'local'")
-    for name in ("sequence_parallel", "experts_as_one_op", "compile"):
+    if k.compile_backend not in COMPILE_BACKENDS:
+        raise PlanError(f"compile_backend={k.compile_backend!r}: use one of {', '.join(COMPILE_BACKENDS)}")
+    if k.fp8_recipe not in FP8_RECIPES:
+        raise PlanError(f"fp8_recipe={k.fp8_recipe!r}: use one of {', '.join(FP8_RECIPES)} (torchao's float8 "
+                        "training recipes)")
+    for name in ("fp8_linears", "fp8_skip"):
+        v = getattr(k, name)
+        if not isinstance(v, tuple) or not all(isinstance(x, str) and x for x in v):
+            raise PlanError(f"{name}={v!r} must be a list of module paths (fnmatch patterns such as "
+                            "'model.layers.*.mlp.*')")
+    for name in ("sequence_parallel", "experts_as_one_op", "compile", "fp8_emulate"):
         if not isinstance(getattr(k, name), bool):
             raise PlanError(f"{name}={getattr(k, name)!r} must be True or False")
     for name in ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p"):
@@ -118,6 +137,8 @@ def check(k: Knobs) -> None:
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t)):
         raise PlanError(f"collective_timeout_s={t!r} must be a positive number of seconds (or None for the "
                         "backend's own timeout)")
+    if k.report_dir is not None and (not isinstance(k.report_dir, str) or not k.report_dir):
+        raise PlanError(f"report_dir={k.report_dir!r} must be a folder path (or None for ./nnscaler_reports)")
     c = k.capacity_factor
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
         raise PlanError(f"capacity_factor={c!r} must be a positive number (or None: no capacity limit)")

@@ -11,6 +11,14 @@ SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B"
              "interlaced": "interlaced"}
 
 
+def copies_every_op(plan: Any) -> bool:
+    """Whether every op of the plan runs whole on every device of its unit (more than one): the
+    unit then computes what one of its devices would, the others the same numbers again."""
+    ops = getattr(plan, "ops", None) or {}
+    return plan.unit_size > 1 and plan.pipeline is None and bool(ops) and all(
+        not p.splits and p.replicate == plan.unit_size for p in ops.values())
+
+
 def plan_label(plan: Any) -> str:
     """A plan in words: its degrees, schedule, micro-batches, ZeRO stage, recompute and precision.
 
@@ -20,7 +28,10 @@ def plan_label(plan: Any) -> str:
     mesh, knobs, pipe = plan.mesh, plan.knobs, plan.pipeline
     dense = mesh.dense_degrees()
     degrees = []
-    if "unit" in mesh.names and mesh["unit"] > 1:
+    if copies_every_op(plan):  # a unit that computes like one device: said, not hidden behind its mesh
+        degrees.append(f"every op copied on each of the {plan.unit_size} devices of a replica")
+        dense = {"tp": 1, "cp": 1, "pp": 1, "dp": plan.dp}
+    elif "unit" in mesh.names and mesh["unit"] > 1:
         degrees.append(f"{mesh['unit']} devices per replica")
         dense["tp"] = 1
     for name in ("tp", "cp", "pp", "dp"):

@@ -333,3 +333,35 @@ def resolve_mesh(layout: MeshLayout, world_size: int, options: Mapping[str, Any]
 def mesh_of_degrees(degrees: Sequence[tuple[str, int]], replica_axes: int = 1) -> Mesh:
     """A mesh from (name, size) pairs, outer to inner."""
     return Mesh(tuple(n for n, _ in degrees), tuple(int(s) for _, s in degrees), replica_axes)
+
+
+def subop_devices(sizes: Sequence[int], split_axes: Sequence[int], chunks: int = 1) -> list[int]:
+    """Where each sub-op of an op runs on a grid of devices (`sizes`, outer to inner, devices numbered
+    row-major): the op is split along the axes `split_axes` (in that order) and copied along the
+    others, its sub-ops numbered as `OpPlacement` numbers them (one replica digit over the copied axes,
+    outermost, then one digit per split); the innermost split may cut `chunks` pieces per device
+    (co-shard). Sub-op i runs on device `subop_devices(...)[i]`, at the grid coordinates of its digits,
+    so that every op's pieces sit at the same coordinates whatever it splits."""
+    sizes = list(sizes)
+    split_axes = list(split_axes)
+    copy_axes = [i for i in range(len(sizes)) if i not in split_axes]
+    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+    innermost = split_axes[-1] if split_axes else None
+    radices = [math.prod(sizes[i] for i in copy_axes)] + [sizes[i] * (chunks if i == innermost else 1)
+                                                           for i in split_axes]
+    out = []
+    for index in range(math.prod(radices)):
+        digits, x = [], index
+        for r in reversed(radices):
+            digits.append(x % r)
+            x //= r
+        digits.reverse()
+        coord = [0] * len(sizes)
+        rep = digits[0]
+        for i in reversed(copy_axes):
+            coord[i] = rep % sizes[i]
+            rep //= sizes[i]
+        for i, d in zip(split_axes, digits[1:]):
+            coord[i] = d // chunks if i == innermost else d
+        out.append(sum(c * s for c, s in zip(coord, strides)))
+    return out

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.errors import PlanError, PlanFormatWarning
+from nnscaler_plugins.errors import PlanError, PlanFormatWarning, refuse_unknown
 from nnscaler_plugins.plan.knobs import Knobs, from_v1_options
 from nnscaler_plugins.plan.mesh import Mesh, unit_mesh
 from nnscaler_plugins.plan.migrate import migrated_mesh
 
 # Version 2: the typed mesh ("mesh") and knobs ("knobs"); version 1 files are migrated when loaded.
 PLAN_FORMAT_VERSION = 2
-PRECISIONS = ("fp32", "bf16", "fp16")
+# "fp8": bf16 training whose linears run torchao's float8 matmuls (the knobs' fp8_* fields say which
+# and how); master weights in fp32 as with bf16.
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # What a plan may keep in host memory instead of the device's (None: nothing). "params" (ZeRO-3
 # only) also keeps the optimizer there.
 OFFLOADS = (None, "optimizer", "params")
@@ -40,17 +42,9 @@ _PIPELINE_KEYS = ("stage_devices", "stage_rank", "micro_batches", "schedule", "s
 
 def check_keys(d: Any, allowed: tuple[str, ...], where: str) -> None:
     """Refuse keys outside `allowed`, naming each with the closest valid one."""
-    import difflib
-
     if not isinstance(d, dict):
         raise PlanError(f"{where} must be a JSON object, not {type(d).__name__}")
-    unknown = [k for k in d if k not in allowed]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), allowed, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise PlanError(f"{where}: unknown key(s) {', '.join(hints)}; valid keys are {', '.join(allowed)}")
+    refuse_unknown(d, allowed, "key", where)
 
 
 @dataclass
@@ -229,8 +223,8 @@ class Plan:
     # `nns.simulate(plan, cluster)` price it without being handed the graph again.
     graph: Optional[Graph] = field(default=None, repr=False, compare=False)
     # Training knobs the runtime honours: ZeRO stage (0-3: optimizer state, + gradients, + parameters
-    # sharded across data-parallel replicas) and compute precision (fp32 | bf16 | fp16, the last two
-    # with fp32 master weights in the optimizer).
+    # sharded across data-parallel replicas) and compute precision (fp32 | bf16 | fp16 | fp8, all but
+    # the first with fp32 master weights in the optimizer; fp8 is bf16 with float8 linears).
     zero: int = 0
     precision: str = "fp32"
     # Host-memory offload: None, "optimizer" (optimizer state and step on the host) or "params"

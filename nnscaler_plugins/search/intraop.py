@@ -28,6 +28,7 @@ from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.plan.layers import layer_groups
+from nnscaler_plugins.plan.mesh import subop_devices
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.anchors import matmul_anchor, vocab_anchor
 from nnscaler_plugins.rules.signature import LocalCall
@@ -36,6 +37,7 @@ from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.dims import BATCH, SEQUENCE, tag_labels
 from nnscaler_plugins.search.layouts import Placement
 from nnscaler_plugins.search.pass_seeds import PassSeeds
+from nnscaler_plugins.search.replication import PARALLEL, batch_degree, duplicated_share
 from nnscaler_plugins.search.segments import Segment, Walker, itemsize
 
 _PLACEMENTS: dict = {}  # (Choice, devices) -> Placement; a pure function's cache
@@ -73,24 +75,7 @@ class Choice:
         copy_axes = [i for i, (l, _) in enumerate(self.axes) if l is None]
         splits = tuple((self.axes[i][0], self.axes[i][1]) for i in split_axes)
         replicate = math.prod(mesh[i] for i in copy_axes)
-        strides = [math.prod(mesh[i + 1:]) for i in range(len(mesh))]
-        radices = [replicate] + [mesh[i] for i in split_axes]
-        out = []
-        for idx in range(math.prod(mesh)):
-            digits = []
-            x = idx
-            for r in reversed(radices):
-                digits.append(x % r)
-                x //= r
-            digits.reverse()
-            coord = [0] * len(mesh)
-            rep = digits[0]
-            for i in reversed(copy_axes):
-                coord[i] = rep % mesh[i]
-                rep //= mesh[i]
-            for i, dgt in zip(split_axes, digits[1:]):
-                coord[i] = dgt
-            out.append(devices[sum(c * s for c, s in zip(coord, strides))])
+        out = [devices[d] for d in subop_devices(mesh, split_axes)]
         return Placement(splits, replicate, tuple(sorted(self.blocks)), tuple(out))
 
 
@@ -111,6 +96,8 @@ class IntraResult:
     cp: int = 1  # context parallelism: attention split along its sequence this many ways (0 ops: 1)
     cp_comm: str = "ring"  # how those pieces meet their keys (the plan's `cp_comm`)
     ep: int = 1  # expert parallelism: the largest expert split of a mixture-of-experts layer
+    batch: int = 1  # the largest split of an op along its batch (data parallelism inside the group)
+    duplicated: float = 0.0  # share of the work the group's copies compute again (`replication`)
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.choices.items()))
@@ -534,6 +521,10 @@ class IntraSolver:
         result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(self.graph.op(var))
                                    and not (self.context_parallel and l == self.seq_label(self.graph.op(var))))
                          for var, ch in assign.items()), default=1)
+        costs = self.cm.costs.ops
+        result.batch = batch_degree(choices, lambda name: self.batch_label(self.graph.op(name)))
+        result.duplicated = duplicated_share(((costs[name], math.prod(n for l, n in ch.axes if l is None))
+                                              for name, ch in choices.items()), self.group)
         return result
 
     # -- the search ---------------------------------------------------------------------------------------------
@@ -824,7 +815,9 @@ def pareto_results(results: Iterable[IntraResult]) -> list[IntraResult]:
         if k in seen:
             continue
         seen.add(k)
-        if any(o.time <= r.time and o.memory <= r.memory for o in out):
+        # a plan that divides the work is only given up for another that does (`replication`)
+        if any(o.time <= r.time and o.memory <= r.memory and (o.duplicated <= PARALLEL or r.duplicated > PARALLEL)
+               for o in out):
             continue
         out.append(r)
     return out

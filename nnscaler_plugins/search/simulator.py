@@ -17,12 +17,14 @@ The simulator never touches torch.distributed: everything is arithmetic on the g
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.float8 import float8_linears
 from nnscaler_plugins.plan.layers import layer_groups
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, PipelineShape, Task
@@ -144,7 +146,7 @@ def priced_settings(plan: Plan) -> dict:
     return {"precision": plan.precision, "zero": plan.zero, "recompute": k.recompute,
             "sequence_parallel": k.sequence_parallel, "cp_comm": k.cp_comm, "tp_comm_overlap": k.tp_comm_overlap,
             "overlap_grad_reduce": k.overlap_grad_reduce, "overlap_param_gather": k.overlap_param_gather,
-            "overlap_p2p": k.overlap_p2p}
+            "overlap_p2p": k.overlap_p2p, "compile": k.compile}
 
 
 def training_of(plan: Plan, cluster: ClusterSpec) -> Training:
@@ -165,6 +167,8 @@ def training_of(plan: Plan, cluster: ClusterSpec) -> Training:
 def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, keep_timeline: bool = False) -> Estimate:
     """`simulate` without its checks, for callers that made the plan for this graph themselves."""
     training = training_of(plan, cluster)
+    if plan.precision == "fp8":
+        training = dataclasses.replace(training, fp8_ops=frozenset(float8_linears(graph, plan.knobs)))
     m = plan.num_micro_batches
     if plan.pipeline is None:
         stage_of = {op.name: 0 for op in graph.ops}

@@ -44,6 +44,7 @@ class Config:
     cp: int = 1  # context parallelism: attention (and what carries the sequence) split along it cp ways
     cp_comm: str = "ring"  # how attention pieces meet their keys under cp (ring, allgather, ulysses)
     ep: int = 1  # expert parallelism: experts of a mixture-of-experts layer split ep ways with their tokens
+    batch: int = 0  # the batch split inside the group (0: whatever of the group tp and cp leave)
 
     @property
     def unit_size(self) -> int:
@@ -94,12 +95,15 @@ def axes_tp(axes: Axes, batch_label: Optional[str]) -> int:
 
 def mesh_of_config(cfg: Config) -> Mesh:
     """The mesh of a candidate's plan: its replicas, pipeline ranks, and in each stage's group the
-    batch split, context and tensor parallelism (experts split over those devices are folded in)."""
+    batch split, context and tensor parallelism (experts split over those devices are folded in).
+    A group those splits do not account for (its ops copied over some of its devices: a batch
+    split smaller than the group tp and cp leave) is a bare unit of devices, not a batch split."""
     inner = cfg.tp * cfg.cp
-    if cfg.group % inner:
+    batch = cfg.group // inner if not cfg.group % inner else 0
+    if not batch or 0 < cfg.batch < batch:
         names, sizes = ("dp", "pp", "unit"), (cfg.dp, cfg.pp, cfg.group)
     else:
-        names, sizes = ("dp", "pp", "batch", "cp", "tp"), (cfg.dp, cfg.pp, cfg.group // inner, cfg.cp, cfg.tp)
+        names, sizes = ("dp", "pp", "batch", "cp", "tp"), (cfg.dp, cfg.pp, batch, cfg.cp, cfg.tp)
     folded = (("ep", cfg.ep),) if cfg.ep > 1 else ()
     return Mesh(names, sizes, 1, folded)
 
