@@ -153,6 +153,8 @@ class Walker:
         sp = t.sequence_parallel
         made_by: dict[str, Any] = {}  # value -> recompute group of its producer
         gathered: dict[str, float] = {}  # value -> the piece of it kept, for views of gathered values
+        copies: dict[str, list[int]] = {}  # weight -> the segments holding a copy of it (one per device group)
+        copy_layout: dict[tuple[str, int], tuple[Layout, int]] = {}
         for op in ops:
             name = op.name
             k = segment_of(name)
@@ -192,9 +194,18 @@ class Walker:
                 isz = itemsize(val.meta.dtype, t)
                 needs_grad = val.meta.requires_grad and op.grad_enabled
                 if val.kind in ("param", "buffer", "constant"):
+                    # a weight read on another device group (a tied embedding on the last pipeline stage)
+                    # is a copy there, with its own states, as the runtime keeps it
+                    held = next((h for h in copies.get(v, ()) if not cross_segment(h, k)), None)
+                    if held is None:
+                        copies.setdefault(v, []).append(k)
+                        storage.pop(v, None)
+                    elif storage.get(v, (None, held))[1] != held:
+                        storage[v] = copy_layout[(v, held)]
                     if v not in storage:
                         lay = Layout(need.shape, need.group, need.replicas * need.partial, 1, need.splits, need.blocks)
                         storage[v] = (lay, k)
+                        copy_layout[(v, k)] = storage[v]
                         local = math.prod(lay.local_shape())
                         if val.kind == "param" and val.meta.requires_grad:
                             seg.params[v] = (local, tuple(sorted(set(lay.group))), grads[i])
