@@ -83,7 +83,7 @@ def part_a(quick: bool, save: bool = True) -> None:
                "peak. Both sides are priced by the same simulator (benchmarks/simulator_fidelity.py reports how close "
                "it is to the published measurements). For the C2 rows with sequence parallelism the search may use "
                "that option too (`nns.search(..., sequence_parallel=True)`): its candidates carry the layers' "
-               "sequence splits and are priced as placed, as the `megatron` strategy's plans are.")
+               "sequence splits and are priced as placed, as the `megatron` strategy's plans are.", keep_previous=True)
 
 
 # -- part B ---------------------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def part_b(limits=(80 * GiB, 24 * GiB), save: bool = True, clusters=("a100-dgx",
            ("model", "cluster", "GPUs", "global batch", "memory limit GiB", "compute-only bound", "recipes (time / peak)",
             "best fitting recipe",
             "search best", "speed-up (target 1.3x)", "search's plan"),
-           NOTES_B)
+           NOTES_B, keep_previous=True)
 
 
 NOTES_B = """Recipes: pure data parallelism (ZeRO 0), ZeRO-3 (the same with sharded states), and Megatron tensor
@@ -407,7 +407,7 @@ def part_c(save: bool = True, quick: bool = False) -> None:
         record("plan_quality.py part C: expert and context parallelism in the search (simulated, H100 preset)", rows,
                ("model", "GPUs", "global batch (sequences)", "search with ep/cp (time / peak)",
                 "best plan without ep/cp", "speed-up over it", "Megatron-style ep recipe", "speed-up over the recipe",
-                "search's plan", "search wall s"), NOTES_C)
+                "search's plan", "search wall s"), NOTES_C, keep_previous=True)
 
 
 NOTES_C = """Memory limit 80 GiB per GPU for every plan. The MoE rows capture each layer's experts as one op
