@@ -202,13 +202,15 @@ def moe():
 def recipe(graph, name: str, world: int, m: int, **opts):
     """A fixed recipe as a plan (built directly, no lowering)."""
     strategy = get_strategy("megatron" if name == "megatron" else "dp")
+    # a router's statistics per micro-batch, as Megatron computes its auxiliary loss (pricing is the same)
+    stats = {"batch_statistics": "local"} if m > 1 else {}
     if name == "megatron":
         unit, dp = strategy.degrees(world, tp=8, pp=1)
         builder = PlanBuilder(graph, unit, dp, strategy="megatron", micro_batches=m)
-        strategy(builder, tp=8, pp=1)
+        strategy(builder, tp=8, pp=1, **stats)
     else:
         builder = PlanBuilder(graph, 1, world, strategy="dp", micro_batches=m)
-        strategy(builder)
+        strategy(builder, **stats)
     plan = builder.finish()
     plan.zero = 3 if name == "zero-3" else 0
     return plan

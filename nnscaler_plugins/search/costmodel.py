@@ -164,6 +164,7 @@ class CostModel:
         self._mem_rate = cluster.memory_bandwidth * eff.memory
         self._overhead = eff.op_overhead_s
         self._time: dict = {}
+        self._grad_inputs: dict = {}
         self._lay: dict = {}
         self._reshard: dict = {}
         self._reshard_direct: dict = {}
@@ -440,12 +441,25 @@ class CostModel:
         c = self.costs.ops[name]
         if not c.needs_grad or c.kind == "view":
             return 0.0
+        counted = self._grad_inputs.get(name)
+        if counted is None:  # which inputs get a gradient: a property of the op's place in the graph
+            g = self.graph
+            counted = self._grad_inputs[name] = tuple(
+                g.values[u.value].kind not in ("param", "buffer", "constant") and g.meta(u.value).requires_grad
+                for u in c.inputs)
+        # identical layers' ops share the sum (the search asks for it once per op and placement)
+        key = ("working set", c.key, counted, p.splits, p.blocks, training.act_bytes)
+        hit = self._time.get(key)
+        if hit is not None:
+            return hit
+        self._time[key] = total = self._working_set(c, counted, p, training)
+        return total
+
+    def _working_set(self, c: OpCost, counted_inputs: tuple, p: Placement, training: Training) -> float:
         isz = max(4, training.act_bytes) if c.fp32 else training.act_bytes
         counts = p.label_counts()
-        g = self.graph
         total = 0.0
-        uses = [(u, True) for u in c.outputs] + [(u, g.values[u.value].kind not in ("param", "buffer", "constant")
-                                                  and g.meta(u.value).requires_grad) for u in c.inputs]
+        uses = [(u, True) for u in c.outputs] + list(zip(c.inputs, counted_inputs))
         for u, counted in uses:
             if not counted or u.itemsize is not None:
                 continue
