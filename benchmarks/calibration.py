@@ -252,7 +252,7 @@ def published_plan(case: Case, g=None):
     if "zero" in opts:
         plan.zero = opts["zero"]
     if opts.get("recompute") == "op":
-        plan.options["recompute"] = "op"
+        plan.knobs = plan.knobs.replace(recompute="op")
     return plan
 
 

@@ -146,6 +146,8 @@ def translate(config: dict) -> Settings:
     s.allgather_bucket_size = int((config.get("zero_optimization") or {}).get("allgather_bucket_size", 5e8))
     _check_reduction_keys(config)
     s.plan, s.plan_options = _nnscaler_section(config.get("nnscaler"))
+    if bool((config.get("compile") or {}).get("deepcompile", False)):
+        s.plan_options.setdefault("compile", True)  # the per-rank program under torch.compile
     return s
 
 

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
-from nnscaler_plugins.runtime.loss import extract_loss
+from nnscaler_plugins.outputs import extract_loss
 
 from . import checkpoint as ckpt
 from .checkpoint import universal
@@ -367,18 +367,32 @@ class DeepSpeedEngine(torch.nn.Module):
                 yield (f"{prefix}.{name}" if prefix else name), local
 
     def compile(self, backend: Any = None, compile_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
-        """DeepSpeed's engine.compile() runs the model under torch.compile. Here each rank runs its
-        generated program, which compiling does not change the results of: accepted with a warning
-        (as the config's "compile" section is), and `is_compiled` says it was asked for."""
-        import warnings
-
-        warnings.warn("engine.compile(): the generated per-rank program runs eagerly in this engine; compiling it "
-                      "has no effect on what is computed", stacklevel=2)
+        """DeepSpeed's engine.compile(): the model runs under torch.compile. Here that is each rank's
+        generated program, compiled by regions between its collectives (the plan's compile knob):
+        at once when the model is parallelized already, else when it is. `backend`: a torch.compile
+        backend name (DeepSpeed's default, the accelerator's, is inductor); `compile_kwargs` and
+        DeepSpeed's schedule arguments tune compilers this engine does not run, and are refused
+        when given, so nothing asked for is silently dropped."""
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"engine.compile(backend={backend!r}): pass a torch.compile backend name such as "
+                            "'inductor'; the per-rank program is compiled by regions, not by a custom backend")
+        extra = {k: v for k, v in {**(compile_kwargs or {}), **kwargs}.items()
+                 if v not in (None, False) and k != "compiled_autograd_enabled"}
+        if extra:
+            raise TypeError(f"engine.compile(): {sorted(extra)} are not supported here (the per-rank program is "
+                            "compiled by regions with the plan's compile_backend)")
+        if self._pmodule is not None:
+            self._pmodule.compile(backend=backend)
+        else:
+            self._settings.plan_options["compile"] = True
+            if backend is not None:
+                self._settings.plan_options["compile_backend"] = backend
         self._compile_requested = True
 
     @property
     def is_compiled(self) -> bool:
-        return getattr(self, "_compile_requested", False)
+        return getattr(self, "_compile_requested", False) or (
+            self._pmodule is not None and self._pmodule.artifact.compile_backend is not None)
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed frees ZeRO-3's gathered parameters here; this engine gathers them per use, so

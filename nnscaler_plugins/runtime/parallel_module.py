@@ -14,37 +14,39 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.capture.microbatch import split_batch
-from nnscaler_plugins.capture.tracing import normalize_inputs
-from nnscaler_plugins.codegen.generate import write_and_load
-from nnscaler_plugins.lower.layout import Layout
-from nnscaler_plugins.lower.lowering import Program
-from nnscaler_plugins.plan.plan import Plan
-from nnscaler_plugins.capture.skeleton import meta_skeleton
+from nnscaler_plugins.batches import normalize_inputs, split_batch
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.runtime.batch_shapes import BatchShapes
-from nnscaler_plugins.runtime.collectives import saved_tensor_hooks
+from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
+from nnscaler_plugins.kernels.coshard import active_meter
+from nnscaler_plugins.kernels.float8 import check_float8
+from nnscaler_plugins.kernels.piece_rng import agree_seed
+from nnscaler_plugins.layout import Layout
+from nnscaler_plugins.outputs import extract_loss
+from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.runtime.comm import Comm
-from nnscaler_plugins.runtime.coshard import active_meter
+from nnscaler_plugins.runtime.flight_recorder import OUTSIDE, FlightRecorder
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
-from nnscaler_plugins.runtime.loss import extract_loss
-from nnscaler_plugins.runtime.loss_items import LossItems
 from nnscaler_plugins.runtime.materialize import InitError, has_meta_tensors, materialize, move_tensor
+from nnscaler_plugins.runtime.nonfinite import NonFiniteGuard
 from nnscaler_plugins.runtime.params_on_use import params_on_use
 from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
 from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
+from nnscaler_plugins.runtime.watchdog import WATCHDOG, default_timeout_s
 from nnscaler_plugins.runtime.zero import Zero3Params
 from nnscaler_plugins.runtime.zero_setup import chunk_parameters, zero_shards
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nnscaler_plugins.capture.graph import Graph
+    from nnscaler_plugins.compiler.artifact import Artifact
 
 
 def _safe(fqn: str) -> str:
@@ -52,32 +54,52 @@ def _safe(fqn: str) -> str:
 
 
 class ParallelModule(torch.nn.Module):
-    def __init__(self, program: Program, model: Optional[torch.nn.Module], *, rank: int, world_size: int,
-                 device: Optional[torch.device] = None, cache_dir: str = ".nnscaler_cache",
-                 loss_fn: Optional[Callable] = None, init_seed: Optional[int] = None):
+    """Runs one rank's compiled artifact (`nns.compile(...).artifact_for_rank(rank)`, made for it by
+    `nns.parallelize`). `model` gives the initial weights (a meta-device model is initialized piece by
+    piece instead); the module keeps only this rank's pieces."""
+
+    def __init__(self, artifact: "Artifact", model: Optional[torch.nn.Module], *, rank: int, world_size: int,
+                 device: Optional[torch.device] = None, loss_fn: Optional[Callable] = None,
+                 init_seed: Optional[int] = None):
         super().__init__()
+        program = artifact.program
+        if artifact.unit_device != rank % program.unit_size:
+            raise ValueError(f"rank {rank} runs device {rank % program.unit_size} of the unit, but the artifact is "
+                             f"device {artifact.unit_device}'s; use compiled.artifact_for_rank({rank})")
         plan = program.plan
         if world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} processes, this job has {world_size}")
         plan.check_runnable()
+        if plan.precision == "fp8":
+            check_float8(torch.device(device) if device is not None else torch.device("cpu"), plan.knobs.fp8_emulate)
         self.program = program
         self.plan: Plan = plan
-        self.graph: Graph = program.graph
+        self.graph: "Graph" = program.graph
+        self.artifact = artifact
         self.rank = rank
+        # this rank on the plan's mesh ({"dp": 1, "pp": 0, "tp": 1}); the replicas are its outer axes
+        self.coordinate = plan.mesh.coordinate(rank)
         self.unit_device = rank % plan.unit_size
         self.dp_rank = rank // plan.unit_size
         self.dp_size = plan.dp
         self.loss_fn = loss_fn
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self.groups = create_groups(program, world_size)
-        self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
-        self._gen, self.source_path = write_and_load(program, self.unit_device, cache_dir)
-        # Other batch sizes and lengths than the example's (see batch_shapes.py); the copy has no weights.
-        skeleton = meta_skeleton(model) if model is not None else None
-        with open(self.source_path) as f:
-            self._shapes = BatchShapes(program, self.unit_device, self._gen, f.read(), skeleton, cache_dir,
-                                       "" if model is not None else "the module was built without the model")
-        self._loss_items = LossItems(self.graph, program.loss_index)
+        # process groups from the plan's mesh (its DeviceMesh) and the sets the program communicates over
+        self.groups, self.device_mesh = create_groups(program, world_size,
+                                                      "cuda" if self._device.type == "cuda" else "cpu")
+        # Faults: positions in the program (the watchdog reads them when a collective hangs), and the
+        # check of each step's loss and gradients (runtime/flight_recorder.py, watchdog.py, nonfinite.py).
+        self.flight_recorder = FlightRecorder(program, self.unit_device, self.dp_rank * plan.unit_size)
+        self.nonfinite = NonFiniteGuard(self)
+        self._last_forward: Optional[tuple[str, Any]] = None  # what replay_last_forward runs again
+        self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size),
+                          self.flight_recorder)
+        if program.draws:  # random ops seeded per piece (kernels/piece_rng.py): one base seed on every rank
+            agree_seed(self._comm, self._device if self._device.type != "meta" else None)
+        self.source_path = artifact.source_path
+        # Other batch sizes and lengths than the example's: the compile stage's callback makes their programs.
+        self.shape_programs = artifact.shapes
+        self._loss_items = artifact.loss_items
         self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
         self._micro_weights: list[float] = []
 
@@ -140,10 +162,13 @@ class ParallelModule(torch.nn.Module):
             self._scatter_gradients)
         self._executor = PipelineExecutor(StageRuntime(
             program=program, unit_device=self.unit_device, global_rank=self._comm.groups.global_rank,
-            generated=self._micro_batch_module, comm=self._comm, device=self._device,
+            generated=self._micro_batch_program, comm=self._comm, device=self._device,
             params_on_use=self._params_on_use, stage_parameters=self._stage_parameters, zero3=self.zero3,
             loss_scale=lambda: self.loss_scale, boundary_shape=self._boundary_shape,
-            micro_weight=lambda mb: self._micro_weights[mb])) if plan.pipeline is not None else None
+            micro_weight=lambda mb: self._micro_weights[mb], recorder=self.flight_recorder)) \
+            if plan.pipeline is not None else None
+        if world_size > 1:
+            self._watch()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module, seed: int) -> int:
@@ -279,13 +304,13 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
         inputs = self._flat_inputs(args, kwargs)
-        gen = self._shapes.module_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, before any collective
-        fn = gen.forward_loss if loss_only else gen.forward
+        run = self.shape_programs.program_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, first
+        fn = run.module.forward_loss if loss_only else run.module.forward
         meter = active_meter()  # a measurement around this forward: its hooks give way to these, which report to it
         on_save = meter.count_packed if meter is not None else None
         scope = self.zero3.forward_scope(on_save) if self.zero3 is not None else saved_tensor_hooks(on_save)
         with scope, autocast(self.plan.precision, self._device):
-            flat = fn(self._comm.for_module(gen), self._device, self._params_on_use(), *inputs)
+            flat = fn(self._comm.for_program(run.program), self._device, self._params_on_use(), *inputs)
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -296,35 +321,94 @@ class ParallelModule(torch.nn.Module):
             raise RuntimeError(f"this plan cuts each step into {self.plan.num_micro_batches} micro-batches: call "
                                "train_step(batch), or make a plan without micro_batches to call forward")
         args, kwargs = normalize_inputs(args, kwargs) if len(args) == 1 and isinstance(args[0], dict) else (args, kwargs)
+        rec = self._begin_step()
+        if torch.is_grad_enabled():
+            self._last_forward = ("forward", (args, kwargs))
         flat = self._run(args, kwargs)
+        rec.end_step()  # the backward that follows is the caller's; its collectives still record
         return pytree.tree_unflatten(flat, self.graph.out_spec) if self.graph.out_spec is not None else flat[0]
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward on one batch, cut into the plan's micro-batches; returns the
         (detached) loss of the batch. The optimizer step is the caller's.
 
-        Batches may differ in size and length from the example (see batch_shapes.py). Each
+        Batches may differ in size and length from the example (see compiler/shapes.py). Each
         micro-batch's loss weighs its share of the step's items (targets not ignored, else samples)
         over every data-parallel replica, so the gradients are those of one device on the whole
         batch; the replicas agree on the weights and on any refused size before any of them runs."""
+        rec = self._begin_step()
         try:
             micro, problem = split_batch(batch, self.plan.num_micro_batches), None
         except PlanError as e:  # told to the other replicas first, as any refused size is
             micro, problem = [], str(e)
         weights = self._agree(micro, problem)
+        self._last_forward = ("train_step", micro)
         if self.plan.pipeline is not None:
             self._micro_weights = weights
-            return self._pipeline_step(micro)
+            return self._end_step(self._pipeline_step(micro))
         total = None
         for i, (mb, w) in enumerate(zip(micro, weights)):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
+                rec.at("forward", 0, i)
                 loss = self._loss_of(mb)
                 scale = self.loss_scale * w
+                rec.at("backward", 0, i)
                 (loss * scale if scale != 1.0 else loss).backward()
             part = loss.detach() * w
             total = part if total is None else total + part
-        return total
+        return self._end_step(total)
+
+    # -- faults ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Have the process's watchdog watch this module's flight recorder (runtime/watchdog.py)."""
+        knobs = self.plan.knobs
+        timeout = knobs.collective_timeout_s or default_timeout_s(dist.get_backend())
+        WATCHDOG.watch(self.flight_recorder, timeout, knobs.report_dir or "nnscaler_reports", self._device)
+
+    def _begin_step(self) -> FlightRecorder:
+        rec = self.flight_recorder
+        rec.begin_step()
+        if self.plan.world_size > 1 and WATCHDOG.recorder() is not rec:
+            self._watch()
+        return rec
+
+    def _end_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss kept for the non-finite check; without an optimizer from
+        `nns.build_optimizer` (which checks before it steps) the check runs here, and a step to
+        skip drops the gradients (a torch optimizer then changes nothing)."""
+        self.nonfinite.last_loss = loss
+        if not self.sharded_optimizer and self.plan.knobs.on_nonfinite != "ignore":
+            self.flight_recorder.at("non-finite check")
+            grads = [(self.program.shards[v].fqn, self.local_tensor(v).grad) for v in self._held
+                     if self.program.shards[v].kind == "param"]
+            if self.nonfinite.check(grads, "train_step"):
+                self.zero_grad(set_to_none=True)
+        self.flight_recorder.end_step()
+        return loss
+
+    def replay_last_forward(self, run: Callable[[Callable[[], Any]], Any]) -> bool:
+        """Run the last step's forward again, without gradients, each forward call through
+        `run(fn)` (a tracer looking at every statement's output); the flight recorder says which
+        micro-batch and stage runs. Collective like the step itself: every rank calls it. False when
+        there is nothing to run again."""
+        if self._last_forward is None:
+            return False
+        kind, what = self._last_forward
+        rec = self.flight_recorder
+        with torch.no_grad():
+            if kind == "forward":
+                args, kwargs = what
+                rec.at("re-run", 0, 0)
+                run(lambda: self._run(args, kwargs))
+            elif self.plan.pipeline is not None:
+                inputs = [flat for _, _, flat in self._step]
+                run(lambda: self._executor.forward_only(inputs))
+            else:
+                for i, mb in enumerate(what):
+                    rec.at("re-run", 0, i)
+                    run(lambda mb=mb: self._loss_of(mb))
+        return True
 
     def _agree(self, micro: list[Any], problem: Optional[str]) -> list[float]:
         """Each micro-batch's weight (its items over the step's, times the replicas: gradients are
@@ -333,14 +417,16 @@ class ParallelModule(torch.nn.Module):
         for mb in micro:
             args, kwargs = normalize_inputs(mb, None)
             flat = self._flat_inputs(args, kwargs, on_device=False)
-            problem = problem or self._shapes.check(flat, args, kwargs)
+            problem = problem or self.shape_programs.check(flat, args, kwargs)
             counts.append(self._loss_items.count(flat))
         mine = float(sum(counts))
         total = mine * self.dp_size
         if self.dp_size > 1:
             t = torch.tensor([mine, 1.0 if problem else 0.0], dtype=torch.float64,
                              device=self._device if self._device.type != "meta" else "cpu")
+            self.flight_recorder.enter(OUTSIDE, "the step's agreement on batch sizes (all-reduce over every rank)")
             dist.all_reduce(t)
+            self.flight_recorder.leave()
             total = t[0].item() / self.plan.unit_size  # every device of a replica counted the same items
             if t[1].item() > 0 and problem is None:
                 problem = "another data-parallel replica's batch has sizes this plan cannot take (its rank says which)"
@@ -368,13 +454,13 @@ class ParallelModule(torch.nn.Module):
             total += self._loss_items.count(self._flat_inputs(args, kwargs, on_device=False))
         return total
 
-    def _micro_batch_module(self, mb: int) -> Any:
-        """The generated module for pipeline micro-batch `mb`, its sizes set."""
+    def _micro_batch_program(self, mb: int) -> Any:
+        """The program (generated module and its tables) for pipeline micro-batch `mb`, its sizes set."""
         args, kwargs, flat = self._step[mb]
-        return self._shapes.module_for(flat, args, kwargs)
+        return self.shape_programs.program_for(flat, args, kwargs)
 
     def _boundary_shape(self, value: str, mb: int) -> tuple[int, ...]:
-        return self._shapes.boundary_shape(value, self._step[mb][2])
+        return self.shape_programs.boundary_shape(value, self._step[mb][2])
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
         args, kwargs = normalize_inputs(batch, None)
@@ -404,7 +490,9 @@ class ParallelModule(torch.nn.Module):
         src = self._comm.groups.global_rank(self.program.stage_groups[src_stage][0])
         group = self._unit_group()
         if group is not None:
+            self.flight_recorder.enter(OUTSIDE, f"the broadcast of the step's loss from rank {src} to its replica")
             dist.broadcast(loss, src=src, group=group)
+            self.flight_recorder.leave()
         return loss
 
     @property
@@ -428,6 +516,23 @@ class ParallelModule(torch.nn.Module):
         with self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext(), \
                 self.zero3.no_sync() if self.zero3 is not None else contextlib.nullcontext():
             yield
+
+    def compile(self, *args: Any, backend: Optional[str] = None, **kwargs: Any) -> None:
+        """Run this rank's program under torch.compile from now on, as the plan's `compile` knob
+        does: its compiled regions (the runs of ops between collectives, one per distinct layer)
+        compiled at their first call, its collectives eager (compiler/regions.py). `backend`: a
+        torch.compile backend name (default: the plan's `compile_backend`, inductor)."""
+        if args or kwargs or (backend is not None and not isinstance(backend, str)):
+            raise TypeError("ParallelModule.compile(backend=None) takes only a backend name: its regions are compiled "
+                            "by the compile stage (the plan's compile knob), not as one module")
+        art = self.artifact
+        if art.compile_backend is not None and backend in (None, art.compile_backend):
+            return
+        if art.with_compile is None:
+            raise RuntimeError("this module's artifact was made without the compile stage's callback; make the plan "
+                               "with compile=True instead")
+        art = art.with_compile(backend)
+        self.artifact, self.shape_programs, self.source_path = art, art.shapes, art.source_path
 
     def generated_source(self) -> str:
         with open(self.source_path) as f:
