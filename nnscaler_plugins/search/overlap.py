@@ -1,7 +1,7 @@
 """Which communication of a step hides behind compute, and how much of it still shows.
 
-Four switches, each a plan option of the same name (``nns.plan(..., tp_comm_overlap=True)``, or
-``plan.options[...]``) that overrides the cluster's default (`Efficiency`, i.e. the software stack a
+Four switches, each a plan knob of the same name (``nns.plan(..., tp_comm_overlap=True)``, or
+``plan.knobs.tp_comm_overlap``; None: the cluster's) that overrides the cluster's default (`Efficiency`, i.e. the software stack a
 preset assumes):
 
 - ``tp_comm_overlap``: tensor-parallel collectives split into chunks and pipelined with the matmul
