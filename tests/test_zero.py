@@ -276,7 +276,7 @@ def test_zero_strategies_and_errors():
     with pytest.raises(PlanError, match="zero1.*zero=2"):
         nns.plan(model, strategy="zero1", world_size=2, example_inputs=half, zero=2)
     with pytest.raises(PlanError, match="precision"):
-        nns.plan(model, strategy="dp", world_size=2, example_inputs=half, precision="fp8")
+        nns.plan(model, strategy="dp", world_size=2, example_inputs=half, precision="fp4")
     with pytest.raises(PlanError, match="zero=3 with schedule 'zero-bubble'.*gpipe, 1f1b or interleaved"):
         nns.plan(models.gpt2_small()[0], strategy="zero-bubble", world_size=4, pp=2, micro_batches=2,
                  example_inputs=models.gpt2_small()[1], zero=3)
