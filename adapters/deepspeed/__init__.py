@@ -10,6 +10,11 @@ about by name (the table is `keys.py`). An optional "nnscaler" section picks the
 `{"nnscaler": {"plan": "tp"}}`, `{"plan": "1f1b", "pp": 2}`, `{"plan": "auto"}`; data parallel
 otherwise. Importing this module never imports DeepSpeed itself.
 
+DeepSpeed's module paths that scripts import from resolve here too (`deepspeed.comm`,
+`deepspeed.accelerator`, `deepspeed.runtime.lr_schedules`, `deepspeed.runtime.zero`,
+`deepspeed.ops.adam`, `deepspeed.utils.zero_to_fp32`, `deepspeed.checkpoint.utils`), each holding
+this engine's objects under DeepSpeed's names.
+
 The built-in config translation is a plugin: it implements the `nnscaler_translate_deepspeed_config`
 hook and is registered through the `nnscaler_plugins` entry point like any third-party plugin.
 """
@@ -45,12 +50,13 @@ from .schedulers import (
     WarmupLR,
     build_scheduler,
 )
-from . import checkpoint, utils, zero
+from . import accelerator, checkpoint, comm, ops, runtime, utils, zero
+from .accelerator import get_accelerator
 from .zero_optimizer import ZeroOptimizer
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
-           "ZeRORuntimeException", "checkpoint", "zero", "utils",
-           "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+           "ZeRORuntimeException", "checkpoint", "zero", "utils", "comm", "ops", "runtime", "accelerator",
+           "get_accelerator", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 PLUGIN_NAME = "builtin_deepspeed"
 
@@ -144,9 +150,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if settings.zero_stage in (1, 2):  # DeepSpeed's ZeRO-1/2 optimizer asserts it
         assert settings.allgather_bucket_size % 2 == 0, (
             "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2 ")
-    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):  # DeepSpeed asserts it too
+    if _asserted_scheduler(lr_scheduler):  # DeepSpeed asserts it too
         assert isinstance(optimizer, torch.optim.Optimizer), (
-            "a client lr_scheduler object needs the client optimizer object it was made on (pass optimizer=)")
+            f"Client Optimizer (type = {type(optimizer)} is not instantiated but Client LR Scheduler is "
+            "instantiated: a client lr_scheduler object needs the client optimizer object it was made on "
+            "(pass optimizer=)")
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -166,6 +174,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if opt is not None and (settings.zero_stage > 0 or settings.precision != "fp32"):
         opt = ZeroOptimizer(opt)  # DeepSpeed hands back its ZeRO / mixed-precision wrapper here too
     sched = _make_scheduler(lr_scheduler, settings, opt)
+    _warn_if_detached(sched, opt)
     engine = DeepSpeedEngine(model, settings, raw, optimizer=opt, lr_scheduler=sched, rank=rank, world_size=world,
                              unit_size=unit, dp_size=dp)
     if training_data is not None:
@@ -175,6 +184,29 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if example_inputs is not None:
         engine.parallelize(example_inputs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _asserted_scheduler(scheduler: Any) -> bool:
+    """Whether DeepSpeed 0.19.8 asserts that this client scheduler came with its optimizer object:
+    it checks `isinstance(scheduler, torch.optim.lr_scheduler._LRScheduler)`, the deprecated base
+    that torch's own schedulers (LambdaLR, StepLR, OneCycleLR, ...) no longer derive from, so in
+    practice only schedulers written on that old base are checked; any other object is taken as
+    it is."""
+    old_base = getattr(torch.optim.lr_scheduler, "_LRScheduler", None)
+    return old_base is not None and isinstance(scheduler, old_base)
+
+
+def _warn_if_detached(scheduler: Any, optimizer: Any) -> None:
+    """A client scheduler made on another optimizer than the engine's steps that optimizer, not the
+    engine's (DeepSpeed takes it all the same): say so, since the learning rate will not follow it."""
+    bound = getattr(scheduler, "optimizer", None)
+    if bound is None or optimizer is None:
+        return
+    engine_side = {id(optimizer), id(getattr(optimizer, "inner", optimizer))}
+    if id(bound) not in engine_side:
+        warnings.warn(f"the lr_scheduler ({type(scheduler).__name__}) was made on an optimizer the engine does not "
+                      "step, so it will not change the engine's learning rate; make it on the optimizer passed to "
+                      "initialize (or pass a callable optimizer -> scheduler)", stacklevel=3)
 
 
 def _without_empty_groups(params: list) -> list:

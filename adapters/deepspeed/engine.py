@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 import nnscaler_plugins as nns
 from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
 from nnscaler_plugins.runtime.loss import extract_loss
+from nnscaler_plugins.runtime.zero import all_gather_chunks
 
 from . import checkpoint as ckpt
 from .checkpoint import universal
@@ -89,7 +90,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._tied = {n: self._model_param_names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
                       if self._model_param_names[id(p)] != n}
+        from .zero import take_from_engine, whole_shape
+
+        take_from_engine(model)  # (a model another engine trains: its current weights)
         self._model_params = dict(model.named_parameters())
+        self._whole_shapes = {n: whole_shape(p) for n, p in self._model_params.items()}
         self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
         if settings.precision != "fp32":  # DeepSpeed's bf16/fp16 engines hold the model in that dtype
             from nnscaler_plugins.runtime.precision import compute_dtype
@@ -113,7 +118,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """The model's name of `param`: one of the model's parameters, or this rank's piece of one."""
         name = self._model_param_names.get(id(param))
         if name is None and self._pmodule is not None:
-            name = next((n for n in self._model_params if self._pmodule.parameter(n) is param), None)
+            name = self.__dict__.get("_piece_names", {}).get(id(param))
         return name
 
     def _piece_of(self, param: torch.Tensor) -> tuple[str, Optional[torch.Tensor]]:
@@ -121,30 +126,62 @@ class DeepSpeedEngine(torch.nn.Module):
         return name, (self._pmodule.parameter(name) if self._pmodule is not None else None)
 
     def full_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """The whole gradient of a parameter as this rank holds it (deepspeed.utils.safe_get_full_grad)."""
+        """The whole, reduced gradient of a parameter (deepspeed.utils.safe_get_full_grad): where this
+        rank holds a piece of it (a ZeRO-2 gradient chunk, a ZeRO-3 chunk, a tensor-parallel piece)
+        the pieces are gathered, so every rank calls it, as in DeepSpeed. None before a backward."""
         name, local = self._piece_of(param)
         if local is None:
             return self._model_params[name].grad
-        if local.shape != self._model_params[name].shape:
-            raise NotImplementedError(f"{name}: this rank holds a piece of it under the plan (tensor parallel or "
-                                      "ZeRO-3); its whole gradient is not gathered here")
-        if local.grad is None and self._pmodule.plan.zero >= 2 and self.dp_world_size > 1:
-            raise NotImplementedError(f"{name}: under ZeRO-2 each rank keeps only its chunk of the gradient")
-        return local.grad
+        pm = self._pmodule
+        shard = pm.zero_shards.get(name)
+        reducer = pm.grad_reducer
+        chunk = None
+        if reducer is not None and id(local) in reducer.shard_grads:  # ZeRO-2: this rank's chunk
+            chunk = reducer.shard_grads[id(local)]
+        elif pm.zero3 is not None and shard is not None and tuple(local.shape) != tuple(shard.shape):
+            chunk = local.grad  # ZeRO-3: the chunk parameter's gradient
+            if chunk is None:
+                return None
+        if chunk is not None:
+            piece = torch.empty(shard.numel, dtype=chunk.dtype, device=chunk.device)
+            all_gather_chunks([shard], [chunk.reshape(-1)], [piece])
+            piece = piece.view(shard.shape)
+        else:
+            piece = local.grad
+            if piece is None:
+                return None
+        if tuple(piece.shape) != tuple(self._whole_shapes[name]):  # a tensor-parallel piece
+            piece = pm.whole_tensor(self._shard_key(name), piece, piece.dtype)
+        return piece
+
+    def _shard_key(self, name: str) -> str:
+        """The key (into the program's shards) of this device's piece of parameter `name`."""
+        for key in self._pmodule.held_keys:
+            s = self._pmodule.program.shards[key]
+            if s.kind == "param" and s.fqn == name:
+                return key
+        raise KeyError(name)
 
     def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Make `value` (the whole, reduced gradient) the gradient the next step uses for `param`
-        (deepspeed.utils.safe_set_full_grad): under ZeRO-2 this rank keeps its chunk of it."""
+        (deepspeed.utils.safe_set_full_grad): each rank keeps its piece of it (its ZeRO-2 or ZeRO-3
+        chunk, its tensor-parallel piece)."""
         name, local = self._piece_of(param)
         if local is None:
             target = self._model_params[name]
             target.grad = value.detach().to(target.dtype).clone()
             return
-        if local.shape != self._model_params[name].shape:
-            raise NotImplementedError(f"{name}: this rank holds a piece of it under the plan (tensor parallel or "
-                                      "ZeRO-3); setting its whole gradient is not supported here")
         scale = self.optimizer.loss_scale if isinstance(self.optimizer, ZeroOptimizer) else 1.0
-        value = value.detach().reshape(local.shape) * scale  # gradients are held times the fp16 loss scale
+        value = value.detach().reshape(self._whole_shapes[name]) * scale  # held times the fp16 loss scale
+        pm = self._pmodule
+        shard = pm.zero_shards.get(name)
+        if shard is not None and tuple(shard.shape) != tuple(value.shape):  # a tensor-parallel piece
+            value = pm.program.shards[self._shard_key(name)].layout.slice_full(value, pm.unit_device)
+        if pm.zero3 is not None and shard is not None and tuple(local.shape) != tuple(shard.shape):
+            mine = shard.owned(value.reshape(-1)).reshape(local.shape)  # ZeRO-3: this rank's chunk
+            local.grad = mine.to(local.dtype).clone()
+            return
+        value = value.reshape(local.shape)
         reducer = self._pmodule.grad_reducer
         if reducer is not None and id(local) in reducer.shard_grads:
             shard = self._pmodule.zero_shards[name]
@@ -170,35 +207,38 @@ class DeepSpeedEngine(torch.nn.Module):
                 return master.float()
         return self._pmodule.full_state_dict(only=[name])[name].float()
 
-    def refresh_model_parameters(self, params: list) -> None:
-        """Write the whole, current values into these model parameters (collective once parallelized)."""
+    def gather_whole(self, params: list) -> list[Callable[[], None]]:
+        """Make each of these parameters (the model's, or this rank's pieces) the whole, current
+        tensor (zero.GatheredParameters; collective once parallelized: every rank passes the same
+        parameters). Returns what puts each back as it was."""
         if self._pmodule is None:
-            return
-        pieces = [p for p in params if id(p) not in self._model_param_names]
-        for p in pieces:
-            name, local = self._piece_of(p)
-            if local.shape != self._model_params[name].shape:
-                raise NotImplementedError(f"GatheredParameters: {name} is this rank's piece of the parameter; pass "
-                                          "the model's own parameters (model.parameters()) to see it whole")
-        params = [p for p in params if id(p) in self._model_param_names]
-        whole = self._pmodule.full_state_dict(only=sorted({self._model_param_names[id(p)] for p in params}))
+            self._materialize()  # a zero.Init model before it is parallelized: whole, as it will train
+            return []
+        names = sorted({self.name_of(p) for p in params})
+        whole = self._pmodule.full_state_dict(only=names)
+        restore = []
         with torch.no_grad():
             for p in params:
-                value = whole[self._model_param_names[id(p)]]
-                if p.is_meta or p.shape != value.shape:
-                    p.data = value.to(p.dtype).clone()
-                elif p.data_ptr() != value.data_ptr():
-                    p.data.copy_(value)
+                value = whole[self.name_of(p)]
+                if p.shape == value.shape and not p.is_meta:
+                    if p.data_ptr() != value.data_ptr():
+                        p.data.copy_(value.to(p.dtype))  # a whole copy (stale if not shared): now current
+                    continue
+                held = p.data
+                p.data = value.to(device=held.device if not held.is_meta else self._pmodule.device, dtype=p.dtype)
+                restore.append(lambda p=p, held=held: setattr(p, "data", held))
+        return restore
 
-    def apply_model_parameters(self, params: list) -> None:
-        """Train on these model parameters' values from now on (every rank passes the same values)."""
-        if self._pmodule is None:
+    def whole_values(self, params: list) -> dict[str, torch.Tensor]:
+        """These parameters' values by name, as they are now (inside GatheredParameters: whole)."""
+        return {self.name_of(p): p.detach().clone() for p in params}
+
+    def apply_model_parameters(self, values: dict[str, torch.Tensor]) -> None:
+        """Train on these whole values from now on (every rank passes the same ones)."""
+        if self._pmodule is None:  # the model's own tensors were written in place
             return
         whole = self._pmodule.full_state_dict()
-        for p in params:
-            name = self.name_of(p)
-            if id(p) in self._model_param_names:
-                whole[name] = p.detach()
+        whole.update(values)
         self._pmodule.load_full_state_dict(whole)
 
     # -- the module ---------------------------------------------------------------------------------
@@ -251,15 +291,28 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _share_storage(self) -> None:
         """The model's parameters become views of this rank's pieces where a piece is the whole
-        tensor, so the model a script still holds trains along (and its tensors get gradients)."""
+        tensor, so the model a script still holds trains along (and its tensors get gradients).
+        The others (ZeRO-3 chunks, tensor-parallel pieces, another stage's) hold no values from now
+        on, as DeepSpeed's partitioned parameters: they and the pieces carry the ZeRO-3 marks, and
+        zero.GatheredParameters gives them whole."""
+        from .zero import mark_partitioned
+
         pairs = []
         for name, p in self._model_params.items():
             local = self._pmodule.parameter(name)
-            # (a model built under zero.Init keeps its meta tensors, as DeepSpeed's keeps empty partitions)
+            shape = self._whole_shapes[name]
             if local is not None and local.shape == p.shape and local.dtype == p.dtype and not p.is_meta:
                 p.data = local.data
                 pairs.append((p, local))
+                continue
+            if not p.is_meta:  # (a model built under zero.Init keeps its meta tensors)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            mark_partitioned(p, shape)
+            if local is not None and local.shape != shape:
+                mark_partitioned(local, shape)
         self._shared = pairs
+        self._piece_names = {id(self._pmodule.parameter(n)): n for n in self._model_params
+                             if self._pmodule.parameter(n) is not None}
 
     def _check_trainable(self) -> None:
         """Which parameters train is fixed when the model is parallelized (its program computes their
@@ -677,6 +730,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """DeepSpeed's layout (`latest`, `<tag>/` with its model and optimizer state files) around a
         reshardable checkpoint of this engine; every rank must call it. Works before the first
         forward too (the model as it is, no optimizer state yet)."""
+        if not save_dir:  # DeepSpeed's check and message
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         self._check_tag(tag)
         groups, masters, moments = self._groups_and_masters()
@@ -770,7 +825,7 @@ class DeepSpeedEngine(torch.nn.Module):
         tag = universal.resolve_tag(load_dir, tag)
         path = os.path.join(load_dir, tag)
         states = ckpt.read_states(path)
-        trainable = {n: p.shape for n, p in self._model_params.items() if p.requires_grad}
+        trainable = {n: self._whole_shapes[n] for n, p in self._model_params.items() if p.requires_grad}
         weights, opt_state, groups = universal.read(path, trainable)
         module_state = dict(states["module"])
         for name, value in weights.items():  # in this model's dtype (the fp32 masters go to the optimizer)
