@@ -38,6 +38,7 @@ from .config import (
     resolve_batch,
     translate,
 )
+from .checkpoint import DS_VERSION
 from .engine import DeepSpeedEngine
 from .errors import ZeRORuntimeException
 from .launch import add_config_arguments, init_distributed
@@ -59,6 +60,13 @@ __all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedE
            "get_accelerator", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 PLUGIN_NAME = "builtin_deepspeed"
+
+# The DeepSpeed release whose behaviour (config, engine, checkpoint layout) this drop-in follows,
+# under the names DeepSpeed's version attributes have; there is no DeepSpeed source tree behind it.
+__version__ = DS_VERSION
+__version_major__, __version_minor__, __version_patch__ = (int(v) for v in DS_VERSION.split("."))
+__git_hash__ = None
+__git_branch__ = None
 
 
 @hookimpl
@@ -238,7 +246,8 @@ def _make_optimizer(given: Any, settings: Settings, params: list) -> Any:
                                    f"{type(given).__name__}")
     if settings.optimizer is None:
         return None
-    return build_optimizer(settings.optimizer["type"], settings.optimizer["params"], params)
+    return build_optimizer(settings.optimizer["type"], settings.optimizer["params"], params,
+                           cpu_optimizer=settings.offload is not None)
 
 
 def _make_scheduler(given: Any, settings: Settings, optimizer: Any) -> Any:

@@ -219,13 +219,18 @@ class DeepSpeedEngine(torch.nn.Module):
         restore = []
         with torch.no_grad():
             for p in params:
+                if p.is_meta:
+                    raise RuntimeError(f"GatheredParameters: {self.name_of(p)} is a parameter object of the model "
+                                       "built under zero.Init from before it was parallelized, when the model got "
+                                       "real parameters in place of its meta ones; take it from the model again "
+                                       "(engine.module.named_parameters())")
                 value = whole[self.name_of(p)]
-                if p.shape == value.shape and not p.is_meta:
+                if p.shape == value.shape:
                     if p.data_ptr() != value.data_ptr():
                         p.data.copy_(value.to(p.dtype))  # a whole copy (stale if not shared): now current
                     continue
                 held = p.data
-                p.data = value.to(device=held.device if not held.is_meta else self._pmodule.device, dtype=p.dtype)
+                p.data = value.to(device=held.device, dtype=p.dtype)
                 restore.append(lambda p=p, held=held: setattr(p, "data", held))
         return restore
 
@@ -244,8 +249,17 @@ class DeepSpeedEngine(torch.nn.Module):
     # -- the module ---------------------------------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
-        """The parallelized module once built (it holds the weights that train), the model before."""
-        return self._pmodule if self._pmodule is not None else self._model
+        """The model given to initialize, as DeepSpeed's `engine.module` (its attributes, config,
+        `save_pretrained`, its parameters under their own names). Once parallelized, a parameter
+        whole on this rank shares storage with the piece that trains; the others hold no values and
+        carry DeepSpeed's ZeRO-3 marks (zero.GatheredParameters gives them whole). Run it through
+        the engine (`engine(batch)`): the model's own forward has only those whole parameters."""
+        return self._model
+
+    @property
+    def parallel_module(self) -> Optional[Any]:
+        """This rank's ParallelModule (its plan, its pieces), None until the model is parallelized."""
+        return self._pmodule
 
     def parallelize(self, example_inputs: Any) -> None:
         """Parallelize the model now, on these example inputs (what one forward takes: a dict is
@@ -292,27 +306,45 @@ class DeepSpeedEngine(torch.nn.Module):
     def _share_storage(self) -> None:
         """The model's parameters become views of this rank's pieces where a piece is the whole
         tensor, so the model a script still holds trains along (and its tensors get gradients).
-        The others (ZeRO-3 chunks, tensor-parallel pieces, another stage's) hold no values from now
-        on, as DeepSpeed's partitioned parameters: they and the pieces carry the ZeRO-3 marks, and
-        zero.GatheredParameters gives them whole."""
+        The others (ZeRO-3 chunks, tensor-parallel pieces, another stage's, and every parameter of a
+        model built under zero.Init) hold no values from now on, as DeepSpeed's partitioned
+        parameters: they and the pieces carry the ZeRO-3 marks, and zero.GatheredParameters gives
+        them whole."""
         from .zero import mark_partitioned
 
         pairs = []
         for name, p in self._model_params.items():
             local = self._pmodule.parameter(name)
             shape = self._whole_shapes[name]
-            if local is not None and local.shape == p.shape and local.dtype == p.dtype and not p.is_meta:
+            if p.is_meta:  # built under zero.Init: a real tensor from now on (a meta one cannot take values)
+                p = self._replace_meta(name, p)
+            if local is not None and local.shape == shape and local.dtype == p.dtype:
                 p.data = local.data
+                for k in [k for k in vars(p) if k.startswith("ds_")]:  # whole here: no ZeRO-3 marks
+                    delattr(p, k)
                 pairs.append((p, local))
                 continue
-            if not p.is_meta:  # (a model built under zero.Init keeps its meta tensors)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             mark_partitioned(p, shape)
             if local is not None and local.shape != shape:
                 mark_partitioned(local, shape)
         self._shared = pairs
         self._piece_names = {id(self._pmodule.parameter(n)): n for n in self._model_params
                              if self._pmodule.parameter(n) is not None}
+
+    def _replace_meta(self, name: str, meta: torch.nn.Parameter) -> torch.nn.Parameter:
+        """A real, empty Parameter (with `meta`'s attributes) in place of a meta one, wherever the
+        model registers it; the engine knows both objects by the name."""
+        new = torch.nn.Parameter(torch.empty(0, dtype=meta.dtype), requires_grad=meta.requires_grad)
+        for k, v in vars(meta).items():
+            setattr(new, k, v)
+        for module in self._model.modules():
+            for leaf, q in list(module._parameters.items()):
+                if q is meta:
+                    module._parameters[leaf] = new
+        self._model_params[name] = new
+        self._model_param_names[id(new)] = name
+        return new
 
     def _check_trainable(self) -> None:
         """Which parameters train is fixed when the model is parallelized (its program computes their
