@@ -149,6 +149,10 @@ def _zero_init_round_trip(rank, world, tmp, stage):
     loaded.load_checkpoint(tmp, tag="1", load_optimizer_states=True)
     out = {}
     saved_params = list(trained.module.named_parameters())
+    # as DeepSpeed's test compares them (its list of parameters to gather holds (name, parameter)
+    # pairs, so it gathers none): both engines' parameters hold no values, alike
+    out["direct"] = [torch.allclose(p0, p1, atol=1e-7)
+                     for (_, p0), (_, p1) in zip(saved_params, loaded.module.named_parameters())] if stage == 3 else [True]
     loaded_params = list(loaded.module.named_parameters())
     fetch = _to_fetch([p for _, p in saved_params] + [p for _, p in loaded_params])
     with deepspeed.zero.GatheredParameters(fetch, enabled=len(fetch) > 0):
@@ -163,9 +167,40 @@ def _zero_init_round_trip(rank, world, tmp, stage):
 @pytest.mark.parametrize("stage", [3, 1])
 def test_zero_init_model_loads_what_the_engine_saved(workers2, tmp_path, stage) -> None:
     for r in workers2.run(_zero_init_round_trip, str(tmp_path / "ckpt"), stage):
-        assert r["equal"] and all(r["equal"]), r["shapes"]
+        assert r["equal"] and all(r["equal"]) and all(r["direct"]), r["shapes"]
         assert all(a == b for a, b in r["shapes"]), r["shapes"]
         assert r["next"]
+
+
+def _before_forward(rank, world):
+    """ZeRO-3 from initialize on, before any forward: the model's parameters hold no values and are
+    marked; gathered, they are the model's values; what rank 0 writes then is what trains."""
+    torch.manual_seed(0)
+    model = Net()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = deepspeed.initialize(model=model, config=_config(3))[0]
+    engine.train()
+    out = {"empty": all(p.numel() == 0 and p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())}
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        out["whole"] = all(torch.equal(p, initial[n]) for n, p in model.named_parameters())
+        if rank == 0:
+            with torch.no_grad():
+                model.linears[0].bias.fill_(0.25)
+    out["empty_after"] = all(p.numel() == 0 for p in model.parameters())
+    out["saved"] = engine.module_state_dict()["linears.0.bias"].eq(0.25).all().item()
+    torch.manual_seed(0)
+    ref_model = Net()
+    with torch.no_grad():
+        ref_model.linears[0].bias.fill_(0.25)
+    ref = deepspeed.initialize(model=ref_model, config=_config(1))[0]
+    ref.train()
+    out["trains_on"] = [_step(engine, rank, i) for i in range(2)] == [_step(ref, rank, i) for i in range(2)]
+    return out
+
+
+def test_zero3_parameters_hold_no_values_from_initialize(workers2) -> None:
+    for r in workers2.run(_before_forward):
+        assert r == {"empty": True, "whole": True, "empty_after": True, "saved": True, "trains_on": True}, r
 
 
 def _loose(rank, world):

@@ -33,6 +33,7 @@ from nnscaler_plugins.runtime.zero import all_gather_chunks
 from . import checkpoint as ckpt
 from .checkpoint import universal
 from .config import DeepSpeedConfigError, Settings
+from .held_params import HeldParameters, register_in_place_of
 from .zero_optimizer import ZeroOptimizer
 
 log = logging.getLogger("nnscaler_plugins.deepspeed")
@@ -106,10 +107,19 @@ class DeepSpeedEngine(torch.nn.Module):
         # A model built on the meta device (zero.Init) is initialized per piece when parallelized, from
         # one seed every rank agrees on here, so that saving it before then gives the same weights.
         self._init_seed: Optional[int] = _agreed_seed() if _has_meta(model) else None
+        # ZeRO-3: the parameters hold no values from here on, as DeepSpeed's (see held_params.py)
+        self._held: Optional[HeldParameters] = None
+        if settings.zero_stage >= 3:
+            self._held = HeldParameters(model, self._model_params, self._whole_shapes, self._model_param_names)
+
+    def _whole(self) -> Any:
+        """Before the model is parallelized: a context in which its parameters are whole (under
+        ZeRO-3 they are kept aside otherwise); nothing to do after."""
+        return self._held.whole() if self._held is not None and self._pmodule is None else contextlib.nullcontext()
 
     def _materialize(self) -> None:
         """The whole model in this process, initialized as parallelizing it would (only for state
-        asked of a meta model before it is parallelized)."""
+        asked of a meta model before it is parallelized). Call it inside `_whole()`."""
         if self._pmodule is None and _has_meta(self._model):
             nns.init_weights(self._model, self._init_seed)
 
@@ -199,8 +209,9 @@ class DeepSpeedEngine(torch.nn.Module):
         """The whole fp32 value of a parameter: the master weight under bf16/fp16 (collective)."""
         name, _ = self._piece_of(param)
         if self._pmodule is None:
-            self._materialize()
-            return self._model_params[name].detach().float()
+            with self._whole():
+                self._materialize()
+                return dict(self._model.named_parameters())[name].detach().float().clone()
         if isinstance(self.optimizer, ZeroOptimizer):
             master = self.optimizer.inner.full_state_dict(only=[name])["state"].get(name, {}).get("master_param")
             if master is not None:
@@ -212,8 +223,17 @@ class DeepSpeedEngine(torch.nn.Module):
         tensor (zero.GatheredParameters; collective once parallelized: every rank passes the same
         parameters). Returns what puts each back as it was."""
         if self._pmodule is None:
-            self._materialize()  # a zero.Init model before it is parallelized: whole, as it will train
-            return []
+            with self._whole():
+                self._materialize()  # a zero.Init model before it is parallelized: whole, as it will train
+            if self._held is None:
+                return []
+            restore = []
+            for p in params:  # ZeRO-3: the kept values, written in place
+                if self._held.is_kept(p):  # the model's own meta-era object, whole now
+                    continue
+                p.data = self._held.value(self.name_of(p))
+                restore.append(lambda p=p: setattr(p, "data", torch.empty(0, dtype=p.dtype, device=p.device)))
+            return restore
         names = sorted({self.name_of(p) for p in params})
         whole = self._pmodule.full_state_dict(only=names)
         restore = []
@@ -277,13 +297,15 @@ class DeepSpeedEngine(torch.nn.Module):
             options["micro_batches"] = micro_batches
         if self._init_seed is not None:
             options["init_seed"] = self._init_seed
-        pm = nns.parallelize(self._model, example_inputs, plan=s.plan, cache_dir=self._cache_dir, **options)
-        acc = self.gradient_accumulation_steps()
-        if pm.plan.pipeline is not None and micro_batches == 1 and acc > 1:
-            # a pipeline's micro-batches are the accumulation steps: its example is acc micro-batches
-            options["micro_batches"] = acc
-            pm = nns.parallelize(self._model, _concat([example_inputs] * acc), plan=s.plan, cache_dir=self._cache_dir,
-                                 **options)
+        with self._whole():
+            pm = nns.parallelize(self._model, example_inputs, plan=s.plan, cache_dir=self._cache_dir, **options)
+            acc = self.gradient_accumulation_steps()
+            if pm.plan.pipeline is not None and micro_batches == 1 and acc > 1:
+                # a pipeline's micro-batches are the accumulation steps: its example is acc micro-batches
+                options["micro_batches"] = acc
+                pm = nns.parallelize(self._model, _concat([example_inputs] * acc), plan=s.plan,
+                                     cache_dir=self._cache_dir, **options)
+        self._held = None  # the pieces hold the values now
         object.__setattr__(self, "_pmodule", pm)
         if pm.dp_size != self.dp_world_size:
             raise DeepSpeedConfigError(f"the plan has data-parallel size {pm.dp_size}, the batch sizes were resolved for "
@@ -338,10 +360,7 @@ class DeepSpeedEngine(torch.nn.Module):
         new = torch.nn.Parameter(torch.empty(0, dtype=meta.dtype), requires_grad=meta.requires_grad)
         for k, v in vars(meta).items():
             setattr(new, k, v)
-        for module in self._model.modules():
-            for leaf, q in list(module._parameters.items()):
-                if q is meta:
-                    module._parameters[leaf] = new
+        register_in_place_of(self._model, meta, new)
         self._model_params[name] = new
         self._model_param_names[id(new)] = name
         return new
@@ -678,12 +697,13 @@ class DeepSpeedEngine(torch.nn.Module):
                           exclude_frozen_parameters: bool = False) -> dict:
         """Whole weights under the model's own names, in the training dtype (collective once
         parallelized)."""
-        self._materialize()
-        state = self._pmodule.full_state_dict() if self._pmodule is not None else \
-            {k: v.detach().clone() for k, v in self._model.state_dict().items()}
-        custom = self._model.__dict__.get("state_dict")
-        if custom is not None:  # the script gave the model its own state_dict: its entries are what is saved
-            state = {k: state[k] if k in state else v for k, v in custom().items()}
+        with self._whole():
+            self._materialize()
+            state = self._pmodule.full_state_dict() if self._pmodule is not None else \
+                {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+            custom = self._model.__dict__.get("state_dict")
+            if custom is not None:  # the script gave the model its own state_dict: its entries are what is saved
+                state = {k: state[k] if k in state else v.detach().clone() for k, v in custom().items()}
         if exclude_frozen_parameters:
             state = {k: v for k, v in state.items() if k not in self._frozen_names()}
         return {prefix + k: v for k, v in state.items()}
@@ -730,12 +750,14 @@ class DeepSpeedEngine(torch.nn.Module):
         """Each optimizer group's trainable parameter names, their fp32 master values and their whole
         optimizer state by name (empty where the plan's optimizer does not hold it yet; collective)."""
         opt = self.optimizer
-        self._materialize()
         if self._pmodule is None or opt is None:
             groups = [[self._model_param_names[id(p)] for p in g["params"]
                        if id(p) in self._model_param_names and p.requires_grad] for g in opt.param_groups] \
                 if opt is not None else [[n for n, p in self._model_params.items() if p.requires_grad]]
-            whole = {n: p.detach().float() for n, p in self._model.named_parameters(remove_duplicate=False)}
+            with self._whole():
+                self._materialize()
+                whole = {n: p.detach().float().clone()
+                         for n, p in self._model.named_parameters(remove_duplicate=False)}
             if self._pmodule is not None:
                 whole = {n: t.float() for n, t in self._pmodule.full_state_dict().items()}
             return groups, {n: whole[n] for g in groups for n in g}, {}
@@ -825,8 +847,9 @@ class DeepSpeedEngine(torch.nn.Module):
             else:
                 self._pmodule.load_full_state_dict({**self._pmodule.full_state_dict(), **module_state})
         else:
-            self._materialize()  # a meta model: whole here, as the checkpoint's module state is
-            missing = self._model.load_state_dict(module_state, strict=False)
+            with self._whole():
+                self._materialize()  # a meta model: whole here, as the checkpoint's module state is
+                missing = self._model.load_state_dict(module_state, strict=False)
             absent = [k for k in missing.missing_keys if k not in self._frozen_names()]
             if load_module_strict and (absent or missing.unexpected_keys):
                 raise RuntimeError(f"Error(s) in loading state_dict: missing keys {absent}, unexpected keys "
@@ -875,8 +898,9 @@ class DeepSpeedEngine(torch.nn.Module):
             if with_optimizer:
                 self._stepping_optimizer().load_full_state_dict({"state": opt_state})
         else:
-            self._materialize()
-            missing = self._model.load_state_dict(module_state, strict=False)
+            with self._whole():
+                self._materialize()
+                missing = self._model.load_state_dict(module_state, strict=False)
             absent = [k for k in missing.missing_keys if k not in self._frozen_names()]
             if strict and (absent or missing.unexpected_keys):
                 raise RuntimeError(f"Error(s) in loading state_dict: missing keys {absent}, unexpected keys "
