@@ -680,7 +680,7 @@ def _before_first_forward(rank, world, tmp):
     taken = dict(model.named_parameters())
     engine, _, _, _ = deepspeed.initialize(model=model, config=_config(1))
     names = [n for n, _ in engine.named_parameters()]
-    out["names"] = names == [n for n, _ in model.named_parameters()]
+    out["names"] = names == ["module." + n for n, _ in model.named_parameters()]  # the model is its `module`
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine.compile()  # test_missing_latest's compile_mode; the engine runs as before
@@ -955,14 +955,22 @@ def _zero_context(rank, world, tmp):
                 weight.fill_(0.5)
     out["modified_everywhere"] = bool((engine.module_state_dict()["linears.0.weight"] == 0.5).all())
     # TestGatheredParametersAllRanksErrorOnModification: modifying with no modifier_rank is an error
-    with deepspeed.zero.Init():
+    # under zero_optimization.enable_sanity_checks (given to zero.Init, or to the engine); a warning
+    # without them (DeepSpeed drops the change silently)
+    checked = _config(3, zero_optimization={"stage": 3, "enable_sanity_checks": True})
+    with deepspeed.zero.Init(config_dict_or_path=checked):
         meta_model = SimpleModel()
-    for params in ([meta_model.linears[0].weight, meta_model.linears[1].weight], [weight]):
+    checked_engine = deepspeed.initialize(model=_model(), config=checked)[0]
+    _train(checked_engine, _batches(1, rank))
+    for params in ([meta_model.linears[0].weight, meta_model.linears[1].weight],
+                   [checked_engine.module.linears[0].weight], [weight]):
         try:
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                with torch.no_grad():
-                    params[0].add_(0.0)
-            out.setdefault("unannounced", []).append("")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                    with torch.no_grad():
+                        params[0].add_(0.0)
+            out.setdefault("unannounced", []).append("warned: " + " ".join(str(w.message) for w in caught))
         except RuntimeError as e:
             out.setdefault("unannounced", []).append(str(e))
     # TestSerialContext.test_ext_param_getattr: a layer's weight also used outside the layer, ZeRO-3
@@ -1001,7 +1009,10 @@ def test_zero_init_and_gathered_parameters(workers2, tmp_path) -> None:
         assert r["init_disabled_real"] and r["init_meta"]
         assert r["meta_trains_as_reference"] and r["meta_no_whole_model"] and r["meta_saved_early"]
         assert r["gathered_current"] and r["modified_everywhere"]
-        assert all("in-place modification of" in e for e in r["unannounced"]), r["unannounced"]
+        checked_meta, checked_engine, plain = r["unannounced"]
+        assert checked_meta.startswith("in-place modification of 1 parameter"), checked_meta
+        assert checked_engine.startswith("in-place modification of 1 parameter"), checked_engine
+        assert plain.startswith("warned: in-place modification of 1 parameter"), plain
         assert r["ext_param"] == (True, True, 1)
 
 

@@ -7,6 +7,7 @@ Everything runs on one pool of 2 gloo processes, in training mode.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -108,16 +109,25 @@ def _gathered(rank, world, plan):
     ref = deepspeed.initialize(model=ref_model, config=_config(3, **extra))[0]
     ref.train()
     out["trains_on"] = _step(engine, rank, 1) == _step(ref, rank, 1)
-    # writing without modifier_rank is refused, and changes nothing
+    # writing without modifier_rank does not reach the engine: a warning (an error with
+    # zero_optimization.enable_sanity_checks), as DeepSpeed drops such writes
     before = engine.module_state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with deepspeed.zero.GatheredParameters(model.linears[1].weight):
+            with torch.no_grad():
+                model.linears[1].weight.add_(1.0)
+    out["unannounced"] = " ".join(str(w.message) for w in caught if "in-place modification" in str(w.message))
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+    engine.sanity_checks = True  # as zero_optimization.enable_sanity_checks sets it
     try:
         with deepspeed.zero.GatheredParameters(model.linears[1].weight):
             with torch.no_grad():
                 model.linears[1].weight.add_(1.0)
-        out["unannounced"] = "no error"
+        out["checked"] = "no error"
     except RuntimeError as e:
-        out["unannounced"] = str(e)
-    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+        out["checked"] = str(e)
+    out["unchanged"] &= all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
     return out
 
 
@@ -129,6 +139,7 @@ def test_gathered_parameters_give_whole_pieces_and_write_back(workers2, plan) ->
         assert all(r["model_whole"]) and r["model_released"], r
         assert r["written"] and r["trains_on"], r
         assert "in-place modification of 1 parameter" in r["unannounced"] and r["unchanged"], r
+        assert "in-place modification of 1 parameter" in r["checked"], r
 
 
 def _zero_init_round_trip(rank, world, tmp, stage):
@@ -205,10 +216,21 @@ def test_zero3_parameters_hold_no_values_from_initialize(workers2) -> None:
 
 def _loose(rank, world):
     """A model built under zero.Init, gathered before any engine: whole and alike on every rank;
-    rank 1's write reaches every rank (DeepSpeed's TestGatherUpdate)."""
+    rank 1's write reaches every rank (DeepSpeed's TestGatherUpdate); with the sanity checks of the
+    config given to Init, an unannounced write raises."""
+    checked = {"zero_optimization": {"stage": 3, "enable_sanity_checks": True}}
+    with deepspeed.zero.Init(config_dict_or_path=checked):
+        other = torch.nn.Linear(4, 2)
+    try:
+        with deepspeed.zero.GatheredParameters([other.weight, other.bias]):
+            with torch.no_grad():
+                other.weight.add_(0.0)
+        raised = False
+    except RuntimeError as e:
+        raised = "in-place modification of 1 parameter" in str(e)
     with deepspeed.zero.Init():
         layer = torch.nn.Linear(4, 2)
-    out = {"marked": layer.weight.ds_status == ZeroParamStatus.NOT_AVAILABLE}
+    out = {"marked": layer.weight.ds_status == ZeroParamStatus.NOT_AVAILABLE, "raised": raised}
     with deepspeed.zero.GatheredParameters(layer.weight, modifier_rank=1):
         out["available"] = layer.weight.ds_status == ZeroParamStatus.AVAILABLE
         values = layer.weight.detach().clone()
@@ -224,7 +246,7 @@ def test_zero_init_parameters_gathered_before_initialize(workers2) -> None:
     (r0, v0), (r1, v1) = workers2.run(_loose)
     assert torch.equal(v0, v1) and v0.abs().sum() > 0
     for r in (r0, r1):
-        assert r == {"marked": True, "available": True, "zeros": True}
+        assert r == {"marked": True, "raised": True, "available": True, "zeros": True}
 
 
 def _get_full_grad_zero3(rank, world):

@@ -79,6 +79,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.sparse_tensor_module_names: set = set()  # DeepSpeed's sparse-gradient modules: none here
+        # zero_optimization.enable_sanity_checks: writing into gathered parameters unannounced raises
+        self.sanity_checks = bool((config.get("zero_optimization") or {}).get("enable_sanity_checks", False))
         self._boundary_override: Optional[bool] = None
         self._in_no_sync = False
         self._grad_norm: Optional[float] = None
@@ -460,15 +463,12 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """The weights that train under the model's own names: the model's before it is
-        parallelized, this rank's pieces after (a parameter this rank holds none of is left out)."""
-        if self._pmodule is None:
-            yield from self._model.named_parameters(prefix, recurse, remove_duplicate)
-            return
-        for name in self._model_params:
-            local = self._pmodule.parameter(name)
-            if local is not None:
-                yield (f"{prefix}.{name}" if prefix else name), local
+        """The model's parameters, named as in DeepSpeed's engine (which holds the model as its
+        submodule `module`): "module.<name>". Where this rank holds a parameter whole they share
+        storage with the piece that trains (and get its gradients); the others hold no values and
+        carry DeepSpeed's ZeRO-3 marks."""
+        inner = f"{prefix}.module" if prefix else "module"
+        yield from self._model.named_parameters(inner, recurse, remove_duplicate)
 
     def compile(self, backend: Any = None, compile_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
         """DeepSpeed's engine.compile() runs the model under torch.compile. Here each rank runs its
@@ -807,6 +807,11 @@ class DeepSpeedEngine(torch.nn.Module):
                   parallel=self._pmodule, optimizer=self._stepping_optimizer() if self._pmodule is not None else None,
                   save_latest=save_latest, moments=moments, clip_grad=self.gradient_clipping())
         return True
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: str, expp_rank: int = 0) -> str:
+        """DeepSpeed's name of the file holding this rank's optimizer state in checkpoint `tag`."""
+        return os.path.join(checkpoints_path, str(tag),
+                            ckpt.optim_file(self.zero_optimization_stage(), self._settings.precision, self.dp_rank))
 
     def _counters(self) -> dict:
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,

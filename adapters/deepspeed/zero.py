@@ -15,12 +15,14 @@ the whole tensor (ZeRO-3 chunks, tensor-parallel pieces). Such a model parameter
 rank enters it, as in DeepSpeed): inside the block each one *is* the whole tensor; after it, it
 is this rank's piece again. Parameters of a model built under `Init` that no engine has yet are
 given their values then (the modules owning them initialized from one seed all ranks agree on)
-and keep them. With `modifier_rank=r`, what rank r wrote into them inside the block
+and keep them. Writing into them without `modifier_rank` does not reach the engine, as in
+DeepSpeed: an error with `zero_optimization.enable_sanity_checks`, a warning without. With `modifier_rank=r`, what rank r wrote into them inside the block
 is what every rank's engine trains on afterwards; without one, writing into them is an error.
 """
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from enum import Enum
 from typing import Any, Iterable, Optional, Union
@@ -99,6 +101,13 @@ class Init:
             raise NotImplementedError("zero.Init(remote_device='nvme'): NVMe offload is not supported")
         self.enabled = enabled
         self.dtype = dtype
+        given = config_dict_or_path if config_dict_or_path is not None else config
+        self._sanity_checks = False
+        if enabled and given is not None:  # only its zero_optimization.enable_sanity_checks matters here
+            from .config import load_config
+
+            zero = load_config(given).get("zero_optimization") or {}
+            self._sanity_checks = bool(zero.get("enable_sanity_checks", False))
         if enabled and not dist.is_initialized():  # DeepSpeed's Init starts the process group too
             from .launch import init_distributed
 
@@ -119,7 +128,14 @@ class Init:
         if self.dtype is not None:
             self._old_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
-        self._hook = torch.nn.modules.module.register_module_parameter_registration_hook(_mark_if_meta)
+        sanity = self._sanity_checks
+
+        def mark(module: torch.nn.Module, name: str, param: Optional[torch.nn.Parameter]) -> None:
+            _mark_if_meta(module, name, param)
+            if param is not None and param.is_meta and sanity:
+                param.ds_enable_sanity_checks = True
+
+        self._hook = torch.nn.modules.module.register_module_parameter_registration_hook(mark)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -215,14 +231,20 @@ class GatheredParameters:
             if exc[0] is not None:
                 return
             if self.modifier_rank is None:
-                # Nobody was named to modify them: a change would stay on this rank's copy (or be lost),
-                # and ranks would train on different weights. DeepSpeed's sanity checks raise here too.
-                changed = [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+                # Nobody was named to modify them: the change does not reach the engine (a gathered copy
+                # is dropped; a whole parameter keeps it on this rank only). DeepSpeed does the same, and
+                # raises with zero_optimization.enable_sanity_checks; so does this engine, and warns
+                # without it.
+                changed = [p for p, v in zip(self.params, self._versions) if p._version != v]
                 if changed:
-                    raise RuntimeError(f"in-place modification of {len(changed)} parameter(s) inside "
-                                       "zero.GatheredParameters(modifier_rank=None): no rank was named to modify "
-                                       "them, so the change would not reach the engine; pass modifier_rank=<the rank "
-                                       "that modifies them>")
+                    what = (f"in-place modification of {len(changed)} parameter(s) inside "
+                            "zero.GatheredParameters(modifier_rank=None): no rank was named to modify them, so the "
+                            "change is not what the engine trains on (dropped where the parameter is partitioned, "
+                            "kept only in this rank's copy where it is whole); pass modifier_rank=<the rank that "
+                            "modifies them>")
+                    if any(_sanity_checks(p) for p in changed):
+                        raise RuntimeError(what)
+                    warnings.warn(what, stacklevel=2)
                 return
             if dist.is_initialized() and dist.get_world_size() > 1:
                 with torch.no_grad():  # DeepSpeed makes every rank see rank r's values, engine or not
@@ -243,6 +265,15 @@ class GatheredParameters:
         for p in self.params:
             if is_partitioned(p):
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def _sanity_checks(param: torch.Tensor) -> bool:
+    """Whether the config `param` comes under asks for DeepSpeed's ZeRO-3 sanity checks
+    (zero_optimization.enable_sanity_checks: given to zero.Init, or to the engine training it)."""
+    if getattr(param, "ds_enable_sanity_checks", False):
+        return True
+    engine = engine_of(param)
+    return engine is not None and engine.sanity_checks
 
 
 def _unique(params: list) -> list:
