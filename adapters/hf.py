@@ -7,19 +7,29 @@
     class MyTrainer(NNScalerTrainerMixin, SomeTrainerSubclass): ...           # any other Trainer
     MyTrainer(..., args=SomeArguments(...), plan="1f1b", plan_options={"micro_batches": 2})
 
+A script that reads its arguments with `HfArgumentParser` (every transformers example) needs only its
+`Trainer` and `TrainingArguments` swapped for these classes: `--plan tp --plan_options '{"tp": 2}'`
+then come from its command line (or its JSON / YAML argument file).
+
 What changes against a plain Trainer, and why:
 - The model is captured and parallelized on the first training batch, when the training dataloader
   is first asked for (later batches may have any size and length); accelerate never wraps it
   (`_wrap_model`).
 - Batches are sharded by data-parallel replica, not by process: ranks of one replica (its tensor-
   parallel and pipeline devices) read the same batch. The order is accelerate's seedable sampler, so
-  the global batch of every step is the one a single process would read.
+  the global batch of every step is the one a single process would read. Everything the Trainer
+  counts over processes counts replicas instead: its sampler's and dataloader workers' ranks, the
+  total train batch size it logs (per replica x replicas x accumulation), the sample and step counts
+  derived from it, and the input tokens seen.
 - A training step runs the plan's `train_step` (forward and backward, micro-batches and pipeline
   schedules included), which weighs replicas by the loss's targets; each batch of an accumulation
   window then weighs its targets over the Trainer's `num_items_in_batch` when the Trainer would pass
   that count (else 1/k, as the Trainer does), so losses and gradients are a plain single-process
   Trainer's on the same global batches.
 - Norm clipping uses the norm of the whole model, not of this rank's shards.
+- `evaluate` and `predict` read batches by replica too and keep each replica's outputs once; the loss
+  is each batch's mean, as one process reports it. A plan that runs whole training steps (a pipeline,
+  micro-batches) has no forward pass to evaluate with and refuses them by name.
 - `save_model` gathers whole tensors (every rank calls it, as the Trainer does) and writes an ordinary
   `save_pretrained` directory; the original model object is kept up to date with the trained weights.
 - A model too large for one process is built on the meta device (`model=` built under
@@ -33,21 +43,27 @@ What changes against a plain Trainer, and why:
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
-from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.source import resolve
+
+from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state, session_for
 
 OPTIMIZER_FILE = "optimizer.nnscaler.pt"  # the whole optimizer state (see adapters.resume), next to the weights
 
 
-def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
+def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any, parallelism: Any = None) -> None:
     if plan is None:
         return
     if deepspeed:
@@ -57,23 +73,98 @@ def _refuse_other_engines(plan: Any, deepspeed: Any, fsdp: Any) -> None:
     if fsdp:
         raise ValueError(f"NNScaler Trainer: plan= and fsdp={fsdp!r} cannot be combined: the plan already decides "
                          "how parameters are sharded. Drop fsdp= (ZeRO stages are plans: plan='zero3'), or drop plan=")
+    if parallelism is not None:
+        raise ValueError("NNScaler Trainer: plan= and parallelism_config= cannot be combined: the plan already decides "
+                         "the tensor, context and data parallelism. Drop parallelism_config= (give the degrees as "
+                         "plan_options, e.g. plan='tp', plan_options={'tp': 2}), or drop plan=")
+
+
+def plan_options_from(value: Any, where: str) -> dict:
+    """`plan_options` as a dict: a dict as given, None as {}, a JSON object string (how a command line
+    gives it, as for TrainingArguments' own dict-valued fields: --plan_options '{"pp": 2}') parsed."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: {value!r} is not valid JSON ({e}); give the strategy's options as a JSON "
+                             """object, e.g. --plan_options '{"pp": 2, "micro_batches": 4}'""") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{where}: {value!r} is not a JSON object; give the strategy's options by name, "
+                             """e.g. --plan_options '{"tp": 2}'""")
+        return parsed
+    raise TypeError(f"{where}: expected a dict of the strategy's options (or its JSON text), got "
+                    f"{type(value).__name__}")
 
 
 @dataclass
 class NNScalerTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the plan: a strategy name ("dp", "tp", "1f1b", "auto", ...), a Plan, a
-    plan .json file or a callable `fn(builder, **options)`; `plan_options` go to the strategy."""
+    plan .json file or a callable `fn(builder, **options)`; `plan_options` go to the strategy.
 
-    plan: Any = field(default="dp", metadata={"help": "strategy name, Plan, plan .json file or callable"})
-    plan_options: dict = field(default_factory=dict, metadata={"help": "options for the strategy (tp=, pp=, ...)"})
+    Both parse from a command line through `HfArgumentParser` like TrainingArguments' own fields
+    (`--plan 1f1b --plan_options '{"pp": 2}'`), and from `parse_dict` / `parse_json_file` /
+    `parse_yaml_file` (where `plan_options` is a mapping or its JSON text)."""
+
+    # The types are written for HfArgumentParser as well as for readers: it reads a field typed
+    # `X | str | None` as a string option (the way TrainingArguments types its dict-valued fields,
+    # `dict | str | None`), so `str` must come second. In code any of the other types may be given.
+    plan: Optional[Union[Plan, str, os.PathLike, Callable]] = field(
+        default="dp", metadata={"help": "strategy name (dp, tp, 1f1b, zero3, auto, ...) or plan .json file"})
+    plan_options: Optional[Union[dict, str]] = field(
+        default_factory=dict, metadata={"help": "the strategy's options, as a JSON object on a command line: "
+                                                """'{"tp": 2}', '{"pp": 2, "micro_batches": 4}'"""})
 
     def __post_init__(self) -> None:
+        self.plan_options = plan_options_from(self.plan_options, "NNScalerTrainingArguments(plan_options=...)")
         # Before the parent's checks, which would start setting DeepSpeed or FSDP up.
-        _refuse_other_engines(self.plan, self.deepspeed, self.fsdp)
+        _refuse_other_engines(self.plan, self.deepspeed, self.fsdp, getattr(self, "parallelism_config", None))
         if self.plan is not None:
             check_plan(self.plan, "NNScalerTrainingArguments(plan=...)")
             check_plan_options(self.plan, self.plan_options, "NNScalerTrainingArguments(plan_options=...)")
         super().__post_init__()
+
+    def to_dict(self) -> dict[str, Any]:
+        """TrainingArguments' serialization (what loggers and `to_json_string` write), with a plan given as
+        an object (a Plan, a function) written as its description, so the result stays JSON."""
+        d = super().to_dict()
+        plan = d.get("plan")
+        if isinstance(plan, os.PathLike):
+            d["plan"] = os.fspath(plan)
+        elif plan is not None and not isinstance(plan, str):
+            d["plan"] = resolve(plan).label
+        return d
+
+
+class _ReplicaView:
+    """Training arguments as the Trainer's data pipeline should see them under a plan: one process per
+    data-parallel replica (`world_size`, `process_index`), since the processes of one replica (its
+    tensor, pipeline and context-parallel devices) read the same rows. A rank-aware sampler
+    (`train_sampling_strategy="batch_rebalance"`) then cuts each step's rows between replicas, and the
+    dataloader workers of one replica's devices are seeded alike (the same random augmentations).
+    Everything else reads through to the arguments."""
+
+    def __init__(self, args: Any, replicas: int, replica: int):
+        object.__setattr__(self, "_args", args)
+        object.__setattr__(self, "_replicas", replicas)
+        object.__setattr__(self, "_replica", replica)
+
+    @property
+    def world_size(self) -> int:
+        return self._replicas
+
+    @property
+    def process_index(self) -> int:
+        return self._replica
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_args"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._args, name, value)
 
 
 class _PlannedModel(torch.nn.Module):
@@ -114,10 +205,14 @@ class NNScalerTrainerMixin:
                             "plan=... to the trainer")
         check_plan(plan, f"{type(self).__name__}(plan=...)")
         if targs is not None:
-            _refuse_other_engines(plan, getattr(targs, "deepspeed", None), getattr(targs, "fsdp", None))
+            _refuse_other_engines(plan, getattr(targs, "deepspeed", None), getattr(targs, "fsdp", None),
+                                  getattr(targs, "parallelism_config", None))
         self.nns_plan = plan
-        self.nns_plan_options = dict(plan_options if plan_options is not None else getattr(targs, "plan_options", {}) or {})
-        check_plan_options(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
+        self.nns_plan_options = plan_options_from(plan_options if plan_options is not None
+                                                  else getattr(targs, "plan_options", None),
+                                                  f"{type(self).__name__}(plan_options=...)")
+        # the job's one Session: the plan resolved and its options checked once, here
+        self.nns_session = session_for(plan, self.nns_plan_options, f"{type(self).__name__}(plan_options=...)")
         # Weights read into the shards once planned (`nns.checkpoint.load`: a save_pretrained directory
         # or the library's checkpoint), each rank reading its pieces: with a model built on the meta
         # device (`model=` or `model_init=`), no process ever holds the whole model.
@@ -136,12 +231,13 @@ class NNScalerTrainerMixin:
         model = self.model
         example = example_inputs(model, self._nns_first_batch())
         model.train()
-        self.nns_module = nns.parallelize(model, example, plan=self.nns_plan, device=self.args.device,
-                                          cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"),
-                                          **self.nns_plan_options)
+        self.nns_module = self.nns_session.parallelize(
+            model, example, device=self.args.device, cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"))
         if self.nns_weights is not None:
             nns.checkpoint.load(self.nns_weights, self.nns_module)
         check_training_state(self.nns_module.plan, type(self).__name__, zero=True)
+        if getattr(self.args, "eval_strategy", "no") != "no" or getattr(self.args, "eval_on_start", False):
+            self._nns_refuse_whole_step_evaluation()  # before training, not at the first evaluation
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
         on_parallelized(self.nns_module, self.nns_module.plan, "hf")
 
@@ -166,31 +262,110 @@ class NNScalerTrainerMixin:
     def get_train_dataloader(self) -> Any:
         if self.nns_module is None:
             self._nns_parallelize()
+        with self._nns_by_replica():
+            return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        if self.nns_module is None:
+            return super().get_eval_dataloader(eval_dataset)
+        with self._nns_by_replica():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        if self.nns_module is None:
+            return super().get_test_dataloader(test_dataset)
+        with self._nns_by_replica():
+            return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _nns_by_replica(self) -> Iterator[None]:
+        """The Trainer builds its loaders as usual, with accelerate (which shards batches) and its
+        sampler and worker seeds (`_ReplicaView`) seeing data-parallel replicas instead of processes."""
         from accelerate.data_loader import prepare_data_loader
 
         acc = self.accelerator
         num_processes, process_index = acc.state.num_processes, acc.state.process_index
         pm = self.nns_module
-        # Let the Trainer build its loader as usual, with accelerate seeing replicas instead of processes.
-        original = acc.prepare
+        original, args = acc.prepare, self.args
 
         def by_replica(loader: Any, *rest: Any, **kw: Any) -> Any:
             cfg = acc.dataloader_config
-            return prepare_data_loader(loader, acc.device, num_processes=pm.dp_size, process_index=pm.dp_rank,
-                                       split_batches=cfg.split_batches, put_on_device=acc.device_placement,
-                                       rng_types=acc.rng_types.copy(), dispatch_batches=cfg.dispatch_batches,
-                                       even_batches=cfg.even_batches, use_seedable_sampler=cfg.use_seedable_sampler,
-                                       data_seed=cfg.data_seed, non_blocking=cfg.non_blocking,
-                                       use_stateful_dataloader=cfg.use_stateful_dataloader)
+            prepared = prepare_data_loader(loader, acc.device, num_processes=pm.dp_size, process_index=pm.dp_rank,
+                                           split_batches=cfg.split_batches, put_on_device=acc.device_placement,
+                                           rng_types=acc.rng_types.copy(), dispatch_batches=cfg.dispatch_batches,
+                                           even_batches=cfg.even_batches,
+                                           use_seedable_sampler=cfg.use_seedable_sampler, data_seed=cfg.data_seed,
+                                           non_blocking=cfg.non_blocking,
+                                           use_stateful_dataloader=cfg.use_stateful_dataloader)
+            acc._dataloaders.append(prepared)
+            return prepared
 
         acc.prepare = by_replica
+        self.args = _ReplicaView(args, pm.dp_size, pm.dp_rank)
         try:
-            loader = super().get_train_dataloader()
+            yield
         finally:
             acc.prepare = original
-        acc._dataloaders.append(loader)
+            self.args = args
         assert (num_processes, process_index) == (acc.state.num_processes, acc.state.process_index)
-        return loader
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop, gathering predictions and losses once per replica (`_nns_gather_for_metrics`)."""
+        self._nns_refuse_whole_step_evaluation()
+        if self._nns_devices_per_replica() == 1:
+            return super().evaluation_loop(*args, **kwargs)
+        self.gather_function = functools.partial(self._nns_gather_for_metrics,
+                                                 use_gather_object=getattr(self.args, "eval_use_gather_object", False))
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = self.accelerator.gather_for_metrics  # what the Trainer leaves there
+
+    def _nns_refuse_whole_step_evaluation(self) -> None:
+        """A plan that runs whole training steps (a pipeline, or micro-batches) has no forward pass of its
+        own to evaluate with: refused on every rank alike, naming the plan and the ways out."""
+        plan = self.nns_module.plan if self.nns_module is not None else None
+        if plan is None or (plan.pipeline is None and plan.num_micro_batches <= 1):
+            return
+        what = "a pipeline" if plan.pipeline is not None else f"{plan.num_micro_batches} micro-batches"
+        raise NotImplementedError(
+            f"{type(self).__name__}: plan {plan.strategy!r} runs whole training steps ({what}), so it has no forward "
+            "pass for evaluate() or predict(); evaluate the saved model (save_model) with a plan without a "
+            "pipeline or micro_batches, or train without evaluation (no --do_eval, eval_strategy='no')")
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """Evaluation's loss (training runs the plan's `train_step` instead). The planned program computes
+        the loss as it was captured, each batch's mean over its targets: what one process reports for
+        the batch. Given the Trainer's count of the batch's items, the Trainer would pass it to a program
+        that never takes it and then rescale the mean by the processes (as for a sum over the count)."""
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+    def _nns_gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """accelerate's `gather_for_metrics` over replicas: the devices of one replica read the same batch
+        and hold the same outputs, so each replica's values are kept once (its first device's), and the
+        last batch's padding is dropped as accelerate does (its remainder counts replicas). Collective."""
+        from accelerate.utils import gather_object, recursively_apply
+
+        acc = self.accelerator
+        unit, world = self._nns_devices_per_replica(), acc.num_processes
+        try:
+            recursively_apply(lambda x: x, data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        if use_gather_object or not all_tensors:
+            kept = [x for each in gather_object([data])[::unit] for x in each]
+        else:
+            def first_devices(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(world // unit, unit, -1, *t.shape[1:])[:, 0].reshape(-1, *t.shape[1:])
+
+            kept = recursively_apply(first_devices, acc.gather(data))
+        state = acc.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if isinstance(kept, list):
+                return kept[:state.remainder]
+            return recursively_apply(lambda t: t[:state.remainder], kept)
+        return kept
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer choice and weight-decay grouping (read off the original model's
@@ -302,8 +477,38 @@ class NNScalerTrainerMixin:
             return inner.clip_grad_norm_(self.args.max_grad_norm)
         return clip_grad_norm_(self.nns_module, self.args.max_grad_norm)
 
+    # -- batch-size accounting: replicas, not processes ------------------------------------------------------
+    # The devices of one replica (its tensor, pipeline, context or expert-parallel devices) read the same
+    # rows, so every count the Trainer takes over processes is counted here over replicas instead.
+    def _nns_devices_per_replica(self) -> int:
+        return self.nns_module.plan.unit_size if self.nns_module is not None else 1
+
     def get_tp_size(self) -> int:
-        return 1  # batches are sharded by replica here, not by the Trainer's tensor-parallel size
+        """1: the Trainer divides what it sums over processes (the window's token count) by this, and
+        transformers versions differ in where they do; the adapter counts replicas itself instead
+        (`_nns_window_shares`, `get_total_train_batch_size`, `_track_num_input_tokens`, evaluation)."""
+        return 1
+
+    def get_cp_size(self) -> int:
+        return 1  # as for get_tp_size: the plan's context parallelism is inside its replica
+
+    def get_sp_size(self) -> int:
+        return 1  # as for get_cp_size; an sp size would also multiply the dataloader's length
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Rows per optimizer step: per replica x data-parallel replicas x accumulation (the Trainer's
+        "Total train batch size" and its sample counts); the processes of a replica read the same rows."""
+        if self.nns_module is None:
+            self._nns_parallelize()
+        return self._train_batch_size * args.gradient_accumulation_steps * self.nns_module.dp_size
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """The Trainer sums the tokens every process read; the devices of one replica read the same ones."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        unit = self._nns_devices_per_replica()
+        if unit > 1:
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // unit
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """A model on the meta device stays there: its shards are made on each rank when planned."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .lightning_model import PlannedModel, Recorded, Recorder
-from .plan_choice import PlanLike, check_plan, check_plan_options, check_training_state
+from .plan_choice import PlanLike, check_plan, check_training_state, session_for
 
 
 def _check_own_keywords(plan_options: dict) -> None:
@@ -65,7 +65,8 @@ class NNScalerStrategyMixin:
                          precision_plugin=precision_plugin)
         check_plan(plan, "NNScalerStrategy(plan=...)")
         _check_own_keywords(plan_options)
-        check_plan_options(plan, plan_options, "NNScalerStrategy(...)")
+        # the job's one Session: the plan resolved and its options checked once, here
+        self.session = session_for(plan, plan_options, "NNScalerStrategy(...)")
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"NNScalerStrategy: state_dict_type={state_dict_type!r}; use 'full' (one .ckpt file of "
                              "whole tensors, written by rank 0) or 'sharded' (a directory, each rank writing its own "
@@ -166,15 +167,7 @@ class NNScalerStrategyMixin:
             if found is None:
                 return
             inner, example = found
-            from nnscaler_plugins.api import _graph_of
-            from nnscaler_plugins.capture.microbatch import resolve_micro_batches
-            from nnscaler_plugins.plan.plan import Plan
-
-            plan = Plan.load(self.plan) if isinstance(self.plan, (str, os.PathLike)) and \
-                os.fspath(self.plan).endswith(".json") else self.plan
-            micro = plan.num_micro_batches if isinstance(plan, Plan) else resolve_micro_batches(
-                example, self.plan_options.get("micro_batches"), self.plan_options.get("micro_batch_size"))
-            graph = _graph_of(inner, example, micro)
+            graph = self.session.capture(inner, example)
         except CaptureError:
             raise
         except Exception:  # noqa: BLE001 - the ranks meet it again and report it as they always did
@@ -202,7 +195,7 @@ class NNScalerStrategyMixin:
 
     def on_exception(self, exception: BaseException) -> None:
         """A capture error on this process (rank 0) is the job's report: the ranks this process started
-        wait quietly (see `nns.api.QUIET_RANK_WAIT_S`) and are stopped now."""
+        wait quietly (see `nnscaler_plugins.session.QUIET_RANK_WAIT_S`) and are stopped now."""
         super().on_exception(exception)
         from nnscaler_plugins.capture.tracing import CaptureError
 
@@ -284,8 +277,6 @@ class NNScalerStrategyMixin:
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     def _setup_model(self, model: Any) -> Any:
-        import nnscaler_plugins as nns
-
         from .hookspecs import on_parallelized
 
         attr = self._attr = self.module_attr or _find_inner_module(model)
@@ -299,8 +290,8 @@ class NNScalerStrategyMixin:
             from .hookspecs import example_inputs
 
             example = example_inputs(inner, self._record_inputs(model, attr))
-        self.pmodule = nns.parallelize(inner, example, plan=self.plan, device=self.root_device,
-                                       cache_dir=self.cache_dir, loss_fn=self.loss_fn, **self.plan_options)
+        self.pmodule = self.session.parallelize(inner, example, device=self.root_device, cache_dir=self.cache_dir,
+                                                loss_fn=self.loss_fn)
         check_training_state(self.pmodule.plan, "NNScalerStrategy", zero=True)
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole

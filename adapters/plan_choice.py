@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from nnscaler_plugins.plan.source import PlanLike, resolve
+from nnscaler_plugins.session import Session
 
 
 def check_plan(plan: PlanLike, where: str) -> None:
@@ -25,6 +26,14 @@ def check_plan_options(plan: PlanLike, options: dict, where: str) -> None:
         raise NotImplementedError(f"{where}: precision={precision!r} in the plan is not supported by this adapter; "
                                   "use the framework's own mixed precision (Lightning precision=, Trainer bf16=) "
                                   "with an fp32 plan")
+
+
+def session_for(plan: PlanLike, options: dict, where: str) -> Session:
+    """The adapter's one `Session` for the job: the plan resolved and its options checked here, where
+    the user wrote them (before any process starts); precision refused as `check_plan_options` does."""
+    session = Session(plan, where=where, **(options or {}))
+    check_plan_options(plan, options, where)
+    return session
 
 
 def check_training_state(plan: Any, framework: str, zero: bool = False) -> None:

@@ -66,12 +66,12 @@ def inner_optimizer(optimizer: Any) -> Any:
 def _fqns_by_group(module: Any, optimizer: Any) -> Optional[list[list[str]]]:
     """This rank's parameter names per group of `optimizer`, or None when it holds a tensor that is
     not one of the module's parameters."""
-    from nnscaler_plugins.checkpoint.optimizer_state import _param_index, knows_plan
+    from nnscaler_plugins.checkpoint.optimizer_state import param_index, knows_plan
 
     if knows_plan(optimizer):
         fqn_of = {id(e.master): e.fqn for e in optimizer.entries}
     else:
-        fqn_of = {k: name for k, (name, _) in _param_index(module).items()}
+        fqn_of = {k: name for k, (name, _) in param_index(module).items()}
     out = []
     for g in optimizer.param_groups:
         names = [fqn_of.get(id(p)) for p in g["params"]]

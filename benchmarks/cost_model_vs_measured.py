@@ -120,8 +120,8 @@ def main() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     if args.remeasure:
-        from nnscaler_plugins.search.calibrate import _cache_path
-        path = _cache_path(None)
+        from nnscaler_plugins.search.calibrate import cache_path
+        path = cache_path(None)
         if os.path.exists(path):
             os.remove(path)
     spec = nns.cluster("local-cpu", devices=WORLD)

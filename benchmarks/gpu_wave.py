@@ -2,9 +2,9 @@
 
     python benchmarks/gpu_wave.py                 # on a machine with one CUDA GPU: results to RESULTS.md
     python benchmarks/gpu_wave.py --small         # tiny shapes on whatever device is there (smoke test)
-    python benchmarks/gpu_wave.py --sections ring # some of: meta, moe, ring
+    python benchmarks/gpu_wave.py --sections ring # some of: meta, moe, ring, speed, collectives
 
-Three sections, each written to RESULTS.md:
+Five sections, each written to RESULTS.md:
 
 1. meta: a Llama-2-7B-shaped model built under `torch.device("meta")`, parallelized with plan
    "zero3", `precision="bf16"` and `offload="optimizer"` on one GPU (NCCL, world 1): the weights
@@ -18,6 +18,14 @@ Three sections, each written to RESULTS.md:
    on CUDA torch's memory-efficient SDPA, which returns the log-sum-exp) on two key blocks merged by
    their log-sum-exps (`merge_blocks`), against `scaled_dot_product_attention` on the whole
    sequence, causal and not: largest difference, and the time ratio.
+4. speed: a Llama-3-8B-shaped model (as many layers as fit the GPU, sequence 4096 by default, bf16)
+   trained through the generated code eagerly, with compile=True, and with compile=True and
+   precision="fp8", each beside plain PyTorch doing the same (regional torch.compile, torchao's
+   float8) on the same GPU in the same run: tokens/s, their ratio, and MFU by torchtitan's FLOP count
+   against the bf16 dense peak (fp8 rows too, for comparison). Budget: about 4 minutes on an H100,
+   most of it compilation (the warm-up column).
+5. collectives: every collective the generated code calls, forward and backward over the world-1
+   NCCL group, against the same call without communication; the median time of each.
 """
 from __future__ import annotations
 
@@ -135,7 +143,7 @@ def moe_generated_vs_eager(device: torch.device, small: bool, iters: int) -> lis
 
 # -- 3. ring attention's per-block kernel against whole attention -----------------------------------
 def ring_blocks(device: torch.device, small: bool, iters: int) -> list[tuple[str, ...]]:
-    from nnscaler_plugins.runtime.ring_attention import block_attention, merge_blocks
+    from nnscaler_plugins.kernels.ring_attention import block_attention, merge_blocks
 
     rows = []
     dtypes = (torch.float32,) if device.type != "cuda" else (torch.bfloat16, torch.float16)
@@ -174,11 +182,220 @@ def ring_blocks(device: torch.device, small: bool, iters: int) -> list[tuple[str
     return rows
 
 
+# -- 4. speed: eager, compile, compile + fp8 on a Llama-3-8B-shaped model, against plain PyTorch ----------
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256, rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+SPEED_MODES = ("eager", "compile", "compile + fp8")
+
+
+def layer_params(shape: dict) -> int:
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    return 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+
+
+def flops_per_token(shape: dict, layers: int, seq: int) -> float:
+    """torchtitan's count: 6 x the parameters without the input embedding (the output layer counted)
+    + 12 x layers x heads x head dim x sequence (attention's two products, forward and backward)."""
+    h, v, heads = shape["hidden_size"], shape["vocab_size"], shape["num_attention_heads"]
+    params = layers * layer_params(shape) + h + v * h
+    return 6.0 * params + 12.0 * layers * heads * (h // heads) * seq
+
+
+def layers_that_fit(shape: dict, seq: int) -> int:
+    """As many layers as one model's training state fits in 80 % of the free GPU memory, counted as
+    16 bytes per parameter (bf16 weights and gradients, fp32 master weights and Adam's two moments;
+    plain PyTorch's fp32 weights, gradients and moments are 16 too) plus each layer's activations
+    without recomputation (about seq x (34 h + 10 i) bytes in bf16) and the logits' fp32 copies."""
+    free, _ = torch.cuda.mem_get_info()
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    fixed = 2 * v * h * 16 + seq * v * 12
+    per_layer = layer_params(shape) * 16 + seq * (34 * h + 10 * i)
+    return max(1, min(32, int((0.8 * free - fixed) // per_layer)))
+
+
+def peak_bf16_flops(device: torch.device) -> float:
+    """The device's dense bf16 peak from the cluster presets (nan for devices they do not describe)."""
+    if device.type != "cuda":
+        return float("nan")
+    name = torch.cuda.get_device_name(device)
+    preset = "h200" if "H200" in name else "h100-dgx" if "H100" in name else "a100-dgx" if "A100" in name else None
+    return nns.cluster(preset).peak_flops["bf16"] if preset else float("nan")
+
+
+def _median_step(step, warmup: int, iters: int) -> tuple[float, float]:
+    """(seconds of the warm-up steps, compilation included; median seconds of the timed steps)."""
+    common.sync_device()
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    common.sync_device()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        step()
+        common.sync_device()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return first, times[len(times) // 2]
+
+
+def speed(device: torch.device, small: bool, iters: int, seq: int, layers: int = 0) -> list[tuple[str, ...]]:
+    """Tokens/s and MFU of training steps (forward, backward, AdamW) through the generated code
+    (plan dp, world 1) against plain PyTorch doing the same on the same GPU, one after the other:
+    eager (ours bf16; plain fp32 weights under bf16 autocast, fused AdamW), compile (ours
+    compile=True; plain torch.compile of each decoder layer, torchtitan's regional compile) and
+    compile + fp8 (ours precision="fp8"; plain torchao's convert_to_float8_training, tensorwise).
+    On the CPU (--small) the compilers run with aot_eager and the float8 products are emulated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = TINY if small else LLAMA3_8B
+    seq = 32 if small else seq
+    n = 2 if small else (layers or layers_that_fit(shape, seq))
+    cfg = LlamaConfig(**shape, num_hidden_layers=n, max_position_embeddings=max(seq, 64), use_cache=False,
+                      attn_implementation="sdpa")
+    batch = _tokens(1, seq, cfg.vocab_size, device)
+    tokens = batch["input_ids"].numel()
+    fpt = flops_per_token(shape, n, seq)
+    peak = peak_bf16_flops(device)
+    backend = "aot_eager" if device.type != "cuda" else "inductor"
+    emulate = device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    warmup, iters = (1, 2) if small else (3, iters)
+    rows = []
+    for mode in SPEED_MODES:
+        compiled, fp8 = mode != "eager", mode.endswith("fp8")
+
+        def ours() -> tuple[float, float]:
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = LlamaForCausalLM(cfg)
+            options = dict(precision="fp8" if fp8 else "bf16", compile=compiled, compile_backend=backend)
+            if fp8:
+                options["fp8_emulate"] = emulate
+            pm = nns.parallelize(model, batch, plan="dp", cache_dir="/tmp/nns_bench_cache", **options)
+            del model
+            opt = nns.build_optimizer(pm, torch.optim.AdamW, lr=1e-5)
+
+            def step() -> None:
+                pm.train_step(batch)
+                opt.step()
+                opt.zero_grad()
+            try:
+                return _median_step(step, warmup, iters)
+            finally:
+                del pm, opt
+                common.reset_peak()
+
+        def plain() -> tuple[float, float]:
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = LlamaForCausalLM(cfg)
+            if fp8:
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                convert_to_float8_training(model, config=Float8LinearConfig(emulate=emulate))
+            if compiled:
+                for layer in model.model.layers:
+                    layer.compile(backend=backend)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+            def step() -> None:
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            try:
+                return _median_step(step, warmup, iters)
+            finally:
+                del model, opt
+                common.reset_peak()
+
+        results = []
+        for run in (ours, plain):
+            try:
+                results.append(run())
+            except torch.OutOfMemoryError:
+                common.reset_peak()
+                results.append((float("nan"), float("nan")))
+        (o_first, o_step), (p_first, p_step) = results
+        o_tps, p_tps = tokens / o_step, tokens / p_step
+        rows.append((mode, f"{n} x {shape['hidden_size']}", str(seq), f"{o_tps:,.0f}", f"{p_tps:,.0f}",
+                     f"{o_tps / p_tps:.2f}", f"{100 * o_tps * fpt / peak:.1f}", f"{100 * p_tps * fpt / peak:.1f}",
+                     f"{o_first:.0f}", f"{p_first:.0f}"))
+    return rows
+
+
+# -- 5. every collective the generated code calls, over NCCL at world 1 ---------------------------------
+def collective_paths(device: torch.device, iters: int) -> list[tuple[str, ...]]:
+    """Each collective of kernels/collectives.py and each group-aware kernel the generated code can
+    call, run forward and backward over the one-process world group (NCCL on a GPU: the library's
+    real calls, with one rank) against the same function without a group (no communication): the
+    values and gradients must agree. Paths that shortcut at one rank (ring attention's sends to the
+    next device, the batch statistics across replicas) need two devices and are not here."""
+    import torch.distributed as dist
+
+    from nnscaler_plugins.kernels import collectives as C
+    from nnscaler_plugins.kernels.expert_dispatch import all_to_all_rows, exchange_counts
+    from nnscaler_plugins.kernels.piece_functions import vocab_parallel_cross_entropy
+    from nnscaler_plugins.kernels.ring_attention import ulysses_attention
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    world = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(8, 16, generator=g).to(device)
+    labels = torch.randint(0, 16, (8,), generator=g).to(device)
+    qkv0 = [torch.randn(1, 4, 16, 8, generator=g).to(device) for _ in range(3)]
+    paths = {
+        "all-gather": lambda x, grp: C.all_gather(x, 0, grp),
+        "reduce-scatter": lambda x, grp: C.reduce_scatter(x, 0, grp),
+        "all-reduce": lambda x, grp: C.all_reduce(x, grp),
+        "chunk (all-gather in backward)": lambda x, grp: C.chunk(x, 1, grp),
+        "all-to-all": lambda x, grp: C.all_to_all(x, 0, 1, grp),
+        "grad sum (all-reduce in backward)": lambda x, grp: C.identity_fwd_allreduce_bwd(x, grp),
+        "all-gather, reduce-scatter in backward": lambda x, grp: C.allgather_fwd_reducescatter_bwd(x, 0, grp),
+        "vocab-parallel cross-entropy": lambda x, grp: vocab_parallel_cross_entropy(x, labels, 0, group=grp),
+        "expert rows all-to-all": lambda x, grp: x if grp is None else all_to_all_rows(x, [x.shape[0]],
+                                                                                      [x.shape[0]], grp),
+        "expert counts all-gather": lambda x, grp: x * (1 if grp is None else exchange_counts(
+            torch.tensor([3, 5], device=x.device), 0, grp)[0, 1:].sum() / 8),
+        "ulysses attention (all-to-alls)": lambda x, grp: x.sum() * ulysses_attention(
+            *qkv0, is_causal=True, group=grp).sum() if grp is not None else x.sum() * torch.nn.functional.
+        scaled_dot_product_attention(*qkv0, is_causal=True).sum(),
+    }
+    rows = []
+    for name, fn in paths.items():
+        outs = []
+        for grp in (None, world):
+            x = x0.clone().requires_grad_(True)
+            out = fn(x, grp)
+            out.float().sum().backward()
+            outs.append((out.detach().float(), x.grad.float()))
+        (want, want_g), (got, got_g) = outs
+        ok = torch.allclose(got, want, rtol=1e-5, atol=1e-6) and torch.allclose(got_g, want_g, rtol=1e-5, atol=1e-6)
+        times = []
+        for _ in range(iters):
+            x = x0.clone().requires_grad_(True)
+            common.sync_device()
+            t = time.perf_counter()
+            fn(x, world).float().sum().backward()
+            common.sync_device()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        rows.append((name, "agrees" if ok else "DIFFERS", f"{times[len(times) // 2] * 1e3:.3f}"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes on whatever device is there (smoke test)")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--sections", default="meta,moe,ring")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--seq", type=int, default=4096, help="the speed section's sequence length (4096 or 8192)")
+    ap.add_argument("--layers", type=int, default=0, help="the speed section's layers (default: as many as fit)")
     ap.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md as it is")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -186,9 +403,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     common.env_world_one()
     sections = args.sections.split(",")
-    unknown = set(sections) - {"meta", "moe", "ring"}
+    unknown = set(sections) - set(SECTIONS)
     if unknown:
-        raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose among meta, moe, ring")
+        raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose among {', '.join(SECTIONS)}")
     out = []
     if "meta" in sections:
         out.append(("gpu_wave.py: 7B-shaped Llama made on meta, zero3 + bf16 + optimizer offload, one GPU, vs plain "
@@ -205,6 +422,18 @@ def main() -> None:
                     ring_blocks(device, args.small, args.iters),
                     ("shape b x h x s x d", "dtype", "mask", "max diff (rel. to max)", "sdpa ms", "ring blocks ms",
                      "ratio sdpa/ring")))
+    if "speed" in sections:
+        start = time.perf_counter()
+        rows = speed(device, args.small, args.iters, args.seq, args.layers)
+        out.append(("gpu_wave.py: Llama-3-8B-shaped training steps on one GPU, generated code vs plain PyTorch "
+                    "(eager, compile, compile + fp8)", rows,
+                    ("mode", "layers x hidden", "sequence", "ours tokens/s", "plain tokens/s", "ratio ours/plain",
+                     "ours MFU % (bf16 peak)", "plain MFU % (bf16 peak)", "ours warm-up s", "plain warm-up s")))
+        print(f"speed section: {time.perf_counter() - start:.0f} s")
+    if "collectives" in sections:
+        out.append(("gpu_wave.py: every collective of the generated code over the world-1 process group "
+                    "(NCCL on a GPU) against no communication", collective_paths(device, args.iters),
+                    ("path", "values and gradients", "median ms (forward + backward)")))
     for title, rows, header in out:
         if args.no_record or args.small or device.type != "cuda":
             print(title)
@@ -213,6 +442,8 @@ def main() -> None:
         else:
             print(common.record(title, rows, header))
 
+
+SECTIONS = ("meta", "moe", "ring", "speed", "collectives")
 
 if __name__ == "__main__":
     main()

@@ -59,7 +59,7 @@ def _train_all(rank: int, world: int, names: list[str]) -> dict:
 def _capture_and_tp(name: str) -> tuple[str, str]:
     import nnscaler_plugins as nns
     from nnscaler_plugins.capture.tracing import capture
-    from nnscaler_plugins.strategies.propagation import split_matmul_flops
+    from nnscaler_plugins.passes.tensor_parallel import split_matmul_flops
 
     model, batch = _eval_build(name)()
     with warnings.catch_warnings():

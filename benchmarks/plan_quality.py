@@ -62,7 +62,7 @@ def part_a(quick: bool, save: bool = True) -> None:
             # rows (its plans are priced with it; the megatron strategy's plans also execute it)
             plans = nns.search(g, world_size=case.world, cluster=spec, global_batch_size=case.batch,
                                memory_limit=published.max_memory_bytes, progress=False,
-                               sequence_parallel=bool(case.options.get("sequence_parallel")))
+                               sequence_parallel=case.knobs.sequence_parallel)
             best = plans.estimates[0]
             found = (f"{best.step_time_s:.3f}", f"{best.peak_memory_gib:.1f}",
                      f"{published.step_time_s / best.step_time_s:.2f}x",

@@ -196,7 +196,7 @@ def main() -> None:
                  "the rest) is not a recomputation mode here, and torchtitan logs the allocator's reserved "
                  "peak, not the bytes in use. The sequence-parallel rows are priced as the runtime now runs them: "
                  "the gathered input of a column-parallel matmul is kept as its sequence shard and gathered again in "
-                 "backward (runtime/collectives.py), as Megatron does; selective recomputation recomputes the "
+                 "backward (kernels/collectives.py), as Megatron does; selective recomputation recomputes the "
                  "attention core only, up to the output projection (strategies/recompute.py).")
         record("simulator_fidelity.py: published training runs (2021 and current stacks) vs the simulator", rows,
                tuple(header), notes)

@@ -12,9 +12,10 @@ from nnscaler_plugins import (
     checkpoint,  # nns.checkpoint.save / load / export / merge
     search,  # a callable module: nns.search(...) runs the search, nns.search.constraints etc.
 )
-from nnscaler_plugins.api import parallelize, plan, strategies
+from nnscaler_plugins.api import capture, compile, parallelize, plan, strategies
+from nnscaler_plugins.compiler import Artifact, Compiled
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.capture.tracing import CaptureError, capture
+from nnscaler_plugins.capture.tracing import CaptureError
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.framework_imports import watch as _watch_frameworks
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
@@ -39,14 +40,13 @@ from nnscaler_plugins.search import (
 import sys as _sys
 
 from nnscaler_plugins import api as _api
-from nnscaler_plugins.capture import tracing as _tracing
 from nnscaler_plugins.plan import schedules as _schedules
 from nnscaler_plugins.plan import timeline as _timeline
 
 # `nns.plan` and `nns.capture` are the functions; the subpackages of the same names (plan/, capture/)
 # are reached by import (`from nnscaler_plugins.plan import Plan`), never as these attributes.
 plan = _api.plan
-capture = _tracing.capture
+capture = _api.capture
 # Module paths earlier releases documented, kept importable: nnscaler_plugins.schedules.Task,
 # nnscaler_plugins.timeline.check (now under plan/).
 _sys.modules.setdefault(__name__ + ".schedules", _schedules)
@@ -56,7 +56,7 @@ _watch_frameworks()  # Trainer(strategy="nnscaler") once Lightning is imported, 
 
 __version__ = "0.1.0"
 
-__all__ = ["capture", "CaptureError", "plan", "parallelize", "strategies", "Plan", "OpPlacement", "PlanError",
+__all__ = ["capture", "CaptureError", "plan", "compile", "Compiled", "Artifact", "parallelize", "strategies", "Plan", "OpPlacement", "PlanError",
            "PlanBuilder", "SubOp", "op_trans", "op_assign", "op_order", "Graph", "__version__"]
 __all__ += ["search", "cluster", "simulate", "ClusterSpec", "Estimate", "ParetoSet", "SearchError", "constraints"]
 __all__ += ["checkpoint"]

@@ -105,7 +105,8 @@ def _hf_model(path: str, micro_batch: int, seq: int) -> tuple[Any, Any]:
 
 
 def _graph(spec: str, micro_batch: int, seq: int, plan: Optional[Plan] = None):
-    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+    from nnscaler_plugins.batches import normalize_inputs
+    from nnscaler_plugins.api import capture
 
     if plan is not None and plan.input_shapes:
         shape = next(iter(plan.input_shapes.values()))
@@ -165,7 +166,7 @@ def _plan_cluster(a, plan: Plan) -> str:
     """--cluster, else the cluster the plan was searched (or priced) for, else this machine."""
     if a.cluster:
         return a.cluster
-    searched = plan.options.get("cluster") or (plan.estimate or {}).get("cluster")
+    searched = plan.knobs.cluster or (plan.estimate or {}).get("cluster")
     if isinstance(searched, str) and searched:
         print(f"pricing on {searched}, the cluster the plan was searched for (--cluster to choose another)",
               file=sys.stderr)
@@ -280,7 +281,7 @@ def explain(plan: Plan) -> str:
     training settings, and its estimate rounded with units; how each op is split is `show`'s."""
     lines = [f"{plan.model_class} on {plan.world_size} devices: {plan_label(plan)}",
              f"  {plan.dp} data-parallel replica(s) x {plan.unit_size} device(s) per replica"
-             + (f"; searched for {plan.options['cluster']}" if plan.options.get("cluster") else "")]
+             + (f"; searched for {plan.knobs.cluster}" if plan.knobs.cluster else "")]
     est = plan.estimate or {}
     details = est.get("details", {})
     fwd, bwd = details.get("stage_fwd_s", []), details.get("stage_bwd_s", [])

@@ -1,7 +1,8 @@
 """Errors users see. Each names the thing that is wrong and what to do about it."""
 from __future__ import annotations
 
-from typing import Optional
+import difflib
+from typing import Any, Iterable, Optional, Sequence
 
 
 class PlanError(ValueError):
@@ -15,3 +16,21 @@ class PlanError(ValueError):
         self.where = where
         prefix = f"{where}: " if where else (f"{op}: " if op else "")
         super().__init__(prefix + message)
+
+
+class PlanFormatWarning(UserWarning):
+    """A plan file written by an earlier version was migrated when it was loaded (saving it again
+    writes the current format)."""
+
+
+def refuse_unknown(names: Iterable[Any], allowed: Sequence[str], what: str, where: str = "") -> None:
+    """Raise PlanError naming each of `names` not in `allowed` with the closest valid one (a key of a
+    plan file, a knob, a mesh axis: a misspelt name is refused, never silently ignored)."""
+    unknown = [k for k in names if k not in allowed]
+    if not unknown:
+        return
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(str(k), list(allowed), n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise PlanError(f"{where + ': ' if where else ''}unknown {what}(s) {', '.join(hints)}; valid: {', '.join(allowed)}")

@@ -20,5 +20,6 @@ echo "[setup] using torch ${TORCH_VERSION}"
 if ! "$PY" -c "import deepspeed" >/dev/null 2>&1; then
   DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation -c "$CONSTRAINTS" "deepspeed>=0.19,<0.20"
 fi
+# .[dev] includes torchao (float8 training, the fp8 extra), pinned to the torch above by the constraints
 "${PIP[@]}" -c "$CONSTRAINTS" -e ".[dev]"
 "$PY" -c "import torch; assert torch.__version__ == '${TORCH_VERSION}', 'setup changed torch'"

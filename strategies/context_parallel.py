@@ -1,324 +1,46 @@
-"""Context parallelism: the sequence split across the devices of a unit, attention included.
+"""Context parallelism: the sequence split over the mesh's "cp" devices (x "tp", x "pp" stages).
 
-Activations, not weights, run out of memory on long sequences; splitting the sequence of every op
-that carries it divides them by cp. The plan is found by a walk, not by module names: the
-sequence starts at the graph's data inputs (the dim of the attention's length) and at every
-self-attention's sequence label, and follows each op's dimension rule to its outputs. Ops the
-sequence does not reach (position aranges, label shifts, rotary tables) run whole; where their
-outputs meet split ones, the lowering cuts them to the same pieces, so positions and labels stay
-consistent with the split with no special case. Attention pieces run
-`runtime.ring_attention.context_parallel_attention` with the group of the sequence label and the
-plan's `cp_comm` ("ring", "allgather" or "ulysses").
-
-Causal load balancing (on by default when some attention is causal): the sequence is split as a
-mirrored 2-block split, device j holding chunks j and 2cp-1-j of 2cp, on every op the sequence
-reaches. A reshape merging batch and sequence (the LM head's logits flattened for the loss) keeps
-it: the merged dim holds each row's pieces as rows x 2 mirrored blocks, and the walk follows it
-into the loss, whose rows are split in those blocks (cross-entropy's mean is the local sum over the
-global count). Ops that cannot take the split get their inputs gathered by the lowering, which is
-exact and costs memory there.
-
-With `pp`, the layer stack is cut into stages as the pipeline strategies cut it, each stage on its
-own cp x tp devices; the walk above is one over the whole graph, so a value crossing stages keeps
-its pieces' meaning, and each attention's ring is the group of its own stage's devices.
-
-What cannot run exactly is refused before launch, with sizes: a length not divisible by 2cp
-(balanced) or cp, Ulysses with more devices than key/value heads (or query heads), attention
-with a mask tensor (padding, packed documents whose position_ids restart inside a row).
+A composition of passes: `apply_pp` cuts the stages when pp > 1, `apply_tp` finds Megatron tensor
+parallelism inside each sequence chunk's group, `apply_cp` follows the sequence from the data
+inputs and every self-attention through the ops' rules (ring, all-gather or Ulysses attention
+pieces; causal load balancing by default). Device (t, c) of a pipeline rank is its first device
++ t * cp + c: the cp devices of one tensor-parallel rank are neighbours, as the ring wants them.
+See `nnscaler_plugins.passes.context_parallel` for what is refused before launch.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.lower.placement import merged_host
-from nnscaler_plugins.plan.layers import balanced_stages, layer_groups
-from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
-from nnscaler_plugins.rules import op_call
-from nnscaler_plugins.rules.attention import SEQUENCE, sequence_split_problem
+from nnscaler_plugins.passes import (
+    DEFAULT_SCHEDULE,
+    Parallelization,
+    apply_batch_statistics,
+    apply_cp,
+    apply_pp,
+    apply_recompute,
+    apply_tp,
+    order,
+)
+from nnscaler_plugins.plan.mesh import MeshLayout
+from nnscaler_plugins.plan.primitives import PlanBuilder
 
-from .batch_statistics import apply_batch_statistics
-from .pipeline import DEFAULT_SCHEDULE
-from .propagation import TensorParallelPropagation
-from .recompute import apply_recompute
-
+#: The whole world one context-parallel unit unless cp= or dp= says otherwise; tp and pp default to 1.
+MESH = MeshLayout(("dp", "pp", "tp", "cp"), fill=("cp", "dp"))
 MODES = ("ring", "allgather", "ulysses")
-_SDPA = "aten.scaled_dot_product_attention.default"
 
 
-def degrees(world_size: int, cp: Optional[int] = None, dp: Optional[int] = None, tp: Optional[int] = None,
-            pp: Optional[int] = None, **_: Any) -> tuple[int, int]:
-    """(cp x tp x pp, dp): the whole world is one context-parallel unit unless `cp` or `dp` says
-    otherwise; `pp` (default 1) stages of cp x tp devices each."""
-    tp = 1 if tp is None else int(tp)
-    pp = 1 if pp is None else int(pp)
-    if tp < 1 or world_size % tp:
-        raise PlanError(f"tp={tp} does not divide the world size {world_size}")
-    if pp < 1 or world_size % (tp * pp):
-        raise PlanError(f"pp={pp} x tp={tp} does not divide the world size {world_size}; each of the pp pipeline "
-                        "stages runs on cp x tp devices")
-    rest = world_size // (tp * pp)
-    if cp is None and dp is None:
-        return world_size, 1
-    for name, value in (("cp", cp), ("dp", dp)):
-        if value is not None and (int(value) < 1 or rest % int(value)):
-            raise PlanError(f"{name}={value} does not divide the world size {world_size} / (tp {tp} x pp {pp}) = "
-                            f"{rest}")
-    cp = int(cp) if cp is not None else rest // int(dp)
-    dp = int(dp) if dp is not None else rest // cp
-    if cp * dp * tp * pp != world_size:
-        raise PlanError(f"cp={cp} x tp={tp} x pp={pp} x dp={dp} = {cp * dp * tp * pp}, but the world size is "
-                        f"{world_size}")
-    return cp * tp * pp, dp
-
-
-def _is_attention(op: OpHandle) -> bool:
-    return op.node.op_name == _SDPA or str(op.node.target) == _SDPA
-
-
-def attention_ops(builder: PlanBuilder) -> list[OpHandle]:
-    return [op for op in builder.ops if _is_attention(op)]
-
-
-def check_context_parallel(builder: PlanBuilder, cp: int, mode: str, balance: bool) -> int:
-    """The sequence length every attention shares, after refusing what cp cannot run exactly."""
-    if mode not in MODES:
-        raise PlanError(f"cp_comm={mode!r}: use one of {', '.join(MODES)}")
-    attns = attention_ops(builder)
-    if not attns:
-        raise PlanError(f"context parallelism found no scaled_dot_product_attention in {builder.graph.model_class}; "
-                        "cp splits attention's sequence, and attention written as matmul, softmax and matmul is "
-                        "not recognized: use attn_implementation='sdpa' (Hugging Face) or "
-                        "torch.nn.functional.scaled_dot_product_attention")
-    lengths = set()
-    for op in attns:
-        call = op_call(builder.graph, op.node)
-        why = sequence_split_problem(call)
-        if why is not None:
-            advice = ("the ring, all-gather and Ulysses kernels draw no dropout masks: train with attention dropout "
-                      "0 (model.eval(), or the config's attention dropout set to 0)" if "dropout" in why else
-                      "Packed documents (position_ids restarting inside a row) and padding masks are not supported "
-                      "under cp; train them with dp/tp, or pad rows to one document each")
-            raise PlanError(f"context parallelism cannot split this attention's sequence: {why}; {advice}",
-                            op=op.name, where=op.where())
-        q, k = call.inputs[0], call.inputs[1]
-        lengths.add(q.shape[-2])
-        if mode == "ulysses" and (q.shape[-3] % cp or k.shape[-3] % cp):
-            raise PlanError(f"cp_comm='ulysses' over cp={cp} devices needs query heads ({q.shape[-3]}) and key/value "
-                            f"heads ({k.shape[-3]}) divisible by {cp}; use cp_comm='ring' or a cp of at most "
-                            f"{k.shape[-3]} dividing both", op=op.name, where=op.where())
-    if len(lengths) != 1:
-        raise PlanError(f"context parallelism needs one sequence length for every attention; found {sorted(lengths)}")
-    length = lengths.pop()
-    need = 2 * cp if balance else cp
-    if length % need:
-        raise PlanError(f"sequence length {length} is not divisible by {'2 x cp = ' if balance else 'cp = '}{need}"
-                        f"{' (causal load balancing holds chunks i and 2cp-1-i)' if balance else ''}; pad the "
-                        f"sequence to a multiple of {need}" + ("" if not balance else " or pass balance=False"))
-    return length
-
-
-def _label_of(op: OpHandle, i: int, d: int) -> Optional[str]:
-    labs = op.signature.inputs[i] if i < len(op.signature.inputs) else None
-    return None if labs is None or d >= len(labs) else labs[d]
-
-
-def _may_split(op: OpHandle, lab: str) -> bool:
-    """Whether the sequence may split op along `lab`: not a frozen dim, and not a sum over it (or a
-    label whose pieces talk to each other) unless the op is attention or a loss that averages over
-    the pieces itself (cross-entropy's mean: the local sum over the global count of tokens)."""
-    sig = op.signature
-    if sig.is_frozen(lab):
-        return False
-    if lab in sig.reduce or lab in sig.comm_labels:
-        return _is_attention(op) or (lab in sig.reduce and lab in sig.comm_labels)
-    return True
-
-
-def _candidates(op: OpHandle, i: int, dim: int, blocks: int, base: int) -> list[tuple[str, int]]:
-    """(label, block) an op may split the sequence of input i along: the label of its dim, or --
-    where the dim is a reshape's merge of rows holding the sequence (batch x sequence, blocks =
-    rows x base) and the op unmerges it -- the inner label that carries the sequence again."""
-    lab = _label_of(op, i, dim)
-    if lab is None:
-        return []
-    out = []
-    for inner, (host, rows) in (getattr(op.signature, "merged", None) or {}).items():
-        if host == lab and rows > 1 and blocks == rows * base:
-            out.append((inner, base))
-    return out + [(lab, blocks)]
-
-
-def sequence_choices(builder: PlanBuilder, cp: int, length: int, block: int) -> dict[str, Optional[tuple[str, int]]]:
-    """The (label, block) each op splits for the sequence (None: it runs whole), found by the walk.
-
-    A value's sequence is tracked as (dim, block count): `block` where the dim is the sequence,
-    rows x `block` where a reshape merged rows of it into one dim (the flattened logits of an LM
-    head: (b, s, V) -> (b*s, V) holds each row's mirrored pieces in b blocks), so the ops after
-    such a merge -- the loss over flattened logits -- still run on the local pieces."""
-    graph = builder.graph
-    seq_at: dict[str, tuple[int, int]] = {}
-    for spec in graph.inputs:
-        v = graph.values.get(spec.name)
-        meta = None if v is None else v.meta
-        if meta is not None and v.kind == "input" and len(meta.shape) >= 2 and meta.shape[1] == length:
-            seq_at[spec.name] = (1, block)
-    choices: dict[str, Optional[tuple[str, int]]] = {}
-    for op in builder.ops:
-        sig = op.signature
-        candidates = [(SEQUENCE, block)] if _is_attention(op) else []
-        for i, name in enumerate(op.node.inputs):
-            if name in seq_at:
-                for cand in _candidates(op, i, *seq_at[name], block):
-                    if cand not in candidates:
-                        candidates.append(cand)
-        chosen = None
-        for lab, blk in candidates:
-            if _may_split(op, lab) and op.splittable(lab, cp, blk):
-                chosen = (lab, blk)
-                break
-        choices[op.name] = chosen
-        if chosen is None:
-            continue
-        lab, blk = chosen
-        for j, out in enumerate(op.node.outputs):
-            labs = sig.outputs[j] if j < len(sig.outputs) else None
-            dims = [d for d, l in enumerate(labs or ()) if l == lab]
-            host = merged_host(sig, lab, labs)
-            if out is None:
-                continue
-            if len(dims) == 1:
-                seq_at[out] = (dims[0], blk)
-            elif host is not None and (blk > 0 or blk % 2 == 0):
-                seq_at[out] = (host[0], host[1] * blk)
-    return choices
-
-
-def context_parallel(builder: PlanBuilder, *, cp: Optional[int] = None, cp_comm: str = "ring",
-                     balance: Optional[bool] = None, tp: Optional[int] = None, pp: Optional[int] = None,
-                     schedule: Any = DEFAULT_SCHEDULE, virtual_stages: int = 1, **options: Any) -> None:
-    """Split the sequence over cp devices (x tp: Megatron's cp x tp, tensor parallelism found by
-    `TensorParallelPropagation` inside each sequence chunk's group; x pp: the layer stack cut into
-    pipeline stages as the pipeline strategies cut it); see the module doc.
-
-    Stage k runs on pipeline rank k % pp, whose devices are the cp x tp consecutive devices from
-    rank * cp * tp; device (t, c) of a rank is its first device + t * cp + c: the cp devices of one
-    tensor-parallel rank are neighbours, as the ring wants them. The sequence walk is one over the
-    whole graph, so every stage splits the sequence the same way (a value crossing stages keeps its
-    pieces' meaning), and each attention's ring runs over its own stage's cp devices."""
-    tp = 1 if tp is None else int(tp)
-    pp = 1 if pp is None else int(pp)
-    virtual_stages = int(virtual_stages)
-    if tp < 1 or pp < 1 or builder.unit_size % (tp * pp):
-        raise PlanError(f"tp={tp} x pp={pp} does not divide the plan's unit of {builder.unit_size} devices")
-    n = builder.unit_size // (tp * pp)
-    if cp is not None and int(cp) != n:
-        raise PlanError(f"cp={cp} but the plan's unit has {builder.unit_size} devices for tp={tp} x pp={pp}; the "
-                        "context-parallel degree is the unit size / (tp x pp)")
-    if balance is None:
-        balance = any(bool(op_call(builder.graph, op.node).arg(5, "is_causal", False))
-                      for op in attention_ops(builder))
-    length = check_context_parallel(builder, n, str(cp_comm), bool(balance))
-    builder.options["cp_comm"] = str(cp_comm)
-    block = -2 if balance else 1
-    choices = sequence_choices(builder, n, length, block) if n > 1 else {op.name: None for op in builder.ops}
-    if n > 1 and not any(choices[op.name] for op in attention_ops(builder)):
-        raise PlanError(f"context parallelism could not split the attention's sequence ({length}) {n} ways")
-    segments, stage_devices = _stages(builder, pp, n * tp, schedule, virtual_stages)
-    tp_found = False
-    for segment, devices in zip(segments, stage_devices):
-        tp_choices = {}
-        if tp > 1:
-            prop = TensorParallelPropagation(builder, degree=tp, ops=None if pp == 1 else segment)
-            tp_choices = {k: c for k, c in prop.run().items() if c.label is not None}
-            tp_found = tp_found or bool(tp_choices)
-            if pp == 1:
-                prop.check_something_split()
-        if str(cp_comm) == "ulysses":
-            _check_ulysses_heads(builder, segment, tp_choices, tp, n)
-        for op in segment:
-            seq, seq_block = choices[op.name] or (None, block)
-            t = tp_choices.get(op.name)
-            sig = op.signature
-            if t is not None and (seq == t.label or t.label in sig.comm_labels and
-                                  (seq in sig.comm_labels or seq in sig.reduce)):
-                # tp splits this dim, or a group-aware piece (vocabulary-parallel cross-entropy)
-                # talks along tp's label and cannot also sum over sequence pieces: tp alone
-                seq = None
-            _place(builder, op, t.label if t else None, t.block if t else 1, tp, seq, seq_block, n, devices)
-    if tp > 1 and pp > 1 and not tp_found:
-        raise PlanError(f"tensor parallelism over {tp} devices splits no weight of any pipeline stage of "
-                        f"{builder.graph.model_class}; choose a tp that divides its weight dims, or tp=1")
-    apply_recompute(builder, options.get("recompute"))
-    apply_batch_statistics(builder, "cp", options.get("batch_statistics"))
-    if len(segments) > 1:
-        builder.op_order([[op.name for op in ops] for ops in segments], stage_devices, schedule=schedule)
-
-
-def _check_ulysses_heads(builder: PlanBuilder, ops: list[OpHandle], tp_choices: dict[str, Any], tp: int,
-                         cp: int) -> None:
-    """Ulysses swaps the sequence split for a head split of what each device holds: where tensor
-    parallelism already splits the heads tp ways, heads / tp must divide by cp (refused by size)."""
-    for op in ops:
-        t = tp_choices.get(op.name)
-        labels = op.signature.inputs[0] if op.signature.inputs else None
-        if t is None or not _is_attention(op) or not labels or len(labels) < 3 or t.label != labels[-3]:
-            continue
-        call = op_call(builder.graph, op.node)
-        q, k = call.inputs[0].shape[-3], call.inputs[1].shape[-3]
-        if (q // tp) % cp or (k // tp) % cp:
-            raise PlanError(f"cp_comm='ulysses' over cp={cp} devices with the heads split tp={tp} ways needs query "
-                            f"heads / tp ({q} / {tp} = {q // tp}) and key/value heads / tp ({k} / {tp} = {k // tp}) "
-                            f"divisible by {cp}; use cp_comm='ring', or a cp x tp dividing both head counts",
-                            op=op.name, where=op.where())
-
-
-def _stages(builder: PlanBuilder, pp: int, size: int, schedule: Any,
-            virtual_stages: int) -> tuple[list[list[OpHandle]], list[list[int]]]:
-    """The ops in pipeline stages (one stage of every op when pp is 1) and each stage's devices."""
-    if pp == 1:
-        if virtual_stages > 1:
-            raise PlanError(f"virtual_stages={virtual_stages} needs pp > 1")
-        return [list(builder.ops)], [list(range(builder.unit_size))]
-    if virtual_stages < 1 or virtual_stages > 1 and schedule != "interleaved" and not callable(schedule):
-        raise PlanError(f"virtual_stages={virtual_stages} needs the 'interleaved' schedule (got {schedule!r})")
-    if schedule == "interleaved" and virtual_stages == 1:
+def context_parallel(builder: PlanBuilder, *, cp_comm: str = "ring", balance: Optional[bool] = None,
+                     schedule: Any = DEFAULT_SCHEDULE, virtual_stages: int = 1, recompute: Any = None,
+                     batch_statistics: Optional[str] = None, **options: Any) -> None:
+    """Split the sequence over cp devices (x tp: Megatron's cp x tp; x pp: the layer stack cut into
+    pipeline stages as the pipeline strategies cut it); see the module doc."""
+    par = Parallelization(builder, MESH, options)
+    if par.pp > 1 and schedule == "interleaved" and int(virtual_stages) == 1:
         virtual_stages = 2
-    num_stages = pp * virtual_stages
-    try:
-        stages = balanced_stages(layer_groups(builder.graph), num_stages)
-    except ValueError as e:
-        raise PlanError(f"strategy 'cp': cannot cut {builder.graph.model_class} into {num_stages} pipeline stages "
-                        f"(pp={pp}{f' x virtual_stages={virtual_stages}' if virtual_stages > 1 else ''}): {e}; "
-                        "choose a pp of at most its number of layers, or pp=1") from None
-    handles = {op.name: op for op in builder.ops}
-    rank_devices = [list(range(r * size, (r + 1) * size)) for r in range(pp)]
-    return ([[handles[op.name] for op in ops] for ops in stages],
-            [rank_devices[k % pp] for k in range(num_stages)])
-
-
-def _place(builder: PlanBuilder, op: OpHandle, tp_label: Optional[str], tp_block: int, tp: int,
-           seq: Optional[str], block: int, cp: int, devices: list[int]) -> None:
-    """Record op's pieces: (t, c) on devices[t * cp + c]; a dim not split is a replica digit."""
-    if tp_label is None and seq is None:
-        builder.replicate(op, devices=devices)
-        return
-    if tp_label is not None and seq is not None:
-        subs = builder.op_trans(op, dim=tp_label, num=tp, block=tp_block)
-        for sub in list(subs):
-            nested = builder.op_trans(sub, dim=seq, num=cp, block=block)
-        for index, sub in enumerate(nested):
-            builder.op_assign(sub, devices[index])
-        return
-    if seq is not None:
-        subs = builder.op_trans(op, replicate=tp) if tp > 1 else [op]
-        subs = builder.op_trans(op, dim=seq, num=cp, block=block)
-        for index, sub in enumerate(subs):  # replica digit r = t: index r * cp + c
-            builder.op_assign(sub, devices[index])
-        return
-    if cp > 1:
-        builder.op_trans(op, replicate=cp)
-    subs = builder.op_trans(op, dim=tp_label, num=tp, block=tp_block)
-    for index, sub in enumerate(subs):  # index r * tp + t with replica digit r = c
-        r, t = divmod(index, tp)
-        builder.op_assign(sub, devices[t * cp + r])
+    apply_pp(par, schedule, virtual_stages)
+    tp = apply_tp(par, check="each" if par.pp == 1 else "any")
+    apply_cp(par, str(cp_comm), balance, tp)
+    par.place()
+    apply_recompute(builder, recompute)
+    order(par, schedule)
+    apply_batch_statistics(builder, batch_statistics)

@@ -39,7 +39,7 @@ def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Mo
                     cache_dir: str = "/tmp/nns_test_cache") -> list[str]:
     """Problems found (empty when the plan trains exactly like one process)."""
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     torch.manual_seed(0)
     ref, batch = build()

@@ -154,7 +154,7 @@ def hf_under_plans(rank: int, world: int, kind: str, out: str) -> dict:
             trainer.train()
             pm = trainer.nns_module
             found[plan] = {"dp": pm.dp_size, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                           "programs_per_shape": len(pm._shapes.per_shape), "fit": pm._shapes.fit_failure}
+                           "programs_per_shape": len(pm.shape_programs.per_shape), "fit": pm.shape_programs.fit_failure}
     return found
 
 
@@ -258,7 +258,7 @@ def lightning_run(rank: int, world: int, plan: str, options: dict) -> list[str]:
     order = torch.randperm(LOOP_SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
     problems = _compare((losses / world).tolist(), pm.full_state_dict(), eager_reference(order, LOOP_BATCH * dp))
     return [f"lightning {plan}: {p}" for p in problems] + [f"lightning {plan}: a program per shape"] * bool(
-        pm._shapes.per_shape)
+        pm.shape_programs.per_shape)
 
 
 def test_lightning_with_per_batch_padding_trains_like_one_process(workers):

@@ -79,7 +79,7 @@ def test_auto_prices_the_precision_and_recompute_it_runs():
     spec = _spec(2)
     plan = nns.plan(model, strategy="auto", world_size=2, example_inputs=inputs, cluster=spec, precision="bf16",
                     constraints=[RecomputeModes(["full"])])
-    assert plan.precision == "bf16" and plan.options["recompute"] == "full"
+    assert plan.precision == "bf16" and plan.knobs.recompute == "full"
     assert any(p.recompute is not None for p in plan.ops.values())  # the groups the runtime checkpoints
     est = nns.simulate(plan, spec)
     assert est.details["training"]["dtype"] == "bf16" and est.details["training"]["recompute"] == "full"
@@ -96,4 +96,4 @@ def test_auto_sees_each_mixture_of_experts_layer_as_one_op():
     model, batch = mixtral()
     plan = nns.plan(model, strategy="auto", world_size=2, example_inputs=batch)
     experts = [name for name in plan.ops if name.startswith("experts_call")]
-    assert len(experts) == 2 and plan.options.get("experts_as_one_op") is True, sorted(plan.ops)[:8]
+    assert len(experts) == 2 and plan.knobs.experts_as_one_op is True, sorted(plan.ops)[:8]

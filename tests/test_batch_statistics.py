@@ -4,8 +4,8 @@ train differently from one process. dp and zero2 at world 2 (HF Mixtral, top-2 r
 padding in one replica's rows only) equal one process on the whole batch (SGD, fp32, relative 1e-5);
 `batch_statistics="local"` keeps each replica's own statistics (DDP's behaviour) and differs;
 micro-batches are refused by name unless "local"; a ready-made plan (from `nns.search`) gets the
-same; models without such statistics (a dense model, batch norm under DDP's per-replica
-convention) record nothing and are not refused.
+same; models without such statistics (a dense model, batch norm in eval mode) record nothing and
+are not refused. Batch norm in training: tests/test_batch_norm_statistics.py.
 NNS_TEST_ALL_PLANS=1 adds hybrid, the pipelines, megatron, auto and the other MoE models.
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ def test_recorded_for_each_data_parallel_strategy_and_combined_in_the_program(mi
     for strategy, world, options in (("dp", 2, {}), ("zero1", 2, {}), ("hybrid", 4, {"tp": 2, "dp": 2}),
                                      ("gpipe", 4, {"pp": 2, "dp": 2}), ("megatron", 4, {"tp": 2, "dp": 2})):
         plan = nns.plan(mixtral_graph, strategy=strategy, world_size=world, **options)
-        stats = plan.options.get("batch_statistics")
-        assert isinstance(stats, dict) and len(stats) == 2 * LAYERS, (strategy, stats)
+        stats = plan.knobs.batch_statistic_ops
+        assert plan.knobs.batch_statistics == "global" and len(stats) == 2 * LAYERS, (strategy, stats)
         if strategy == "hybrid":
             program = lower(mixtral_graph, plan)
             assert program.collective_counts(0)["kernel:across_replicas"] == 2 * LAYERS
@@ -82,7 +82,7 @@ def test_a_strategy_that_does_not_look_gets_them(mixtral_graph):
     from nnscaler_plugins.errors import PlanError
 
     plan = nns.plan(mixtral_graph, strategy=_replicas, world_size=2)
-    assert len(plan.options["batch_statistics"]) == 2 * LAYERS
+    assert len(plan.knobs.batch_statistic_ops) == 2 * LAYERS
     with pytest.raises(PlanError, match="2 micro-batches"):
         nns.plan(mixtral_graph, strategy=_replicas, world_size=2, micro_batches=2)
 
@@ -95,10 +95,10 @@ def test_micro_batches_refused_by_name_unless_local(mixtral_graph):
         with pytest.raises(PlanError, match="2 micro-batches.*batch_statistics='local'") as info:
             nns.plan(mixtral_graph, strategy=strategy, world_size=2, micro_batches=2, **options)
         assert info.value.op in nns.plan(mixtral_graph, strategy=strategy, world_size=2, **options
-                                         ).options["batch_statistics"]
+                                         ).knobs.batch_statistic_ops
         local = nns.plan(mixtral_graph, strategy=strategy, world_size=2, micro_batches=2, batch_statistics="local",
                          **options)
-        assert local.options["batch_statistics"] == "local"
+        assert local.knobs.batch_statistics == "local" and not local.knobs.batch_statistic_ops
     with pytest.raises(PlanError, match="batch_statistics='sync'; use 'global' or 'local'"):
         nns.plan(mixtral_graph, strategy="tp", world_size=2, batch_statistics="sync")
 
@@ -110,26 +110,27 @@ def test_searched_plan_gets_them_or_is_refused(mixtral_graph):
     from nnscaler_plugins.errors import PlanError
 
     whole = next(p for p in nns.search(mixtral_graph, world_size=2, progress=False) if p.dp == 2)
-    assert whole.num_micro_batches == 1 and "batch_statistics" not in whole.options
-    assert len(nns.plan(mixtral_graph, strategy=whole, world_size=2).options["batch_statistics"]) == 2 * LAYERS
-    micro = dataclasses.replace(whole, micro_batches=2, options=dict(whole.options))
-    with pytest.raises(PlanError, match="micro-batches.*plan.options\\['batch_statistics'\\] = 'local'"):
+    assert whole.num_micro_batches == 1 and not whole.knobs.batch_statistic_ops
+    assert len(nns.plan(mixtral_graph, strategy=whole, world_size=2).knobs.batch_statistic_ops) == 2 * LAYERS
+    micro = dataclasses.replace(whole, micro_batches=2)
+    with pytest.raises(PlanError, match="micro-batches.*batch_statistics='local'"):
         nns.plan(mixtral_graph, strategy=micro, world_size=2)
-    micro.options["batch_statistics"] = "local"
-    assert nns.plan(mixtral_graph, strategy=micro, world_size=2).options["batch_statistics"] == "local"
+    micro = dataclasses.replace(micro, knobs=micro.knobs.replace(batch_statistics="local"))
+    assert nns.plan(mixtral_graph, strategy=micro, world_size=2).knobs.batch_statistics == "local"
 
 
-def test_batch_norm_and_dense_models_record_nothing_and_take_micro_batches():
-    """Batch norm's per-replica statistics are DDP's convention, and a mean loss is linear in its
-    batch reductions: neither is a statistic to combine nor a reason to refuse micro-batches."""
+def test_dense_models_and_batch_norm_in_eval_record_nothing_and_take_micro_batches():
+    """A mean loss is linear in its batch reductions, and batch norm in eval mode uses its running
+    statistics: neither is a statistic to combine nor a reason to refuse micro-batches. (Batch norm
+    in training is one: tests/test_batch_norm_statistics.py.)"""
     import nnscaler_plugins as nns
 
     torch.manual_seed(0)
     from test_zoo import ConvBN
 
-    bn = ConvBN().train()
+    bn = ConvBN().eval()
     dense = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     for model, inputs in ((bn, (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))), (dense, (torch.randn(4, 8),))):
         for strategy in ("dp", "zero2", "tp"):
             plan = nns.plan(model, strategy=strategy, world_size=2, example_inputs=inputs, micro_batches=2)
-            assert "batch_statistics" not in plan.options, (strategy, plan.options)
+            assert not plan.knobs.batch_statistic_ops, (strategy, plan.knobs)

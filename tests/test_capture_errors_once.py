@@ -23,7 +23,7 @@ def parallelize_fails(rank: int, world: int) -> tuple[str, str]:
     import time
 
     import nnscaler_plugins as nns
-    from nnscaler_plugins import api
+    from nnscaler_plugins import session as api
 
     api.QUIET_RANK_WAIT_S, wait = 0.5, api.QUIET_RANK_WAIT_S  # a launcher would stop rank 1 meanwhile
     start = time.monotonic()

@@ -10,7 +10,7 @@ import torch
 
 from nnscaler_plugins.checkpoint.format import PieceWriter, TensorReader, piece_entry, stored_tensor_entry
 from nnscaler_plugins.checkpoint.regions import Region, box_slices, read_piece
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 
 
 def _layout(rng: random.Random) -> Layout:

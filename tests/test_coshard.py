@@ -40,8 +40,8 @@ def test_coshard_keeps_the_communication_of_tp(swin_graph):
 
 
 def forward_saved_bytes(rank: int, world: int, strategy: str, options: dict) -> int:
-    from nnscaler_plugins.runtime.coshard import measure_forward
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.kernels.coshard import measure_forward
+    from nnscaler_plugins.outputs import extract_loss
 
     torch.manual_seed(0)
     model, inputs = models.swin_small()

@@ -82,16 +82,21 @@ def test_keys_are_accepted_warned_or_refused_by_name() -> None:
 
 
 def test_nnscaler_section_sets_the_data_parallel_size_before_launch() -> None:
-    from nnscaler_plugins.adapters.deepspeed import _degrees
+    from nnscaler_plugins.adapters.deepspeed import parallel_degrees, plan_session
 
-    assert _degrees("dp", {}, 4) == (1, 4)
-    assert _degrees("tp", {"tp": 2}, 4) == (2, 2)
-    assert _degrees("1f1b", {"pp": 2}, 4) == (2, 2)
-    assert _degrees("auto", {}, 4) == (4, 1)  # the search decides inside one replica of the whole world
+    def degrees(section: dict, world: int) -> tuple[int, int]:
+        return parallel_degrees(plan_session(translate({"train_batch_size": 4, "nnscaler": section})), world)
+
+    assert degrees({"plan": "dp"}, 4) == (1, 4)
+    assert degrees({"plan": "tp", "tp": 2}, 4) == (2, 2)
+    assert degrees({"plan": "1f1b", "pp": 2}, 4) == (2, 2)
+    assert degrees({"plan": "auto"}, 4) == (4, 1)  # the search decides inside one replica of the whole world
     with pytest.raises(DeepSpeedConfigError, match="unknown strategy 'tensor'"):
-        _degrees("tensor", {}, 2)
+        degrees({"plan": "tensor"}, 2)
     with pytest.raises(DeepSpeedConfigError, match="nnscaler section"):
-        _degrees("hybrid", {"tp": 3}, 4)
+        degrees({"plan": "hybrid", "tp": 3}, 4)
+    with pytest.raises(DeepSpeedConfigError, match="'nnscaler' section.*'tpp'"):  # a misspelt option, once
+        plan_session(translate({"train_batch_size": 4, "nnscaler": {"plan": "hybrid", "tpp": 2}}))
     with pytest.raises(DeepSpeedConfigError, match="micro-batches are the config's gradient_accumulation_steps"):
         translate({"train_batch_size": 4, "nnscaler": {"plan": "1f1b", "micro_batches": 4}})
 
@@ -167,11 +172,11 @@ def test_translation_is_a_hook_a_plugin_can_take_over() -> None:
     plugin = Lenient()
     register(plugin, name="lenient")
     try:
-        from nnscaler_plugins.adapters.deepspeed import _settings_of
+        from nnscaler_plugins.adapters.deepspeed import settings_of
 
-        assert _settings_of({"train_batch_size": 4, "my_key": 1}).train_batch_size == 4
+        assert settings_of({"train_batch_size": 4, "my_key": 1}).train_batch_size == 4
         with pytest.raises(DeepSpeedConfigError, match="my_other_key"):
-            _settings_of({"train_batch_size": 4, "my_other_key": 1})
+            settings_of({"train_batch_size": 4, "my_other_key": 1})
     finally:
         unregister(plugin)
 

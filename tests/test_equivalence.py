@@ -100,7 +100,7 @@ def run_case(rank: int, world: int, name: str, strategy, options: dict, steps: i
     `loss.backward()`, and two batches accumulated under `no_sync()`; then AdamW for `steps` steps.
     """
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     if strategy == "custom_mlp":
         strategy = split_linears

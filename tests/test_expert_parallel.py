@@ -245,7 +245,7 @@ def test_batch_statistics_and_capacity_in_the_plan():
     from nnscaler_plugins.codegen.generate import generate
     from nnscaler_plugins.errors import PlanError
     from nnscaler_plugins.lower import lower
-    from nnscaler_plugins.runtime.expert_dispatch import expert_all_to_all
+    from nnscaler_plugins.kernels.expert_dispatch import expert_all_to_all
 
     torch.manual_seed(0)
     model, batch = mixtral()
@@ -253,7 +253,7 @@ def test_batch_statistics_and_capacity_in_the_plan():
     with experts_as_one_op(model):
         graph = nns.capture(model, kwargs=half)
     plan = nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, capacity_factor=1.5)
-    assert len(plan.options["batch_statistics"]) == 2 * LAYERS, plan.options["batch_statistics"]
+    assert len(plan.knobs.batch_statistic_ops) == 2 * LAYERS, plan.knobs
     program = lower(graph, plan)
     assert program.collective_counts(0)["kernel:across_replicas"] == 2 * LAYERS
     calls = [line for line in generate(program, 0).splitlines() if "across_replicas(" in line]
@@ -264,7 +264,7 @@ def test_batch_statistics_and_capacity_in_the_plan():
     with pytest.raises(PlanError, match="2 micro-batches"):
         nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, micro_batches=2)
     local = nns.plan(graph, strategy="ep", world_size=4, ep=2, dp=2, micro_batches=2, batch_statistics="local")
-    assert local.options["batch_statistics"] == "local"
+    assert local.knobs.batch_statistics == "local"
     with pytest.raises(PlanError, match="capacity_factor=0"):
         nns.plan(graph, strategy="ep", world_size=2, ep=2, capacity_factor=0)
 
@@ -279,8 +279,8 @@ def _kernel_against_module(rank, world, capacity_factor):
     import torch.distributed as dist
 
     from nnscaler_plugins.capture.experts import stacked_parameters
-    from nnscaler_plugins.runtime.experts_module import register_template
-    from nnscaler_plugins.runtime.expert_dispatch import expert_all_to_all
+    from nnscaler_plugins.kernels.experts_module import register_template
+    from nnscaler_plugins.kernels.expert_dispatch import expert_all_to_all
 
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=EXPERTS,
@@ -389,7 +389,7 @@ def test_expert_width_found_by_running_the_module(layout, found):
     """Which weight dims hold each expert's width (and their fused sections) is found by running
     the module on slices; layouts whose slices do not add up are not split."""
     from nnscaler_plugins.rules.experts_intermediate import intermediate_dims
-    from nnscaler_plugins.runtime.experts_module import register_template
+    from nnscaler_plugins.kernels.experts_module import register_template
 
     module = _LoopExperts(layout)
     params = list(module.named_parameters())

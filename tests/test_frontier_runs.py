@@ -134,7 +134,7 @@ def _sequence_parallel_plan(name: str, world: int):
 def test_sequence_parallel_search_plan_runs_2(workers2):
     plans = [_sequence_parallel_plan(name, 2) for name in ("gpt2_small", "llama_small")]
     for p in plans:
-        assert p.options["sequence_parallel"] is True
+        assert p.knobs.sequence_parallel is True
     problems = []
     for name, plan in zip(("gpt2_small", "llama_small"), plans):
         problems += sum(workers2.run(run_plans, name, [plan], timeout=900), [])

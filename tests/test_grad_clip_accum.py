@@ -25,7 +25,7 @@ def _launched(pm) -> int:
 
 def run_accumulation(rank: int, world: int, cases, k: int = 2, steps: int = 2) -> list[str]:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     torch.manual_seed(0)
     base, inputs = models.gpt2_small()
@@ -70,7 +70,7 @@ def run_accumulation(rank: int, world: int, cases, k: int = 2, steps: int = 2) -
 
 def run_clip(rank: int, world: int, strategy: str, options: dict, max_norm: float = 0.5) -> list[str]:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     torch.manual_seed(0)
     base, inputs = models.gpt2_small()

@@ -46,7 +46,7 @@ def _inputs(builder):
 def _reference(builder) -> tuple[dict[str, torch.Tensor], float]:
     """Whole weights and first loss of the eager model under the same initialization scheme."""
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     model = builder(layers=LAYERS)[0].eval()
     nns.init_weights(model, SEED)

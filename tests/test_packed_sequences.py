@@ -51,7 +51,7 @@ def _pad(batch: dict, length: int) -> dict:
 
 def run_packed(rank: int, world: int, builder: str, strategy: str, options: dict, steps: list) -> list[str]:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     torch.manual_seed(0)
     ref, _ = getattr(models, builder)()
@@ -81,8 +81,8 @@ def run_packed(rank: int, world: int, builder: str, strategy: str, options: dict
             torch.distributed.all_reduce(loss)
             loss /= world
         problems += step_and_compare(pm, ref, (opt, ref_opt), loss, ref_loss, f"{builder} {strategy} step {step}")
-    if pm._shapes.per_shape or pm._shapes.fit_failure:
-        problems.append(f"{builder} {strategy}: a program per shape ({pm._shapes.fit_failure})")
+    if pm.shape_programs.per_shape or pm.shape_programs.fit_failure:
+        problems.append(f"{builder} {strategy}: a program per shape ({pm.shape_programs.fit_failure})")
     return problems
 
 

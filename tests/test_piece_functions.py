@@ -1,4 +1,4 @@
-"""Piece functions that communicate (runtime/piece_functions.py): pieces of an op that must talk to
+"""Piece functions that communicate (kernels/piece_functions.py): pieces of an op that must talk to
 each other, checked on real gloo workers.
 
 The single-process property test in test_rules.py cannot run these splits (they need a process
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nnscaler_plugins.lower.layout import chunk_dim
+from nnscaler_plugins.layout import chunk_dim
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -27,7 +27,7 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
 def vocab_parallel_ce(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime.piece_functions import vocab_parallel_cross_entropy
+    from nnscaler_plugins.kernels.piece_functions import vocab_parallel_cross_entropy
 
     problems = []
     gen = torch.Generator().manual_seed(0)
@@ -54,7 +54,7 @@ def vocab_parallel_ce(rank: int, world: int) -> list[str]:
 def vocab_parallel_embedding(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime.piece_functions import (
+    from nnscaler_plugins.kernels.piece_functions import (
         vocab_parallel_embedding as lookup,
     )
 
@@ -78,7 +78,7 @@ def vocab_parallel_embedding(rank: int, world: int) -> list[str]:
 def batch_split_mean_ce(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime.piece_functions import batch_split_mean_cross_entropy
+    from nnscaler_plugins.kernels.piece_functions import batch_split_mean_cross_entropy
 
     gen = torch.Generator().manual_seed(2)
     problems = []

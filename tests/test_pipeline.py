@@ -41,7 +41,7 @@ def run_pipeline_case(rank: int, world: int, name: str, layers: int, strategy, o
     """SGD steps against the single-process run: losses, every local gradient and every local
     parameter after every step (fp32, relative 1e-5); tied copies equal; what the step measured."""
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     if strategy == "recycling":
         strategy, options = "pipeline", dict(options, schedule=recycling)

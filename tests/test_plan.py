@@ -33,10 +33,57 @@ def test_plan_round_trips_through_json(tmp_path, mlp_graph):
     path = tmp_path / "plan.json"
     p.save(path)
     text = path.read_text()
-    assert json.loads(text)["format"] == "nnscaler-plan" and '"version": 1' in text
+    assert json.loads(text)["format"] == "nnscaler-plan" and '"version": 2' in text
+    assert json.loads(text)["mesh"] == {"axes": {"dp": 1, "tp": 2}, "replica_axes": 1}
     q = Plan.load(path, graph=mlp_graph, world_size=2)
     assert q.to_json() == p.to_json()
+    assert q.mesh == p.mesh and q.knobs == p.knobs
     assert "world size 2" in q.explain()
+
+
+def test_a_version_1_plan_file_is_migrated_with_a_note(tmp_path, mlp_graph):
+    """A plan file written before meshes and knobs: its degrees are read back once (unit, replicas,
+    pipeline, the strategy's recorded options) and its option knobs move to typed fields."""
+    import warnings
+
+    from nnscaler_plugins.errors import PlanFormatWarning
+
+    p = nns.plan(mlp_graph, strategy="hybrid", world_size=4, tp=2)
+    old = p.to_json()
+    old["version"] = 1
+    del old["mesh"], old["knobs"]
+    old["options"] = {"tp": 2, "dp": 2, "cp_comm": "allgather", "batch_statistics": "local", "recompute": "none"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = Plan.load(path, graph=mlp_graph, world_size=4)
+    notes = [w for w in caught if issubclass(w.category, PlanFormatWarning)]
+    assert len(notes) == 1 and "migrated" in str(notes[0].message) and "tp 2" in str(notes[0].message)
+    assert q.mesh.axes == {"dp": 2, "pp": 1, "tp": 2} and q.version == 2
+    assert q.knobs.cp_comm == "allgather" and q.knobs.batch_statistics == "local"
+    assert q.options == {"tp": 2, "dp": 2}
+    q.save(tmp_path / "new.json")
+    assert json.loads((tmp_path / "new.json").read_text())["version"] == 2
+
+
+def test_plan_knobs_and_mesh_are_typed(mlp_graph):
+    """Knobs are fields, refused by name when misspelt (in a plan file and in code); the mesh must
+    hold the plan's unit and replicas."""
+    p = nns.plan(mlp_graph, strategy="tp", world_size=2, tp_comm_overlap=False, collective_timeout_s=30)
+    assert p.knobs.tp_comm_overlap is False and p.knobs.collective_timeout_s == 30
+    with pytest.raises(PlanError, match="'cp_com'.*did you mean 'cp_comm'"):
+        p.knobs.replace(cp_com="ring")
+    d = p.to_json()
+    d["knobs"] = {"on_nonfinte": "skip"}
+    with pytest.raises(PlanError, match="'on_nonfinte'.*did you mean 'on_nonfinite'"):
+        Plan.from_json(d)
+    d = p.to_json()
+    d["mesh"] = {"axes": {"dp": 2, "tp": 2}}
+    with pytest.raises(PlanError, match="mesh"):
+        Plan.from_json(d)
+    with pytest.raises(PlanError, match="collective_timeout_s"):
+        nns.plan(mlp_graph, strategy="tp", world_size=2, collective_timeout_s=-1)
 
 
 def test_nested_splits_compose(mlp_graph):

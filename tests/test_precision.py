@@ -16,7 +16,7 @@ DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def reference(base: torch.nn.Module, inputs: dict, precision: str, steps: int) -> tuple[list[float], dict]:
     """One process: a half-precision copy of fp32 masters runs forward (autocast) and backward,
     AdamW steps the masters (with a fixed loss scale for fp16); returns losses and final masters."""
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     master = copy.deepcopy(base)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-3)

@@ -27,8 +27,8 @@ def test_recompute_in_a_pipeline(workers2):
 
 
 def saved_bytes(rank: int, world: int, name: str, options: dict) -> int:
-    from nnscaler_plugins.runtime.coshard import measure_forward
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.kernels.coshard import measure_forward
+    from nnscaler_plugins.outputs import extract_loss
 
     torch.manual_seed(0)
     model, inputs = getattr(models, name)()

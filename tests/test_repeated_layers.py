@@ -21,7 +21,7 @@ def _structure(g):
 
 
 def _loss_and_grads(model, inputs):
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     loss = extract_loss(model(**inputs))
     loss.backward()

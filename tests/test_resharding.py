@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.lower.resharding import plan
 
 SHAPE = (4, 8)
@@ -231,7 +231,7 @@ def op_helpers(rank: int, world: int) -> list[str]:
     """Whole inputs of split pieces: each rank's loss gives a share; the helpers must sum the shares."""
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime.collectives import (
+    from nnscaler_plugins.kernels.collectives import (
         allgather_fwd_reducescatter_bwd,
         identity_fwd_allreduce_bwd,
     )

@@ -29,7 +29,7 @@ from nnscaler_plugins import plugins
 from nnscaler_plugins.capture.graph import Graph, Ref, TensorMeta
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.hookspecs import hookimpl
-from nnscaler_plugins.lower.layout import cat_dim, chunk_dim
+from nnscaler_plugins.layout import cat_dim, chunk_dim
 from nnscaler_plugins.lower.placement import merged_host
 from nnscaler_plugins.rules import (
     LocalCall,

@@ -110,7 +110,7 @@ def _transposes(graph, weight: str) -> list[str]:
 
 def _tp_fraction(graph) -> float:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.strategies.propagation import split_matmul_flops
+    from nnscaler_plugins.passes.tensor_parallel import split_matmul_flops
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

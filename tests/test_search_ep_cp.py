@@ -97,7 +97,7 @@ def test_moe_frontier_has_expert_parallel_plans(moe_plans):
     eps = [(p, e) for p, e in zip(moe_plans.plans, moe_plans.estimates) if _knobs(p).ep == 2]
     assert eps, [p.options["summary"] for p in moe_plans.plans]
     plan, est = eps[0]
-    assert plan.options["experts_as_one_op"] is True
+    assert plan.knobs.experts_as_one_op is True
     # expert state per device is half of what a plan with whole experts holds
     whole = [e for p, e in zip(moe_plans.plans, moe_plans.estimates) if _knobs(p).ep == 1]
     if whole:
@@ -138,7 +138,7 @@ def test_cp_frontier_and_adopted_plan_runs_exactly(workers2, cp_plans):
     cps = [p for p in cp_plans.plans if _knobs(p).cp == 2]
     assert cps, [p.options["summary"] for p in cp_plans.plans]
     plan = cps[0]
-    assert plan.options["cp_comm"] in group_kernels.CP_MODES
+    assert plan.knobs.cp_comm in group_kernels.CP_MODES
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "plan.json")
         plan.save(path)

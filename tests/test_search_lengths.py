@@ -45,7 +45,7 @@ def test_search_over_a_length_histogram_prices_mean_time_and_longest_memory():
 
 def run_at_other_length(rank: int, world: int) -> float:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
     from nnscaler_plugins.search.lengths import at_length
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ def _column_parallel_block(rank: int, world: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime import collectives as C
+    from nnscaler_plugins.kernels import collectives as C
 
     torch.manual_seed(0)
     seq, hidden, out = 8 * world, 16, 12
@@ -71,7 +71,7 @@ def _written_after_gather(rank: int, world: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from nnscaler_plugins.runtime import collectives as C
+    from nnscaler_plugins.kernels import collectives as C
 
     torch.manual_seed(0)
     x_whole, w_whole = torch.randn(4 * world, 6) + 3, torch.randn(8, 6)

@@ -66,7 +66,7 @@ from nnscaler_plugins.strategies import (
     Strategy,
     nnscaler_register_strategies,
 )
-from nnscaler_plugins.strategies.propagation import (
+from nnscaler_plugins.passes.tensor_parallel import (
     matmul_roles,
     partial_to_whole,
     supports_blocked_splits,

@@ -56,7 +56,7 @@ def _pad(batch: dict, s: int) -> dict:
 
 def run_varying(rank: int, world: int, builder: str, strategy: str, options: dict, steps=STEPS) -> list[str]:
     import nnscaler_plugins as nns
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     name, _, layers = builder.partition(":")
     build = (lambda: getattr(models, name)(int(layers))) if layers else getattr(models, name)

@@ -58,7 +58,7 @@ def compare_state(pm, ref: torch.nn.Module, what: str, rtol: float, atol: float)
 
 def train_and_compare(rank: int, world: int, pm, opt, ref, ref_opt, inputs: dict, what: str, steps: int,
                       rtol: float, atol: float, check_grads: bool) -> list[str]:
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
 
     problems = []
     local = slice_batch(inputs, pm.dp_rank, pm.dp_size)

@@ -48,7 +48,7 @@ def _graph(name: str):
 @pytest.mark.parametrize("name", zoo_models.DECODER_LMS if EVERY else ("falcon", "mixtral", "llama"))
 def test_tp_splits_the_matmul_flops_of_decoder_lms(name):
     import nnscaler_plugins as nns
-    from nnscaler_plugins.strategies.propagation import split_matmul_flops
+    from nnscaler_plugins.passes.tensor_parallel import split_matmul_flops
 
     graph = _graph(name)
     with warnings.catch_warnings():
@@ -98,10 +98,11 @@ class ConvBN(torch.nn.Module):
 
 
 def _bn_dp_against_ddp(rank, world):
-    """Batch norm in training under dp: each replica normalizes with its own shard's statistics
-    and updates its own running statistics, as DDP does without SyncBatchNorm and with
-    broadcast_buffers=False. (DDP's default also copies replica 0's buffers to the others before
-    each forward; replica 0's own statistics, the ones a checkpoint keeps, are the same either way.)"""
+    """Batch norm in training under dp with batch_statistics="local": each replica normalizes with
+    its own shard's statistics and updates its own running statistics, as DDP does without
+    SyncBatchNorm and with broadcast_buffers=False. (DDP's default also copies replica 0's buffers
+    to the others before each forward; replica 0's own statistics, the ones a checkpoint keeps, are
+    the same either way.) The default, the whole batch's statistics: test_batch_norm_statistics.py."""
     import nnscaler_plugins as nns
     from torch.nn.parallel import DistributedDataParallel
 
@@ -115,7 +116,7 @@ def _bn_dp_against_ddp(rank, world):
     ddp = DistributedDataParallel(ref, broadcast_buffers=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = nns.parallelize(model, local, plan="dp", cache_dir="/tmp/nns_test_cache")
+        pm = nns.parallelize(model, local, plan="dp", cache_dir="/tmp/nns_test_cache", batch_statistics="local")
     opt = nns.build_optimizer(pm, torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     problems = []
@@ -135,7 +136,7 @@ def _bn_dp_against_ddp(rank, world):
     return problems
 
 
-def test_batch_norm_trains_under_dp_with_ddp_semantics(workers2):
+def test_local_batch_norm_trains_under_dp_with_ddp_semantics(workers2):
     problems = workers2.run(_bn_dp_against_ddp)
     assert not any(problems), "\n".join(p for ps in problems for p in ps)
 

@@ -28,8 +28,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.plugins import get_plugin_manager
+from nnscaler_plugins.session import Session
 
 from .config import (
     DeepSpeedConfigError,
@@ -55,7 +57,7 @@ from . import accelerator, checkpoint, comm, ops, runtime, utils, zero
 from .accelerator import get_accelerator
 from .zero_optimizer import ZeroOptimizer
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
+__all__ = ["initialize", "settings_of", "plan_session", "parallel_degrees", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
            "ZeRORuntimeException", "checkpoint", "zero", "utils", "comm", "ops", "runtime", "accelerator",
            "get_accelerator", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
@@ -84,7 +86,10 @@ def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
     return translate(config).to_dict()
 
 
-def _settings_of(config: dict) -> Settings:
+def settings_of(config: dict) -> Settings:
+    """The engine's settings from a DeepSpeed config dict, translated by the `nnscaler_translate_deepspeed_config`
+    hook (the built-in translation unless a plugin answers first). The plan it names is checked by
+    `plan_session`."""
     pm = get_plugin_manager()
     this = sys.modules[__name__]
     # Imported directly while entry points are switched off: the built-in still applies, unless
@@ -96,30 +101,37 @@ def _settings_of(config: dict) -> Settings:
         raise DeepSpeedConfigError(f"no plugin translated the DeepSpeed config (the built-in {PLUGIN_NAME!r} is "
                                    "blocked); unblock it or install a plugin implementing "
                                    "nnscaler_translate_deepspeed_config")
-    settings = result if isinstance(result, Settings) else Settings(**result)
-    if isinstance(settings.plan, (str, os.PathLike)):  # whichever plugin translated it: option names checked here
-        from nnscaler_plugins.errors import PlanError
-        from nnscaler_plugins.plan.source import check_options
-
-        try:
-            check_options(settings.plan, settings.plan_options, "the DeepSpeed config's 'nnscaler' section")
-        except PlanError as e:
-            raise DeepSpeedConfigError(str(e)) from None
-    return settings
+    return result if isinstance(result, Settings) else Settings(**result)
 
 
-def _degrees(plan: Any, options: dict, world_size: int) -> tuple[int, int]:
-    """(ranks per model replica, data-parallel size) of the plan the config names, before it exists:
-    the batch sizes and the data loader need the data-parallel size at initialize."""
-    from nnscaler_plugins.errors import PlanError
-    from nnscaler_plugins.plan.source import resolve
+#: How messages name where the plan and its options were written.
+WHERE = "the DeepSpeed config's 'nnscaler' section"
 
-    if not isinstance(plan, (str, os.PathLike)):
-        raise DeepSpeedConfigError(f"nnscaler.plan must be a strategy name or a plan file, got {plan!r}")
+
+def plan_session(settings: Settings) -> Session:
+    """The job's one `Session`: the plan the config names, resolved once and its options checked
+    (whichever plugin translated the config), before the process group is touched. The training
+    fields (ZeRO stage, precision, offload) are the config's own sections'."""
+    if not isinstance(settings.plan, (str, os.PathLike)):
+        raise DeepSpeedConfigError(f"nnscaler.plan must be a strategy name or a plan file, got {settings.plan!r}")
+    options = dict(settings.plan_options, zero=settings.zero_stage, precision=settings.precision)
+    if settings.offload is not None:
+        options["offload"] = settings.offload
     try:
-        return resolve(plan, "nnscaler.plan").degrees(world_size, options)
+        return Session(settings.plan, where=WHERE, **options)
     except (PlanError, FileNotFoundError) as e:
-        raise DeepSpeedConfigError(f"nnscaler section {dict(plan=plan, **options)}: {e}") from None
+        raise DeepSpeedConfigError(str(e)) from None
+
+
+def parallel_degrees(session: Session, world_size: int) -> tuple[int, int]:
+    """(ranks per model replica, data-parallel size) of the session's plan on `world_size` ranks,
+    before the plan exists: the batch sizes and the data loader need the data-parallel size at
+    initialize."""
+    try:
+        return session.source.degrees(world_size, session.options)
+    except PlanError as e:
+        shown = {k: v for k, v in session.options.items() if k not in ("zero", "precision", "offload")}
+        raise DeepSpeedConfigError(f"nnscaler section {dict(plan=session.source.name, **shown)}: {e}") from None
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
@@ -140,7 +152,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     """
     assert model is not None, "deepspeed.initialize requires a model"
     raw = load_config(config, config_params, args)
-    settings = _settings_of(raw)
+    settings = settings_of(raw)
+    session = plan_session(settings)
     if not isinstance(model, torch.nn.Module):
         raise DeepSpeedConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None:
@@ -166,7 +179,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     rank, world = dist.get_rank(), dist.get_world_size()
-    unit, dp = _degrees(settings.plan, settings.plan_options, world)
+    unit, dp = parallel_degrees(session, world)
     resolve_batch(settings, dp)
 
     if optimizer is not None and settings.client_optimizer_refused:  # DeepSpeed raises it here too
@@ -183,8 +196,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         opt = ZeroOptimizer(opt)  # DeepSpeed hands back its ZeRO / mixed-precision wrapper here too
     sched = _make_scheduler(lr_scheduler, settings, opt)
     _warn_if_detached(sched, opt)
-    engine = DeepSpeedEngine(model, settings, raw, optimizer=opt, lr_scheduler=sched, rank=rank, world_size=world,
-                             unit_size=unit, dp_size=dp)
+    engine = DeepSpeedEngine(model, settings, raw, session=session, optimizer=opt, lr_scheduler=sched, rank=rank,
+                             world_size=world, unit_size=unit, dp_size=dp)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     if example_inputs is None and engine.training_dataloader is not None:

@@ -146,6 +146,8 @@ def translate(config: dict) -> Settings:
     s.allgather_bucket_size = int((config.get("zero_optimization") or {}).get("allgather_bucket_size", 5e8))
     _check_reduction_keys(config)
     s.plan, s.plan_options = _nnscaler_section(config.get("nnscaler"))
+    if bool((config.get("compile") or {}).get("deepcompile", False)):
+        s.plan_options.setdefault("compile", True)  # the per-rank program under torch.compile
     return s
 
 
@@ -471,12 +473,4 @@ def _nnscaler_section(section: Any) -> tuple[Any, dict]:
     if taken:
         raise DeepSpeedConfigError(f"nnscaler.{taken[0]}: the config's own sections set it (zero_optimization.stage, "
                                    "bf16 / fp16); remove it from the nnscaler section")
-    if isinstance(plan, (str, os.PathLike)):
-        from nnscaler_plugins.errors import PlanError
-        from nnscaler_plugins.plan.source import check_options
-
-        try:
-            check_options(plan, options, "the DeepSpeed config's 'nnscaler' section")
-        except PlanError as e:
-            raise DeepSpeedConfigError(str(e)) from None
-    return plan, options
+    return plan, options  # the plan and its option names are checked once, by `plan_session`

@@ -27,8 +27,9 @@ import torch.utils._pytree as pytree
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
-from nnscaler_plugins.runtime.loss import extract_loss
+from nnscaler_plugins.outputs import extract_loss
 from nnscaler_plugins.runtime.zero import all_gather_chunks
+from nnscaler_plugins.session import Session
 
 from . import checkpoint as ckpt
 from .checkpoint import universal
@@ -55,8 +56,8 @@ def _concat(batches: list) -> Any:
 class DeepSpeedEngine(torch.nn.Module):
     """DeepSpeed's engine surface over a ParallelModule. Build it with `initialize`."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, config: dict, *, optimizer: Any,
-                 lr_scheduler: Any, rank: int, world_size: int, unit_size: int, dp_size: int,
+    def __init__(self, model: torch.nn.Module, settings: Settings, config: dict, *, session: Session,
+                 optimizer: Any, lr_scheduler: Any, rank: int, world_size: int, unit_size: int, dp_size: int,
                  cache_dir: str = ".nnscaler_cache"):
         super().__init__()
         # Kept out of nn.Module's registry: `parameters()` must be the weights that train, which
@@ -64,6 +65,7 @@ class DeepSpeedEngine(torch.nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_pmodule", None)
         self._settings = settings
+        self._session = session  # the plan, resolved once at initialize; it captures, plans and compiles
         self._config = config
         self._cache_dir = cache_dir
         self.optimizer = optimizer
@@ -292,22 +294,17 @@ class DeepSpeedEngine(torch.nn.Module):
             self._build(example_inputs)
 
     def _build(self, example_inputs: Any, micro_batches: int = 1) -> None:
-        s = self._settings
-        options = dict(s.plan_options, zero=s.zero_stage, precision=s.precision)
-        if s.offload is not None:
-            options["offload"] = s.offload
+        session = self._session
         if micro_batches > 1:
-            options["micro_batches"] = micro_batches
-        if self._init_seed is not None:
-            options["init_seed"] = self._init_seed
+            session.options["micro_batches"] = micro_batches
         with self._whole():
-            pm = nns.parallelize(self._model, example_inputs, plan=s.plan, cache_dir=self._cache_dir, **options)
+            pm = session.parallelize(self._model, example_inputs, cache_dir=self._cache_dir, init_seed=self._init_seed)
             acc = self.gradient_accumulation_steps()
             if pm.plan.pipeline is not None and micro_batches == 1 and acc > 1:
                 # a pipeline's micro-batches are the accumulation steps: its example is acc micro-batches
-                options["micro_batches"] = acc
-                pm = nns.parallelize(self._model, _concat([example_inputs] * acc), plan=s.plan,
-                                     cache_dir=self._cache_dir, **options)
+                session.options["micro_batches"] = acc
+                pm = session.parallelize(self._model, _concat([example_inputs] * acc), cache_dir=self._cache_dir,
+                                         init_seed=self._init_seed)
         self._held = None  # the pieces hold the values now
         object.__setattr__(self, "_pmodule", pm)
         if pm.dp_size != self.dp_world_size:
@@ -315,7 +312,7 @@ class DeepSpeedEngine(torch.nn.Module):
                                        f"{self.dp_world_size}; give nnscaler.dp explicitly")
         pm.train(self._model.training)
         if isinstance(self.optimizer, ZeroOptimizer):
-            self.optimizer.adopt(pm, self._model_param_names, s.loss_scale)
+            self.optimizer.adopt(pm, self._model_param_names, self._settings.loss_scale)
         elif self.optimizer is not None:
             self._rebind_optimizer()
         if self._pending_load is not None:
@@ -471,18 +468,32 @@ class DeepSpeedEngine(torch.nn.Module):
         yield from self._model.named_parameters(inner, recurse, remove_duplicate)
 
     def compile(self, backend: Any = None, compile_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
-        """DeepSpeed's engine.compile() runs the model under torch.compile. Here each rank runs its
-        generated program, which compiling does not change the results of: accepted with a warning
-        (as the config's "compile" section is), and `is_compiled` says it was asked for."""
-        import warnings
-
-        warnings.warn("engine.compile(): the generated per-rank program runs eagerly in this engine; compiling it "
-                      "has no effect on what is computed", stacklevel=2)
+        """DeepSpeed's engine.compile(): the model runs under torch.compile. Here that is each rank's
+        generated program, compiled by regions between its collectives (the plan's compile knob):
+        at once when the model is parallelized already, else when it is. `backend`: a torch.compile
+        backend name (DeepSpeed's default, the accelerator's, is inductor); `compile_kwargs` and
+        DeepSpeed's schedule arguments tune compilers this engine does not run, and are refused
+        when given, so nothing asked for is silently dropped."""
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"engine.compile(backend={backend!r}): pass a torch.compile backend name such as "
+                            "'inductor'; the per-rank program is compiled by regions, not by a custom backend")
+        extra = {k: v for k, v in {**(compile_kwargs or {}), **kwargs}.items()
+                 if v not in (None, False) and k != "compiled_autograd_enabled"}
+        if extra:
+            raise TypeError(f"engine.compile(): {sorted(extra)} are not supported here (the per-rank program is "
+                            "compiled by regions with the plan's compile_backend)")
+        if self._pmodule is not None:
+            self._pmodule.compile(backend=backend)
+        else:
+            self._settings.plan_options["compile"] = True
+            if backend is not None:
+                self._settings.plan_options["compile_backend"] = backend
         self._compile_requested = True
 
     @property
     def is_compiled(self) -> bool:
-        return getattr(self, "_compile_requested", False)
+        return getattr(self, "_compile_requested", False) or (
+            self._pmodule is not None and self._pmodule.artifact.compile_backend is not None)
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed frees ZeRO-3's gathered parameters here; this engine gathers them per use, so

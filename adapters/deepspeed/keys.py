@@ -44,7 +44,8 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "comet": (WARN, "monitors are not reproduced; log from your script"),
     "comms_logger": (WARN, "communication logging is not reproduced"),
     "timers": (WARN, "DeepSpeed's timers are not reproduced (wall_clock_breakdown works)"),
-    "compile": (WARN, "the generated per-rank code runs eagerly"),
+    "compile": (ACCEPT, "deepcompile: true runs the per-rank program under torch.compile (the plan's compile knob), "
+                        "as engine.compile() does"),
     "autotuning": (WARN, "DeepSpeed's autotuner is not run; use 'nnscaler': {'plan': 'auto'}"),
     "aio": (WARN, "no NVMe offload here (host-memory offload needs no aio settings)"),
     "checkpoint": (ACCEPT, "tag_validation; load_universal (a ds_to_universal folder)"),
@@ -156,5 +157,18 @@ DATA_TYPES: dict[str, tuple[str, str]] = {
     "grad_accum_dtype": (ACCEPT, "only unset or the model's dtype: gradients accumulate in the parameter dtype"),
 }
 
+# DeepSpeed's "compile" section configures DeepCompile, its compiler passes over the ZeRO model. Here
+# the per-rank program is compiled by regions (torch.compile between the collectives), and DeepCompile's
+# own schedule knobs have nothing to act on.
+_DEEPCOMPILE_ONLY = "tunes DeepCompile's passes, which the generated per-rank program does not use"
+COMPILE: dict[str, tuple[str, str]] = {
+    "deepcompile": (ACCEPT, "true: the per-rank program runs under torch.compile"),
+    **{k: (WARN, _DEEPCOMPILE_ONLY) for k in (
+        "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+        "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
+        "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
+        "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")},
+}
+
 SECTIONS = {"data_types": DATA_TYPES, "zero_optimization": ZERO, "fp16": FP16, "bf16": BF16, "bfloat16": BF16,
-            "checkpoint": CHECKPOINT}
+            "checkpoint": CHECKPOINT, "compile": COMPILE}

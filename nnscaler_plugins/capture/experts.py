@@ -7,7 +7,7 @@ those forms can be split so that each device holds only its experts *and* sees o
 routed to them: that needs the tokens moved by all-to-all, with sizes known at run time. Seen as one
 op `experts(x, top_k_index, top_k_weights, *stacked weights)`, the same computation has a plain
 dimension rule (`rules/experts_op.py`) whose expert split runs the dispatching kernel of
-`runtime/expert_dispatch.py`.
+`kernels/expert_dispatch.py`.
 
 What is recognized, by structure and not by class name: a module whose parameters are all stacked
 along a leading dim of `E` experts (`E` equal to its `num_experts` attribute), called with a token
@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from nnscaler_plugins.capture.autograd_functions import opaque_call
-from nnscaler_plugins.runtime.experts_module import ExpertsCall, register_template
+from nnscaler_plugins.kernels.experts_module import ExpertsCall, register_template
 
 def stacked_parameters(module: torch.nn.Module) -> Optional[list[tuple[str, torch.nn.Parameter]]]:
     """The module's parameters when they are all stacked along one leading expert dim equal to its
@@ -83,10 +83,9 @@ def experts_as_one_op(model: torch.nn.Module) -> Iterator[list[str]]:
 
 
 def wants_experts_as_one_op(strategy_or_plan: Any) -> bool:
-    """Whether a strategy (attribute `experts_as_one_op`) or a plan it made (recorded in its
-    options) needs the experts captured as one op."""
+    """Whether a strategy (attribute `experts_as_one_op`) or a plan it made (its knob
+    `experts_as_one_op`) needs the experts captured as one op."""
     if getattr(strategy_or_plan, "experts_as_one_op", False) or \
             getattr(getattr(strategy_or_plan, "apply", None), "experts_as_one_op", False):
         return True
-    options = getattr(strategy_or_plan, "options", None)
-    return isinstance(options, dict) and bool(options.get("experts_as_one_op", False))
+    return bool(getattr(getattr(strategy_or_plan, "knobs", None), "experts_as_one_op", False))

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from nnscaler_plugins.batches import normalize_inputs
 from nnscaler_plugins.capture.autograd_functions import (
     FunctionCaptureError,
     is_opaque_call,
@@ -201,26 +202,10 @@ def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict, layer
         with layers.truncated(2):
             ep = _export(model, args, kwargs)
             fold_causal_masks(ep)
-            short = _to_graph(ep, model, args, kwargs, warn=False)
+            short = _to_graph(ep, model, args, kwargs)
     except Exception:  # the model minds its layer count (or anything else): trace it whole
         return None
-    graph = replicate(short, layers.path, len(layers.modules))
-    if graph is not None:
-        _warn_unruled(graph)
-    return graph
-
-
-def normalize_inputs(args: Any, kwargs: Optional[dict]) -> tuple[tuple, dict]:
-    """One convention for example inputs everywhere: dict -> kwargs, tensor -> single arg."""
-    kwargs = dict(kwargs or {})
-    if isinstance(args, dict):
-        kwargs.update(args)
-        args = ()
-    elif isinstance(args, torch.Tensor):
-        args = (args,)
-    elif isinstance(args, list):
-        args = tuple(args)
-    return tuple(args), kwargs
+    return replicate(short, layers.path, len(layers.modules))
 
 
 def _model_source_hash(model: torch.nn.Module) -> str:
@@ -396,8 +381,7 @@ class _Converter:
                                grad_enabled=grad_enabled))
 
 
-def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple, kwargs: dict,
-              warn: bool = True) -> Graph:
+def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple, kwargs: dict) -> Graph:
     conv = _Converter(ep, model)
     sig = ep.graph_signature
     # Tied parameters: every FQN that points to the same tensor object.
@@ -456,8 +440,6 @@ def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tu
     g = Graph(ops=conv.ops, values=conv.values, inputs=inputs, outputs=out_names, output_constants=out_consts,
               out_spec=ep.call_spec.out_spec, model_class=type(model).__name__,
               source_hash=_model_source_hash(model), constants=dict(ep.constants))
-    if warn:
-        _warn_unruled(g)
     return g
 
 
@@ -478,7 +460,3 @@ def _key(k: Any) -> Any:
             return getattr(k, attr)
     return str(k)
 
-
-def _warn_unruled(g: Graph) -> None:
-    from nnscaler_plugins.rules.table import warn_replicate_only
-    warn_replicate_only(g)

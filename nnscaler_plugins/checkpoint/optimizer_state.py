@@ -22,14 +22,14 @@ from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.model_state import is_parallel
 from nnscaler_plugins.checkpoint.pieces import knows_plan_pieces, optimizer_slots
 from nnscaler_plugins.checkpoint.regions import Box, read_piece
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 
 
 def knows_plan(optimizer: Any) -> bool:
     return hasattr(optimizer, "full_state_dict") and hasattr(optimizer, "load_full_state_dict")
 
 
-def _param_index(module: torch.nn.Module) -> dict[int, tuple[str, Optional[Layout]]]:
+def param_index(module: torch.nn.Module) -> dict[int, tuple[str, Optional[Layout]]]:
     """id(local parameter) -> (model name, its layout in the plan, None for a plain module)."""
     program = getattr(module, "program", None)
     if not (is_parallel(module) and program is not None):
@@ -43,7 +43,7 @@ def _param_index(module: torch.nn.Module) -> dict[int, tuple[str, Optional[Layou
 
 
 def _local(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
-    index = _param_index(module)
+    index = param_index(module)
     sd = optimizer.state_dict()
     by_index: dict[int, tuple[str, Optional[Layout]]] = {}
     groups = []
@@ -97,7 +97,7 @@ def group_names(module: torch.nn.Module, optimizer: Any) -> list[dict]:
     pipeline stages' lists are joined by `merge_groups`). No communication."""
     if hasattr(optimizer, "group_names"):
         return optimizer.group_names()
-    index = _param_index(module)
+    index = param_index(module)
     groups = []
     for g in optimizer.param_groups:
         names = []
@@ -184,7 +184,7 @@ def check_optimizer_matches(module: torch.nn.Module, optimizer: Any, saved_group
     """Problems loading `saved_groups` into this optimizer would hit, found before anything changes."""
     if knows_plan(optimizer):
         return []
-    index = _param_index(module)
+    index = param_index(module)
     if len(saved_groups) != len(optimizer.param_groups):
         return [f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this one "
                 f"{len(optimizer.param_groups)}"]
@@ -207,7 +207,7 @@ def load_optimizer_state(module: torch.nn.Module, optimizer: Any, full: dict[str
     problems = check_optimizer_matches(module, optimizer, full["param_groups"])
     if problems:
         raise CheckpointError("optimizer state does not fit this optimizer: " + "; ".join(problems))
-    index = _param_index(module)
+    index = param_index(module)
     device = getattr(module, "unit_device", 0)
     sd = optimizer.state_dict()
     new_state: dict[int, dict[str, Any]] = {}

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from nnscaler_plugins.lower.layout import Layout, block_slices
+from nnscaler_plugins.layout import Layout, block_slices
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]

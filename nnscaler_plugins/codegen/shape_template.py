@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import re
 import tokenize
 from dataclasses import dataclass
 from fractions import Fraction
@@ -116,10 +117,13 @@ class SourceTemplate:
             line = lines[r0 - 1]
             lines[r0 - 1] = line[:c0] + poly.code() + line[c1:]
         text = "".join(lines)
+        said = "; ".join(f"_S[{i}] = {n}" for i, n in enumerate(names)) or "the sizes of the call"
+        line = f"_S = []  # sizes read at run time (set before each call): {said}"
+        if re.search(r"^_S = \[\]", text, flags=re.M):  # a file with compiled regions declares it already
+            return re.sub(r"^_S = \[\].*$", lambda _: line, text, count=1, flags=re.M)
         marker = "\nimport torch\n"
         head, _, tail = text.partition(marker)
-        said = "; ".join(f"_S[{i}] = {n}" for i, n in enumerate(names)) or "the sizes of the call"
-        return head + marker + f"_S = []  # sizes read at run time (set before each call): {said}\n" + tail
+        return head + marker + line + "\n" + tail
 
     def at(self, values: Sequence[int]) -> str:
         """The file with every polynomial evaluated (what generating at these sizes gives)."""

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler_plugins.capture.graph import Graph, OpNode, Ref, TensorMeta
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.lower.placement import (
     layout_from_digits,
     merged_host,
@@ -29,7 +29,11 @@ from nnscaler_plugins.lower.placement import (
 from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
-from nnscaler_plugins.runtime.replica_statistics import across_replicas
+from nnscaler_plugins.kernels.batch_norm_statistics import KERNELS as BATCH_NORM_KERNELS
+from nnscaler_plugins.kernels.piece_rng import forward_token
+from nnscaler_plugins.kernels.replica_statistics import across_replicas
+from nnscaler_plugins.lower.random_ops import add_forward_tokens, random_op_keys, seed_piece
+from nnscaler_plugins.rules.signature import KernelChoices
 from nnscaler_plugins.rules import (
     LocalCall,
     Localized,
@@ -180,6 +184,12 @@ class Program:
     replica_kernels: list[int] = field(default_factory=list)
 
     @property
+    def draws(self) -> bool:
+        """Whether some device's program seeds random ops (`lower/random_ops.py`): every rank then
+        agrees on the base seed when its module is built."""
+        return any(s.target is forward_token for rp in self.ranks for sp in rp.stages.values() for s in sp.stmts)
+
+    @property
     def num_stages(self) -> int:
         return len(self.stage_groups)
 
@@ -266,7 +276,7 @@ def _loss_index(graph: Graph) -> Optional[int]:
         structured = pytree.tree_unflatten(list(range(n)), graph.out_spec)
     except Exception:
         return None
-    from nnscaler_plugins.runtime.loss import extract_loss
+    from nnscaler_plugins.outputs import extract_loss
     try:
         idx = extract_loss(structured)
     except (TypeError, ValueError):
@@ -297,7 +307,8 @@ class _Lowering:
        storage layout and who sums its gradients; copies on several ranks are tied.
     4. `emit_ops`: per op, in graph order, the input reshards and gradient sums, then each device's
        local call (co-sharded pieces where the plan co-shards it).
-    5. `mark_recompute`: statements serving an op of a recompute group join that group.
+    5. `mark_recompute`: statements serving an op of a recompute group join that group; then each
+       program that seeds random ops takes its forward's token first (`random_ops`).
     6. `emit_stage_outputs`: what leaves each stage, made whole (boundary values, model outputs).
     7. `assemble`: the per-rank, per-stage programs.
     """
@@ -314,6 +325,8 @@ class _Lowering:
         self.grad_groups: list[tuple[tuple[int, ...], ...]] = []
         self.kernel_groups: list[tuple[tuple[int, ...], ...]] = []
         self.replica_kernels: list[int] = []
+        self.kernels = KernelChoices(plan.knobs.cp_comm, plan.knobs.capacity_factor)
+        self.random_keys = random_op_keys(graph, plan)  # ops that draw: each piece under its own seed
         self.stmts: dict[tuple[int, int], list[Stmt]] = {(d, k): [] for k, g in enumerate(self.stage_groups)
                                                           for d in g}
         # produced[k][v]: the layout value v has on stage k's devices.
@@ -326,6 +339,7 @@ class _Lowering:
         self.place_parameters()
         self.emit_ops()
         self.mark_recompute()
+        add_forward_tokens(self.stmts, Stmt)  # after recompute: the token is taken once
         self.emit_stage_outputs()
         return self.assemble()
 
@@ -485,32 +499,44 @@ class _Lowering:
         call = op_call(graph, op)
         renames = dict(zip(op.inputs, local_names))
         unit_p = p.unit_view()
+        random_key = self.random_keys.get(op.name)
         for idx, dev in enumerate(lays.devices):
-            local = _localize(graph, op, sig, call, unit_p, idx, lays, self.plan.options)
+            local = _localize(graph, op, sig, call, unit_p, idx, lays, self.kernels)
             args, kwargs = _rename(local.args, local.kwargs, renames)
             gkw = None
             if local.group_label is not None:
                 gkw = len(self.kernel_groups)
                 self.kernel_groups.append(lays.label_groups[local.group_label])
             cs = _coshard_call(graph, op, sig, call, p, idx, renames, local_names) if p.coshard > 1 else None
-            self.stmts[(dev, k)].append(Stmt("op", out=list(op.outputs), target=local.target, args=args,
-                                             kwargs=kwargs, op=op, grad_enabled=op.grad_enabled, group_kwarg=gkw,
-                                             coshard=cs))
+            st = Stmt("op", out=list(op.outputs), target=local.target, args=args, kwargs=kwargs, op=op,
+                      grad_enabled=op.grad_enabled, group_kwarg=gkw, coshard=cs)
+            if random_key is not None:
+                seed_piece(st, op, random_key, unit_p, idx)
+            self.stmts[(dev, k)].append(st)
         self.emit_replica_statistic(op, local_names)
 
     def emit_replica_statistic(self, op: OpNode, local_names: list[str]) -> None:
         """A reduction over the batch that the loss uses nonlinearly (the plan's `batch_statistics`,
         found by the strategy) made whole across the data-parallel replicas right after the op
-        (`runtime.replica_statistics`); its pieces stay partial sums inside the unit."""
-        stats = self.plan.options.get("batch_statistics")
-        found = stats.get(op.name) if isinstance(stats, dict) and self.plan.dp > 1 else None
+        (`kernels.replica_statistics`); its pieces stay partial sums inside the unit."""
+        stats = self.plan.knobs.batch_statistic_ops
+        found = stats.get(op.name) if self.plan.knobs.batch_statistics == "global" and self.plan.dp > 1 else None
         if found is None or op.outputs[0] is None:
             return
-        how, carrier = found  # "sum" | "mean", the input holding the batch's elements
+        how, carrier = found  # "sum" | "mean" | "batch_norm", the input holding the batch's elements
         lays = self.op_info[op.name][1]
         gkw = len(self.kernel_groups)
         self.kernel_groups.append(tuple((d,) for d in lays.devices))
         self.replica_kernels.append(gkw)
+        if how == "batch_norm":  # the op itself takes the whole batch's statistics (SyncBatchNorm's kernel)
+            k = self.stage_of[op.name]
+            for dev in lays.devices:
+                st = next(s for s in reversed(self.stmts[(dev, k)]) if s.kind == "op" and s.op is op)
+                st.target, st.group_kwarg = BATCH_NORM_KERNELS[op.op_name], gkw
+                if st.coshard is not None:  # channel chunks one after another: each over the whole batch
+                    st.coshard.pieces = [(st.target, a, kw) for _, a, kw in st.coshard.pieces]
+                st.comment = "batch norm over the whole batch of every data-parallel replica"
+            return
         out = op.outputs[0]
         dims = op.args[1] if op.op_name.endswith((".dim", ".dim_IntList")) and len(op.args) > 1 else ()
         dims = tuple([dims] if isinstance(dims, int) else dims or ())
@@ -688,13 +714,13 @@ def _local_meta(meta: Optional[TensorMeta], lay: Optional[Layout]) -> Optional[T
 
 
 def _localize(graph: Graph, op: OpNode, sig: Signature, call, p: OpPlacement, idx: int,
-              lays: OpLayouts, options: Optional[dict] = None) -> Localized:
+              lays: OpLayouts, kernels: Optional[KernelChoices] = None) -> Localized:
     if not p.splits or sig.localize is None:
         return Localized(op.target, op.args, op.kwargs)
     lc = LocalCall(call=call, splits=p.label_counts(), index=p.label_index(idx),
                    local_inputs=tuple(_local_meta(m, l) for m, l in zip(call.inputs, lays.inputs)),
                    local_outputs=tuple(_local_meta(m, l) for m, l in zip(call.outputs, lays.outputs)),
-                   blocks=dict(p.blocks), options=dict(options or {}))
+                   blocks=dict(p.blocks), kernels=kernels or KernelChoices())
     return sig.localize(lc)
 
 

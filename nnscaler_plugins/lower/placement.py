@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.plan.plan import OpPlacement
 from nnscaler_plugins.rules import Signature
 

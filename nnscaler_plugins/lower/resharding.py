@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from nnscaler_plugins.lower.layout import Layout
-from nnscaler_plugins.runtime import collectives as C
+from nnscaler_plugins.layout import Layout
+from nnscaler_plugins.kernels import collectives as C
 
 ALPHA = 1e-5            # seconds per collective call
 BETA = 1.0 / 10e9       # seconds per byte

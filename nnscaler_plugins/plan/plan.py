@@ -12,14 +12,21 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.errors import PlanError, PlanFormatWarning, refuse_unknown
+from nnscaler_plugins.plan.knobs import Knobs, from_v1_options
+from nnscaler_plugins.plan.mesh import Mesh, unit_mesh
+from nnscaler_plugins.plan.migrate import migrated_mesh
 
-PLAN_FORMAT_VERSION = 1
-PRECISIONS = ("fp32", "bf16", "fp16")
+# Version 2: the typed mesh ("mesh") and knobs ("knobs"); version 1 files are migrated when loaded.
+PLAN_FORMAT_VERSION = 2
+# "fp8": bf16 training whose linears run torchao's float8 matmuls (the knobs' fp8_* fields say which
+# and how); master weights in fp32 as with bf16.
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # What a plan may keep in host memory instead of the device's (None: nothing). "params" (ZeRO-3
 # only) also keeps the optimizer there.
 OFFLOADS = (None, "optimizer", "params")
@@ -27,25 +34,17 @@ OFFLOADS = (None, "optimizer", "params")
 # Keys a plan file may hold, per level. Anything else is a typo or a file from another tool, and a
 # key that is silently ignored is a plan that silently runs differently from what its file says.
 _PLAN_KEYS = ("format", "version", "model_class", "graph_fingerprint", "structure_fingerprint", "strategy", "options", "world_size",
-              "unit_size", "dp", "estimate", "micro_batches", "zero", "precision", "offload", "input_shapes", "pipeline",
-              "ops")
+              "unit_size", "dp", "mesh", "knobs", "estimate", "micro_batches", "zero", "precision", "offload", "input_shapes",
+              "pipeline", "ops")
 _OP_KEYS = ("splits", "replicate", "devices", "blocks", "stage", "recompute")
 _PIPELINE_KEYS = ("stage_devices", "stage_rank", "micro_batches", "schedule", "split_backward", "options", "tasks")
 
 
 def check_keys(d: Any, allowed: tuple[str, ...], where: str) -> None:
     """Refuse keys outside `allowed`, naming each with the closest valid one."""
-    import difflib
-
     if not isinstance(d, dict):
         raise PlanError(f"{where} must be a JSON object, not {type(d).__name__}")
-    unknown = [k for k in d if k not in allowed]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), allowed, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise PlanError(f"{where}: unknown key(s) {', '.join(hints)}; valid keys are {', '.join(allowed)}")
+    refuse_unknown(d, allowed, "key", where)
 
 
 @dataclass
@@ -224,8 +223,8 @@ class Plan:
     # `nns.simulate(plan, cluster)` price it without being handed the graph again.
     graph: Optional[Graph] = field(default=None, repr=False, compare=False)
     # Training knobs the runtime honours: ZeRO stage (0-3: optimizer state, + gradients, + parameters
-    # sharded across data-parallel replicas) and compute precision (fp32 | bf16 | fp16, the last two
-    # with fp32 master weights in the optimizer).
+    # sharded across data-parallel replicas) and compute precision (fp32 | bf16 | fp16 | fp8, all but
+    # the first with fp32 master weights in the optimizer; fp8 is bf16 with float8 linears).
     zero: int = 0
     precision: str = "fp32"
     # Host-memory offload: None, "optimizer" (optimizer state and step on the host) or "params"
@@ -234,8 +233,18 @@ class Plan:
     # The graph's fingerprint without the sizes that follow its inputs (Graph.structure_fingerprint):
     # the plan also fits the model captured at another batch size or length.
     structure_fingerprint: str = ""
+    # The plan's devices as named axes (the one source of its degrees; see mesh.py). A plan made
+    # without one gets the bare {"dp": dp, "unit": unit_size}.
+    mesh: Optional[Mesh] = None
+    # Typed knobs: how the plan trains and communicates (see knobs.py).
+    knobs: Knobs = field(default_factory=Knobs)
 
     def __post_init__(self) -> None:
+        if self.mesh is None:
+            self.mesh = unit_mesh(self.unit_size, self.dp)
+        if (self.mesh.unit_size, self.mesh.replicas) != (self.unit_size, self.dp):
+            raise PlanError(f"the plan's mesh {self.mesh.describe()} has {self.mesh.replicas} replica(s) of "
+                            f"{self.mesh.unit_size} device(s), but the plan says dp {self.dp} x unit {self.unit_size}")
         self.check_training_knobs()
 
     def check_training_knobs(self) -> None:
@@ -292,6 +301,8 @@ class Plan:
             "world_size": self.world_size,
             "unit_size": self.unit_size,
             "dp": self.dp,
+            "mesh": self.mesh.to_json(),
+            "knobs": self.knobs.to_json(),
             "estimate": self.estimate,
             "micro_batches": self.micro_batches,
             "zero": self.zero,
@@ -336,12 +347,24 @@ class Plan:
         if "world_size" in d and int(d["world_size"]) != unit * dp:
             raise PlanError(f"plan file says world_size {d['world_size']} but unit_size {unit} x dp {dp} = "
                             f"{unit * dp}; the file was edited inconsistently")
+        options = dict(d.get("options") or {})
+        pipeline = None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"])
+        if v < 2:
+            knobs, options, moved = from_v1_options(options)
+            mesh = migrated_mesh(unit, dp, pipeline, options, str(d.get("strategy", "")))
+            warnings.warn(f"plan file format {v} migrated to {PLAN_FORMAT_VERSION}: its mesh is read as "
+                          f"{mesh.describe()}" + (f" and {', '.join(moved)} moved from its options to typed knobs"
+                                                  if moved else "") + "; Plan.save writes the new format",
+                          PlanFormatWarning, stacklevel=3)
+        else:
+            mesh = Mesh.from_json(d["mesh"]) if d.get("mesh") is not None else None
+            knobs = Knobs.from_json(d.get("knobs") or {})
         return cls(graph_fingerprint=d["graph_fingerprint"], model_class=d.get("model_class", ""),
                    unit_size=unit, dp=dp,
                    ops={k: OpPlacement.from_json(p, k) for k, p in d["ops"].items()},
-                   strategy=d.get("strategy", "custom"), options=d.get("options", {}),
-                   estimate=d.get("estimate"), version=v,
-                   pipeline=None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"]),
+                   strategy=d.get("strategy", "custom"), options=options,
+                   estimate=d.get("estimate"), version=PLAN_FORMAT_VERSION, mesh=mesh, knobs=knobs,
+                   pipeline=pipeline,
                    micro_batches=int(d.get("micro_batches", 1)),
                    # files written before `zero` was a field (the search's) carry it in options
                    zero=int(d["zero"] if "zero" in d else (d.get("options") or {}).get("zero", 0) or 0),
@@ -368,7 +391,8 @@ class Plan:
     # -- reading ----------------------------------------------------------------------------------
     def explain(self, graph: Optional[Graph] = None) -> str:
         """A short human summary: strategy, degrees, and how ops are split (grouped by pattern)."""
-        from nnscaler_plugins.render import fmt_bytes, fmt_seconds, plan_label
+        from nnscaler_plugins.plan.label import plan_label
+        from nnscaler_plugins.units import fmt_bytes, fmt_seconds
 
         # the search's internal summary is said in words below; floats rounded for reading
         shown = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in self.options.items()
@@ -433,7 +457,7 @@ class Plan:
     def render_timeline(self, path: str | os.PathLike, duration: Any = None, transfer: Any = None) -> str:
         """Write the pipeline timeline (one row per device, one box per task, gaps are bubbles) as SVG,
         or as a page when `path` ends in .html; returns the SVG."""
-        from nnscaler_plugins.render import render_timeline
+        from nnscaler_plugins.plan.timeline_picture import render_timeline
 
         tl = self.timeline(duration, transfer, per_device=True)
         title = (f"{self.model_class}: {self.pipeline.schedule}, {self.pipeline.num_stages} stages, "

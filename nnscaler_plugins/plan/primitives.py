@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from nnscaler_plugins.capture.graph import Graph, OpNode
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.knobs import Knobs
+from nnscaler_plugins.plan.mesh import Mesh, unit_mesh
 from nnscaler_plugins.plan.plan import OpPlacement, PipelineSpec, Plan
 from nnscaler_plugins.rules import Signature, op_call, signature_for
 
@@ -105,15 +107,29 @@ Transformable = Union[OpHandle, SubOp]
 
 
 class PlanBuilder:
-    """Records primitive calls for one graph and one unit of `unit_size` devices."""
+    """Records primitive calls for one graph and one unit of the plan's devices.
 
-    def __init__(self, graph: Graph, unit_size: int, dp: int = 1, strategy: str = "custom",
-                 options: Optional[dict] = None, micro_batches: int = 1, zero: int = 0, precision: str = "fp32"):
-        if unit_size < 1 or dp < 1:
-            raise PlanError(f"unit size and data-parallel degree must be >= 1 (got {unit_size}, {dp})")
+    The devices are the `mesh` (named axes, see mesh.py): `unit_size` devices per model replica,
+    `dp` replicas. A builder made with only `unit_size` and `dp` gets the bare mesh
+    {"dp": dp, "unit": unit_size}. Typed knobs (`knobs`, see knobs.py) are set with `set_knobs`."""
+
+    def __init__(self, graph: Graph, unit_size: Optional[int] = None, dp: int = 1, strategy: str = "custom",
+                 options: Optional[dict] = None, micro_batches: int = 1, zero: int = 0, precision: str = "fp32",
+                 mesh: Optional[Mesh] = None, knobs: Optional[Knobs] = None):
+        if mesh is None:
+            if unit_size is None:
+                raise PlanError("a PlanBuilder needs a mesh= (or unit_size= and dp=)")
+            if unit_size < 1 or dp < 1:
+                raise PlanError(f"unit size and data-parallel degree must be >= 1 (got {unit_size}, {dp})")
+            mesh = unit_mesh(unit_size, dp)
+        elif unit_size is not None and (unit_size, dp) != (mesh.unit_size, mesh.replicas):
+            raise PlanError(f"unit_size={unit_size}, dp={dp} disagree with the mesh {mesh.describe()} "
+                            f"({mesh.replicas} replica(s) of {mesh.unit_size} devices)")
         self.graph = graph
-        self.unit_size = unit_size
-        self.dp = dp
+        self.mesh = mesh
+        self.unit_size = mesh.unit_size
+        self.dp = mesh.replicas
+        self.knobs = knobs or Knobs()
         self.strategy = strategy
         self.options = dict(options or {})
         self.ops = [OpHandle(self, node, signature_for(graph, node)) for node in graph.ops]
@@ -132,6 +148,19 @@ class PlanBuilder:
     def precision(self, name: str) -> None:
         """Compute precision: "fp32", or "bf16" / "fp16" with fp32 master weights in the optimizer."""
         self.precision_name = name
+
+    def set_knobs(self, **changes: Any) -> None:
+        """Set typed knobs of the plan (`plan.knobs`: cp_comm, capacity_factor, sequence_parallel, ...);
+        an unknown name is refused with the name meant."""
+        self.knobs = self.knobs.replace(**changes)
+
+    def set_mesh(self, mesh: Mesh) -> None:
+        """Name the unit's axes once they are known (the search decides them for `auto`); the unit and
+        the replicas stay what they are."""
+        if (mesh.unit_size, mesh.replicas) != (self.unit_size, self.dp):
+            raise PlanError(f"mesh {mesh.describe()} has {mesh.replicas} replica(s) of {mesh.unit_size} devices; this "
+                            f"plan's are {self.dp} of {self.unit_size}")
+        self.mesh = mesh
 
     @property
     def world_size(self) -> int:
@@ -307,7 +336,8 @@ class PlanBuilder:
                     structure_fingerprint=self.graph.structure_fingerprint(),
                     unit_size=self.unit_size, dp=self.dp,
                     ops={h.name: self._placements.get(h.name, OpPlacement()) for h in self.ops},
-                    strategy=self.strategy, options=self.options, pipeline=self.pipeline,
+                    strategy=self.strategy, options=self.options, pipeline=self.pipeline, mesh=self.mesh,
+                    knobs=self.knobs,
                     micro_batches=self.pipeline.micro_batches if self.pipeline else self.micro_batches,
                     zero=self.zero_stage, precision=self.precision_name,
                     input_shapes={i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):

@@ -16,16 +16,22 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.knobs import KNOB_OPTIONS
+from nnscaler_plugins.plan.mesh import Mesh, MeshLayout, resolve_mesh, unit_mesh
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plugins import get_strategy, strategies
 
 PlanLike = Union[str, os.PathLike, Callable, Plan]
 
 #: Options every strategy takes, whatever it declares: `nns.plan` consumes them itself (the training
-#: knobs set on the plan, the micro-batch count, and what planning for a cluster needs), or records them
-#: in `Plan.options` for the simulator (the overlap switches of `search/overlap.py`).
-COMMON_OPTIONS = frozenset({"zero", "precision", "offload", "micro_batches", "micro_batch_size", "cluster", "constraints",
-                            "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p"})
+#: fields of the plan, the micro-batch count, what planning for a cluster needs, and the typed knobs
+#: of `knobs.KNOB_OPTIONS`: the overlap switches, compile, and the fault settings).
+COMMON_OPTIONS = frozenset({"zero", "precision", "offload", "micro_batches", "micro_batch_size", "cluster",
+                            "constraints"}) | KNOB_OPTIONS
+
+#: The layout of a strategy that says nothing of its degrees: `tp=` devices per replica (default:
+#: the whole world), `dp=` replicas.
+_BARE = MeshLayout(("dp", "unit"), fill=("unit", "dp"))
 
 
 @dataclass(frozen=True)
@@ -54,30 +60,34 @@ class PlanSource:
         if unknown:
             raise PlanError(unknown_options_message(self.label, unknown, own, where))
 
-    def degrees(self, world_size: int, options: Mapping[str, Any]) -> tuple[int, int]:
-        """(devices per model replica, data-parallel replicas) on `world_size`, checked to multiply
-        to it; a ready plan says its own and must have been made for this world size."""
+    def mesh(self, world_size: int, options: Mapping[str, Any]) -> Mesh:
+        """The plan's mesh on `world_size` devices from the degree options (`mesh.resolve_mesh`, the one
+        place options become degrees): a strategy's `mesh` layout; for a third-party strategy with only
+        `degrees(world_size, **options) -> (unit_size, dp)`, the bare {"dp", "unit"}. A ready plan says
+        its own and must have been made for this world size."""
         if self.plan is not None:
             if self.plan.world_size != world_size:
-                raise PlanError(f"{self.label} is for world size {self.plan.world_size} ({self.plan.dp} x "
-                                f"{self.plan.unit_size}) but the job has {world_size} processes; make a plan for "
-                                f"{world_size} or launch {self.plan.world_size}")
-            return self.plan.unit_size, self.plan.dp
+                raise PlanError(f"{self.label} is for world size {self.plan.world_size} ({self.plan.mesh.describe()}) "
+                                f"but the job has {world_size} processes; make a plan for {world_size} or launch "
+                                f"{self.plan.world_size}")
+            return self.plan.mesh
         own = {k: v for k, v in options.items() if k not in COMMON_OPTIONS}
+        layout = getattr(self.fn, "mesh", None)
+        if isinstance(layout, MeshLayout):
+            return resolve_mesh(layout, world_size, own, self.name)
         deg = getattr(self.fn, "degrees", None)
         if deg is not None:
             unit, dp = deg(world_size, **own)
-        else:
-            tp, dp = own.get("tp"), own.get("dp")
-            if tp is None and dp is None:
-                unit, dp = world_size, 1
-            else:
-                unit = tp or world_size // dp
-                dp = dp or world_size // unit
-        if unit * dp != world_size:
-            raise PlanError(f"{self.label} with {dict(own)} gives {dp} x {unit} devices, but world size is "
-                            f"{world_size}; choose degrees whose product is {world_size}")
-        return unit, dp
+            if unit * dp != world_size:
+                raise PlanError(f"{self.label} with {dict(own)} gives {dp} x {unit} devices, but world size is "
+                                f"{world_size}; choose degrees whose product is {world_size}")
+            return unit_mesh(unit, dp)
+        return resolve_mesh(_BARE, world_size, {"unit": own.get("tp"), "dp": own.get("dp")}, self.name)
+
+    def degrees(self, world_size: int, options: Mapping[str, Any]) -> tuple[int, int]:
+        """(devices per model replica, data-parallel replicas): `mesh(...)`'s unit and replicas."""
+        mesh = self.mesh(world_size, options)
+        return mesh.unit_size, mesh.replicas
 
     def call(self, builder: Any, options: Mapping[str, Any]) -> None:
         """Run the strategy on a builder with the options it takes (all of them when it takes **)."""
@@ -122,7 +132,8 @@ def strategy_options(strategy: Any) -> Optional[frozenset]:
     """The option names a strategy takes besides `COMMON_OPTIONS`, or None when they cannot be known.
 
     A strategy declares them as an `options` attribute (an iterable of names; the built-in `Strategy`
-    objects carry one, a plain function may be given one like `degrees`). Without it, a plain
+    objects carry one, a plain function may be given one like `degrees`), besides the degree options
+    its `mesh` layout names (dp, tp, pp, ...). Without it, a plain
     function takes its keyword parameters (after `builder`), those of its `degrees` function, and,
     when it has no `degrees`, `tp` and `dp` (which `nns.plan` reads to size the unit). A function
     with `**options` and no declaration may take anything: its options are not checked.
@@ -130,15 +141,20 @@ def strategy_options(strategy: Any) -> Optional[frozenset]:
     if isinstance(strategy, (Plan, os.PathLike)) or (isinstance(strategy, str) and strategy.endswith(".json")):
         return frozenset()
     declared = getattr(strategy, "options", None)
+    layout = getattr(strategy, "mesh", None)
+    degree_names = frozenset(layout.degree_options) if isinstance(layout, MeshLayout) else frozenset()
     if declared is not None and not callable(declared):
-        return frozenset(declared)
+        return frozenset(declared) | degree_names
     # an object that wraps its function (the built-in `Strategy` without `options`): that function's
     apply = getattr(strategy, "apply", None)
     names = _keyword_parameters(apply if callable(apply) else strategy, skip=1)
     if names is None:
         return None
+    layout = getattr(strategy, "mesh", None)
     degrees = getattr(strategy, "degrees", None)
-    if degrees is None:
+    if isinstance(layout, MeshLayout):
+        names |= set(layout.degree_options)
+    elif degrees is None:
         names |= {"tp", "dp"}
     else:
         names |= _keyword_parameters(degrees, skip=1) or set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
-from nnscaler_plugins.runtime.ring_attention import context_parallel_attention
+from nnscaler_plugins.kernels.ring_attention import context_parallel_attention
 
 SEQUENCE = "s"
 
@@ -91,7 +91,7 @@ def _localize(lc: LocalCall) -> Localized:
     if block not in (1, -2):
         raise ValueError(f"context-parallel attention takes a contiguous or mirrored 2-block sequence split, "
                          f"not {block} blocks")
-    mode = str(lc.options.get("cp_comm", "ring"))
+    mode = lc.kernels.cp_comm
     return Localized(context_parallel_attention, (q, k, v),
                      {"is_causal": causal, "scale": scale, "balanced": block == -2, "mode": mode},
                      group_label=SEQUENCE)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from nnscaler_plugins.rules.registry import op_key, rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
-from nnscaler_plugins.runtime import grouped_experts
+from nnscaler_plugins.kernels import grouped_experts
 
 GROUPED_MM = ("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")
 

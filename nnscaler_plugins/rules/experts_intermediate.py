@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from nnscaler_plugins.runtime.experts_module import run_experts
+from nnscaler_plugins.kernels.experts_module import run_experts
 
 _PROBE_HIDDEN, _PROBE_WIDTH, _PROBE_TOKENS = 16, 8, 5  # hidden and width differ; rows stay 16-byte aligned (grouped GEMMs)
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nnscaler_plugins.runtime.experts_module import ExpertsCall
+from nnscaler_plugins.kernels.experts_module import ExpertsCall
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
 from nnscaler_plugins.rules.experts_intermediate import intermediate_dims
-from nnscaler_plugins.runtime import expert_dispatch
+from nnscaler_plugins.kernels import expert_dispatch
 
 SPLIT = "t"
 WIDTH = "f"
@@ -56,7 +56,7 @@ def experts_signature(call: OpCall, capacity_factor: Optional[float] = None) -> 
             return Localized(call.target, call.args, call.kwargs)
         local = lc.local_inputs[3].shape[0]
         kwargs = dict(key=key, names=names, first_expert=lc.index[SPLIT] * local, num_experts=experts)
-        factor = capacity_factor if capacity_factor is not None else lc.options.get("capacity_factor")
+        factor = capacity_factor if capacity_factor is not None else lc.kernels.capacity_factor
         if factor is not None:
             kwargs["capacity_factor"] = float(factor)
         return Localized(expert_dispatch.expert_all_to_all, tuple(refs), kwargs, group_label=SPLIT)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
-from nnscaler_plugins.runtime import piece_functions
+from nnscaler_plugins.kernels import piece_functions
 
 
 @rule("aten.cross_entropy_loss.default")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from nnscaler_plugins.rules.broadcast import norm_dim
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
-from nnscaler_plugins.runtime import piece_functions
+from nnscaler_plugins.kernels import piece_functions
 
 
 def _reduced(call: OpCall, dims_arg_index: int = 1) -> tuple[list[int], bool]:

@@ -85,6 +85,15 @@ class OpCall:
 
 
 @dataclass(frozen=True)
+class KernelChoices:
+    """What the plan chose for the group-aware kernels a piece may run (from the plan's typed knobs,
+    set by the lowering): how context-parallel attention meets its keys, the experts' capacity."""
+
+    cp_comm: str = "ring"
+    capacity_factor: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class LocalCall:
     """One piece of a split op, handed to `Signature.localize`."""
 
@@ -94,7 +103,7 @@ class LocalCall:
     local_inputs: tuple[TensorMeta, ...]  # shapes this piece sees
     local_outputs: tuple[Optional[TensorMeta], ...]  # shapes this piece must produce
     blocks: Mapping[str, int] = field(default_factory=dict)  # label -> the plan's block count (< 0: mirrored)
-    options: Mapping[str, Any] = field(default_factory=dict)  # the plan's options (a kernel choice, cp_comm)
+    kernels: KernelChoices = KernelChoices()  # the plan's choices for group-aware kernels
 
 
 @dataclass(frozen=True)

@@ -1,2 +1,3 @@
-"""What runs on every rank: the ParallelModule, its collectives, process groups and gradient reducer,
-and the piece functions generated code calls instead of a split op."""
+"""What runs a compiled plan on every rank: the ParallelModule, process groups, the gradient reducer,
+ZeRO, the pipeline executor and the optimizer. The device code the generated programs call lives in
+`nnscaler_plugins.kernels`; the programs themselves come from the compile stage."""

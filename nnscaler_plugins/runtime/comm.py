@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nnscaler_plugins.runtime.collectives import identity_fwd_allreduce_bwd
+from nnscaler_plugins.kernels.collectives import identity_fwd_allreduce_bwd
 from nnscaler_plugins.runtime.plan_groups import UnitGroups
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,12 +23,11 @@ class Comm:
         self.device = device
         self.groups = unit_groups
 
-    def for_module(self, generated: Any) -> "Comm":
-        """The Comm a generated module's collectives index into: this one, or, for a file generated
-        at other input sizes whose tables differ from this Program's (runtime/batch_shapes.py sets
-        `_nns_program` on it), one over that file's own Program and the same process groups."""
-        program = getattr(generated, "_nns_program", None)
-        if program is None or program is self.program:
+    def for_program(self, program: Program) -> "Comm":
+        """The Comm a generated module's collectives index into: this one, or, for a program generated
+        at other input sizes whose tables differ from this Program's (compiler/shapes.py), one over
+        that program's own tables and the same process groups."""
+        if program is self.program:
             return self
         cache = self.__dict__.setdefault("_others", {})
         if id(program) not in cache:

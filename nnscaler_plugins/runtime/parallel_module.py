@@ -14,30 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.capture.microbatch import split_batch
-from nnscaler_plugins.capture.tracing import normalize_inputs
-from nnscaler_plugins.codegen.generate import write_and_load
-from nnscaler_plugins.lower.layout import Layout
-from nnscaler_plugins.lower.lowering import Program
-from nnscaler_plugins.plan.plan import Plan
-from nnscaler_plugins.capture.skeleton import meta_skeleton
+from nnscaler_plugins.batches import normalize_inputs, split_batch
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.runtime.batch_shapes import BatchShapes
-from nnscaler_plugins.runtime.collectives import saved_tensor_hooks
+from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
+from nnscaler_plugins.kernels.coshard import active_meter
+from nnscaler_plugins.kernels.float8 import check_float8
+from nnscaler_plugins.kernels.piece_rng import agree_seed
+from nnscaler_plugins.layout import Layout
+from nnscaler_plugins.outputs import extract_loss
+from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.runtime.comm import Comm
-from nnscaler_plugins.runtime.coshard import active_meter
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
-from nnscaler_plugins.runtime.loss import extract_loss
-from nnscaler_plugins.runtime.loss_items import LossItems
 from nnscaler_plugins.runtime.materialize import InitError, has_meta_tensors, materialize, move_tensor
 from nnscaler_plugins.runtime.params_on_use import params_on_use
 from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
@@ -46,38 +41,56 @@ from nnscaler_plugins.runtime.precision import autocast, compute_dtype
 from nnscaler_plugins.runtime.zero import Zero3Params
 from nnscaler_plugins.runtime.zero_setup import chunk_parameters, zero_shards
 
+if TYPE_CHECKING:  # pragma: no cover
+    from nnscaler_plugins.capture.graph import Graph
+    from nnscaler_plugins.compiler.artifact import Artifact
+
 
 def _safe(fqn: str) -> str:
     return fqn.replace(".", "__")
 
 
 class ParallelModule(torch.nn.Module):
-    def __init__(self, program: Program, model: Optional[torch.nn.Module], *, rank: int, world_size: int,
-                 device: Optional[torch.device] = None, cache_dir: str = ".nnscaler_cache",
-                 loss_fn: Optional[Callable] = None, init_seed: Optional[int] = None):
+    """Runs one rank's compiled artifact (`nns.compile(...).artifact_for_rank(rank)`, made for it by
+    `nns.parallelize`). `model` gives the initial weights (a meta-device model is initialized piece by
+    piece instead); the module keeps only this rank's pieces."""
+
+    def __init__(self, artifact: "Artifact", model: Optional[torch.nn.Module], *, rank: int, world_size: int,
+                 device: Optional[torch.device] = None, loss_fn: Optional[Callable] = None,
+                 init_seed: Optional[int] = None):
         super().__init__()
+        program = artifact.program
+        if artifact.unit_device != rank % program.unit_size:
+            raise ValueError(f"rank {rank} runs device {rank % program.unit_size} of the unit, but the artifact is "
+                             f"device {artifact.unit_device}'s; use compiled.artifact_for_rank({rank})")
         plan = program.plan
         if world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} processes, this job has {world_size}")
         plan.check_runnable()
+        if plan.precision == "fp8":
+            check_float8(torch.device(device) if device is not None else torch.device("cpu"), plan.knobs.fp8_emulate)
         self.program = program
         self.plan: Plan = plan
-        self.graph: Graph = program.graph
+        self.graph: "Graph" = program.graph
+        self.artifact = artifact
         self.rank = rank
+        # this rank on the plan's mesh ({"dp": 1, "pp": 0, "tp": 1}); the replicas are its outer axes
+        self.coordinate = plan.mesh.coordinate(rank)
         self.unit_device = rank % plan.unit_size
         self.dp_rank = rank // plan.unit_size
         self.dp_size = plan.dp
         self.loss_fn = loss_fn
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self.groups = create_groups(program, world_size)
+        # process groups from the plan's mesh (its DeviceMesh) and the sets the program communicates over
+        self.groups, self.device_mesh = create_groups(program, world_size,
+                                                      "cuda" if self._device.type == "cuda" else "cpu")
         self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
-        self._gen, self.source_path = write_and_load(program, self.unit_device, cache_dir)
-        # Other batch sizes and lengths than the example's (see batch_shapes.py); the copy has no weights.
-        skeleton = meta_skeleton(model) if model is not None else None
-        with open(self.source_path) as f:
-            self._shapes = BatchShapes(program, self.unit_device, self._gen, f.read(), skeleton, cache_dir,
-                                       "" if model is not None else "the module was built without the model")
-        self._loss_items = LossItems(self.graph, program.loss_index)
+        if program.draws:  # random ops seeded per piece (kernels/piece_rng.py): one base seed on every rank
+            agree_seed(self._comm, self._device if self._device.type != "meta" else None)
+        self.source_path = artifact.source_path
+        # Other batch sizes and lengths than the example's: the compile stage's callback makes their programs.
+        self.shape_programs = artifact.shapes
+        self._loss_items = artifact.loss_items
         self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
         self._micro_weights: list[float] = []
 
@@ -140,7 +153,7 @@ class ParallelModule(torch.nn.Module):
             self._scatter_gradients)
         self._executor = PipelineExecutor(StageRuntime(
             program=program, unit_device=self.unit_device, global_rank=self._comm.groups.global_rank,
-            generated=self._micro_batch_module, comm=self._comm, device=self._device,
+            generated=self._micro_batch_program, comm=self._comm, device=self._device,
             params_on_use=self._params_on_use, stage_parameters=self._stage_parameters, zero3=self.zero3,
             loss_scale=lambda: self.loss_scale, boundary_shape=self._boundary_shape,
             micro_weight=lambda mb: self._micro_weights[mb])) if plan.pipeline is not None else None
@@ -279,13 +292,13 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
         inputs = self._flat_inputs(args, kwargs)
-        gen = self._shapes.module_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, before any collective
-        fn = gen.forward_loss if loss_only else gen.forward
+        run = self.shape_programs.program_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, first
+        fn = run.module.forward_loss if loss_only else run.module.forward
         meter = active_meter()  # a measurement around this forward: its hooks give way to these, which report to it
         on_save = meter.count_packed if meter is not None else None
         scope = self.zero3.forward_scope(on_save) if self.zero3 is not None else saved_tensor_hooks(on_save)
         with scope, autocast(self.plan.precision, self._device):
-            flat = fn(self._comm.for_module(gen), self._device, self._params_on_use(), *inputs)
+            flat = fn(self._comm.for_program(run.program), self._device, self._params_on_use(), *inputs)
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -303,7 +316,7 @@ class ParallelModule(torch.nn.Module):
         """Forward and backward on one batch, cut into the plan's micro-batches; returns the
         (detached) loss of the batch. The optimizer step is the caller's.
 
-        Batches may differ in size and length from the example (see batch_shapes.py). Each
+        Batches may differ in size and length from the example (see compiler/shapes.py). Each
         micro-batch's loss weighs its share of the step's items (targets not ignored, else samples)
         over every data-parallel replica, so the gradients are those of one device on the whole
         batch; the replicas agree on the weights and on any refused size before any of them runs."""
@@ -333,7 +346,7 @@ class ParallelModule(torch.nn.Module):
         for mb in micro:
             args, kwargs = normalize_inputs(mb, None)
             flat = self._flat_inputs(args, kwargs, on_device=False)
-            problem = problem or self._shapes.check(flat, args, kwargs)
+            problem = problem or self.shape_programs.check(flat, args, kwargs)
             counts.append(self._loss_items.count(flat))
         mine = float(sum(counts))
         total = mine * self.dp_size
@@ -368,13 +381,13 @@ class ParallelModule(torch.nn.Module):
             total += self._loss_items.count(self._flat_inputs(args, kwargs, on_device=False))
         return total
 
-    def _micro_batch_module(self, mb: int) -> Any:
-        """The generated module for pipeline micro-batch `mb`, its sizes set."""
+    def _micro_batch_program(self, mb: int) -> Any:
+        """The program (generated module and its tables) for pipeline micro-batch `mb`, its sizes set."""
         args, kwargs, flat = self._step[mb]
-        return self._shapes.module_for(flat, args, kwargs)
+        return self.shape_programs.program_for(flat, args, kwargs)
 
     def _boundary_shape(self, value: str, mb: int) -> tuple[int, ...]:
-        return self._shapes.boundary_shape(value, self._step[mb][2])
+        return self.shape_programs.boundary_shape(value, self._step[mb][2])
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
         args, kwargs = normalize_inputs(batch, None)
@@ -428,6 +441,23 @@ class ParallelModule(torch.nn.Module):
         with self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext(), \
                 self.zero3.no_sync() if self.zero3 is not None else contextlib.nullcontext():
             yield
+
+    def compile(self, *args: Any, backend: Optional[str] = None, **kwargs: Any) -> None:
+        """Run this rank's program under torch.compile from now on, as the plan's `compile` knob
+        does: its compiled regions (the runs of ops between collectives, one per distinct layer)
+        compiled at their first call, its collectives eager (compiler/regions.py). `backend`: a
+        torch.compile backend name (default: the plan's `compile_backend`, inductor)."""
+        if args or kwargs or (backend is not None and not isinstance(backend, str)):
+            raise TypeError("ParallelModule.compile(backend=None) takes only a backend name: its regions are compiled "
+                            "by the compile stage (the plan's compile knob), not as one module")
+        art = self.artifact
+        if art.compile_backend is not None and backend in (None, art.compile_backend):
+            return
+        if art.with_compile is None:
+            raise RuntimeError("this module's artifact was made without the compile stage's callback; make the plan "
+                               "with compile=True instead")
+        art = art.with_compile(backend)
+        self.artifact, self.shape_programs, self.source_path = art, art.shapes, art.source_path
 
     def generated_source(self) -> str:
         with open(self.source_path) as f:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, Task
-from nnscaler_plugins.runtime.collectives import pack_saved, saved_bytes, unpack_saved
+from nnscaler_plugins.kernels.collectives import pack_saved, saved_bytes, unpack_saved
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
 from nnscaler_plugins.runtime.split_backward import SplitBackward
 
@@ -49,7 +49,7 @@ class StageRuntime:
     program: Program  # the plan (its pipeline's task lists, precision), stage inputs and sends, boundaries
     unit_device: int  # this device, numbered inside its unit
     global_rank: Callable[[int], int]  # a unit device -> the global rank of it in this replica
-    generated: Callable[[int], Any]  # micro-batch -> this device's generated module for its sizes (`stage{k}`, `stage{k}_loss`)
+    generated: Callable[[int], Any]  # micro-batch -> its ShapeProgram: the generated module (`stage{k}`, `stage{k}_loss`) and its Program
     comm: Any  # what the generated code calls for communication (`runtime/comm.py`)
     device: torch.device  # where stage functions run and received values land
     params_on_use: Callable[[int], Any]  # stage k's `_P` (`runtime/params_on_use.py`)
@@ -217,7 +217,7 @@ class PipelineExecutor:
             ins.append(t)
         loss_here = self.loss_stage == s
         generated = self.rt.generated(mb)
-        fn = getattr(generated, f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
+        fn = getattr(generated.module, f"stage{s}_loss" if loss_here and self.loss_index is not None else f"stage{s}")
         saved = [0]
 
         def count(packed: Any) -> None:
@@ -236,7 +236,7 @@ class PipelineExecutor:
         else:
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved)
         with torch.set_grad_enabled(task.grad), hooks, autocast(self.precision, rt.device):
-            outs = fn(rt.comm.for_module(generated), rt.device, rt.params_on_use(s), *ins)
+            outs = fn(rt.comm.for_program(generated.program), rt.device, rt.params_on_use(s), *ins)
         sends = self.program.stage_sends[s]
         for value, t in zip(sends, outs[:len(sends)]):
             self._send_forward(value, s, t, mb, task.round)

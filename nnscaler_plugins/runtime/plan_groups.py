@@ -1,15 +1,21 @@
 """The process groups a plan needs, and one data-parallel replica's view of them.
 
-Every rank creates every group, members or not, in one order (see `process_groups.py`): the device
-sets the generated code communicates over, in every replica; the whole unit (the step's loss and
-whole state dicts go to each of its devices); each unit device's replicas (gradient averaging,
-ZeRO); and the sets each parameter's gradient is summed over (the reducers'). The generated code
-names devices relative to its unit; `UnitGroups` turns them into this replica's global ranks.
+The plan's mesh comes first: a torch `DeviceMesh` with its named axes (dp, pp, tp, ...) gives one
+group per axis, which users may hand to DTensor, FSDP or DCP (`ParallelModule.device_mesh`) and
+which serve every set of the plan that is an axis's group (the replicas of a unit device are the
+"dp" axis). Then every rank creates every other group, members or not, in one order (see
+`process_groups.py`): the device sets the generated code communicates over, in every replica; the
+whole unit (the step's loss and whole state dicts go to each of its devices); and the sets each
+parameter's gradient is summed over (the reducers'). The generated code names devices relative to
+its unit; `UnitGroups` turns them into this replica's global ranks.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch.distributed as dist
+
+from nnscaler_plugins.plan.mesh import Mesh
 from nnscaler_plugins.runtime.process_groups import ProcessGroups
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,10 +79,31 @@ def reducer_rank_sets(program: Program) -> list[tuple[int, ...]]:
     return sorted(all_sets, key=lambda g: (len(g), g))
 
 
-def create_groups(program: Program, world_size: int) -> Union[ProcessGroups, SingleProcess]:
-    """Every group the plan needs, created in one order (collective: every rank calls it)."""
+# (default group, axis names, sizes, device type) -> DeviceMesh: one per mesh shape and world, shared
+# by every ParallelModule of the process (making one is collective and creates a group per axis).
+_MESHES: dict[tuple, Any] = {}
+
+
+def device_mesh(mesh: Mesh, device_type: str) -> Any:
+    """The torch `DeviceMesh` of a plan's mesh over the current world (collective on first use)."""
+    key = (dist.group.WORLD, mesh.names, mesh.sizes, device_type)
+    if key not in _MESHES:
+        _MESHES[key] = mesh.device_mesh(device_type)
+    return _MESHES[key]
+
+
+def create_groups(program: Program, world_size: int,
+                  device_type: str = "cpu") -> tuple[Union[ProcessGroups, SingleProcess], Optional[Any]]:
+    """Every group the plan needs, created in one order (collective: every rank calls it), and the
+    plan's DeviceMesh (None in one process)."""
     if world_size == 1:
-        return SingleProcess()
-    groups = ProcessGroups(step_rank_sets(program))
+        return SingleProcess(), None
+    mesh = program.plan.mesh
+    dm = device_mesh(mesh, device_type)
+    groups = ProcessGroups()
+    for name, size in zip(mesh.names, mesh.sizes):
+        if size > 1:
+            groups.adopt(mesh.groups([name]), dm.get_group(name))
+    groups.ensure(step_rank_sets(program))
     groups.ensure(reducer_rank_sets(program))
-    return groups
+    return groups, dm

@@ -17,7 +17,8 @@ from typing import ContextManager
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# "fp8" computes in bf16 like "bf16"; its converted linears multiply in float8 (kernels/float8.py).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -54,6 +54,15 @@ class ProcessGroups:
                 _CACHE[(self._world, key)] = cached
             self._groups[key] = cached
 
+    def adopt(self, rank_sets: Iterable[Sequence[int]], own: Any) -> None:
+        """Take groups made elsewhere (a `DeviceMesh`'s, one per axis): `rank_sets` are every group of
+        one axis, `own` this rank's group among them. Every rank adopts the same sets, so `ensure`
+        skips them on every rank alike and the collective creation order stays the same."""
+        for ranks in rank_sets:
+            key = frozenset(int(r) for r in ranks)
+            if len(key) > 1 and key not in self._groups:
+                self._groups[key] = own if self._rank in key else None
+
     def get(self, ranks: Sequence[int]) -> Optional[Any]:
         """The group of these ranks; None on ranks outside it and for a single rank (no peers)."""
         key = frozenset(int(r) for r in ranks)

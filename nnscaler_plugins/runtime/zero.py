@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from nnscaler_plugins.runtime.collectives import pack_saved, unpack_saved
+from nnscaler_plugins.kernels.collectives import pack_saved, unpack_saved
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

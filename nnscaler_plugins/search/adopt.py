@@ -11,8 +11,8 @@ from nnscaler_plugins.plan.primitives import PlanBuilder
 
 
 def adopt(builder: PlanBuilder, plan: Plan) -> None:
-    """Record `plan`'s splits, devices, pipeline, recompute groups, ZeRO stage and precision on
-    `builder` (same graph and unit size)."""
+    """Record `plan`'s splits, devices, pipeline, recompute groups, ZeRO stage, precision, mesh and
+    knobs on `builder` (same graph and unit size)."""
     if plan.unit_size != builder.unit_size:
         raise ValueError(f"plan has a unit of {plan.unit_size} devices, the builder {builder.unit_size}")
     for handle in builder.ops:
@@ -43,6 +43,10 @@ def adopt(builder: PlanBuilder, plan: Plan) -> None:
         builder.recompute(groups[gid])
     builder.zero(plan.zero)
     builder.precision(plan.precision)
+    builder.set_mesh(plan.mesh)
+    # how the plan computes; the builder's own knobs (batch statistics, the runtime settings) stay
+    builder.set_knobs(**{k: getattr(plan.knobs, k) for k in ("recompute", "sequence_parallel", "cp_comm",
+                                                               "capacity_factor", "experts_as_one_op", "cluster")})
     builder.options.update({k: v for k, v in plan.options.items() if isinstance(v, (int, float, str, bool))})
     if plan.estimate is not None:
         builder.options["estimated_step_s"] = float(plan.estimate.get("step_time_s", 0.0))

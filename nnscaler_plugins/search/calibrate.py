@@ -52,7 +52,8 @@ DEFAULTS = {"matmul_flops": 50e9, "memory_bandwidth": 5e9, "op_overhead_s": 8e-6
             "gloo_bandwidth": 1.0e9, "gloo_latency": 60e-6, "memory_bytes": 8 * 1024 ** 3}
 
 
-def _cache_path(cache_dir: Optional[str]) -> str:
+def cache_path(cache_dir: Optional[str]) -> str:
+    """Where this machine's measured tables are kept (per torch version and thread count)."""
     import torch
 
     d = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "nnscaler-plugins")
@@ -214,7 +215,7 @@ def measurements(measure: bool = True, cache_dir: Optional[str] = None) -> dict:
     """This machine's numbers: from the cache file, or measured now (under a file lock) and cached."""
     if not measure:
         return dict(DEFAULTS, cores=os.cpu_count() or 1, memory_bytes=_physical_memory(), measured=False)
-    path = _cache_path(cache_dir)
+    path = cache_path(cache_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the others wait and read its file

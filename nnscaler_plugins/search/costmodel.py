@@ -20,11 +20,11 @@ Memory: model states per ZeRO stage (`Training`), activations as the storage bas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.lower.resharding import COMMUNICATING, Step
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.search.cluster import ClusterSpec
@@ -35,6 +35,27 @@ from nnscaler_plugins.search.opcost import OpCost, OpCosts
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 RECOMPUTE = ("none", "selective", "full")
 BUCKET_BYTES = 25 * 1024 ** 2  # gradient reducer bucket (as DDP's default)
+
+
+# torch.compile (the plan's compile knob), priced as faster kernels: torchtitan's Llama-3.1-8B on 8 x
+# H100 (FSDP, sequence 8192) runs 5,762 tokens/s per GPU eager and 6,667 with torch.compile (its
+# benchmarks folder), the same communication, so the compute of a compiled step takes 5762 / 6667 of
+# the eager one's. Applied on clusters with a GPU kernel table (the presets); the local CPU preset
+# measures eager PyTorch and gets no discount (inductor's CPU code is not what it measured).
+COMPILE_SPEEDUP = 6667 / 5762
+# Passes over a float8 product's operand bytes its casts take (torchao's dynamic scaling: an amax
+# read, then a read and a half-size write): about 1.5 reads' worth on top of the product's own.
+FP8_CAST_PASSES = 1.5
+
+
+def compiles_faster(cluster: ClusterSpec) -> bool:
+    """Whether compile=True is priced faster on `cluster` (GPU presets with a kernel table)."""
+    return cluster.kernels is not None
+
+
+def supports_fp8(cluster: ClusterSpec) -> bool:
+    """Whether `cluster`'s devices multiply in float8 (an fp8 peak in its spec: H100, H200)."""
+    return "fp8" in cluster.peak_flops
 
 
 @dataclass(frozen=True)
@@ -54,6 +75,10 @@ class Training:
     sequence_parallel: bool = False
     grad_bytes: int = 4
     optimizer_bytes: int = 8
+    # precision="fp8": the linears (op names) whose products run in float8 (dtype stays bf16: weights,
+    # activations and the other ops are bf16); priced at the cluster's fp8 peak where it has one
+    fp8_ops: frozenset = frozenset()
+    compiled: bool = False  # the plan's compile knob: compute priced COMPILE_SPEEDUP faster on GPU stacks
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -84,8 +109,13 @@ class Training:
                 "optimizer": params * (self.master_bytes + self.optimizer_bytes) / (shard if z >= 1 else 1)}
 
     def to_json(self) -> dict:
-        return {"dtype": self.dtype, "zero": self.zero, "recompute": self.recompute,
-                "sequence_parallel": self.sequence_parallel, "grad_bytes": self.grad_bytes}
+        out = {"dtype": self.dtype, "zero": self.zero, "recompute": self.recompute,
+               "sequence_parallel": self.sequence_parallel, "grad_bytes": self.grad_bytes}
+        if self.fp8_ops:
+            out["fp8_linears"] = len(self.fp8_ops)
+        if self.compiled:
+            out["compiled"] = True
+        return out
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], cluster: ClusterSpec) -> "Training":
@@ -95,9 +125,12 @@ class Training:
         if rec is False:
             rec = "none"
         dtype = str(options.get("precision") or options.get("dtype") or cluster.dtype)
+        if dtype == "fp8":  # bf16 training; its linears' float8 products are `fp8_ops`
+            dtype = "bf16"
         return cls(dtype=dtype, zero=int(options.get("zero", 0) or 0), recompute=str(rec),
                    sequence_parallel=bool(options.get("sequence_parallel", False)),
-                   grad_bytes=int(options.get("grad_bytes", 4 if dtype not in ("fp32", "tf32") else 4)))
+                   grad_bytes=int(options.get("grad_bytes", 4 if dtype not in ("fp32", "tf32") else 4)),
+                   fp8_ops=frozenset(options.get("fp8_ops", ())), compiled=bool(options.get("compile", False)))
 
 
 @dataclass(frozen=True)
@@ -269,9 +302,16 @@ class CostModel:
         if c.kind == "view":
             v = self.cluster.efficiency.view_overhead_s
             return OpTime(v, v if c.needs_grad else 0.0, 0.0)
-        key = (c.key, p.splits, p.blocks, training.dtype, shard)
+        f8 = name in training.fp8_ops and "fp8" in self.cluster.peak_flops
+        compiled = training.compiled and compiles_faster(self.cluster)
+        key = (c.key, p.splits, p.blocks, training.dtype, shard, f8, compiled)
         t = self._time.get(key)
         if t is not None:
+            return t
+        if compiled:  # the eager price, made faster (see COMPILE_SPEEDUP)
+            t = self.op_time(name, p, replace(training, compiled=False), shard)
+            t = OpTime(t.fwd / COMPILE_SPEEDUP, t.bwd_input / COMPILE_SPEEDUP, t.bwd_weight / COMPILE_SPEEDUP, t.flops)
+            self._time[key] = t
             return t
         if self.profiler is not None:
             t = self.profiler.time(self, name, p, training, shard)
@@ -290,13 +330,17 @@ class CostModel:
         mem_rate = self._mem_rate if self._kernels is None else self._table_mem_rate(nbytes)
         if c.kind == "matmul":
             flops = c.flops / pieces
+            mm = "fp8" if f8 else training.dtype
             if self._kernels is None:
-                rf = ri = rw = self.matmul_rate(training.dtype)
+                rf = ri = rw = self.matmul_rate(mm)
             else:
-                rf, ri, rw = self._table_rates(c, p, training.dtype, shard)
-            fwd = max(flops / rf, nbytes / mem_rate) + oh
-            bi = max(c.flops_input_grad / pieces / ri, nbytes / mem_rate) + oh if c.flops_input_grad else 0.0
-            bw = max(c.flops_weight_grad / pieces / rw, nbytes / mem_rate) + oh if c.flops_weight_grad else 0.0
+                rf, ri, rw = self._table_rates(c, p, mm, shard)
+            # float8: each product first casts its two operands (read bf16, find the scale, write
+            # float8): FP8_CAST_PASSES passes over the operands' bytes, as memory-bound kernels
+            cast = FP8_CAST_PASSES * nbytes / mem_rate if f8 else 0.0
+            fwd = max(flops / rf, nbytes / mem_rate) + oh + cast
+            bi = max(c.flops_input_grad / pieces / ri, nbytes / mem_rate) + oh + cast if c.flops_input_grad else 0.0
+            bw = max(c.flops_weight_grad / pieces / rw, nbytes / mem_rate) + oh + cast if c.flops_weight_grad else 0.0
             t = OpTime(fwd, bi, bw, flops)
         else:
             name_ = self.graph.op(name).short_name
@@ -454,6 +498,6 @@ class CostModel:
 def gathered_from_pieces(src: Layout, dst: Layout) -> bool:
     """Whether `dst` is reached from `src` by gathering pieces (all-gathers, no partial sums): the
     runtime then keeps, for a consumer whose gradient is partial (column-split pieces), only the piece
-    (`runtime.collectives.pack_saved`), as Megatron's sequence parallelism does."""
+    (`kernels.collectives.pack_saved`), as Megatron's sequence parallelism does."""
     return (src != dst and src.partial == 1 and set(src.group) == set(dst.group)
             and math.prod(src.local_shape()) < math.prod(dst.local_shape()))

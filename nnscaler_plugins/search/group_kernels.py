@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 from nnscaler_plugins.capture.autograd_functions import FunctionTarget
 from nnscaler_plugins.capture.graph import Graph, OpNode
-from nnscaler_plugins.runtime.experts_module import ExpertsCall
+from nnscaler_plugins.kernels.experts_module import ExpertsCall
 from nnscaler_plugins.search.context_parallel_cost import (
     AttentionShape,
     context_parallel_attention_time,

@@ -26,8 +26,9 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.plan.layers import layer_groups
+from nnscaler_plugins.plan.mesh import subop_devices
 from nnscaler_plugins.rules import op_call
 from nnscaler_plugins.rules.anchors import matmul_anchor, vocab_anchor
 from nnscaler_plugins.rules.signature import LocalCall
@@ -35,6 +36,8 @@ from nnscaler_plugins.search import group_kernels
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.dims import BATCH, SEQUENCE, tag_labels
 from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.pass_seeds import PassSeeds
+from nnscaler_plugins.search.replication import PARALLEL, batch_degree, duplicated_share
 from nnscaler_plugins.search.segments import Segment, Walker, itemsize
 
 _PLACEMENTS: dict = {}  # (Choice, devices) -> Placement; a pure function's cache
@@ -72,24 +75,7 @@ class Choice:
         copy_axes = [i for i, (l, _) in enumerate(self.axes) if l is None]
         splits = tuple((self.axes[i][0], self.axes[i][1]) for i in split_axes)
         replicate = math.prod(mesh[i] for i in copy_axes)
-        strides = [math.prod(mesh[i + 1:]) for i in range(len(mesh))]
-        radices = [replicate] + [mesh[i] for i in split_axes]
-        out = []
-        for idx in range(math.prod(mesh)):
-            digits = []
-            x = idx
-            for r in reversed(radices):
-                digits.append(x % r)
-                x //= r
-            digits.reverse()
-            coord = [0] * len(mesh)
-            rep = digits[0]
-            for i in reversed(copy_axes):
-                coord[i] = rep % mesh[i]
-                rep //= mesh[i]
-            for i, dgt in zip(split_axes, digits[1:]):
-                coord[i] = dgt
-            out.append(devices[sum(c * s for c, s in zip(coord, strides))])
+        out = [devices[d] for d in subop_devices(mesh, split_axes)]
         return Placement(splits, replicate, tuple(sorted(self.blocks)), tuple(out))
 
 
@@ -110,6 +96,8 @@ class IntraResult:
     cp: int = 1  # context parallelism: attention split along its sequence this many ways (0 ops: 1)
     cp_comm: str = "ring"  # how those pieces meet their keys (the plan's `cp_comm`)
     ep: int = 1  # expert parallelism: the largest expert split of a mixture-of-experts layer
+    batch: int = 1  # the largest split of an op along its batch (data parallelism inside the group)
+    duplicated: float = 0.0  # share of the work the group's copies compute again (`replication`)
 
     def key(self) -> tuple:
         return tuple(sorted((k, v) for k, v in self.choices.items()))
@@ -148,6 +136,7 @@ class IntraSolver:
         self._decisions: dict = {}
         self._evaluated: dict = {}
         self.anchors = self._find_anchors()
+        self.pass_seeds = PassSeeds(graph, self.window)  # tensor, sequence and context parallelism of the passes
         # causal attention under context parallelism is balanced: the mirrored 2-block sequence split
         self.cp_block = -2 if context_parallel and any(
             group_kernels.kind_of(graph, op) == "attention" and (self.cm.costs.ops[op.name].attn or (0,) * 5)[4]
@@ -532,6 +521,10 @@ class IntraSolver:
         result.tp = max((math.prod(n for l, n in ch.axes if l is not None and l != self.batch_label(self.graph.op(var))
                                    and not (self.context_parallel and l == self.seq_label(self.graph.op(var))))
                          for var, ch in assign.items()), default=1)
+        costs = self.cm.costs.ops
+        result.batch = batch_degree(choices, lambda name: self.batch_label(self.graph.op(name)))
+        result.duplicated = duplicated_share(((costs[name], math.prod(n for l, n in ch.axes if l is None))
+                                              for name, ch in choices.items()), self.group)
         return result
 
     # -- the search ---------------------------------------------------------------------------------------------
@@ -587,58 +580,24 @@ class IntraSolver:
                 break
         return best
 
-    def _demanded_block(self, op: OpNode, depth: int = 4) -> int:
-        """The block factor a consumer's rule asks of this op's output (a fused QKV cut into q, k, v)."""
-        frontier = [o for o in op.outputs if o is not None]
-        for _ in range(depth):
-            nxt = []
-            for v in frontier:
-                for c in self.consumers.get(v, ()):
-                    blocks = getattr(self.sigs[c.name], "blocks", None) or {}
-                    idx = [i for i, x in enumerate(c.inputs) if x == v]
-                    found = [b for (l, i), b in blocks.items() if i in idx and b > 1]
-                    if found:
-                        return max(found)
-                    if self.cm.costs.ops[c.name].kind == "view":
-                        nxt.extend(o for o in c.outputs if o is not None)
-            frontier = nxt
-        return 1
-
     def _tensor_parallel_seed(self, outer_label: Optional[Callable[[OpNode], Optional[str]]] = None) -> dict:
-        """Megatron's assignment read off the rules: in each layer the weight matmuls alternate column
-        and row parallel (a column split in the blocks a fused projection's consumers need), embedding
-        tables and the output projection split along the vocabulary, losses along theirs. The outer
+        """Megatron's assignment as the `tp` strategy finds it (`passes.apply_tp`, run on the window
+        for the group's inner axis): each anchor (matmuls with a weight, embeddings, losses) takes
+        the pass's split on the inner axis, or stays whole where the pass keeps it whole. The outer
         axes of a 2-D mesh carry the batch, or what `outer_label` names (the sequence, for cp x tp)."""
         seed: dict[str, Choice] = {}
         outer_label = outer_label or self.batch_label
         outer = lambda op: tuple((outer_label(op), n) for n in self.mesh[:-1])  # noqa: E731
         inner = self.mesh[-1]
-        column_next = True
-        last_layer = None
+        splits = self.pass_seeds.tensor_parallel(inner)
+        if not splits:
+            return seed
         for op in self.window:
             var = self.var[op.name]
             if var in seed or var not in self.anchors:
                 continue
-            layer = self.segment[op.name]
-            if layer != last_layer:
-                column_next, last_layer = True, layer
-            sig = self.sigs[op.name]
-            a = matmul_anchor(self.graph, op, sig)
-            want = None
-            if a is not None and a.n is not None:
-                if column_next:
-                    b = self._demanded_block(op)
-                    want = (outer(op) + ((a.n, inner),), ((a.n, b),) if b > 1 else ())
-                else:
-                    want = (outer(op) + ((a.k, inner),), ())
-                column_next = not column_next
-            else:
-                v = vocab_anchor(self.graph, op, sig)
-                label = v.label if v is not None else next(iter(sorted(sig.comm_labels)), None)
-                if label is not None:
-                    want = (outer(op) + ((label, inner),), ())
-            if want is None:
-                continue
+            label, block = splits.get(op.name, (None, 1))
+            want = (outer(op) + ((label, inner),), ((label, block),) if label is not None and block > 1 else ())
             mirrored = tuple((l, self.cp_block) for l, _ in want[0][:-1] if l is not None and l == self.seq_label(op)
                              and self.cp_block != 1)
             options = [c for c in self.choices(op) if c.axes == want[0]]
@@ -687,22 +646,22 @@ class IntraSolver:
         return out
 
     def sequence_between(self, op: OpNode, produced: dict) -> Optional[Choice]:
-        """Megatron's sequence parallelism read off the rules: where `whole_between` would run an op of
-        a layer whole on every device of the group (a norm, a dropout, a residual add), split it along
-        its sequence label instead (data parallelism on an outer axis stays); an op of a layer whose
-        sequence dim is not known is left to the walk. Lowering then turns the partial sums of a
-        row-parallel matmul into a reduce-scatter onto the sequence and gathers the sequence back
+        """Megatron's sequence parallelism as `passes.apply_sp` finds it: of the ops of a layer that
+        `whole_between` would run whole on every device of the group (a norm, a dropout, a residual
+        add), those the pass splits along the sequence are split so (data parallelism on an outer axis
+        stays); any other op of a layer is left to the walk. Lowering then turns the partial sums of
+        a row-parallel matmul into a reduce-scatter onto the sequence and gathers the sequence back
         before the next column-parallel one."""
         whole = self.whole_between(op, produced)
         if whole is None or self.segment.get(op.name) not in self.layer_seg:
             return whole
-        label = self.seq_label(op)
-        if label is not None and self.cm.costs.ops[op.name].kind != "matmul":
-            want = whole.axes[:-1] + ((label, self.mesh[-1]),)
+        split = self.pass_seeds.sequence_parallel(self.mesh[-1]).get(op.name)
+        if split is not None and self.cm.costs.ops[op.name].kind != "matmul":
+            want = whole.axes[:-1] + ((split[0], self.mesh[-1]),)
             found = next((c for c in self.choices(op) if c.axes == want and not c.blocks), None)
             if found is not None:
                 return found
-        return None  # no sequence dim known here: the walk picks (it finds reduce-scatters too)
+        return None  # not on the residual stream the pass splits: the walk picks (it finds reduce-scatters too)
 
     def sequence_split(self, choices: dict) -> bool:
         """Whether an assignment splits some op of the layers along its sequence label."""
@@ -761,14 +720,17 @@ class IntraSolver:
         return pareto_results(results)
 
     def sequence_everywhere(self, op: OpNode, produced: dict) -> Optional[Choice]:
-        """Context parallelism read off the rules: an op carrying the sequence splits it on the
-        inner axis of the mesh (the batch on an outer one), mirrored for causal attention; an op
-        without it is left to the walk (positions, label shifts: the lowering cuts them to match)."""
-        label = self.seq_label(op)
-        if label is None:
+        """Context parallelism as `passes.apply_cp` finds it (its sequence walk from the data inputs
+        and every self-attention): an op the pass splits takes that split on the inner axis of the
+        mesh (the batch on an outer one), mirrored for causal attention; an op it leaves whole is left
+        to the walk (positions, label shifts: the lowering cuts them to match)."""
+        found = self.pass_seeds.context_parallel(self.mesh[-1], self.cp_block == -2)
+        split = (found or {}).get(op.name)
+        if split is None:
             return None
+        label, block = split
         want = tuple((self.batch_label(op), n) for n in self.mesh[:-1]) + ((label, self.mesh[-1]),)
-        blocks = ((label, self.cp_block),) if self.cp_block != 1 else ()
+        blocks = ((label, block),) if block != 1 else ()
         options = [c for c in self.choices(op) if c.axes == want]
         return next((c for c in options if c.blocks == blocks), None) or \
             next((c for c in options if not c.blocks and group_kernels.kind_of(self.graph, op) != "attention"), None)
@@ -778,6 +740,8 @@ class IntraSolver:
         (`sequence_everywhere`), the anchors then improved by coordinate descent; kept when attention
         is in fact split along its sequence. Ulysses only where every attention's heads divide."""
         out = []
+        if self.pass_seeds.context_parallel(self.mesh[-1], self.cp_block == -2) is None:
+            return out  # the cp pass refuses this graph (attention dropout, a mask): nothing to price
         if len(self.mesh) > 1:
             return self._cp_times_tp_results()
         seq_walk = self.walk({}, self.sequence_everywhere)
@@ -851,7 +815,9 @@ def pareto_results(results: Iterable[IntraResult]) -> list[IntraResult]:
         if k in seen:
             continue
         seen.add(k)
-        if any(o.time <= r.time and o.memory <= r.memory for o in out):
+        # a plan that divides the work is only given up for another that does (`replication`)
+        if any(o.time <= r.time and o.memory <= r.memory and (o.duplicated <= PARALLEL or r.duplicated > PARALLEL)
+               for o in out):
             continue
         out.append(r)
     return out

@@ -74,7 +74,8 @@ class ParetoSet:
 
     def table(self) -> str:
         """One line per plan, numbered and worded as `render_pareto` draws them."""
-        from nnscaler_plugins.render import fmt_bytes, fmt_seconds, plan_label
+        from nnscaler_plugins.plan.label import plan_label
+        from nnscaler_plugins.units import fmt_bytes, fmt_seconds
 
         lines = [f"{'#':>3}  {'step time':>9}  {'peak memory':>11}  plan"]
         for i, (p, e) in enumerate(zip(self.plans, self.estimates)):

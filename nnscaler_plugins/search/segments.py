@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from nnscaler_plugins.capture.graph import Graph
-from nnscaler_plugins.lower.layout import Layout
+from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.search import group_kernels
 from nnscaler_plugins.search.costmodel import CostModel, Training, gathered_from_pieces
 from nnscaler_plugins.search.layouts import Placement

@@ -17,12 +17,14 @@ The simulator never touches torch.distributed: everything is arithmetic on the g
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.float8 import float8_linears
 from nnscaler_plugins.plan.layers import layer_groups
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, PipelineShape, Task
@@ -137,26 +139,36 @@ def simulate(plan: Plan, cluster: ClusterSpec, graph: Optional[Graph] = None, *,
     return replay_plan(plan, cluster, graph, cm, keep_timeline)
 
 
+def priced_settings(plan: Plan) -> dict:
+    """What the cost model prices a plan with, from its typed fields and knobs: precision, ZeRO stage,
+    recompute mode, sequence parallelism, cp_comm and the overlap switches (None: the cluster's)."""
+    k = plan.knobs
+    return {"precision": plan.precision, "zero": plan.zero, "recompute": k.recompute,
+            "sequence_parallel": k.sequence_parallel, "cp_comm": k.cp_comm, "tp_comm_overlap": k.tp_comm_overlap,
+            "overlap_grad_reduce": k.overlap_grad_reduce, "overlap_param_gather": k.overlap_param_gather,
+            "overlap_p2p": k.overlap_p2p, "compile": k.compile}
+
+
 def training_of(plan: Plan, cluster: ClusterSpec) -> Training:
     """How `plan` trains, as the cost model prices it: from the fields the runtime reads.
 
-    Precision is the plan's own (`Plan.precision`) when the plan says so: a precision other than
-    fp32, or a plan that records the precision it was priced in (`options["precision"]`, as the
-    search's plans do; a later change of `Plan.precision` wins). Otherwise, for plans that never
-    chose one, the cluster's training dtype. The ZeRO stage is `Plan.zero` (plan files that only
-    carry it in their options are read into it by `Plan.from_json`); recomputation comes from the plan's recompute groups
-    (see `replay_plan`) or its "recompute" option. `sequence_parallel` is what the plan declares;
-    the sequence splits themselves are priced from its placements."""
-    opts = dict(plan.options)
-    if "precision" in plan.options or plan.precision != "fp32":
-        opts["precision"] = plan.precision
-    opts["zero"] = plan.zero
+    Precision is the plan's own (`Plan.precision`) when the plan chose one: a precision other than
+    fp32, or a plan the search made for a cluster (`knobs.cluster`), priced in the precision it
+    records. Otherwise, for plans that never chose one, the cluster's training dtype. The ZeRO stage
+    is `Plan.zero`; recomputation comes from the plan's recompute groups (see `replay_plan`) or its
+    recompute knob. `sequence_parallel` is what the plan declares; the sequence splits themselves
+    are priced from its placements."""
+    opts = priced_settings(plan)
+    if plan.knobs.cluster is None and plan.precision == "fp32":
+        del opts["precision"]
     return Training.from_options(opts, cluster)
 
 
 def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, keep_timeline: bool = False) -> Estimate:
     """`simulate` without its checks, for callers that made the plan for this graph themselves."""
     training = training_of(plan, cluster)
+    if plan.precision == "fp8":
+        training = dataclasses.replace(training, fp8_ops=frozenset(float8_linears(graph, plan.knobs)))
     m = plan.num_micro_batches
     if plan.pipeline is None:
         stage_of = {op.name: 0 for op in graph.ops}
@@ -186,7 +198,7 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
         group_of, mode = (lambda n: None), training.recompute
     walker = Walker(graph, cm, training, len(seg_index), sp_layers=sp_ops,
                     layer_segments={i for i, layer in seg_layer.items() if layer}, group_of=group_of,
-                    cp_comm=str(plan.options.get("cp_comm", "ring")))
+                    cp_comm=plan.knobs.cp_comm)
     placements = {name: Placement.of(p) for name, p in plan.ops.items()}
     segments = walker.run(graph.ops, placements.__getitem__, lambda n: seg_index[(stage_of[n], part[n])],
                           lambda a, b: seg_stage[a] != seg_stage[b])
@@ -194,7 +206,7 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     for i, seg in enumerate(segments):
         per_stage[seg_stage[i]].append(Part(seg, 1, mode))
     split = plan.pipeline is not None and plan.pipeline.split_backward
-    overlap = Overlap.of(plan.options, cluster)
+    overlap = Overlap.of(priced_settings(plan), cluster)
     stages = compose(cm, training, per_stage, stage_devices, plan.dp, plan.unit_size, m, split, overlap=overlap)
     boundary: dict[tuple[int, int], float] = {}
     boundary_grad: dict[tuple[int, int], float] = {}
@@ -221,7 +233,7 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
         lists = [[task for mb in range(m) for task in (Task(0, mb, FORWARD), Task(0, mb, BACKWARD))]]
     step = replay_step(stages, lists, shape, transfer, overlap_factor(cluster), keep_timeline)
     est = estimate_of(plan, cluster, training, stages, step, m)
-    missing = not_run_as_priced(plan.options, cluster, training.zero, any(s.comm > 0 for s in stages))
+    missing = not_run_as_priced(priced_settings(plan), cluster, training.zero, any(s.comm > 0 for s in stages))
     if missing:
         est.details["not_run_as_priced"] = missing
     return est

@@ -33,6 +33,7 @@ sequence-parallel candidates, the sequence splits that were priced.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.plan.knobs import Knobs
+from nnscaler_plugins.plan.float8 import float8_linears
 from nnscaler_plugins.plan.plan import PRECISIONS, Plan
 from nnscaler_plugins.search.cluster import PRESETS, ClusterSpec
 from nnscaler_plugins.search.cluster import cluster as make_cluster
@@ -51,15 +54,16 @@ from nnscaler_plugins.search.constraints import (
     MicroBatchSize,
     parse_bytes,
 )
-from nnscaler_plugins.search.costmodel import CostModel, Training
+from nnscaler_plugins.search.costmodel import CostModel, Training, compiles_faster, supports_fp8
 from nnscaler_plugins.search.dims import batch_size
 from nnscaler_plugins.search.group_kernels import kind_of
 from nnscaler_plugins.search.intraop import IntraResult, IntraSolver
 from nnscaler_plugins.search.pareto import ParetoSet, frontier
 from nnscaler_plugins.search.progress import Progress
+from nnscaler_plugins.search.replication import PARALLEL
 from nnscaler_plugins.search.segments import Segment
 from nnscaler_plugins.search.simulator import Estimate, replay_plan
-from nnscaler_plugins.search.space import RECOMPUTE, Config, divisors, meshes
+from nnscaler_plugins.search.space import RECOMPUTE, Config, divisors, mesh_of_config, meshes
 from nnscaler_plugins.search.stages import Part, analytic_step, compose, overlap_factor
 
 GiB = 1024 ** 3
@@ -154,8 +158,10 @@ class Search:
                  max_group: Optional[int] = None, schedules: Sequence[str] = ("1f1b", "gpipe", "interleaved",
                                                                                "zero-bubble"),
                  sequence_parallel: bool = False, precision: Optional[str] = None,
-                 context_parallel: Optional[bool] = None):
+                 context_parallel: Optional[bool] = None, compile: Optional[bool] = False):
         self.graphs = graphs
+        self.compile = compile  # True: priced and run compiled; None: chosen per plan where it is faster
+        self._fp8_ops: Optional[frozenset] = None
         self.context_parallel = context_parallel
         self.world = int(world_size)
         self.cluster = cluster
@@ -188,6 +194,15 @@ class Search:
         self._prints: dict[int, str] = {}  # graph fingerprints
         self._layers: dict[int, bool] = {}  # graph -> has repeated layers (recompute groups)
 
+    def _training(self, **kw: Any) -> Training:
+        """How candidates are priced: the search's precision (fp8: bf16 with the graphs' float8
+        linears, torchao's default choice, at the fp8 peak) and its compile setting."""
+        if self.dtype != "fp8":
+            return Training(dtype=self.dtype, compiled=self.compile is True, **kw)
+        if self._fp8_ops is None:
+            self._fp8_ops = frozenset(n for g in self.graphs.values() for n in float8_linears(g))
+        return Training(dtype="bf16", fp8_ops=self._fp8_ops, compiled=self.compile is True, **kw)
+
     # -- configurations ---------------------------------------------------------------------------------
     def group_sizes(self) -> list[int]:
         if self.unit_mode:
@@ -215,7 +230,7 @@ class Search:
     # -- the run ------------------------------------------------------------------------------------------
     def run(self) -> ParetoSet:
         t0 = time.monotonic()
-        training = Training(dtype=self.dtype)
+        training = self._training()
         candidates: list[Candidate] = []
         intra_jobs = [(b, g, mesh) for b in sorted(self.graphs) for g in self.group_sizes()
                       for mesh in self.meshes_for(g, self.graphs[b])]
@@ -245,6 +260,7 @@ class Search:
         self.searched = len(candidates)
         if not candidates:
             raise SearchError(self._no_plan_message())
+        candidates, why_copies = self._parallel(candidates)
         fitting = [c for c in candidates if c.memory <= self.memory_limit * 1.1]
         if not fitting:
             raise SearchError(self._memory_message(candidates))
@@ -269,7 +285,44 @@ class Search:
         validate(plans[order[0]], chosen[order[0]].graph, world_size=self.world)
         seconds = time.monotonic() - t0
         self.progress.close(f"{len(order)} plan(s) on the frontier, {self.searched} candidates priced")
-        return ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
+        result = ParetoSet([plans[i] for i in order], [estimates[i] for i in order], self.searched, len(plans), seconds)
+        if why_copies is not None:
+            for plan in result.plans:
+                plan.options["why_copies"] = why_copies
+            result.notes.append(why_copies)
+        return result
+
+    def _parallel(self, cands: list[Candidate]) -> tuple[list[Candidate], Optional[str]]:
+        """The candidates whose devices divide the work (at most `replication.PARALLEL` of it done
+        twice), when there are any: a plan that copies the model onto every device of its group is
+        one device's plan on more devices, whatever the cost model says of its speed. Otherwise the
+        ones that duplicate least, with the reason no plan divides the work (None when some do)."""
+        keep = [c for c in cands if c.intra.duplicated <= PARALLEL]
+        if keep:
+            return keep, None
+        least = min(c.intra.duplicated for c in cands)
+        keep = [c for c in cands if c.intra.duplicated <= least + 1e-9]
+        return keep, self._why_copies(keep[0])
+
+    def _why_copies(self, cand: Candidate) -> str:
+        g, graph = cand.cfg.group, cand.graph
+        b = batch_size(graph)
+        if b is None:
+            batch = "the model's inputs have no batch dim to split"
+        elif b % g:
+            batch = f"the batch of {b} rows does not split {g} ways (data parallelism needs a multiple of {g})"
+        else:
+            batch = "the batch dim reaches no op that may split it"
+        bound = [c.describe() for c in self.constraints if type(c).allows_op is not Constraint.allows_op]
+        if bound:
+            rest = f"; the constraints {', '.join(bound)} keep ops whole"
+        elif cand.intra.tp > 1 or cand.intra.cp > 1:
+            rest = ", and the ops whose other dims split (tensor or context parallelism) are not most of the work"
+        else:
+            rest = f", and no op's other dims split {g} ways"
+        why = batch + rest
+        return (f"every plan for groups of {g} devices computes {cand.intra.duplicated:.0%} of the work again on "
+                f"several devices: {why}. Give the step a batch divisible by {g}, or run on fewer devices")
 
     def _cp_for(self, graph: Graph) -> bool:
         """Whether context parallelism is searched on this graph: as asked, else where some
@@ -354,7 +407,7 @@ class Search:
                         cfg = Config(group=g, mesh=intra.mesh, pp=pp, dp=dp, micro_batch_size=b, micro_batches=m,
                                      schedule=schedule, virtual=v, zero=zero, recompute=rec, tp=intra.tp,
                                      sequence_parallel=intra.sequence_parallel, cp=intra.cp,
-                                     cp_comm=intra.cp_comm if intra.cp > 1 else "ring", ep=intra.ep)
+                                     cp_comm=intra.cp_comm if intra.cp > 1 else "ring", ep=intra.ep, batch=intra.batch)
                         if not self._allowed(cfg):
                             continue
                         t, mem = self._price(cm, cfg, intra, bounds, pre, post, layers)
@@ -363,7 +416,7 @@ class Search:
 
     def _price(self, cm: CostModel, cfg: Config, intra: IntraResult, bounds: list[int], pre: Segment, post: Segment,
                layers: list[Segment]) -> tuple[float, float]:
-        training = Training(dtype=self.dtype, zero=cfg.zero, recompute=cfg.recompute)
+        training = self._training(zero=cfg.zero, recompute=cfg.recompute)
         S = cfg.stages
         mode = MODE[cfg.recompute]
         parts_per_stage: list[list[Part]] = []
@@ -464,26 +517,20 @@ class Search:
         if cfg.pp > 1:
             pipeline = PipelineSpec(stage_devices, cfg.micro_batches, cfg.schedule, [k % cfg.pp for k in range(S)],
                                     cfg.schedule in SPLITS_BACKWARD)
-        # The training knobs the runtime reads are plan fields (zero, precision, each op's recompute
-        # group, each op's splits); options record how the plan was priced, for people and for
-        # `simulate`, which re-prices the plan from the same inputs (`simulator.training_of`).
-        options = {"recompute": cfg.recompute, "precision": self.dtype, "micro_batch_size": cfg.micro_batch_size,
-                   "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "cluster": self.cluster.name,
-                   "tp": cfg.tp, "pp": cfg.pp, "summary": cand.describe()}
-        if cfg.sequence_parallel:
-            options["sequence_parallel"] = True  # the layers' sequence splits are in the ops' placements
-        if cfg.cp > 1:
-            options["cp_comm"] = cfg.cp_comm  # attention's sequence pieces meet their keys this way
-            options["cp"] = cfg.cp
-        if cfg.ep > 1:
-            options["ep"] = cfg.ep
-        if any(kind_of(graph, op) == "experts" for op in graph.ops):
-            options["experts_as_one_op"] = True  # captured so; a run of the plan captures the same way
+        # How the plan was priced, for people (`explain`) and the checkpoint's record: the runtime and
+        # `simulate` read the plan's mesh, fields and knobs, never these.
+        options = {"micro_batch_size": cfg.micro_batch_size,
+                   "global_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.dp, "summary": cand.describe()}
+        knobs = Knobs(recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                      cp_comm=cfg.cp_comm if cfg.cp > 1 else "ring", cluster=self.cluster.name,
+                      compile=self.compile is True,
+                      experts_as_one_op=any(kind_of(graph, op) == "experts" for op in graph.ops))
         if id(graph) not in self._prints:
             self._prints[id(graph)] = graph.fingerprint()
         plan = Plan(graph_fingerprint=self._prints[id(graph)], model_class=graph.model_class, unit_size=cfg.unit_size,
                     dp=cfg.dp, ops=ops, strategy="search", options=options, pipeline=pipeline,
-                    micro_batches=cfg.micro_batches, zero=cfg.zero, precision=self.dtype)
+                    micro_batches=cfg.micro_batches, zero=cfg.zero, precision=self.dtype, mesh=mesh_of_config(cfg),
+                    knobs=knobs)
         plan.input_shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])):
                              list(graph.meta(i.name).shape) for i in graph.inputs if graph.values[i.name].meta is not None}
         plan.structure_fingerprint = graph.structure_fingerprint()
@@ -507,8 +554,12 @@ class Search:
         if estimates:
             lowest = min(lowest, min(e.max_memory_bytes for e in estimates))
         source = "the memory limit" if self.memory_from_user else f"the device memory of {self.cluster.name}"
-        return (f"binding constraint: peak memory per device <= {self.memory_limit / GiB:.2f} GiB ({source}); the "
-                f"smallest peak any plan reaches is {lowest / GiB:.2f} GiB ({smallest.describe()}). Use more "
+        dp = [c for c in cands if c.intra.duplicated <= PARALLEL and c.cfg.tp == 1 and c.cfg.cp == 1 and c.cfg.pp == 1
+              and c.cfg.dp * c.intra.batch == self.world]
+        needs = (f"data parallelism over {self.world} devices needs {min(c.memory for c in dp) / GiB:.2f} GiB per "
+                 "device, and no other plan fits either. ") if dp else ""
+        return (f"binding constraint: peak memory per device <= {self.memory_limit / GiB:.2f} GiB ({source}); "
+                f"{needs}the smallest peak any plan reaches is {lowest / GiB:.2f} GiB ({smallest.describe()}). Use more "
                 "devices, a smaller micro-batch, or allow ZeRO-3 / full recomputation if a constraint excludes them.")
 
 
@@ -518,7 +569,7 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
            progress: bool = True, data_parallel: str = "replicas", micro_batches: Optional[int] = None,
            max_simulated: int = 8, max_group: Optional[int] = None, sequence_parallel: bool = False,
            precision: Optional[str] = None, lengths: Any = None, context_parallel: Optional[bool] = None,
-           expert_parallel: bool = True) -> ParetoSet:
+           expert_parallel: bool = True, compile: Optional[bool] = False, fp8: bool = False) -> ParetoSet:
     """Search plans for `world_size` devices of `cluster`; returns a ParetoSet, fastest plan first.
 
     `model_or_graph`: a captured Graph of one micro-batch, or a model with `example_inputs` (one
@@ -544,6 +595,11 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     layers (stacked-experts modules, `capture/experts.py`) are captured as one op each, so that
     splitting their experts with their tokens (ep, all-to-all) is in the space beside keeping them
     whole; False captures them as written (a graph passed in is searched as it was captured).
+    `compile`: False (default) plans run eagerly; True every plan runs under torch.compile (the
+    compile knob) and is priced so; None puts it in the space: each plan compiled where that is
+    priced faster (the GPU presets, see costmodel.COMPILE_SPEEDUP). `fp8=True` puts precision fp8
+    in the space beside bf16 where the cluster's devices multiply in float8 (an fp8 peak: H100,
+    H200): each plan then trains in fp8 where that is priced faster (float8 numerics: opt in).
     """
     from nnscaler_plugins.plugins import get_plugin_manager
 
@@ -568,8 +624,10 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     s = Search(graphs, world_size, spec, constraints, options["global_batch_size"], limit, progress,
                unit_mode=(data_parallel == "unit"), micro_batches=micro_batches, max_simulated=max_simulated,
                max_group=max_group, sequence_parallel=sequence_parallel, precision=options["precision"],
-               context_parallel=context_parallel)
+               context_parallel=context_parallel, compile=compile)
     result = s.run()
+    if compile is None or fp8:
+        result = _choose_speed_knobs(result, spec, compile, fp8, s)
     if pairs is not None and len(pairs) > 1:
         result = _over_lengths(result, pairs, model_or_graph, example_inputs, spec, s)
     hooks.nnscaler_search_result(result=result, options=options)
@@ -578,12 +636,39 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     return result
 
 
+def _choose_speed_knobs(result: ParetoSet, spec: ClusterSpec, compile: Optional[bool], fp8: bool,
+                        search: "Search") -> ParetoSet:
+    """Each frontier plan with the fastest of its compile / fp8 variants the cluster supports
+    (compile: results unchanged, kernels faster; fp8: bf16 plans' linears in float8), repriced;
+    then the frontier again."""
+    plans, estimates = [], []
+    for plan in result.plans:
+        compiles = [False, True] if compile is None and compiles_faster(spec) else [compile is True]
+        precisions = [plan.precision] + (["fp8"] if fp8 and supports_fp8(spec) and plan.precision == "bf16" else [])
+        best = None
+        for c in compiles:
+            for prec in precisions:
+                variant = dataclasses.replace(plan, precision=prec, knobs=plan.knobs.replace(compile=c))
+                est = replay_plan(variant, spec, plan.graph, search._cost_model(plan.graph))
+                if best is None or est.step_time_s < best[1].step_time_s:
+                    best = (variant, est)
+        best[0].estimate = best[1].to_json()
+        plans.append(best[0])
+        estimates.append(best[1])
+    order = frontier([(e.step_time_s, e.max_memory_bytes) for e in estimates])
+    out = ParetoSet([plans[i] for i in order], [estimates[i] for i in order], result.searched, result.simulated,
+                    result.seconds)
+    out.notes = list(result.notes) + [f"compile and fp8 chosen per plan where {spec.name} prices them faster"]
+    return out
+
+
 def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: Any, spec: ClusterSpec,
                   search: "Search") -> ParetoSet:
     """The frontier again, each plan priced over the length histogram."""
     from nnscaler_plugins.capture.experts import experts_as_one_op
-    from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
-    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+    from nnscaler_plugins.batches import batch_size as inputs_batch
+    from nnscaler_plugins.batches import normalize_inputs
+    from nnscaler_plugins.capture.tracing import capture
     from nnscaler_plugins.search.lengths import at_length, price_over_lengths
 
     full = inputs_batch(example_inputs) or 1
@@ -593,7 +678,7 @@ def _over_lengths(result: ParetoSet, pairs: list, model: Any, example_inputs: An
         b = batch_size(plan.graph) or full
         if (b, n) not in graphs:
             args, kwargs = normalize_inputs(at_length(_first_rows(example_inputs, b, full), n), None)
-            with experts_as_one_op(model) if plan.options.get("experts_as_one_op") else contextlib.nullcontext():
+            with experts_as_one_op(model) if plan.knobs.experts_as_one_op else contextlib.nullcontext():
                 graphs[(b, n)] = capture(model, args, kwargs)
         return graphs[(b, n)]
 
@@ -650,8 +735,9 @@ def _graphs(model_or_graph: Any, example_inputs: Any, constraints: Sequence,
     if example_inputs is None:
         raise TypeError("searching a model needs example_inputs= (one micro-batch of what its forward takes)")
     from nnscaler_plugins.capture.experts import experts_as_one_op
-    from nnscaler_plugins.capture.microbatch import batch_size as inputs_batch
-    from nnscaler_plugins.capture.tracing import capture, normalize_inputs
+    from nnscaler_plugins.batches import batch_size as inputs_batch
+    from nnscaler_plugins.batches import normalize_inputs
+    from nnscaler_plugins.capture.tracing import capture
 
     sizes = None
     for c in constraints:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.plan.mesh import Mesh
 from nnscaler_plugins.plan.plan import Plan
-from nnscaler_plugins.search.dims import BATCH, batch_size, tag_labels
+from nnscaler_plugins.search.dims import batch_size
 
 Axes = tuple  # ((label or None, size), ...) outer to inner; the product of sizes is the group size
 
@@ -43,6 +44,7 @@ class Config:
     cp: int = 1  # context parallelism: attention (and what carries the sequence) split along it cp ways
     cp_comm: str = "ring"  # how attention pieces meet their keys under cp (ring, allgather, ulysses)
     ep: int = 1  # expert parallelism: experts of a mixture-of-experts layer split ep ways with their tokens
+    batch: int = 0  # the batch split inside the group (0: whatever of the group tp and cp leave)
 
     @property
     def unit_size(self) -> int:
@@ -91,41 +93,36 @@ def axes_tp(axes: Axes, batch_label: Optional[str]) -> int:
     return math.prod(n for l, n in axes if l is not None and l != batch_label)
 
 
+def mesh_of_config(cfg: Config) -> Mesh:
+    """The mesh of a candidate's plan: its replicas, pipeline ranks, and in each stage's group the
+    batch split, context and tensor parallelism (experts split over those devices are folded in).
+    A group those splits do not account for (its ops copied over some of its devices: a batch
+    split smaller than the group tp and cp leave) is a bare unit of devices, not a batch split."""
+    inner = cfg.tp * cfg.cp
+    batch = cfg.group // inner if not cfg.group % inner else 0
+    if not batch or 0 < cfg.batch < batch:
+        names, sizes = ("dp", "pp", "unit"), (cfg.dp, cfg.pp, cfg.group)
+    else:
+        names, sizes = ("dp", "pp", "batch", "cp", "tp"), (cfg.dp, cfg.pp, batch, cfg.cp, cfg.tp)
+    folded = (("ep", cfg.ep),) if cfg.ep > 1 else ()
+    return Mesh(names, sizes, 1, folded)
+
+
 def config_of(plan: Plan, graph: Graph) -> Config:
-    """Read a plan's inter-op knobs back (for constraint checks on any plan)."""
-    from nnscaler_plugins.rules import signature_for
-
-    sigs = {op.name: signature_for(graph, op) for op in graph.ops}
-    tags = tag_labels(graph, sigs)
-    from nnscaler_plugins.search.group_kernels import EXPERTS, SEQUENCE, kind_of
-
-    tp = ep = 1
-    cp = max([plan.ops[op.name].label_counts().get(SEQUENCE, 1) for op in graph.ops
-              if kind_of(graph, op) == "attention"], default=1)
-    batch_split = 1
-    for op in graph.ops:
-        p = plan.ops[op.name]
-        blabel = next((l for l, tag in tags.get(op.name, {}).items() if tag == BATCH), None)
-        counts = p.label_counts()
-        if kind_of(graph, op) == "experts":
-            ep = max(ep, counts.get(EXPERTS, 1))
-            continue  # its label is the tokens' as well: not tensor parallelism
-        slabel = next((l for l, tag in tags.get(op.name, {}).items() if tag == "sequence"), None) if cp > 1 else None
-        tp = max(tp, math.prod(n for l, n in counts.items() if l != blabel and l != slabel))
-        if blabel is not None:
-            batch_split = max(batch_split, counts.get(blabel, 1))
-    pl = plan.pipeline
+    """A plan's inter-op knobs as the search's configuration (for constraint checks on any plan),
+    read from its mesh and knobs."""
+    mesh, knobs, pl = plan.mesh, plan.knobs, plan.pipeline
+    dense = mesh.dense_degrees()
     pp = pl.num_ranks if pl is not None else 1
     virtual = pl.num_stages // pl.num_ranks if pl is not None else 1
     group = plan.unit_size // pp if pp else plan.unit_size
+    tp, cp = dense["tp"], dense["cp"]
+    batch_split = max(1, dense["dp"] // plan.dp)
     b = batch_size(graph) or 1
-    rec = plan.options.get("recompute", "none") or "none"
     return Config(group=group, mesh=(group,), pp=pp, dp=plan.dp, micro_batch_size=max(1, b // batch_split),
                   micro_batches=plan.num_micro_batches, schedule=pl.schedule if pl is not None else "none",
-                  virtual=virtual, zero=int(plan.zero or plan.options.get("zero", 0) or 0),
-                  recompute=str(rec if rec is not True else "full"), tp=tp,
-                  sequence_parallel=bool(plan.options.get("sequence_parallel", False)), cp=cp,
-                  cp_comm=str(plan.options.get("cp_comm", "ring")), ep=ep)
+                  virtual=virtual, zero=int(plan.zero), recompute=knobs.recompute, tp=tp, sequence_parallel=knobs.sequence_parallel, cp=cp, cp_comm=knobs.cp_comm,
+                  ep=mesh.expert_degrees()["ep"])
 
 
 def with_(cfg: Config, **changes: Any) -> Config:

@@ -1,0 +1,85 @@
+"""A batch as a model's forward takes it: one convention for example inputs and training batches
+(a dict is keyword arguments, a tuple positional ones, a tensor the single argument), and cutting a
+batch into micro-batches: every tensor whose leading dim is the batch size is split along it,
+everything else is handed whole to each micro-batch.
+
+Plans are made for the shapes of one micro-batch, so the same rule serves capture (the graph is
+traced on the first micro-batch) and `train_step` (the batch is cut before it runs); pieces of
+other sizes than the example's run the same program (runtime/batch_shapes.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+from nnscaler_plugins.errors import PlanError
+
+
+def normalize_inputs(args: Any, kwargs: Optional[dict]) -> tuple[tuple, dict]:
+    """One convention for example inputs everywhere: dict -> kwargs, tensor -> single arg."""
+    kwargs = dict(kwargs or {})
+    if isinstance(args, dict):
+        kwargs.update(args)
+        args = ()
+    elif isinstance(args, torch.Tensor):
+        args = (args,)
+    elif isinstance(args, list):
+        args = tuple(args)
+    return tuple(args), kwargs
+
+
+def batch_size(batch: Any) -> Optional[int]:
+    """The leading dim of the batch's first tensor (None when it holds no tensor with a dim)."""
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def resolve_micro_batches(batch: Any, micro_batches: Optional[int] = None,
+                          micro_batch_size: Optional[int] = None) -> int:
+    """The number of micro-batches from either spelling, checked against the batch."""
+    if micro_batches is None and micro_batch_size is None:
+        return 1
+    size = batch_size(batch) if batch is not None else None
+    if micro_batch_size is not None:
+        if size is None:
+            raise PlanError("micro_batch_size needs example inputs with a batch dim; pass micro_batches= instead")
+        if int(micro_batch_size) < 1 or size % int(micro_batch_size):
+            raise PlanError(f"micro_batch_size={micro_batch_size} does not divide the batch of {size}")
+        from_size = size // int(micro_batch_size)
+        if micro_batches is not None and int(micro_batches) != from_size:
+            raise PlanError(f"micro_batches={micro_batches} and micro_batch_size={micro_batch_size} disagree for a "
+                            f"batch of {size} (that is {from_size} micro-batches)")
+        return from_size
+    m = int(micro_batches)
+    if m < 1:
+        raise PlanError(f"micro_batches must be >= 1 (got {m})")
+    if size is not None and size % m:
+        raise PlanError(f"micro_batches={m} does not divide the batch of {size}")
+    return m
+
+
+def split_batch(batch: Any, micro_batches: int) -> list[Any]:
+    """`micro_batches` pieces of the batch, in order. A batch that does not divide evenly (the
+    last of a loader) is cut as evenly as it goes, the first pieces one sample larger; each
+    piece's loss is then weighted by what it holds (see runtime/loss_items.py)."""
+    if micro_batches == 1:
+        return [batch]
+    size = batch_size(batch)
+    if size is None or size < micro_batches:
+        raise PlanError(f"a batch of {size} samples cannot be cut into {micro_batches} micro-batches: the plan "
+                        f"needs at least {micro_batches} samples per step and data-parallel replica")
+    small, extra = divmod(size, micro_batches)
+    bounds = [0]
+    for i in range(micro_batches):
+        bounds.append(bounds[-1] + small + (1 if i < extra else 0))
+
+    def piece(i: int) -> Any:
+        return pytree.tree_map(
+            lambda x: x[bounds[i]:bounds[i + 1]] if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == size
+            else x, batch)
+
+    return [piece(i) for i in range(micro_batches)]

@@ -1,0 +1,235 @@
+"""One job's way through the stages: the plan resolved once, the model captured once, then planned,
+compiled and run.
+
+    session = Session("tp", tp=2, where="NNScalerStrategy(plan=...)")   # checks the plan and options now
+    graph = session.capture(model, batch)                                  # once (again only for a new model)
+    module = session.parallelize(model, batch, device=device)             # plan, compile, run on this rank
+
+`nns.plan`, `nns.compile` and `nns.parallelize` are a Session each; the Lightning strategy, the
+Hugging Face Trainer and the DeepSpeed engine keep one per job, so a misspelt option is refused where
+the user wrote it (before any process starts) and the micro-batches are resolved in one place.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from nnscaler_plugins.batches import normalize_inputs, resolve_micro_batches, split_batch
+from nnscaler_plugins.capture import tracing
+from nnscaler_plugins.capture.experts import experts_as_one_op, wants_experts_as_one_op
+from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.compiler import DEFAULT_CACHE_DIR, Compiled, compile_program
+from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.lowering import Program, lower
+from nnscaler_plugins.passes.batch_statistics import with_batch_statistics
+from nnscaler_plugins.plan.knobs import KNOB_OPTIONS, Knobs
+from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.primitives import PlanBuilder
+from nnscaler_plugins.plan.source import PlanLike, PlanSource, resolve
+from nnscaler_plugins.plan.validate import validate
+from nnscaler_plugins.plugins import get_plugin_manager
+from nnscaler_plugins.rules.table import warn_replicate_only
+from nnscaler_plugins.runtime.materialize import has_meta_tensors
+from nnscaler_plugins.runtime.parallel_module import ParallelModule
+
+#: Lowering writes statements for every device of the unit; past this size (plans for large clusters,
+#: made to be simulated) `Session.plan` leaves the check to `parallelize`, which lowers anyway.
+LOWER_CHECK_MAX_UNIT = 64
+
+#: After a capture error, how long a rank other than 0 waits for the launcher to stop it (torchrun,
+#: torch.multiprocessing and the Lightning strategy stop the others once rank 0 has failed) before it
+#: raises a one-line error of its own: the job shows the message once, from rank 0.
+QUIET_RANK_WAIT_S = 60.0
+
+
+def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = None, *,
+            trace_repeated_layers_once: bool = True) -> Graph:
+    """Capture `model(*args, **kwargs)` as a `Graph` (see `capture.tracing.capture`), then warn once,
+    listing every op no dimension rule covers (plans can only replicate those) with its source line."""
+    graph = tracing.capture(model, args, kwargs, trace_repeated_layers_once=trace_repeated_layers_once)
+    warn_replicate_only(graph)
+    return graph
+
+
+class Session:
+    """A plan-like value (strategy name, function, Plan, plan file) with its options, checked at once,
+    and what was made from it: the graph, the plan, the compiled artifacts."""
+
+    def __init__(self, plan: PlanLike = "tp", *, where: str = "", **options: Any):
+        self.source: PlanSource = resolve(plan, where)
+        self.source.check_options(options, where)  # a misspelt option, before anything is captured
+        self.where = where
+        self.options = dict(options)
+        self.graph: Optional[Graph] = None
+        self.plan: Optional[Plan] = None
+        self.program: Optional[Program] = None
+        self.compiled: Optional[Compiled] = None
+        self._captured: Optional[tuple[int, Any]] = None  # (id of the model, the example's shapes)
+
+    # -- micro-batches: one place --------------------------------------------------------------------------
+    def micro_batches(self, example_inputs: Any) -> int:
+        """Micro-batches per step: a ready plan's own (the example must cut into them), else from
+        `micro_batches=` / `micro_batch_size=` against the example."""
+        if self.source.plan is not None:
+            micro = self.source.plan.num_micro_batches
+            if example_inputs is not None:
+                resolve_micro_batches(example_inputs, micro)
+            return micro
+        return resolve_micro_batches(example_inputs, self.options.get("micro_batches"),
+                                     self.options.get("micro_batch_size"))
+
+    # -- capture: once -------------------------------------------------------------------------------------
+    def capture(self, model: Any, example_inputs: Any) -> Graph:
+        """The graph of one micro-batch of `example_inputs` (a Graph is taken as it is); captured once
+        per model and example shapes, each mixture-of-experts layer as one op where the plan wants it."""
+        if isinstance(model, Graph):
+            self.graph = model
+            return model
+        if example_inputs is None:
+            raise TypeError("planning a model needs example_inputs= (what its forward takes)")
+        key = (id(model), _shapes_of(example_inputs))
+        if self.graph is not None and self._captured == key:
+            return self.graph
+        micro = self.micro_batches(example_inputs)
+        first = split_batch(example_inputs, micro)[0] if micro > 1 else example_inputs
+        args, kwargs = normalize_inputs(first, None)
+        if has_meta_tensors(model):  # inputs beside meta weights: an op mixing devices would refuse to trace
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        whole_experts = wants_experts_as_one_op(self.source.fn or self.source.plan)
+        with experts_as_one_op(model) if whole_experts else contextlib.nullcontext():
+            self.graph = capture(model, args, kwargs)
+        self._captured = key
+        return self.graph
+
+    def capture_on_every_rank(self, model: Any, example_inputs: Any, rank: int, world_size: int) -> Graph:
+        """`capture` on every rank (same model, same shapes, so a CaptureError happens on all of them):
+        rank 0 raises it, the others stay quiet, then raise one line naming rank 0."""
+        try:
+            return self.capture(model, example_inputs)
+        except tracing.CaptureError as e:
+            if rank == 0 or world_size == 1:
+                raise
+            time.sleep(QUIET_RANK_WAIT_S)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise tracing.CaptureError(f"rank {rank}: {first} (rank 0 reports the whole error)") from None
+
+    # -- plan --------------------------------------------------------------------------------------------
+    def make_plan(self, graph: Graph, world_size: int, micro: int, lower_now: bool = True,
+                  extra: Optional[Mapping[str, Any]] = None) -> Plan:
+        """The validated plan for `graph` on `world_size` devices (lowered here too when `lower_now`,
+        so cross-device problems surface at once; `compile` keeps what was lowered)."""
+        options = {k: v for k, v in self.options.items() if k not in ("micro_batches", "micro_batch_size")}
+        for k, v in (extra or {}).items():
+            options.setdefault(k, v)
+        zero, precision = options.pop("zero", None), options.pop("precision", None)
+        offload = options.pop("offload", None)
+        knobs = {k: options.pop(k) for k in KNOB_OPTIONS if k in options}
+        source = self.source
+        if source.plan is not None:
+            p = with_batch_statistics(source.plan, graph)  # a searched or saved plan that does not say
+        else:
+            builder = PlanBuilder(graph, mesh=source.mesh(world_size, options), strategy=source.name,
+                                  options={k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
+                                  micro_batches=micro, zero=0 if zero is None else zero,
+                                  precision="fp32" if precision is None else precision,
+                                  knobs=Knobs().replace(**knobs))
+            source.call(builder, options)
+            p = with_batch_statistics(builder.finish(validate=False), graph, builder)  # any strategy's replicas
+        if (zero is not None and zero != p.zero) or (precision is not None and precision != p.precision):
+            p = dataclasses.replace(p, zero=p.zero if zero is None else zero,
+                                    precision=p.precision if precision is None else precision)
+        if offload is not None and offload != p.offload:
+            p = dataclasses.replace(p, offload=offload)
+        if knobs and any(getattr(p.knobs, k) != v for k, v in knobs.items()):
+            p = dataclasses.replace(p, knobs=p.knobs.replace(**knobs))
+        p.check_runnable()
+        validate(p, graph, world_size=world_size)
+        self.plan, self.program = p, (lower(graph, p) if lower_now else None)
+        return p
+
+    def plan_for(self, model: Any, example_inputs: Any, world_size: int, lower_now: Optional[bool] = None,
+                 extra: Optional[Mapping[str, Any]] = None) -> Plan:
+        """Capture (once) and plan; lowered here when the unit is small enough to check at once."""
+        graph = self.capture(model, example_inputs)
+        micro = self.micro_batches(None if isinstance(model, Graph) else example_inputs)
+        plan = self.make_plan(graph, world_size, micro, lower_now=False, extra=extra)
+        if lower_now if lower_now is not None else plan.unit_size <= LOWER_CHECK_MAX_UNIT:
+            self.program = lower(graph, plan)
+        return plan
+
+    # -- compile -----------------------------------------------------------------------------------------
+    def compile(self, model: Any, example_inputs: Any, world_size: int,
+                cache_dir: str = DEFAULT_CACHE_DIR) -> Compiled:
+        """Capture (once), plan and lower for the whole unit; the `Compiled` plan's artifacts are what
+        each rank runs."""
+        if self.plan is None or self.program is None or self.plan.world_size != world_size:
+            self.plan_for(model, example_inputs, world_size, lower_now=True)
+        assert self.graph is not None and self.plan is not None and self.program is not None
+        self.compiled = compile_program(self.graph, self.plan, model=None if isinstance(model, Graph) else model,
+                                        program=self.program, cache_dir=cache_dir)
+        return self.compiled
+
+    # -- run -----------------------------------------------------------------------------------------------
+    def parallelize(self, model: torch.nn.Module, example_inputs: Any, *, world_size: Optional[int] = None,
+                    device: Optional[Union[str, torch.device]] = None, cache_dir: str = DEFAULT_CACHE_DIR,
+                    loss_fn: Optional[Callable] = None, init_seed: Optional[int] = None) -> ParallelModule:
+        """This rank's ParallelModule: torch.distributed initialized from the launcher's environment
+        when it is not yet (the backend from the `nnscaler_choose_backend` hook), the model captured
+        on every rank, planned, compiled, and its artifact run (see `nns.parallelize`)."""
+        dev = torch.device(device) if device is not None else default_device()
+        rank, ws = init_distributed(dev)
+        world_size = world_size or ws
+        if world_size != ws:
+            raise PlanError(f"world_size={world_size} but the process group has {ws} processes")
+        self.micro_batches(example_inputs)  # the batch must cut into the plan's micro-batches, before capture
+        self.capture_on_every_rank(model, example_inputs, rank, world_size)
+        self.plan_for(model, example_inputs, world_size, lower_now=True)
+        compiled = self.compile(model, example_inputs, world_size, cache_dir)
+        seed = agreed_init_seed(init_seed, dev, world_size) if has_meta_tensors(model) else None
+        return ParallelModule(compiled.artifact_for_rank(rank), model, rank=rank, world_size=world_size, device=dev,
+                              loss_fn=loss_fn, init_seed=seed)
+
+
+def _shapes_of(example: Any) -> Any:
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                 for x in pytree.tree_leaves(example))
+
+
+def default_device() -> torch.device:
+    """This rank's GPU when there is one (LOCAL_RANK from the launcher picks it), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) if local is not None else torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size), initializing torch.distributed from the launcher's environment when it is
+    set and the process group is not made yet; (0, 1) without a launcher."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = get_plugin_manager().hook.nnscaler_choose_backend(device_type=device.type)
+        dist.init_process_group(backend)
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def agreed_init_seed(init_seed: Optional[int], device: torch.device, world_size: int) -> int:
+    """The base seed of a meta model's initialization: `init_seed`, else rank 0's
+    `torch.initial_seed()`, the same on every rank (processes seeded differently still agree)."""
+    seed = torch.initial_seed() if init_seed is None else int(init_seed)
+    if world_size > 1:
+        t = torch.tensor([seed & (2**63 - 1)], dtype=torch.int64, device=device if device.type != "meta" else "cpu")
+        dist.broadcast(t, src=0)
+        seed = int(t.item())
+    return seed
