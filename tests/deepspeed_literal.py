@@ -74,7 +74,11 @@ HARNESS = {"conftest.py", "unit/common.py", "unit/util.py"}
 
 # Tests (id prefixes) of DeepSpeed's internals that no drop-in can satisfy, with the reason; they
 # stay in the table, and the report gives the percentage with and without them.
-EXEMPT: dict[str, str] = {}
+EXEMPT: dict[str, str] = {
+    "unit/runtime/zero/test_zero_context.py::TestSerialContext::test_throughput_calculation":
+        "reads engine.tput_timer, DeepSpeed's ThroughputTimer object (its batch size and timing fields); "
+        "the drop-in has no such object",
+}
 
 # Tests per pytest run (a run also ends early when DeepSpeed's harness exits on a hung test).
 CHUNK = 20

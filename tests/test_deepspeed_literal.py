@@ -31,16 +31,19 @@ pytestmark = [
                        reason="DeepSpeed's test harness needs DeepSpeed installed: pip install 'deepspeed>=0.19,<0.20'"),
 ]
 
-# One test per behaviour (each passes on DeepSpeed 0.19.8 on its CPU accelerator).
+# One test per behaviour (each passes on DeepSpeed 0.19.8 on its CPU accelerator, and through the swap).
 DEFAULT = [
     # a client LR scheduler without its optimizer object, as DeepSpeed 0.19.8 takes it
-    "unit/runtime/test_ds_initialize.py::TestClientLrScheduler::test[_LRScheduler-None]",
+    "unit/runtime/test_ds_initialize.py::TestClientLrScheduler::test[None-_LRScheduler]",
     # the config's Adam is DeepSpeed's FusedAdam
     "unit/runtime/test_ds_initialize.py::TestConfigOptimizer::test[True]",
     # GatheredParameters on a ZeRO-3 engine's parameters gives them whole
     "unit/runtime/zero/test_zero_context.py::TestSerialContext::test_ext_param_getattr",
-    # a zero.Init model checkpointed, loaded before its first forward, compared with the engine
-    "unit/checkpoint/test_zero_optimizer.py::TestZeROCheckpoint::test_load_optimizer_state[3-False-Adam]",
+    # a checkpoint of a model with tied weights saved and loaded (test_convert_checkpoint's test is left
+    # out: its ranks write the same pytorch_model.bin at once, and one may read it half-written)
+    "unit/checkpoint/test_shared_weights.py::TestCheckpointSharedWeights::test_checkpoint_shared_weights",
+    # a write under GatheredParameters(modifier_rank=...) reaches every rank
+    "unit/runtime/zero/test_zero_context.py::TestGatherUpdate::test",
     # GatheredParameters around load_state_dict_from_zero_checkpoint
     "unit/v1/zero/test_zero.py::TestZeroToFP32::test_1_param_group[True-3]",
     # the tag checks of save_checkpoint

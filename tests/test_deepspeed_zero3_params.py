@@ -283,3 +283,32 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(pytest.main([os.path.abspath(__file__), "-q"]))
+
+
+class WithUnused(Net):
+    """Net with a layer its forward never reads (DeepSpeed's TestZeroToFP32 model has one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 1)
+
+
+def _unused(rank, world):
+    """ZeRO-3: a parameter the forward never reads keeps its values, whole, and GatheredParameters
+    gives it as it was made."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    made = model.unused.weight.detach().clone()
+    engine = deepspeed.initialize(model=model, config=_config(3))[0]
+    engine.train()
+    _step(engine, rank)
+    with deepspeed.zero.GatheredParameters([model.unused.weight, model.linears[0].weight]):
+        gathered = torch.equal(model.unused.weight.detach(), made)
+        other_whole = tuple(model.linears[0].weight.shape) == (HIDDEN, HIDDEN)
+    return {"gathered": gathered, "other_whole": other_whole,
+            "kept": torch.equal(model.unused.weight.detach(), made)}
+
+
+def test_zero3_unused_parameter_keeps_its_values(workers2) -> None:
+    for r in workers2.run(_unused):
+        assert r == {"gathered": True, "other_whole": True, "kept": True}, r

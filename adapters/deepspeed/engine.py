@@ -249,7 +249,9 @@ class DeepSpeedEngine(torch.nn.Module):
                                        "built under zero.Init from before it was parallelized, when the model got "
                                        "real parameters in place of its meta ones; take it from the model again "
                                        "(engine.module.named_parameters())")
-                value = whole[self.name_of(p)]
+                value = whole.get(self.name_of(p))
+                if value is None:  # a parameter the forward never reads: the model's own, whole
+                    continue
                 if p.shape == value.shape:
                     if p.data_ptr() != value.data_ptr():
                         p.data.copy_(value.to(p.dtype))  # a whole copy (stale if not shared): now current
@@ -305,6 +307,10 @@ class DeepSpeedEngine(torch.nn.Module):
                 session.options["micro_batches"] = acc
                 pm = session.parallelize(self._model, _concat([example_inputs] * acc), cache_dir=self._cache_dir,
                                          init_seed=self._init_seed)
+            planned = self._planned_names(pm)
+            # a parameter the forward never reads is in no piece: the model keeps its values (whole here)
+            unread = {n: p.data for n, p in self._model_params.items()
+                      if n not in planned and not p.is_meta and p.numel() > 0}
         self._held = None  # the pieces hold the values now
         object.__setattr__(self, "_pmodule", pm)
         if pm.dp_size != self.dp_world_size:
@@ -322,10 +328,10 @@ class DeepSpeedEngine(torch.nn.Module):
         if self._pending_state is not None:  # a universal checkpoint's optimizer state, whole, by name
             self._stepping_optimizer().load_full_state_dict({"state": self._pending_state})
             self._pending_state = None
-        self._share_storage()
+        self._share_storage(planned, unread)
         self._trainable = {n: p.requires_grad for n, p in self._model_params.items()}
 
-    def _share_storage(self) -> None:
+    def _share_storage(self, planned: set, unread: dict) -> None:
         """The model's parameters become views of this rank's pieces where a piece is the whole
         tensor, so the model a script still holds trains along (and its tensors get gradients).
         The others (ZeRO-3 chunks, tensor-parallel pieces, another stage's, and every parameter of a
@@ -340,6 +346,12 @@ class DeepSpeedEngine(torch.nn.Module):
             shape = self._whole_shapes[name]
             if p.is_meta:  # built under zero.Init: a real tensor from now on (a meta one cannot take values)
                 p = self._replace_meta(name, p)
+            if name not in planned:  # the forward never reads it: no rank holds a piece, the model keeps it whole
+                if name in unread:
+                    p.data = unread[name]
+                    for k in [k for k in vars(p) if k.startswith("ds_")]:
+                        delattr(p, k)
+                continue
             if local is not None and local.shape == shape and local.dtype == p.dtype:
                 p.data = local.data
                 for k in [k for k in vars(p) if k.startswith("ds_")]:  # whole here: no ZeRO-3 marks
@@ -353,6 +365,16 @@ class DeepSpeedEngine(torch.nn.Module):
         self._shared = pairs
         self._piece_names = {id(self._pmodule.parameter(n)): n for n in self._model_params
                              if self._pmodule.parameter(n) is not None}
+
+    @staticmethod
+    def _planned_names(pm: Any) -> set:
+        """Names of the parameters the plan holds (on some rank); one the forward never reads is not
+        among them."""
+        names = set()
+        for shard in pm.program.shards.values():
+            names.add(shard.fqn)
+            names.update(shard.aliases)
+        return names
 
     def _replace_meta(self, name: str, meta: torch.nn.Parameter) -> torch.nn.Parameter:
         """A real, empty Parameter (with `meta`'s attributes) in place of a meta one, wherever the
