@@ -1,29 +1,19 @@
-"""The published calibration points, as models and the plans they were run with.
+"""Published training runs as models and the plans they were run with: the machinery shared by the
+point files and the benchmarks that use them.
 
-2021 points (docs/cost-model.md: C1 Megatron-LM PTD-P, C2 sequence parallelism, C3 Alpa): an HF GPT-2
-model on the meta device with the paper's shape (exact GeLU and attention written out, as Megatron-LM
-and Alpa ran it; dropout 0.1 as GPT).
+The points themselves live in two files, kept apart on purpose:
+- `points_fit.py`: the few rows the cost model's fitted constants (`Efficiency.sustained`, one per
+  software stack) are fitted on by `simulator_fidelity.py --fit`, and nothing else;
+- `points_report.py`: every other row; the simulator is only evaluated on them, never fitted.
+Each row there carries its source (URL or repository and path) beside its numbers.
 
-Current-stack points (`current()`), each with its source:
-- LF-H100 / LF-A100: MosaicML llm-foundry's MPT training benchmarks (github.com/mosaicml/llm-foundry,
-  scripts/train/benchmarking/README.md, tables "H100 80GB BF16" and "A100 80GB with 1600 Gbps
-  node-node interconnect (RoCE)"): PyTorch FSDP FULL_SHARD (ZeRO-3), FlashAttention (Triton), eager
-  PyTorch. MPT shapes (llm-foundry's yamls: d_model, n_layers, n_heads; vocabulary 50368, MLP 4x,
-  checked against the table's parameter counts) as GPT-2 graphs with scaled_dot_product_attention.
-  Step time = global batch tokens / (tokens/s/GPU x GPUs).
-- TT-H100: torchtitan docs/performance.md (pytorch/torchtitan, commit of 2024-12-26 versions table):
-  Llama 3.1 8B with FSDP on 8 and 128 H100 (Grand Teton: 96 GB HBM2e at 2.4 TB/s, 500 W, "peak
-  between SXM and NVL", 400 Gb/s per GPU), selective activation checkpointing, with and without
-  torch.compile; Llama 3.1 405B FSDP 16 x TP 8 on 128 H100, full checkpointing, bf16 (the earlier
-  version of the same page).
-- TT-A100: torchtitan docs/performance.md, earlier version: Llama 3 8B / 70B and Llama 2 13B / 70B
-  with FSDP on 64 A100 80GB.
-Float8 rows are left out (the tables price bf16).
-
-Each case captures one micro-batch and writes the published parallel configuration with the
-`megatron` strategy's options (FSDP as tp=1, zero=3). Shared by simulator_fidelity.py (does the
-simulator reproduce the published numbers?) and plan_quality.py (does the search beat the published
-plans?).
+A case is the published configuration written with the `megatron` strategy's options (FSDP as tp=1,
+zero=3), on the cluster preset of the run's device with the run's own hardware and software facts
+(`Case.hardware`, `Case.stack`), and one captured micro-batch of an HF model of the published shape:
+GPT-2 graphs for Megatron-LM and MPT runs (GeLU MLP, attention written out for Megatron's own kernels,
+scaled_dot_product_attention for FlashAttention runs), Llama graphs for torchtitan runs. Shared by
+simulator_fidelity.py (does the simulator reproduce the published numbers?) and plan_quality.py
+(does the search beat the published plans?).
 """
 from __future__ import annotations
 
@@ -83,87 +73,56 @@ class Case:
         return self.batch // (self.micro_batch * self.dp)
 
 
-def _c1() -> list[Case]:
-    # (name, h, l, a, tp, pp, gpus, batch, derived t_iter, interleave chunks)
-    rows = [("1.7B", 2304, 24, 24, 1, 1, 32, 512, 3.53), ("3.6B", 3072, 30, 32, 2, 1, 64, 512, 3.70),
-            ("7.5B", 4096, 36, 32, 4, 1, 128, 512, 3.70), ("18B", 6144, 40, 48, 8, 1, 256, 1024, 9.40),
-            ("39B", 8192, 48, 64, 8, 2, 512, 1536, 14.45), ("76B", 10240, 60, 80, 8, 4, 1024, 1792, 16.06),
-            ("145B", 12288, 80, 96, 8, 8, 1536, 2304, 24.82), ("310B", 16384, 96, 128, 8, 16, 1920, 2160, 37.61),
-            ("530B", 20480, 105, 128, 8, 35, 2520, 2520, 54.08), ("1T", 25600, 128, 160, 8, 64, 3072, 3072, 102.6)]
-    out = []
-    for name, h, l, a, tp, pp, gpus, batch, t in rows:
-        opts = {"tp": tp, "pp": pp, "recompute": "full"}
-        if pp > 1:
-            per_rank = l // pp
-            v = next((v for v in (2, 3, 4, 5) if per_rank % v == 0), 1)
-            opts.update(schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
-        out.append(Case("C1", name, Model(h, l, a), "a100-dgx", gpus, batch, 1, opts, t))
-    return out
+# -- builders the point files write their rows with ---------------------------------------------------
+def megatron_2021(name: str, h: int, l: int, a: int, tp: int, pp: int, gpus: int, batch: int, time_s: float,
+                  fit: bool = False) -> Case:
+    """A Megatron-LM PTD-P row (Narayanan et al., SC'21, Table 1): A100 80GB, s 2048, V 51200, full
+    recomputation, micro-batch 1, interleaved 1F1B with the smallest chunk count (2-5) dividing a rank's
+    layers. The step time is derived from the published TFLOP/s per GPU (`F_hw / (n X)`)."""
+    opts = {"tp": tp, "pp": pp, "recompute": "full"}
+    if pp > 1:
+        per_rank = l // pp
+        v = next((v for v in (2, 3, 4, 5) if per_rank % v == 0), 1)
+        opts.update(schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+    return Case("C1", name, Model(h, l, a), "a100-dgx", gpus, batch, 1, opts, time_s, fit=fit)
 
 
-def _c2() -> list[Case]:
-    # (name, h, l, a, tp, pp, batch, micro-batch, v, full s, selective s, states GiB, act none, act sel)
-    rows = [("22B", 6144, 48, 64, 8, 1, 4, 4, 1, 1.42, 1.10, 45.56, 59.25, 9.56),
-            ("175B", 12288, 96, 96, 8, 8, 64, 1, 3, 18.13, 13.75, 45.56, 66.84, 12.35),
-            ("530B", 20480, 105, 128, 8, 35, 280, 1, 3, 49.05, 37.83, 31.64, 114.02, 23.08),
-            ("1T", 25600, 128, 160, 8, 64, 512, 1, 1, 94.42, 71.49, 32.96, 131.25, 26.56)]
-    out = []
-    for name, h, l, a, tp, pp, batch, b, v, full, sel, states, act_none, act_sel in rows:
-        base = {"tp": tp, "pp": pp}
-        if pp > 1:
-            base.update(schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
-        world = tp * pp
-        model = Model(h, l, a)
-        out.append(Case("C2 full", name, model, "a100-dgx", world, batch, b, dict(base, recompute="full"), full,
-                        {"states": states}))
-        out.append(Case("C2 selective", name, model, "a100-dgx", world, batch, b,
-                        dict(base, recompute="selective", sequence_parallel=True), sel, {"activations": act_sel}))
-        out.append(Case("C2 no recompute", name, model, "a100-dgx", world, batch, b, dict(base, recompute="none"),
-                        None, {"activations": act_none}))
-    return out
+def sequence_parallel_2021(name: str, h: int, l: int, a: int, tp: int, pp: int, batch: int, b: int, v: int,
+                           full_s: float, selective_s: float, states: float, act_none: float, act_sel: float,
+                           fit: bool = False) -> list[Case]:
+    """A Korthikanti et al. row (Table 5 and Figure 1): full recomputation, sequence parallelism with
+    selective recomputation, and no recomputation (memory only)."""
+    base = {"tp": tp, "pp": pp}
+    if pp > 1:
+        base.update(schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+    world = tp * pp
+    model = Model(h, l, a)
+    return [Case("C2 full", name, model, "a100-dgx", world, batch, b, dict(base, recompute="full"), full_s,
+                 {"states": states}, fit=fit),
+            Case("C2 selective", name, model, "a100-dgx", world, batch, b,
+                 dict(base, recompute="selective", sequence_parallel=True), selective_s, {"activations": act_sel}, fit=fit),
+            Case("C2 no recompute", name, model, "a100-dgx", world, batch, b, dict(base, recompute="none"),
+                 None, {"activations": act_none}, fit=fit)]
 
-
-def _c3() -> list[Case]:
-    # Alpa's manual plan: UniformParallelArgs(prefer_reduce_scatter=True, use_remat=True, dp=2, op=2, pp=2):
-    # gradients and optimizer states reduce-scattered over data parallelism (ZeRO-2 style), fp16.
-    return [Case("C3", "GPT-2.6B", Model(2560, 32, 32, s=1024), "v100-p3", 8, 32, 4,
-                 {"tp": 2, "pp": 2, "recompute": "full", "schedule": "1f1b", "zero": 2}, 2.464, {"peak": 8.745})]
-
-
-# The 2021 rows the single fitted constant is fitted on (with FIT_CURRENT below); the rest are held out.
-FIT_2021 = {("C1", "1.7B"), ("C1", "18B"), ("C1", "145B"), ("C1", "1T")}
-FIT_CURRENT = {("LF-H100", "7b s2048 8 GPUs"), ("LF-H100", "30b s2048 32 GPUs"), ("LF-A100", "7b s2048 8 GPUs")}
 
 MPT = {"760m": (1536, 24, 12), "1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32),
        "13b": (5120, 40, 40), "30b": (7168, 48, 64), "70b": (8192, 80, 64)}
 # llm-foundry runs: eager PyTorch (no fusion of element-wise chains), FlashAttention-2 class kernels (Triton)
-LF_STACK = {"fused_elementwise": False, "attention_kernel": "flash2"}
+LF_STACK = {"fused_elementwise": False, "attention_kernel": "flash2", "zero3_gather": "module"}
 
 
-def _llm_foundry() -> list[Case]:
-    # (GPU table, model, seq, GPUs, micro-batch, grad accumulation, global batch, activation checkpointing, tokens/s/GPU)
-    rows = [("H100", "7b", 2048, 8, 6, 1, 48, False, 10643), ("H100", "7b", 4096, 8, 16, 2, 256, True, 8611),
-            ("H100", "13b", 2048, 64, 2, 1, 128, False, 4800), ("H100", "13b", 4096, 8, 10, 3, 240, True, 4717),
-            ("H100", "30b", 2048, 32, 14, 3, 1344, True, 2308), ("H100", "70b", 2048, 64, 8, 4, 2048, True, 1039),
-            ("H100", "3b", 2048, 16, 10, 3, 480, False, 24142), ("H100", "1b", 8192, 8, 3, 4, 96, False, 29157),
-            ("H100", "760m", 2048, 16, 24, 1, 384, False, 68551), ("H100", "13b", 16384, 8, 3, 3, 72, True, 2985),
-            ("A100", "70b", 2048, 64, 8, 4, 2048, True, 410), ("A100", "30b", 2048, 8, 3, 21, 504, True, 916),
-            ("A100", "13b", 2048, 8, 2, 3, 48, False, 2262), ("A100", "13b", 8192, 8, 5, 3, 120, True, 1795),
-            ("A100", "7b", 2048, 8, 6, 2, 96, False, 4641), ("A100", "7b", 8192, 8, 8, 2, 128, True, 3206),
-            ("A100", "3b", 4096, 8, 5, 6, 240, False, 9457), ("A100", "1b", 2048, 8, 14, 4, 448, False, 20513),
-            ("A100", "760m", 8192, 8, 6, 2, 96, False, 20933)]
-    out = []
-    for gpu, size, s, gpus, mb, ga, gbs, ac, tps in rows:
-        h, l, a = MPT[size]
-        src = f"LF-{gpu}"
-        name = f"{size} s{s} {gpus} GPUs"
-        assert gbs == mb * ga * gpus, (size, s, gpus)
-        out.append(Case(src, name, Model(h, l, a, s=s, V=50368, arch="gpt2-sdpa", dropout=0.0),
-                        "h100-dgx" if gpu == "H100" else "a100-dgx", gpus, gbs, mb,
-                        {"tp": 1, "pp": 1, "zero": 3, "recompute": "full" if ac else "none"},
-                        gbs * s / (tps * gpus), stack=dict(LF_STACK), fit=(src, name) in FIT_CURRENT,
-                        era=f"{gpu} current"))
-    return out
+def llm_foundry(gpu: str, size: str, s: int, gpus: int, mb: int, ga: int, gbs: int, ac: bool, tps: float,
+                fit: bool = False) -> Case:
+    """An llm-foundry MPT row: FSDP FULL_SHARD, FlashAttention, eager PyTorch; MPT shapes (vocabulary
+    50368, MLP 4x) as GPT-2 graphs with scaled_dot_product_attention. Step time = global batch tokens /
+    (tokens/s/GPU x GPUs)."""
+    h, l, a = MPT[size]
+    if gbs != mb * ga * gpus:
+        raise ValueError(f"llm-foundry {size} s{s}: global batch {gbs} != {mb} x {ga} x {gpus}")
+    return Case(f"LF-{gpu}", f"{size} s{s} {gpus} GPUs", Model(h, l, a, s=s, V=50368, arch="gpt2-sdpa", dropout=0.0),
+                "h100-dgx" if gpu == "H100" else "a100-dgx", gpus, gbs, mb,
+                {"tp": 1, "pp": 1, "zero": 3, "recompute": "full" if ac else "none"},
+                gbs * s / (tps * gpus), stack=dict(LF_STACK), fit=fit, era=f"{gpu} current")
 
 
 LLAMA = {"llama3-8b": Model(4096, 32, 32, s=8192, V=128256, arch="llama", ffn=14336, kv=8),
@@ -176,43 +135,72 @@ LLAMA = {"llama3-8b": Model(4096, 32, 32, s=8192, V=128256, arch="llama", ffn=14
 GRAND_TETON = {"memory_bytes": 96e9, "memory_bandwidth": 2.4e12, "peak_flops": {"bf16": 912e12, "fp32": 62e12}}
 
 
-def _torchtitan() -> list[Case]:
-    out = []
-    # (name, model, GPUs, local batch, tp, recompute, compiled, tokens/s/GPU, memory GiB)
-    h100 = [("8B FSDP 8 GPUs", "llama3-8b", 8, 2, 1, "selective", False, 5762, 82.4),
-            ("8B FSDP 8 GPUs compiled", "llama3-8b", 8, 2, 1, "selective", True, 6667, 77.0),
-            ("8B FSDP 128 GPUs", "llama3-8b", 128, 2, 1, "selective", False, 5605, 67.0),
-            ("8B FSDP 128 GPUs compiled", "llama3-8b", 128, 2, 1, "selective", True, 6514, 62.0),
-            ("405B FSDP 16 x TP 8", "llama3.1-405b", 128, 2, 8, "full", False, 109, None)]
-    for name, key, gpus, b, tp, rc, compiled, tps, mem in h100:
-        model = LLAMA[key]
-        dp = gpus // tp
-        out.append(Case("TT-H100", name, model, "h100-dgx", gpus, b * dp, b,
-                        {"tp": tp, "pp": 1, "zero": 3, "recompute": rc, **({"sequence_parallel": True} if tp > 1 else {})},
-                        b * dp * model.s / (tps * gpus), {"peak": mem} if mem else {},
-                        stack={"fused_elementwise": compiled, "attention_kernel": "flash2"},
-                        hardware=dict(GRAND_TETON), era="H100 current"))
-    # 64 A100 80GB, FSDP, torch.compile off: (name, model, local batch, recompute, tokens/s/GPU)
-    a100 = [("Llama 3 8B", "llama3-8b", 1, "selective", 2973), ("Llama 3 70B", "llama3-70b", 1, "full", 331),
-            ("Llama 2 13B", "llama2-13b", 2, "none", 2162), ("Llama 2 70B", "llama2-70b", 2, "full", 353)]
-    for name, key, b, rc, tps in a100:
-        model = LLAMA[key]
-        out.append(Case("TT-A100", name, model, "a100-dgx", 64, b * 64, b, {"tp": 1, "pp": 1, "zero": 3, "recompute": rc},
-                        b * model.s / tps, stack={"fused_elementwise": False, "attention_kernel": "flash2",
-                                                  "tp_comm_overlap": True}, era="A100 current"))
-    return out
+def torchtitan(source: str, name: str, key: str, gpu: str, gpus: int, local_batch: int, tp: int, recompute: str,
+               compiled: bool, async_tp: bool, tps: float, memory_gib: Optional[float] = None,
+               fit: bool = False) -> Case:
+    """A torchtitan row: FSDP2 (zero 3 over the data-parallel ranks) x tensor parallelism with sequence
+    parallelism (DTensor: a column-parallel matmul keeps its all-gathered input whole for backward), no
+    gradient accumulation (the local batch is one micro-batch), PyTorch SDPA (FlashAttention-2 class),
+    torch.compile per block or eager, async TP or plain. Step time = local batch x data-parallel
+    ranks x sequence / (tokens/s/GPU x GPUs). `recompute`: "selective" for torchtitan's per-op policy
+    ("op" here), "full", "none". Memory: torchtitan logs the caching allocator's reserved peak."""
+    model = LLAMA[key]
+    dp = gpus // tp
+    rc = {"selective": "op"}.get(recompute, recompute)
+    opts = {"tp": tp, "pp": 1, "zero": 3, "recompute": rc, **({"sequence_parallel": True} if tp > 1 else {})}
+    return Case(source, name, model, "h100-dgx" if gpu == "H100" else "a100-dgx", gpus, local_batch * dp, local_batch,
+                opts, local_batch * dp * model.s / (tps * gpus), {"peak": memory_gib} if memory_gib else {},
+                stack={"fused_elementwise": compiled, "attention_kernel": "flash2", "tp_comm_overlap": async_tp,
+                       "regather_saved_inputs": False, "zero3_gather": "module"},
+                hardware=dict(GRAND_TETON) if gpu == "H100" else {}, fit=fit, era=f"{gpu} current")
 
 
-def current() -> list[Case]:
-    return _llm_foundry() + _torchtitan()
+def megatron_core_h100(name: str, a: int, h: int, l: int, tp: int, pp: int, gpus: int, batch: int, tflops: float,
+                       fit: bool = False, source: str = "MLM-H100") -> Case:
+    """A Megatron-Core GPT row on H100 (Megatron-LM README, 2024): s 4096, V 131072, bf16, distributed
+    optimizer (ZeRO-1 over data parallelism) with overlapped gradient reduce-scatter and weight all-gather,
+    tp-comm-overlap, sequence parallelism with tp, flash attention (Transformer Engine), no recomputation.
+    The micro-batch size is not published: a run without pipeline takes the largest of 4, 2, 1 dividing its
+    replica's batch whose activations fit beside the model states (gradient accumulation only costs a tuned
+    run), a pipelined one 1, with the smallest interleaving (2-5 chunks) dividing a rank's layers. Step
+    time = Megatron's model FLOPs (its `num_floating_point_operations`: 12 B s l h^2 (6 + s/h + V/(2lh)) for
+    this GPT) / (GPUs x TFLOP/s per GPU)."""
+    s, V = 4096, 131072
+    flops = 12 * batch * s * l * h * h * (6 + s / h + V / (2 * l * h))
+    opts = {"tp": tp, "pp": pp, "zero": 1, "recompute": "none", **({"sequence_parallel": True} if tp > 1 else {})}
+    dp = gpus // (tp * pp)
+    mb = 1
+    if pp > 1:
+        per_rank = l // pp
+        v = next((v for v in (2, 3, 4, 5) if per_rank % v == 0), 1)
+        opts.update(schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+    else:
+        mb = next(b for b in (4, 2, 1) if (batch // dp) % b == 0 and
+                  _fits_h100(h, l, a, tp, b, s, V, dp))
+    return Case(source, name, Model(h, l, a, s=s, V=V), "h100-dgx", gpus, batch, mb, opts,
+                flops / (gpus * tflops * 1e12), fit=fit, era="H100 current")
 
 
-def cases(include_current: bool = True) -> list[Case]:
-    old = [replace(c, fit=(c.source, c.name) in FIT_2021) for c in _c1() + _c2() + _c3()]
-    return old + (current() if include_current else [])
+def _fits_h100(h: int, l: int, a: int, tp: int, b: int, s: int, V: int, dp: int) -> bool:
+    """Whether a Megatron GPT micro-batch of `b` fits an 80 GB H100 without recomputation: model states
+    (bf16 weights, fp32 gradients, optimizer sharded over `dp`) plus Korthikanti's sequence-parallel
+    activations with flash attention (34 s b h / t per layer) and the fp32 logits, with 10 % left over."""
+    params = (12 * l * h * h + V * h) / tp
+    states = params * (2 + 4 + 12 / dp)
+    act = 34 * s * b * h / tp * l + 3 * 4 * s * b * V / tp
+    return states + act < 0.9 * 80 * GiB
 
 
 _GRAPHS: dict = {}
+
+
+def cases(include_current: bool = True) -> list[Case]:
+    """Every point: the fit set (`points_fit.py`, marked `fit`) then the report set (`points_report.py`)."""
+    import points_fit
+    import points_report
+
+    out = points_fit.cases() + points_report.cases()
+    return [c for c in out if include_current or c.era == "2021"]
 
 
 def graph(model: Model, micro_batch: int, vocab: Optional[int] = None):
@@ -257,10 +245,14 @@ def published_plan(case: Case, g=None):
     builder = PlanBuilder(g, unit, dp, strategy="megatron",
                           options={k: v for k, v in opts.items() if isinstance(v, (int, float, str, bool))},
                           micro_batches=case.micro_batches)
-    strategy(builder, **{k: v for k, v in opts.items() if k != "zero"})
+    # recompute="op" (torchtitan's per-op checkpointing) is a pricing option only: no recompute groups
+    skip = ("zero", "recompute") if opts.get("recompute") == "op" else ("zero",)
+    strategy(builder, **{k: v for k, v in opts.items() if k not in skip})
     plan = builder.finish()
     if "zero" in opts:
         plan.zero = opts["zero"]
+    if opts.get("recompute") == "op":
+        plan.knobs = plan.knobs.replace(recompute="op")
     return plan
 
 

@@ -8,7 +8,7 @@ import platform
 import socket
 import statistics
 import time
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -67,13 +67,36 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
 
 
-def time_paired(step_a: Callable[[], None], step_b: Callable[[], None], warmup: int = 3, iters: int = 20,
-                sync: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
-    """(median seconds of a, median seconds of b, median of the per-pair ratios a/b).
+class Paired(NamedTuple):
+    """Two alternating step timings: the median seconds of each, their ratio and the per-step view."""
 
-    The two steps alternate (a, b, a, b, ...), so slow phases of a shared machine hit both alike;
-    the median of per-pair ratios is what the benchmarks report, not a ratio of two runs taken
-    minutes apart.
+    a: float  # median seconds of a step of a
+    b: float  # median seconds of a step of b
+    ratio: float  # median(a) / median(b): the ratio every benchmark reports
+    per_step: float  # median over step pairs of a / b (beside it: how steady the pairing was)
+
+    def cells(self, digits: int = 3) -> tuple[str, str]:
+        """The two ratios as table cells: the ratio of medians, and the median per-step ratio."""
+        return f"{self.ratio:.{digits}f}", f"{self.per_step:.{digits}f}"
+
+
+def paired_ratio(times_a: Sequence[float], times_b: Sequence[float]) -> Paired:
+    """`Paired` of two lists of step times taken pairwise (same length, step i of a beside step i of b)."""
+    if len(times_a) != len(times_b) or not times_a:
+        raise ValueError(f"paired timings need two lists of the same non-zero length (got {len(times_a)} and "
+                         f"{len(times_b)})")
+    ma, mb = statistics.median(times_a), statistics.median(times_b)
+    return Paired(ma, mb, ma / mb, statistics.median(a / b for a, b in zip(times_a, times_b)))
+
+
+def time_paired(step_a: Callable[[], None], step_b: Callable[[], None], warmup: int = 3, iters: int = 20,
+                sync: Callable[[], None] = lambda: None) -> Paired:
+    """Median step times of a and b and their ratio (`Paired`).
+
+    The two steps alternate (a, b, a, b, ...), so slow phases of a shared machine hit both alike.
+    The ratio reported is the ratio of the two medians (what a user's run of many steps sees); the
+    median of the per-pair ratios comes beside it (near the ratio of medians when the pairing is
+    steady; it is not the speed ratio when a few steps of one side are slow).
     """
     for _ in range(warmup):
         step_a()
@@ -86,8 +109,7 @@ def time_paired(step_a: Callable[[], None], step_b: Callable[[], None], warmup: 
             step()
             sync()
             out.append(time.perf_counter() - t)
-    ratios = [a / b for a, b in zip(ta, tb)]
-    return statistics.median(ta), statistics.median(tb), statistics.median(ratios)
+    return paired_ratio(ta, tb)
 
 
 def machine() -> str:
@@ -110,11 +132,14 @@ def recorded_section(title: str) -> list[str]:
     return text[at:end if end >= 0 else len(text)].splitlines()
 
 
-def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], notes: str = "") -> str:
+def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], notes: str = "",
+           keep_previous: bool = False) -> str:
     """Write a dated table into RESULTS.md under `## title` and return it as text.
 
     A section with the same title is replaced (the file holds each benchmark's latest run; git
-    keeps the history), any other section is left as it is."""
+    keeps the history), any other section is left as it is. With `keep_previous` the new dated
+    table goes on top of the section and the earlier ones stay below it (results whose change
+    over time is the point: the search's plans as the cost model improves)."""
     date = datetime.date.today().isoformat()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [f"## {title}", "", f"{date}, {machine()}, load average {load:.1f} when written", "", "| " + " | ".join(header) + " |",
@@ -132,6 +157,9 @@ def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], not
     else:
         start += 0 if old.startswith(head) and start == 0 else 1
         end = old.find("\n## ", start + len(head))
+        if keep_previous:
+            earlier = old[start + len(head):end if end >= 0 else len(old)].strip("\n")
+            text = text.rstrip("\n") + "\n\n" + earlier + "\n\n"
         new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
     tmp = RESULTS + ".tmp"
     with open(tmp, "w") as f:

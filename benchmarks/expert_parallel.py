@@ -7,8 +7,8 @@ A small Mixtral (2 layers, hidden 128, expert FFN 256, top-2, router loss on). B
 the same global batch: `dp` gives each rank `b` sequences and keeps every expert on every rank;
 `ep` (ep = processes) gives the unit the whole global batch, each rank computing its `b`
 sequences and its experts / ep experts. Each rank times full training steps (forward, backward,
-gradient reduction, Adam step) of both, alternating step by step; the ratio is the median over
-step pairs of dp / ep. Memory per rank is what the rank holds of the training state (parameters,
+gradient reduction, Adam step) of both, alternating step by step; the ratio is dp's median step
+time / ep's, with the median per-step ratio beside it. Memory per rank is what the rank holds of the training state (parameters,
 gradients, Adam moments; exact bytes) and its peak resident set (the process, both plans loaded).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def state_bytes(module: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[in
 
 def paired(experts: int, a: tuple[dict, dict], b: tuple[dict, dict]):
     """Two plans of the same model, each (the batch this rank feeds it, parallelize options), trained
-    with Adam in alternating steps: (a s, b s, median per-step ratio a/b, state of a, state of b)."""
+    with Adam in alternating steps: (`common.Paired` of a and b, state of a, state of b)."""
     import torch.distributed as dist
 
     import nnscaler_plugins as nns
@@ -67,8 +67,7 @@ def paired(experts: int, a: tuple[dict, dict], b: tuple[dict, dict]):
 
         runs.append((pm, opt, step))
     (pa, oa, sa), (pb, ob, sb) = runs
-    t_a, t_b, ratio = common.time_paired(sa, sb, warmup=1, iters=6, sync=dist.barrier)
-    return t_a, t_b, ratio, state_bytes(pa, oa), state_bytes(pb, ob)
+    return common.time_paired(sa, sb, warmup=1, iters=6, sync=dist.barrier), state_bytes(pa, oa), state_bytes(pb, ob)
 
 
 def bench(rank: int, world: int, experts: int):
@@ -90,15 +89,16 @@ def main_etp() -> None:
     rows = []
     world = 4
     for experts in (8, 16):
-        t_e, t_t, ratio, (ep_all, ep_exp), (et_all, et_exp) = common.spawn(bench_etp, world, experts)
+        p, (ep_all, ep_exp), (et_all, et_exp) = common.spawn(bench_etp, world, experts)
         mib = 1 / 2**20
-        rows.append((f"{world}", f"{experts}", f"{t_e * 1e3:.0f}", f"{t_t * 1e3:.0f}", f"{ratio:.2f}",
+        rows.append((f"{world}", f"{experts}", f"{p.a * 1e3:.0f}", f"{p.b * 1e3:.0f}", *p.cells(2),
                      f"{ep_all * mib:.1f} ({ep_exp * mib:.1f})", f"{et_all * mib:.1f} ({et_exp * mib:.1f})"))
         print(rows[-1], flush=True)
     print(common.record(
         "expert_parallel.py --etp: experts split 4 ways (`ep=4`) vs 2 ways with each expert's width split 2 ways "
         "(`ep=2, etp=2`), Mixtral 2x128, top-2, 4 gloo processes (train step)",
-        rows, ("processes", "experts", "ep 4 ms", "ep 2 x etp 2 ms", "median per-step ratio ep/etp",
+        rows, ("processes", "experts", "ep 4 ms", "ep 2 x etp 2 ms", "ratio ep/etp of the median steps",
+               "median per-step ratio",
                "ep 4 state MiB/rank (experts)", "ep 2 x etp 2 state MiB/rank (experts)"),
         notes="Same unit and global batch (4 sequences of 64 tokens per rank). Both hold a quarter of the "
               "experts' state per rank; etp adds a gather of each layer's tokens over the pair and a "
@@ -113,15 +113,16 @@ def main() -> None:
     rows = []
     for world in (2, 4):
         for experts in (8, 16):
-            t_d, t_e, ratio, (dp_all, dp_exp), (ep_all, ep_exp), rss = common.spawn(bench, world, experts)
+            p, (dp_all, dp_exp), (ep_all, ep_exp), rss = common.spawn(bench, world, experts)
             mib = 1 / 2**20
-            rows.append((f"{world}", f"{experts}", f"{t_d * 1e3:.0f}", f"{t_e * 1e3:.0f}", f"{ratio:.2f}",
+            rows.append((f"{world}", f"{experts}", f"{p.a * 1e3:.0f}", f"{p.b * 1e3:.0f}", *p.cells(2),
                          f"{dp_all * mib:.1f} ({dp_exp * mib:.1f})", f"{ep_all * mib:.1f} ({ep_exp * mib:.1f})",
                          f"{ep_exp / dp_exp:.3f}", f"{rss * mib:.0f}"))
             print(rows[-1], flush=True)
     print(common.record(
         "expert_parallel.py: `ep` vs replicated experts (`dp`), Mixtral 2x128, top-2, gloo processes (train step)",
-        rows, ("processes", "experts", "dp ms", "ep ms", "median per-step ratio dp/ep",
+        rows, ("processes", "experts", "dp ms", "ep ms", "ratio dp/ep of the median steps",
+               "median per-step ratio",
                "dp state MiB/rank (experts)", "ep state MiB/rank (experts)", "expert state ep/dp",
                "peak RSS MiB (rank 0, both plans)"),
         notes="Same global batch for both (4 sequences of 64 tokens per rank). State = parameters + gradients + "

@@ -57,9 +57,9 @@ def fp32_generated_vs_eager(device: torch.device, small: bool, iters: int) -> li
             ours.train_step(inputs)
             ours.zero_grad(set_to_none=True)
 
-        t_e, t_o, ratio = common.time_paired(eager_step, ours_step, warmup=3, iters=iters, sync=common.sync_device)
+        p = common.time_paired(eager_step, ours_step, warmup=3, iters=iters, sync=common.sync_device)
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
-        rows.append((name, f"{b}x{s}", backend, f"{t_e * 1e3:.1f}", f"{t_o * 1e3:.1f}", f"{ratio:.3f}"))
+        rows.append((name, f"{b}x{s}", backend, f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}", *p.cells()))
         print(rows[-1], flush=True)
         del eager, ours
         common.reset_peak()
@@ -113,11 +113,11 @@ def bf16_training(device: torch.device, small: bool, iters: int) -> list[tuple[s
     common.reset_peak()
     _, _, plain_step, plain_losses = plain_side()
     _, _, ours_step, ours_losses = ours_side()
-    t_p, t_o, ratio = common.time_paired(plain_step, ours_step, warmup=3, iters=iters, sync=common.sync_device)
+    p = common.time_paired(plain_step, ours_step, warmup=3, iters=iters, sync=common.sync_device)
     # Both sides took the same steps from the same weights: their losses agree within bf16's tolerance.
     first_diff = max(abs(float(a) - float(b)) / abs(float(a)) for a, b in zip(plain_losses[:5], ours_losses[:5]))
-    row = (f"gpt2 {'2x64' if small else '12x768'} bf16 AdamW", f"{b}x{s}", f"{t_p * 1e3:.1f}", f"{t_o * 1e3:.1f}",
-           f"{ratio:.3f}", f"{peaks['plain']:.2f}", f"{peaks['ours']:.2f}", f"{first_diff:.1e}")
+    row = (f"gpt2 {'2x64' if small else '12x768'} bf16 AdamW", f"{b}x{s}", f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}",
+           *p.cells(), f"{peaks['plain']:.2f}", f"{peaks['ours']:.2f}", f"{first_diff:.1e}")
     print(row, flush=True)
     return [row]
 
@@ -188,11 +188,13 @@ def main() -> None:
     if "fp32" in sections:
         rows = fp32_generated_vs_eager(device, args.small, args.iters)
         out.append(("gpu_single.py: one GPU, NCCL world 1, generated code vs eager (fp32 fwd+bwd)", rows,
-                    ("model", "batch", "backend", "eager ms", "generated ms", "median per-step ratio eager/generated")))
+                    ("model", "batch", "backend", "eager ms", "generated ms", "ratio eager/generated of the median steps",
+                     "median per-step ratio")))
     if "bf16" in sections:
         rows = bf16_training(device, args.small, args.iters)
         out.append(("gpu_single.py: one GPU, bf16 training step, our runtime vs plain PyTorch autocast", rows,
-                    ("model", "batch", "plain ms", "ours ms", "ratio plain/ours", "plain peak GiB", "ours peak GiB",
+                    ("model", "batch", "plain ms", "ours ms", "ratio plain/ours of the median steps",
+                     "median per-step ratio", "plain peak GiB", "ours peak GiB",
                      "max rel loss diff, first 5 steps")))
     if "lightning" in sections:
         if torch.distributed.is_initialized():  # Lightning opens its own process group

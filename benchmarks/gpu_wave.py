@@ -13,7 +13,7 @@ Five sections, each written to RESULTS.md:
    AdamW on the GPU), or "OOM" where plain PyTorch does not fit.
 2. moe: a Mixtral-shaped model, training steps through the generated code (plan "ep" at world 1:
    each experts layer one op) against the same model eager, same weights and batch: first-step
-   loss and largest gradient difference, and the median per-step time ratio (steps alternate).
+   loss and largest gradient difference, and the ratio of the median step times (steps alternate; the median per-step ratio beside it).
 3. ring: the kernel a ring-attention step runs per block (`runtime.ring_attention.block_attention`:
    on CUDA torch's memory-efficient SDPA, which returns the log-sum-exp) on two key blocks merged by
    their log-sum-exps (`merge_blocks`), against `scaled_dot_product_attention` on the whole
@@ -135,10 +135,10 @@ def moe_generated_vs_eager(device: torch.device, small: bool, iters: int) -> lis
             compared += 1
     if compared < len(grads):
         raise RuntimeError(f"compared {compared} of {len(grads)} gradients: the shards' names did not match")
-    e, o, ratio = common.time_paired(eager_step, ours_step, warmup=1, iters=iters, sync=common.sync_device)
+    p = common.time_paired(eager_step, ours_step, warmup=1, iters=iters, sync=common.sync_device)
     name = f"mixtral {shape['num_hidden_layers']}x{shape['hidden_size']} 8 experts top-2"
     return [(name, f"{batch['input_ids'].numel()}", f"{abs(first_ours - first_eager) / abs(first_eager):.1e}",
-             f"{worst:.1e}", f"{e * 1e3:.1f}", f"{o * 1e3:.1f}", f"{ratio:.2f}")]
+             f"{worst:.1e}", f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}", *p.cells(2))]
 
 
 # -- 3. ring attention's per-block kernel against whole attention -----------------------------------
@@ -176,9 +176,9 @@ def ring_blocks(device: torch.device, small: bool, iters: int) -> list[tuple[str
 
             want, got = whole().float(), ring().float()
             err = float((got - want).abs().max() / want.abs().max())
-            w, r, ratio = common.time_paired(whole, ring, warmup=1, iters=iters, sync=common.sync_device)
+            p = common.time_paired(whole, ring, warmup=1, iters=iters, sync=common.sync_device)
             rows.append((f"{b}x{h}x{s}x{d}", str(dtype).replace("torch.", ""), "causal" if causal else "full",
-                         f"{err:.1e}", f"{w * 1e3:.2f}", f"{r * 1e3:.2f}", f"{ratio:.2f}"))
+                         f"{err:.1e}", f"{p.a * 1e3:.2f}", f"{p.b * 1e3:.2f}", *p.cells(2)))
     return rows
 
 
@@ -416,12 +416,12 @@ def main() -> None:
         out.append(("gpu_wave.py: MoE training step on one GPU, generated code (plan ep) vs eager",
                     moe_generated_vs_eager(device, args.small, args.iters),
                     ("model", "tokens", "first loss rel diff", "largest grad diff (rel. to grad max)", "eager ms",
-                     "ours ms", "ratio eager/ours")))
+                     "ours ms", "ratio eager/ours of the median steps", "median per-step ratio")))
     if "ring" in sections:
         out.append(("gpu_wave.py: ring attention's per-block kernel (two blocks merged by log-sum-exp) vs whole SDPA",
                     ring_blocks(device, args.small, args.iters),
                     ("shape b x h x s x d", "dtype", "mask", "max diff (rel. to max)", "sdpa ms", "ring blocks ms",
-                     "ratio sdpa/ring")))
+                     "ratio sdpa/ring of the median times", "median per-step ratio")))
     if "speed" in sections:
         start = time.perf_counter()
         rows = speed(device, args.small, args.iters, args.seq, args.layers)

@@ -6,8 +6,8 @@ A GPT-style model (token embedding, pre-norm transformer blocks, LM head, cross-
 PyTorch, cut in the middle of its blocks into two stages on 2 gloo processes. PyTorch's side gets
 the two halves as hand-made stage modules and its Schedule1F1B; ours captures the whole model and
 runs the `1f1b` strategy, which cuts the same blocks. Both take the same batch in the same number
-of micro-batches and run alternately, step by step, in the same processes. Ratio = median over step
-pairs of PyTorch's step time / ours (higher is better for us). The first losses must agree.
+of micro-batches and run alternately, step by step, in the same processes. Ratio = PyTorch's median step
+time / ours (higher is better for us), with the median per-step ratio beside it. The first losses must agree.
 """
 from __future__ import annotations
 
@@ -122,19 +122,20 @@ def bench(rank: int, world: int, batch: int, seq: int, micro_batches: int, layer
         opt_o.step()
         opt_o.zero_grad()
 
-    t_t, t_o, ratio = common.time_paired(torch_step, our_step, warmup=2, iters=16, sync=dist.barrier)
-    return t_t, t_o, ratio, first.get("torch"), first.get("ours")
+    return common.time_paired(torch_step, our_step, warmup=2, iters=16, sync=dist.barrier), first.get("torch"), \
+        first.get("ours")
 
 
 def main() -> None:
     world, batch, seq, m, layers = 2, 8, 128, 4, 4
-    t_t, t_o, ratio, l_t, l_o = common.spawn_last(bench, world, batch, seq, m, layers)
-    rows = [(f"GPT {layers}x256, 2 stages", f"{batch}x{seq}, {m} micro-batches", f"{t_t * 1e3:.1f}",
-             f"{t_o * 1e3:.1f}", f"{ratio:.3f}", f"{l_t:.5f} / {l_o:.5f}")]
+    p, l_t, l_o = common.spawn_last(bench, world, batch, seq, m, layers)
+    rows = [(f"GPT {layers}x256, 2 stages", f"{batch}x{seq}, {m} micro-batches", f"{p.a * 1e3:.1f}",
+             f"{p.b * 1e3:.1f}", *p.cells(), f"{l_t:.5f} / {l_o:.5f}")]
     print(rows[-1], flush=True)
     print(common.record("pipeline_vs_torch.py: `1f1b` vs torch.distributed.pipelining Schedule1F1B, 2 gloo "
                         "processes (train step)", rows,
-                        ("model", "batch", "PyTorch ms", "ours ms", "median per-step ratio PyTorch/ours",
+                        ("model", "batch", "PyTorch ms", "ours ms", "ratio PyTorch/ours of the median steps",
+                         "median per-step ratio",
                          "first loss PyTorch / ours")))
 
 

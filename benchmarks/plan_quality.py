@@ -62,7 +62,7 @@ def part_a(quick: bool, save: bool = True) -> None:
             # rows (its plans are priced with it; the megatron strategy's plans also execute it)
             plans = nns.search(g, world_size=case.world, cluster=spec, global_batch_size=case.batch,
                                memory_limit=published.max_memory_bytes, progress=False,
-                               sequence_parallel=case.knobs.sequence_parallel)
+                               sequence_parallel=bool(case.options.get("sequence_parallel")))
             best = plans.estimates[0]
             found = (f"{best.step_time_s:.3f}", f"{best.peak_memory_gib:.1f}",
                      f"{published.step_time_s / best.step_time_s:.2f}x",
@@ -83,7 +83,7 @@ def part_a(quick: bool, save: bool = True) -> None:
                "peak. Both sides are priced by the same simulator (benchmarks/simulator_fidelity.py reports how close "
                "it is to the published measurements). For the C2 rows with sequence parallelism the search may use "
                "that option too (`nns.search(..., sequence_parallel=True)`): its candidates carry the layers' "
-               "sequence splits and are priced as placed, as the `megatron` strategy's plans are.")
+               "sequence splits and are priced as placed, as the `megatron` strategy's plans are.", keep_previous=True)
 
 
 # -- part B ---------------------------------------------------------------------------------------------------
@@ -202,13 +202,15 @@ def moe():
 def recipe(graph, name: str, world: int, m: int, **opts):
     """A fixed recipe as a plan (built directly, no lowering)."""
     strategy = get_strategy("megatron" if name == "megatron" else "dp")
+    # a router's statistics per micro-batch, as Megatron computes its auxiliary loss (pricing is the same)
+    stats = {"batch_statistics": "local"} if m > 1 else {}
     if name == "megatron":
         unit, dp = strategy.degrees(world, tp=8, pp=1)
         builder = PlanBuilder(graph, unit, dp, strategy="megatron", micro_batches=m)
-        strategy(builder, tp=8, pp=1)
+        strategy(builder, tp=8, pp=1, **stats)
     else:
         builder = PlanBuilder(graph, 1, world, strategy="dp", micro_batches=m)
-        strategy(builder)
+        strategy(builder, **stats)
     plan = builder.finish()
     plan.zero = 3 if name == "zero-3" else 0
     return plan
@@ -258,7 +260,7 @@ def part_b(limits=(80 * GiB, 24 * GiB), save: bool = True, clusters=("a100-dgx",
            ("model", "cluster", "GPUs", "global batch", "memory limit GiB", "compute-only bound", "recipes (time / peak)",
             "best fitting recipe",
             "search best", "speed-up (target 1.3x)", "search's plan"),
-           NOTES_B)
+           NOTES_B, keep_previous=True)
 
 
 NOTES_B = """Recipes: pure data parallelism (ZeRO 0), ZeRO-3 (the same with sharded states), and Megatron tensor
@@ -407,7 +409,7 @@ def part_c(save: bool = True, quick: bool = False) -> None:
         record("plan_quality.py part C: expert and context parallelism in the search (simulated, H100 preset)", rows,
                ("model", "GPUs", "global batch (sequences)", "search with ep/cp (time / peak)",
                 "best plan without ep/cp", "speed-up over it", "Megatron-style ep recipe", "speed-up over the recipe",
-                "search's plan", "search wall s"), NOTES_C)
+                "search's plan", "search wall s"), NOTES_C, keep_previous=True)
 
 
 NOTES_C = """Memory limit 80 GiB per GPU for every plan. The MoE rows capture each layer's experts as one op

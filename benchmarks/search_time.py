@@ -103,7 +103,7 @@ def main() -> None:
                "the op count is the full model's). The search solves one layer per device-group size "
                "(identical layers once), prices every inter-op candidate from the solved segments, and simulates "
                "(full timeline replay) the ten nearest the frontier. Each preset prices with its kernel table and "
-               f"stack (search/cluster.py); load average {os.getloadavg()[0]:.1f} when written.")
+               f"stack (search/cluster.py); load average {os.getloadavg()[0]:.1f} when written.", keep_previous=True)
 
 
 def _row(name, preset, world, batch, graph, plans, tb, t0, t1, t2, target) -> tuple:

@@ -3,8 +3,8 @@
     python benchmarks/zero_vs_deepspeed.py
 
 Step time: in one pair of processes per stage, full training steps (forward, backward, optimizer
-step) of both alternate step by step; reported are the medians and the median per-pair ratio
-DeepSpeed / ours (> 1: ours is faster). Peak memory: a fresh pair of processes per framework and
+step) of both alternate step by step; reported are the medians, their ratio DeepSpeed / ours (> 1: ours is
+faster) and beside it the median per-pair ratio. Peak memory: a fresh pair of processes per framework and
 stage trains a few steps; reported is each rank's growth of peak resident memory (ru_maxrss) from
 just before the engine / module is built, i.e. model states, activations and communication
 buffers as the process really held them (CPU allocator caching included).
@@ -102,17 +102,18 @@ def bench_memory(rank: int, world: int, stage: int, which: str) -> list[float]:
 def main() -> None:
     rows = []
     for stage in (1, 2, 3):
-        t_ds, t_ours, ratio = common.spawn(bench_time, 2, stage)
+        p = common.spawn(bench_time, 2, stage)
         mem_ds = common.spawn(bench_memory, 2, stage, "deepspeed")
         mem_ours = common.spawn(bench_memory, 2, stage, "ours")
-        rows.append((f"ZeRO-{stage}", f"{t_ds * 1e3:.0f}", f"{t_ours * 1e3:.0f}", f"{ratio:.2f}",
+        rows.append((f"ZeRO-{stage}", f"{p.a * 1e3:.0f}", f"{p.b * 1e3:.0f}", *p.cells(2),
                      " / ".join(f"{m:.0f}" for m in mem_ds), " / ".join(f"{m:.0f}" for m in mem_ours),
                      " / ".join(f"{d / o:.2f}" for d, o in zip(mem_ds, mem_ours))))
         print(rows[-1], flush=True)
     params = sum(p.numel() for p in common.gpt2().parameters())
     print(common.record(
         "zero_vs_deepspeed.py: zero1/2/3 plans vs DeepSpeed 0.19 ZeRO 1/2/3, 2 gloo processes (train step)", rows,
-        ("stage", "DeepSpeed ms", "ours ms", "median per-step ratio DS/ours", "DS peak MiB (rank 0 / 1)",
+        ("stage", "DeepSpeed ms", "ours ms", "ratio DS/ours of the median steps", "median per-step ratio",
+         "DS peak MiB (rank 0 / 1)",
          "ours peak MiB (rank 0 / 1)", "memory ratio DS/ours"),
         notes=f"GPT-2 4 layers x 256 ({params / 1e6:.1f} M parameters), batch {B}x{S} per rank, AdamW, fp32. "
               "Peak = growth of the process's peak RSS from just before the engine/module is built "

@@ -16,7 +16,7 @@ from nnscaler_plugins.api import capture, compile, parallelize, plan, strategies
 from nnscaler_plugins.compiler import Artifact, Compiled
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.capture.tracing import CaptureError
-from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.errors import NonFiniteError, PlanError
 from nnscaler_plugins.framework_imports import watch as _watch_frameworks
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
 from nnscaler_plugins.plan.primitives import (
@@ -62,6 +62,7 @@ __all__ += ["search", "cluster", "simulate", "ClusterSpec", "Estimate", "ParetoS
 __all__ += ["checkpoint"]
 __all__ += ["build_optimizer"]
 __all__ += ["ParallelModule", "init_weights"]
+__all__ += ["NonFiniteError"]
 
 
 def __getattr__(name: str):

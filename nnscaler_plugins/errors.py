@@ -34,3 +34,25 @@ def refuse_unknown(names: Iterable[Any], allowed: Sequence[str], what: str, wher
         close = difflib.get_close_matches(str(k), list(allowed), n=1)
         hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise PlanError(f"{where + ': ' if where else ''}unknown {what}(s) {', '.join(hints)}; valid: {', '.join(allowed)}")
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradients held a NaN or an infinity; raised on every rank at the same step,
+    before the optimizer changed any weight (the plan's `on_nonfinite="raise"`, the default).
+
+    `step` counts the optimizer steps tried so far (from 1); `op` names the first op in program
+    order whose output was not finite (with its model source line) when a re-run of the step's
+    forward found one, and `rank` the rank that computed it; `gradients` lists the parameters
+    whose gradients were not finite, with the ranks holding them.
+    """
+
+    def __init__(self, message: str, step: Optional[int] = None, op: Optional[str] = None,
+                 rank: Optional[int] = None, gradients: tuple = ()):
+        self.step = step
+        self.op = op
+        self.rank = rank
+        self.gradients = tuple(gradients)
+        super().__init__(message)
+
+    def __reduce__(self):  # pickles with its fields (errors travel between processes)
+        return (type(self), (self.args[0], self.step, self.op, self.rank, self.gradients))

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import warnings
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -36,6 +37,7 @@ from nnscaler_plugins.plan.source import PlanLike, PlanSource, resolve
 from nnscaler_plugins.plan.validate import validate
 from nnscaler_plugins.plugins import get_plugin_manager
 from nnscaler_plugins.rules.table import warn_replicate_only
+from nnscaler_plugins.runtime.job_store import launcher_advice
 from nnscaler_plugins.runtime.materialize import has_meta_tensors
 from nnscaler_plugins.runtime.parallel_module import ParallelModule
 
@@ -72,6 +74,9 @@ class Session:
         self.program: Optional[Program] = None
         self.compiled: Optional[Compiled] = None
         self._captured: Optional[tuple[int, Any]] = None  # (id of the model, the example's shapes)
+        # Devices per node, when a launcher says (LOCAL_WORLD_SIZE; `parallelize` reads it): the plan's mesh
+        # and the search's cluster know which ranks share a node.
+        self.devices_per_node: Optional[int] = None
 
     # -- micro-batches: one place --------------------------------------------------------------------------
     def micro_batches(self, example_inputs: Any) -> int:
@@ -135,7 +140,8 @@ class Session:
         if source.plan is not None:
             p = with_batch_statistics(source.plan, graph)  # a searched or saved plan that does not say
         else:
-            builder = PlanBuilder(graph, mesh=source.mesh(world_size, options), strategy=source.name,
+            builder = PlanBuilder(graph, mesh=source.mesh(world_size, options).with_nodes(self.devices_per_node),
+                                  strategy=source.name,
                                   options={k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
                                   micro_batches=micro, zero=0 if zero is None else zero,
                                   precision="fp32" if precision is None else precision,
@@ -149,6 +155,9 @@ class Session:
             p = dataclasses.replace(p, offload=offload)
         if knobs and any(getattr(p.knobs, k) != v for k, v in knobs.items()):
             p = dataclasses.replace(p, knobs=p.knobs.replace(**knobs))
+        if self.devices_per_node and p.mesh.devices_per_node != self.devices_per_node:
+            p = dataclasses.replace(p, mesh=p.mesh.with_nodes(self.devices_per_node))
+        warn_axes_across_nodes(p.mesh)
         p.check_runnable()
         validate(p, graph, world_size=world_size)
         self.plan, self.program = p, (lower(graph, p) if lower_now else None)
@@ -185,6 +194,7 @@ class Session:
         on every rank, planned, compiled, and its artifact run (see `nns.parallelize`)."""
         dev = torch.device(device) if device is not None else default_device()
         rank, ws = init_distributed(dev)
+        self.devices_per_node = launcher_devices_per_node(ws)
         world_size = world_size or ws
         if world_size != ws:
             raise PlanError(f"world_size={world_size} but the process group has {ws} processes")
@@ -220,8 +230,30 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = get_plugin_manager().hook.nnscaler_choose_backend(device_type=device.type)
         dist.init_process_group(backend)
+        advice = launcher_advice(os.environ)
+        if advice and dist.get_rank() == 0:
+            warnings.warn(advice, stacklevel=3)
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def launcher_devices_per_node(world_size: int) -> Optional[int]:
+    """Processes per node as the launcher started them (torchrun's LOCAL_WORLD_SIZE), when they fill
+    whole nodes; None otherwise (one node, or no launcher that says)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not local or not local.isdigit():
+        return None
+    n = int(local)
+    return n if 0 < n < world_size and world_size % n == 0 else None
+
+
+def warn_axes_across_nodes(mesh: Any) -> None:
+    """Tensor and context parallelism communicate in every layer: say so when their groups span nodes."""
+    inner = tuple(a for a in ("tp", "cp") if a in mesh.names and mesh[a] > 1)
+    if inner and mesh.within_node(inner) is False:
+        warnings.warn(f"the plan's {' x '.join(f'{a} {mesh[a]}' for a in inner)} groups span nodes of "
+                      f"{mesh.devices_per_node} devices: their collectives cross the network every layer; choose "
+                      f"degrees up to {mesh.devices_per_node} (data parallelism goes across nodes)", stacklevel=3)
 
 
 def agreed_init_seed(init_seed: Optional[int], device: torch.device, world_size: int) -> int:

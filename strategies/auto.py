@@ -8,7 +8,9 @@
 the search runs with data parallelism inside the unit: every op may be split along its batch dim,
 along a model dim, or both (a 2-D mesh), and the micro-batches are those `nns.plan` was given. The
 cluster defaults to `local-cpu` with one device per rank, measured once and cached (every rank reads
-the same numbers, so every rank finds the same plan). The plan's estimate is kept in its options.
+the same numbers, so every rank finds the same plan), as many nodes as the launcher started (its
+processes per node, LOCAL_WORLD_SIZE, in the plan's mesh), so tensor parallelism stays inside a
+node unless the caller's constraints allow more. The plan's estimate is kept in its options.
 
 The search prices the plan in the precision it will run in: `nns.plan(..., precision=)` (fp32
 unless given), not the cluster's own training dtype, so the estimate is that of the plan that runs.
@@ -74,7 +76,11 @@ def auto(builder: PlanBuilder, *, cluster: Any = None, constraints: Sequence = (
 
     if cluster is None or isinstance(cluster, str):
         name = cluster or "local-cpu"
-        cluster = make_cluster(name, devices=builder.unit_size) if name == "local-cpu" else make_cluster(name)
+        per_node = builder.mesh.devices_per_node if builder.mesh is not None else None
+        if name == "local-cpu" and per_node and builder.unit_size % per_node == 0:  # the launcher's nodes
+            cluster = make_cluster(name, nodes=builder.unit_size // per_node, devices=per_node)
+        else:
+            cluster = make_cluster(name, devices=builder.unit_size) if name == "local-cpu" else make_cluster(name)
     def run(extra: list):
         return search(builder.graph, world_size=builder.unit_size, cluster=cluster, constraints=constraints + extra,
                       memory_limit=memory_limit, progress=False, data_parallel="unit",

@@ -36,8 +36,11 @@ def step_and_compare(pm: Any, ref: torch.nn.Module, opts: tuple, loss: torch.Ten
 
 def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Module, dict]], strategy: Any,
                     options: dict, dp: int, steps: int = 2, lr: float = 0.1, what: str = "",
-                    cache_dir: str = "/tmp/nns_test_cache") -> list[str]:
-    """Problems found (empty when the plan trains exactly like one process)."""
+                    cache_dir: str = "/tmp/nns_test_cache", training: bool = False) -> list[str]:
+    """Problems found (empty when the plan trains exactly like one process).
+
+    `training=True` keeps the models in training mode (for models whose dropout rates are 0: pieces
+    would draw other masks than the reference otherwise)."""
     import nnscaler_plugins as nns
     from nnscaler_plugins.outputs import extract_loss
 
@@ -46,8 +49,8 @@ def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Mo
     torch.manual_seed(0)
     model, _ = build()
     model.load_state_dict(ref.state_dict())
-    ref.eval()
-    model.eval()  # dropout off: pieces would draw other masks than the reference
+    ref.train(training)
+    model.train(training)
     local = replica_batch(batch, rank // (world // dp), dp)
     pm = nns.parallelize(model, local, plan=strategy, cache_dir=cache_dir, **options)
     opt = nns.build_optimizer(pm, torch.optim.SGD, lr=lr)

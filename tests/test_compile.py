@@ -110,7 +110,7 @@ def test_variable_lengths_compile_once_per_shape_template():
     uncompiled plan computes."""
     eager, compiled, batch = _pair("llama_small")
     graphs = []
-    for n in (16, 24, 8, 32, 20, 12):
+    for n in (16, 24, 8, 20):
         ids = torch.randint(0, models.VOCAB, (4, n), generator=torch.Generator().manual_seed(n))
         b = {"input_ids": ids, "labels": ids.clone()}
         le, lc = eager.train_step(b), compiled.train_step(b)
@@ -227,9 +227,8 @@ def compare_compiled(rank: int, world: int, name: str, strategy: str, options: d
     return problems
 
 
-CASES_2 = [("gpt2_small", "tp", {}, 1), ("llama_small", "dp", {"zero": 3}, 2),
-           ("llama_small", "1f1b", {"pp": 2, "micro_batches": 2}, 1)]
-CASES_2_ALL = [("gpt2_small", "dp", {}, 2), ("llama_small", "megatron", {"tp": 2, "sequence_parallel": True}, 1),
+CASES_2 = [("gpt2_small", "tp", {}, 1), ("llama_small", "dp", {"zero": 3}, 2)]
+CASES_2_ALL = [("llama_small", "1f1b", {"pp": 2, "micro_batches": 2}, 1), ("gpt2_small", "dp", {}, 2), ("llama_small", "megatron", {"tp": 2, "sequence_parallel": True}, 1),
                ("llama_small", "dp", {"zero": 1}, 2), ("gpt2_small", "dp", {"zero": 2}, 2),
                ("llama_small", "gpipe", {"pp": 2, "micro_batches": 2}, 1), ("mixtral", "ep", {"ep": 2}, 1),
                ("cp_gpt2", "cp", {"cp_comm": "ring"}, 1), ("llama_small", "tp", {"recompute": "full"}, 1)]

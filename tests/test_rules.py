@@ -140,7 +140,8 @@ class _Skip(Exception):
 
 
 def _is_float(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype.is_floating_point
+    """Floating or complex: a tensor a gradient flows through (complex RoPE's tensors included)."""
+    return isinstance(t, torch.Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex)
 
 
 def _as_list(out: Any) -> list[Any]:

@@ -20,6 +20,10 @@ def _t(*shape):
     return torch.randn(shape)
 
 
+def _c(*shape):
+    return torch.randn(shape, dtype=torch.complex64)
+
+
 CASES = [
     ("where.ScalarOther", lambda: (aten.where.ScalarOther, (Ref("c"), Ref("x"), -1.5), {},
                                    {"c": torch.rand(4, 6) > 0.5, "x": _t(4, 6)})),
@@ -29,6 +33,18 @@ CASES = [
     ("repeat_interleave", lambda: (aten.repeat_interleave.self_int, (Ref("x"), 2, 1), {}, {"x": _t(4, 6, 2)})),
     ("roll", lambda: (aten.roll.default, (Ref("x"), [1], [1]), {}, {"x": _t(4, 6, 2)})),
     ("numpy_T", lambda: (aten.numpy_T.default, (Ref("x"),), {}, {"x": _t(4, 6, 2)})),
+    ("argsort.stable", lambda: (aten.argsort.stable, (Ref("x"),), {"stable": True, "dim": 0},
+                                {"x": torch.randint(0, 4, (8, 6))})),
+    ("argsort", lambda: (aten.argsort.default, (Ref("x"), 1, True), {}, {"x": _t(4, 6)})),
+    ("sort.stable", lambda: (aten.sort.stable, (Ref("x"),), {"stable": True, "dim": -1}, {"x": _t(4, 6)})),
+    ("view_as_complex", lambda: (aten.view_as_complex.default, (Ref("x"),), {}, {"x": _t(4, 6, 3, 2)})),
+    ("view_as_real", lambda: (aten.view_as_real.default, (Ref("z"),), {}, {"z": _c(4, 6, 3)})),
+    ("polar", lambda: (aten.polar.default, (Ref("r"), Ref("a")), {}, {"r": _t(6, 4).abs(), "a": _t(6, 4)})),
+    ("complex", lambda: (aten.complex.default, (Ref("r"), Ref("i")), {}, {"r": _t(6, 4), "i": _t(6, 4)})),
+    ("complex mul broadcast", lambda: (aten.mul.Tensor, (Ref("q"), Ref("f")), {},
+                                       {"q": _c(2, 4, 3, 5), "f": _c(1, 4, 1, 5)})),
+    ("real", lambda: (aten.real.default, (Ref("z"),), {}, {"z": _c(4, 6)})),
+    ("angle", lambda: (aten.angle.default, (Ref("z"),), {}, {"z": _c(4, 6)})),
     ("histc", lambda: (aten.histc.default, (Ref("x"), 4, 0.0, 3.0), {},
                        {"x": torch.randint(0, 4, (8, 6)).float()})),
     ("index_put", lambda: (aten.index_put.default, (Ref("x"), [Ref("i")], Ref("v")), {},

@@ -73,7 +73,10 @@ def test_zero_and_recompute(graph, spec):
     ests = [nns.simulate(megatron(graph, 8, 4, tp=2, zero=z), spec) for z in range(4)]
     peaks = [e.max_memory_bytes for e in ests]
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
-    assert ests[3].step_time_s >= ests[0].step_time_s
+    # ZeRO-3 gathers the weights again in every micro-batch's passes (overlapped, they still slow them) and
+    # steps the optimizer on its shard only; the step may come out either side of ZeRO-0's
+    assert ests[3].details["stage_fwd_s"][0] > ests[0].details["stage_fwd_s"][0]
+    assert ests[3].details["optimizer_s"] < ests[0].details["optimizer_s"]
     none = nns.simulate(megatron(graph, 2, 4, tp=2), spec)
     full = nns.simulate(megatron(graph, 2, 4, tp=2, recompute="full"), spec)
     sel = nns.simulate(megatron(graph, 2, 4, tp=2, recompute="selective", sequence_parallel=True), spec)

@@ -30,6 +30,7 @@ from nnscaler_plugins.capture.autograd_functions import (
 )
 from nnscaler_plugins.capture.causal_mask import fold_causal_masks
 from nnscaler_plugins.capture.constant_index import slices_for_constant_index
+from nnscaler_plugins.capture.experts import experts_as_one_op
 from nnscaler_plugins.capture.fused_sections import split_fused_sections
 from nnscaler_plugins.capture.graph import (
     Graph,
@@ -81,6 +82,9 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
             if ctx is not None:
                 stack.enter_context(ctx)
         stack.enter_context(opaque_functions())  # custom autograd Functions stay one op each
+        # experts modules called with rows sorted by expert and their counts stay one op each: the
+        # split sizes they read from the counts are data (routed ones only when a strategy asks)
+        stack.enter_context(experts_as_one_op(model, routed=False))
         stack.enter_context(_recorded_contiguous())
         layers = find_stack(model) if trace_repeated_layers_once else None
         if layers is not None:
@@ -186,7 +190,10 @@ def _capture_error(model: torch.nn.Module, e: BaseException, printed: str) -> "C
     elif "DataDependent" in kind or "data-dependent" in str(e):
         text = (f"cannot capture {name}: its forward reads a tensor's value to decide what to run{at}:{code}\n"
                 "Capture traces with symbolic values. Compute the condition from shapes or the config, use "
-                "torch.where for value-dependent choices, or move the check out of forward.")
+                "torch.where for value-dependent choices, or move the check out of forward. Split sizes of a "
+                "mixture-of-experts layer (`counts.tolist()`) belong inside an experts module called as "
+                "experts(rows sorted by expert, counts per expert), with stacked (experts, ...) weights or a "
+                "ModuleList of experts: capture keeps it as one op and reads the sizes at run time.")
     else:
         first = next((line for line in str(e).splitlines() if line.strip()), "")[:300]
         text = (f"cannot capture {name}{at}:{code}\ntorch.export: {kind}: {first}\n"
@@ -224,17 +231,22 @@ def _model_source_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+_LIBRARY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _source_of(node: torch.fx.Node) -> tuple[str, str]:
-    """The most user-relevant frame: the last one outside torch itself."""
+    """The most user-relevant frame: the last one outside torch and this library (an experts
+    module recorded as one op is the model's call of it, not the wrapper's line)."""
     trace = node.meta.get("stack_trace") or ""
     frames = _FRAME_RE.findall(trace)
     if not frames:
         return "", ""
     pick = frames[-1]
-    for f in reversed(frames):
-        if f"{os.sep}torch{os.sep}" not in f[0]:
-            pick = f
-            break
+    # generated code (`<eval_with_key>.N`, torch's own compiled wrappers) is nobody's source line
+    outside_torch = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0] and not f[0].startswith("<")]
+    user = [f for f in outside_torch if not os.path.abspath(f[0]).startswith(_LIBRARY_DIR + os.sep)]
+    if user or outside_torch:
+        pick = (user or outside_torch)[-1]
     path, line, _fn, code = pick
     return f"{os.path.basename(path)}:{line}", code.strip()
 
@@ -257,8 +269,28 @@ def _differentiable(val: Any) -> bool:
 
 def _meta_of(val: Any, requires_grad: bool = False) -> Optional[TensorMeta]:
     if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype, requires_grad)
+        return TensorMeta(tuple(_size(s) for s in val.shape), val.dtype, requires_grad)
     return None
+
+
+#: Higher-order ops refused by name, with what to use instead. FlexAttention's mask and score
+#: functions are subgraphs over (batch, head, query, key) indices that the generated code cannot
+#: call yet, so no split of it (not even heads) can be shown exact; its CPU build has no backward.
+_REFUSED_HOPS = {"flex_attention": "FlexAttention (torch.nn.attention.flex_attention.flex_attention)",
+                 "flex_attention_backward": "FlexAttention (torch.nn.attention.flex_attention.flex_attention)"}
+_FLEX_WAYS = ("it is not captured yet (its block mask's mask_mod and score_mod have no rules). Ways out: "
+              "a causal mask -> F.scaled_dot_product_attention(q, k, v, is_causal=True) (batch and heads "
+              "split, and the sequence under cp); documents packed into one row or a sliding window -> "
+              "torch.nn.attention.varlen.varlen_attn(..., window_size=(w, 0)) (heads split); any other "
+              "mask -> scaled_dot_product_attention with attn_mask= a boolean tensor (batch and heads split)")
+_REFUSED_HOP_WAYS = {"flex_attention": _FLEX_WAYS, "flex_attention_backward": _FLEX_WAYS}
+
+
+def _refuse_named_hops(graph: torch.fx.Graph) -> None:
+    for node in graph.nodes:
+        hop = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if hop in _REFUSED_HOPS and isinstance(node.target, torch._ops.HigherOrderOperator):
+            raise CaptureError(f"{_REFUSED_HOPS[hop]} at {_source_of(node)[0]}: {_REFUSED_HOP_WAYS[hop]}")
 
 
 class _Converter:
@@ -285,9 +317,33 @@ class _Converter:
     def requires_grad(self, refs: list[str]) -> bool:
         return any(self.values[r].meta is not None and self.values[r].meta.requires_grad for r in refs)
 
+    def autograd_says(self, target: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether autograd gives the op's output a gradient, asked by running the op on meta tensors
+        with its inputs' flags: an input that only lends a dtype or a size (`mask.type_as(h)`,
+        `h.new_zeros(...)`) passes none. A value marked as needing one that never gets it would wait
+        forever for its gradient at a pipeline boundary. Ops that cannot run on meta keep the rule
+        "any input needs a gradient"."""
+        if not isinstance(target, torch._ops.OpOverload):
+            return True
+
+        def meta(x: Any) -> Any:
+            if not isinstance(x, Ref):
+                return x
+            m = self.values[x.name].meta
+            t = torch.empty(m.shape, dtype=m.dtype, device="meta")
+            return t.requires_grad_(True) if m.requires_grad and _differentiable(t) else t
+
+        try:
+            with torch.enable_grad():
+                out = target(*pytree.tree_map(meta, args), **pytree.tree_map(meta, kwargs))
+        except Exception:  # noqa: BLE001 - no meta kernel, an in-place op on a leaf: the simple rule
+            return True
+        return any(isinstance(o, torch.Tensor) and o.requires_grad for o in pytree.tree_leaves(out))
+
     # graph walk --------------------------------------------------------------------------
     def run(self, graph: torch.fx.Graph, grad_enabled: bool = True, prefix: str = "") -> list[Any]:
         outputs: list[Any] = []
+        _refuse_named_hops(graph)  # before the ops building their inputs (a block mask) fail less clearly
         for node in graph.nodes:
             if node.op == "placeholder":
                 continue  # bound by the caller
@@ -340,7 +396,12 @@ class _Converter:
                 inputs.append(leaf.name)
         name = self.fresh(prefix + base)
         val = node.meta.get("val")
+        for v in (val if isinstance(val, (tuple, list)) else (val,)):
+            if isinstance(v, torch.Tensor) and any(_data_decides(d) for d in v.shape):
+                raise _data_dependent_error(node, target, v.shape)  # a row count only the data decides
         rg = grad_enabled and self.requires_grad(inputs)
+        if rg and not all(self.requires_grad([r]) for r in inputs):
+            rg = self.autograd_says(target, args, kwargs)
         module_path, module_type = _module_of(node)
         source, code = _source_of(node)
         if single:  # the Function returned one tensor; the opaque op returned a list of it
@@ -366,10 +427,15 @@ class _Converter:
             self.env[node] = tuple(refs)
             multi = True
         else:
+            known = _known_number(val)
+            if known is not None:
+                # a size or a check torch.export proved static (torch._check told it the size):
+                # the number itself, no op
+                self.env[node] = known
+                return
             meta = _meta_of(val, rg and _differentiable(val))
             if meta is None and val is not None:
-                raise CaptureError(f"{name} ({target}) produced a non-tensor {type(val).__name__}; "
-                                   "symbolic values are not supported, capture with static shapes")
+                raise _data_dependent_error(node, target, val)
             outs = [name] if meta is not None else [None]
             if meta is not None:
                 self.values[name] = Value(name, "op", meta, producer=name)
@@ -379,6 +445,58 @@ class _Converter:
                                outputs=outs, multi_output=multi, module_path=module_path,
                                module_type=module_type, source=source, source_code=code,
                                grad_enabled=grad_enabled))
+
+
+def _known_number(val: Any) -> Optional[Any]:
+    """A plain number for a Python number, or for a symbolic one whose value torch.export knows
+    (a size made static by `torch._check`); None otherwise."""
+    if isinstance(val, (bool, int, float)):
+        return val
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        expr = val.node.expr
+        try:
+            expr = val.node.shape_env.replace(expr)
+        except Exception:  # noqa: BLE001 - no shape environment to ask: the expression as it is
+            pass
+        if getattr(expr, "is_number", False) or getattr(expr, "is_Boolean", False):
+            kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(val)]
+            return kind(expr)
+    return None
+
+
+def _size(size: Any) -> int:
+    """A dim's length: its known value, else what torch.export assumed for it (its hint)."""
+    known = _known_number(size)
+    return int(size if known is None else known)
+
+
+def _data_decides(size: Any) -> bool:
+    """A size with no value torch.export knows or can assume (an unbacked one)."""
+    if not isinstance(size, torch.SymInt) or _known_number(size) is not None:
+        return False
+    try:
+        return not size.node.has_hint()
+    except Exception:  # noqa: BLE001 - no hint to ask for: treat as decided by the data
+        return True
+
+
+def _data_dependent_error(node: torch.fx.Node, target: Any, val: Any) -> CaptureError:
+    """The refusal of a value only the data decides (a `.tolist()`, an `.item()`, the row count of
+    `masked_select` or `nonzero`), naming the model line and the ways out."""
+    source, code = _source_of(node)
+    op = getattr(target, "__name__", None) or str(target)
+    at = f" at {source}" if source else ""
+    line = f"\n    {code}" if code else ""
+    err = CaptureError(
+        f"cannot capture the model{at}: {op} gives a {'size' if isinstance(val, torch.Size) else type(val).__name__} "
+        f"only the data decides (a `.tolist()`, `.item()`, or the row count of masked_select / nonzero){line}\n"
+        "A plan needs every size before the data is seen. Ways out: keep the per-expert work in an experts module "
+        "called as `experts(rows sorted by expert, counts per expert)` with its weights stacked (experts, ...) or as "
+        "a ModuleList of experts (captured as one op, its split sizes read at run time); where the size is known, "
+        "say so with `torch._check(t.shape[0] == n)` after the line; or compute it with shape-keeping ops "
+        "(argsort, gather, scatter_add, torch.where).")
+    err.details = f"{op} -> {val!r} at {source}"
+    return err
 
 
 def _to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple, kwargs: dict) -> Graph:

@@ -5,7 +5,8 @@ timeout, for every other rank's key. A collective such as a barrier would block 
 that skipped the call (the classic "save_checkpoint hangs when only rank 0 calls it"); the store
 wait names the missing ranks instead. Keys are numbered per process: a round that timed out
 withdraws this rank's key and does not advance the number, so a rank that skipped a save and the
-ranks that waited for it still agree on the next round's number.
+ranks that waited for it still agree on the next round's number. Keys belong to the launcher's
+attempt (runtime/job_store.py): a job restarted by torchrun starts its rounds afresh.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 from nnscaler_plugins.checkpoint.errors import CheckpointError
+from nnscaler_plugins.runtime.job_store import job_store, key
 
-_PREFIX = "nnscaler_plugins/checkpoint"
 _round = {"n": 0}
 
 
@@ -26,10 +27,6 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _store() -> Any:
-    return dist.distributed_c10d._get_default_store()
 
 
 def begin_round() -> int:
@@ -42,8 +39,8 @@ def exchange(round_no: int, phase: str, value: Any, timeout_s: float, what: str)
     rank, size = world()
     if size == 1:
         return [value]
-    store = _store()
-    keys = [f"{_PREFIX}/{round_no}/{phase}/{r}" for r in range(size)]
+    store = job_store()
+    keys = [key("checkpoint", round_no, phase, r) for r in range(size)]
     store.set(keys[rank], pickle.dumps(value))
     if not _arrived(store, keys, timeout_s):
         missing = [r for r, k in enumerate(keys) if not store.check([k])]

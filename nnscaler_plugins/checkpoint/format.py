@@ -9,6 +9,7 @@
     CKPT/objects.pt          small values: the optimizer's parameter groups and per-parameter
                              scalars (Adam's step), with their exact Python types (weights_only-safe)
     CKPT/extra.pt            the caller's extra values (pickled)
+    CKPT/rng-00000.pt ...    each saving rank's random number generator states (pickled)
 
 A piece is a region of the whole tensor (per dim, the ranges a device holds under its layout)
 and optionally a flat range of it (a ZeRO chunk); see regions.py. Every element of every tensor
@@ -55,6 +56,12 @@ ALIGN = 64
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.bin"
+
+
+def rng_file(rank: int) -> str:
+    """Where a saving rank's random number generator states are (pickled; restored by `load` under
+    the same plan and world size)."""
+    return f"rng-{rank:05d}.pt"
 
 
 def model_key(name: str) -> str:

@@ -7,12 +7,15 @@ Each is a `WeightSource`: names with whole shapes and dtypes, and a box reader.
 """
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import warnings
 from typing import Any, Callable
 
 import torch
 
+from nnscaler_plugins.checkpoint.background import wait_for_saves
 from nnscaler_plugins.checkpoint.errors import CheckpointError
 from nnscaler_plugins.checkpoint.format import (
     OPTIM_GROUPS_KEY,
@@ -22,6 +25,7 @@ from nnscaler_plugins.checkpoint.format import (
     optim_key,
     read_extra,
     read_metadata,
+    rng_file,
     verify_files,
 )
 from nnscaler_plugins.checkpoint.model_state import expected_model_tensors
@@ -130,8 +134,8 @@ def _read_optimizer(module: Any, optimizer: Any, meta: dict[str, Any], reader: T
                          lambda name: reader.get(name, entries[name]), groups, optim_key)
 
 
-def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *, strict: bool = True
-         ) -> dict[str, Any]:
+def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *, strict: bool = True,
+         rng: bool = True) -> dict[str, Any]:
     """Load a checkpoint into `module` (and `optimizer`), under whatever plan and world size they
     have now; returns the `extra` values given to save. Call on every rank.
 
@@ -141,8 +145,11 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     the layout `export_dcp` writes). Each rank reads only the elements of the pieces it holds.
     Nothing is changed unless the source fits: names and shapes are compared first and every
     mismatch is listed; damaged files are detected by size and SHA-256 before reading.
-    `strict=False` ignores tensors the module does not have.
+    `strict=False` ignores tensors the module does not have. `rng`: restore each rank's random
+    number generators as they were at the save, when the checkpoint was saved by the same plan on
+    the same world size (so a resumed job draws the same dropout masks as one never stopped).
     """
+    wait_for_saves()  # a background save in flight ends first (it may be the one asked for)
     from nnscaler_plugins.checkpoint.dcp import is_dcp_dir
     from nnscaler_plugins.checkpoint.hf_weights import hf_source, is_hf_dir, matched_to
 
@@ -178,7 +185,31 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     load_model_pieces(module, source)
     if optimizer is not None:
         _read_optimizer(module, optimizer, meta, reader)
+    if rng:
+        restore_rng(directory, meta, module)
     return extra
+
+
+def restore_rng(directory: str, meta: dict[str, Any], module: Any) -> bool:
+    """This rank's random number generator states from the checkpoint, when it was saved by the
+    same plan on the same world size (each rank then plays the role it had); whether it did."""
+    from nnscaler_plugins.checkpoint.agreement import world
+    from nnscaler_plugins.checkpoint.save import plan_summary
+
+    rank, size = world()
+    name = rng_file(rank)
+    if meta.get("world_size") != size or name not in meta["files"]:
+        return False
+    if json.loads(json.dumps(plan_summary(module))) != meta.get("plan"):
+        return False
+    with open(os.path.join(directory, name), "rb") as f:
+        state = pickle.load(f)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "pieces" in state and hasattr(module, "set_random_stream"):
+        module.set_random_stream(state["pieces"])
+    return True
 
 
 def _files_read(module: Any, optimizer: Any, meta: dict[str, Any], reader: TensorReader) -> set[str]:

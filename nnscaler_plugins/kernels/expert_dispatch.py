@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from nnscaler_plugins.kernels.experts_module import run_experts
+from nnscaler_plugins.kernels.experts_module import run_experts, run_sorted_experts
 
 
 class _AllToAllRows(Function):
@@ -112,3 +112,48 @@ def expert_all_to_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     else:
         out_rows = back.new_zeros((t * k,) + tuple(back.shape[1:])).index_add(0, order, back)
     return (out_rows.view(t, k, -1) * weights.unsqueeze(-1).to(out_rows.dtype)).sum(1).to(x.dtype)
+
+
+def sorted_expert_all_to_all(x: torch.Tensor, counts: torch.Tensor, probs: Optional[torch.Tensor],
+                             *params: torch.Tensor, key: str, names: tuple, first_row: int, first_expert: int,
+                             num_experts: int, group: Any = None) -> torch.Tensor:
+    """This device's share of a sorted-experts layer (`SortedExpertsCall`): its piece `x` of the rows
+    sorted by expert -- rows [first_row, first_row + len(x)) of all of them --, the whole `counts`
+    (rows per expert, so every piece knows which expert each of its rows belongs to), a probability
+    per row or None, and its share of the experts' weights (experts [first_expert, first_expert +
+    E_local)). Returns its rows' outputs as the whole module would give them; rows past the counts'
+    total (padding) give zeros.
+
+    The same three steps as `expert_all_to_all`: counts over the group, rows to the devices holding
+    their experts (already grouped by expert, so by destination), the module's own forward on the
+    rows that arrived, sorted by local expert, and the outputs back."""
+    local = params[0].shape[0]
+    n = x.shape[0]
+    bounds = torch.cumsum(counts.to(torch.long), 0)
+    rows = torch.arange(first_row, first_row + n, device=x.device)
+    ids = torch.searchsorted(bounds, rows, right=True)  # each row's expert; num_experts for padding rows
+    valid = ids < num_experts
+    mine_counts = torch.bincount(ids[valid], minlength=num_experts)
+    if group is None:  # one device holds every expert
+        return run_sorted_experts(key, tuple(names), x, counts, probs, params)
+    table = exchange_counts(mine_counts, first_expert // local, group)  # step 1: counts (and who holds what)
+    rank_of_piece = torch.empty_like(table[:, 0])
+    rank_of_piece[table[:, 0]] = torch.arange(table.shape[0], dtype=table.dtype)
+    kept = torch.nonzero(valid).reshape(-1)
+    dest = rank_of_piece[ids[kept] // local]
+    order = kept[torch.argsort(dest, stable=True)]  # by destination rank, by expert inside each
+    per_piece = mine_counts.view(-1, local).sum(1)
+    send = [int(per_piece[int(p)]) for p in table[:, 0].tolist()]
+    arriving = table[:, 1 + first_expert:1 + first_expert + local]  # (ranks, local experts) rows coming here
+    recv = [int(c) for c in arriving.sum(1).tolist()]
+    got = all_to_all_rows(x[order], send, recv, group)  # step 2: dispatch
+    got_probs = None if probs is None else all_to_all_rows(probs.reshape(n, -1)[order], send, recv, group)
+    local_ids = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(arriving.shape[0]),
+                                        arriving.reshape(-1))
+    by_expert = torch.argsort(local_ids, stable=True)
+    y = run_sorted_experts(key, tuple(names), got[by_expert], arriving.sum(0).to(counts.dtype),
+                           None if got_probs is None else got_probs[by_expert].reshape((-1,) + tuple(probs.shape[1:])),
+                           params)
+    back = all_to_all_rows(y[torch.argsort(by_expert)], recv, send, group)  # step 3: combine
+    out = back.new_zeros((n,) + tuple(back.shape[1:]))
+    return out.index_copy(0, order, back).to(x.dtype)

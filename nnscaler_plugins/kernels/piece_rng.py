@@ -108,6 +108,20 @@ def agree_seed(comm: Any, device: Optional[torch.device] = None) -> int:
     return seed
 
 
+def stream_state(comm: Any) -> Optional[tuple[int, int]]:
+    """(base seed, forwards drawn so far) of the module `comm` serves, or None before it has one:
+    what a checkpoint keeps so a resumed job draws the masks the uninterrupted one would."""
+    stream = _STREAMS.get(comm.groups)
+    return None if stream is None else (stream.seed, stream.forwards)
+
+
+def set_stream_state(comm: Any, state: tuple[int, int]) -> None:
+    """Continue the module's random stream from a `stream_state` saved earlier."""
+    stream = _Stream(int(state[0]))
+    stream.forwards = int(state[1])
+    _STREAMS[comm.groups] = stream
+
+
 def forward_token(comm: Any) -> Token:
     """The token of this forward (called once at the start of each generated function that draws):
     the module's base seed, its forward number, and the data-parallel replica `comm` runs in."""

@@ -277,8 +277,10 @@ def _loss_index(graph: Graph) -> Optional[int]:
     except Exception:
         return None
     from nnscaler_plugins.outputs import extract_loss
+    scalars = [o is not None and graph.values[o].meta is not None and graph.values[o].meta.ndim == 0
+               for o in graph.outputs]
     try:
-        idx = extract_loss(structured)
+        idx = extract_loss(structured, lambda i: isinstance(i, int) and 0 <= i < n and scalars[i])
     except (TypeError, ValueError):
         return None
     return idx if isinstance(idx, int) else None

@@ -127,7 +127,8 @@ def _rows_kept(graph, op: OpHandle, dim: dict[str, Optional[int]]) -> None:
 def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set[str]]:
     """(ops the loss depends on, ops it depends on linearly), by op name."""
     graph = builder.graph
-    at = loss_position(len(graph.outputs), graph.out_spec)
+    at = loss_position(len(graph.outputs), graph.out_spec,
+                       [o is not None and graph.meta(o).ndim == 0 for o in graph.outputs])
     loss = graph.outputs[at] if at is not None else None
     if loss is None:
         return set(), set()
@@ -138,7 +139,8 @@ def _loss_ancestors(builder: PlanBuilder, data: set[str]) -> tuple[set[str], set
         op = producer.get(stack.pop())
         if op is not None and op.name not in ancestors:
             ancestors.add(op.name)
-            stack.extend(op.node.inputs)
+            counts = op.signature.row_counts  # counts of the op's own rows: each replica's, not statistics
+            stack.extend(v for i, v in enumerate(op.node.inputs) if i not in counts)
     linear: set[str] = set()
     stack = [loss]
     while stack:

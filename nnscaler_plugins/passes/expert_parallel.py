@@ -3,7 +3,9 @@ expert's width over its "etp" axis; and data parallelism inside the unit for the
 
 The unit of `ep x etp` devices runs the dense part of the model as data parallelism inside the unit
 (every op split along the batch, its weights whole on each device), and each mixture-of-experts
-layer -- captured as one op, `capture/experts.py` -- split along its `t` label: a device keeps its
+layer -- captured as one op, `capture/experts.py`, whichever calling convention the model uses
+(tokens with expert ids and routing weights, or rows sorted by expert with counts) -- split along
+its `t` label: a device keeps its
 own tokens and its share of the experts, and the kernel moves the rows to the experts chosen for
 them and back by all-to-all. With `etp` (Megatron's expert tensor parallelism), each share of the
 experts is further cut along every expert's intermediate width over `etp` consecutive devices
@@ -26,17 +28,20 @@ from typing import Any, Optional, Sequence
 
 from nnscaler_plugins.capture.autograd_functions import FunctionTarget
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.kernels.experts_module import ExpertsCall
+from nnscaler_plugins.kernels.experts_module import ExpertsCall, SortedExpertsCall
 from nnscaler_plugins.passes.parallelization import Parallelization
 from nnscaler_plugins.plan.primitives import OpHandle, PlanBuilder
+from nnscaler_plugins.rules import op_call
+from nnscaler_plugins.rules.experts_op import experts_parts
 
 EXPERT_LABEL = "t"  # rules/experts_op.py: tokens and experts, split together
 WIDTH_LABEL = "f"  # rules/experts_op.py: each expert's intermediate width
 
 
 def is_experts_op(op: OpHandle) -> bool:
+    """A mixture-of-experts layer captured as one op (either calling convention)."""
     t = op.node.target
-    return isinstance(t, FunctionTarget) and t.cls is ExpertsCall
+    return isinstance(t, FunctionTarget) and t.cls in (ExpertsCall, SortedExpertsCall)
 
 
 def check_experts(builder: PlanBuilder, ep: Optional[int] = None, etp: int = 1) -> list[OpHandle]:
@@ -46,12 +51,18 @@ def check_experts(builder: PlanBuilder, ep: Optional[int] = None, etp: int = 1) 
     layers = [op for op in builder.ops if is_experts_op(op)]
     if not layers:
         raise PlanError("strategy 'ep': the model has no recognized mixture-of-experts layers (a module whose "
-                        "parameters are stacked along a leading dim of `num_experts`, called with tokens, expert "
-                        "ids and routing weights); use 'dp', 'tp' or 'hybrid' for it")
+                        "parameters are stacked along a leading dim of its experts, called with tokens, expert "
+                        "ids and routing weights, or with rows sorted by expert and the rows per expert); use "
+                        "'dp', 'tp' or 'hybrid' for it")
     graph = builder.graph
     for op in layers:
-        x, *_, first = [graph.meta(v) for v in op.node.inputs[:4]]
-        experts = first.shape[0]
+        x, weights = experts_parts(op_call(graph, op.node))
+        if ep > 1 and EXPERT_LABEL not in op.signature.splittable():
+            raise PlanError(f"strategy 'ep': ep={ep} splits each layer's experts, and this experts module "
+                            f"({op.node.module_type or 'module'}) cannot be split by experts: "
+                            + _why_whole(weights) + "; use ep=1 (its experts then run whole on each device, "
+                            "and 'dp', 'tp', 'zero3' and pipelines train it exactly)", op=op.name, where=op.where())
+        experts = weights[0].shape[0]
         if experts % ep:
             raise PlanError(f"strategy 'ep': ep={ep} does not divide the {experts} experts of this layer; choose an "
                             f"ep among the divisors of {experts}", op=op.name, where=op.where())
@@ -62,6 +73,14 @@ def check_experts(builder: PlanBuilder, ep: Optional[int] = None, etp: int = 1) 
         if etp > 1:
             check_width(graph, op, etp)
     return layers
+
+
+def _why_whole(weights: Sequence[Any]) -> str:
+    if not weights or len({w.shape[0] for w in weights}) != 1 or any(w.ndim < 2 for w in weights):
+        return ("it holds its experts as separate modules (a ModuleList), and a share of them is not a slice of "
+                "stacked weights; stack them as parameters of shape (experts, ...) to split them")
+    return ("running it on a piece of its rows, or on a share of its experts, does not give the same rows (probed "
+            "by capture/experts_probe.py: its forward mixes rows or experts)")
 
 
 def check_width(graph: Any, op: OpHandle, etp: int) -> None:

@@ -53,6 +53,7 @@ class Knobs:
     fp8_linears: tuple[str, ...] = ()  # module paths (fnmatch patterns) to convert; () is torchao's default
     fp8_skip: tuple[str, ...] = ()  # module paths containing one of these stay in bf16 (torchao's filter_fqns)
     collective_timeout_s: Optional[float] = None  # a hung collective is reported after this (None: the backend's)
+    report_dir: Optional[str] = None  # where hang reports are written as JSON (None: ./nnscaler_reports)
     on_nonfinite: str = "raise"  # a non-finite loss or gradient: raise NonFiniteError, skip the step, or ignore
     # -- provenance ---------------------------------------------------------------------------------------
     cluster: Optional[str] = None  # the cluster preset a searched plan was found for
@@ -99,7 +100,7 @@ KNOB_NAMES = tuple(f.name for f in dataclasses.fields(Knobs))
 #: Options every strategy takes (besides its own) that set a knob directly.
 KNOB_OPTIONS = frozenset({"tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p", "compile",
                           "compile_backend", "fp8_recipe", "fp8_emulate", "fp8_linears", "fp8_skip",
-                          "collective_timeout_s", "on_nonfinite"})
+                          "collective_timeout_s", "on_nonfinite", "report_dir"})
 
 
 def refuse_unknown_knobs(names: Mapping[str, Any], where: str = "") -> None:
@@ -136,6 +137,8 @@ def check(k: Knobs) -> None:
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t)):
         raise PlanError(f"collective_timeout_s={t!r} must be a positive number of seconds (or None for the "
                         "backend's own timeout)")
+    if k.report_dir is not None and (not isinstance(k.report_dir, str) or not k.report_dir):
+        raise PlanError(f"report_dir={k.report_dir!r} must be a folder path (or None for ./nnscaler_reports)")
     c = k.capacity_factor
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
         raise PlanError(f"capacity_factor={c!r} must be a positive number (or None: no capacity limit)")

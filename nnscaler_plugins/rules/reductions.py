@@ -76,7 +76,7 @@ def _along_dim(call: OpCall, dim: int) -> Signature:
 
 @rule("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default",
       "aten.cumsum.default", "aten.cumprod.default", "aten.diff.default", "aten.sort.default",
-      "aten.topk.default")
+      "aten.sort.stable", "aten.argsort.default", "aten.argsort.stable", "aten.topk.default")
 def along_dim(call: OpCall) -> Signature:
     x = call.inputs[0]
     name = str(call.target)

@@ -132,6 +132,10 @@ class Signature:
     # gives the same partial result (a sum; a mean over the global count), so a plan may split them
     # in blocks (the flattened logits' rows of a sequence split mirrored, see `blockable`).
     order_free: frozenset[str] = frozenset()
+    # Inputs that count the rows of the op's other inputs (a sorted-experts op's rows per expert):
+    # computed from the same rows, so each data-parallel replica keeps its own (never a batch
+    # statistic to be made whole across replicas, see passes/batch_statistics.py).
+    row_counts: frozenset[int] = frozenset()
     # Labels that may only be split if every label in the tuple divides; informative for search.
     note: str = ""
 

@@ -31,6 +31,7 @@ def _load_builtins() -> None:
     # Importing the rule modules fills BUILTIN through @rule.
     from nnscaler_plugins.rules import (  # noqa: F401
         attention,
+        complex_numbers,
         elementwise,
         embedding,
         experts,
@@ -42,6 +43,7 @@ def _load_builtins() -> None:
         pooling,
         reductions,
         shape_ops,
+        variable_length_attention,
     )
 
 

@@ -2,7 +2,8 @@
 
 Each call names a key the lowering gave the communication (`Program.reshards`, `grad_groups`,
 `kernel_groups`) and this device's value; the object knows the Program, the device and its
-replica's groups (`plan_groups.UnitGroups`).
+replica's groups (`plan_groups.UnitGroups`). With a `recorder` (runtime/flight_recorder.py) each
+call is also a position of the flight recorder (skipped inside torch.compile's tracing).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nnscaler_plugins.kernels.collectives import identity_fwd_allreduce_bwd
+from nnscaler_plugins.runtime.flight_recorder import GRAD_SUM, KERNEL, RESHARD
 from nnscaler_plugins.runtime.plan_groups import UnitGroups
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -18,10 +20,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Comm:
-    def __init__(self, program: Program, device: int, unit_groups: UnitGroups):
+    def __init__(self, program: Program, device: int, unit_groups: UnitGroups, recorder: Any = None):
         self.program = program
         self.device = device
         self.groups = unit_groups
+        self.recorder = recorder
 
     def for_program(self, program: Program) -> "Comm":
         """The Comm a generated module's collectives index into: this one, or, for a program generated
@@ -31,7 +34,7 @@ class Comm:
             return self
         cache = self.__dict__.setdefault("_others", {})
         if id(program) not in cache:
-            cache[id(program)] = (program, Comm(program, self.device, self.groups))
+            cache[id(program)] = (program, Comm(program, self.device, self.groups, self.recorder))
         return cache[id(program)][1]
 
     def _own(self, groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -42,17 +45,29 @@ class Comm:
 
     def reshard(self, key: int, x: torch.Tensor) -> torch.Tensor:
         """Value `x` moved to the layout its consumer needs."""
-        return self.program.reshards[key].apply(x, self.device, self.groups)
+        rec = self.recorder
+        if rec is None or torch.compiler.is_compiling():
+            return self.program.reshards[key].apply(x, self.device, self.groups)
+        rec.enter(RESHARD, key)
+        y = self.program.reshards[key].apply(x, self.device, self.groups)
+        rec.leave()
+        rec.backward_hook(RESHARD, key, y)
+        return y
 
     def grad_sum(self, key: int, x: torch.Tensor) -> torch.Tensor:
         """Identity forward; backward sums the gradient over this device's group."""
         g = self._own(self.program.grad_groups[key])
         if len(g) == 1:
             return x
-        return identity_fwd_allreduce_bwd(x, self.groups.get(g))
+        y = identity_fwd_allreduce_bwd(x, self.groups.get(g))
+        if self.recorder is not None and not torch.compiler.is_compiling():
+            self.recorder.backward_hook(GRAD_SUM, key, y)
+        return y
 
     def kernel(self, key: int) -> Any:
         """The process group a group-aware piece function communicates over."""
+        if self.recorder is not None and not torch.compiler.is_compiling():
+            self.recorder.called(KERNEL, key)
         if key in self.program.replica_kernels:
             return self.replicas()
         return self.groups.get(self._own(self.program.kernel_groups[key]))

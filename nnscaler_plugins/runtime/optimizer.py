@@ -21,6 +21,11 @@ own master and is fetched to the device only when the forward or backward gather
 The inner optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...) once state is
 sharded: a chunk's update may not depend on the other chunks.
 
+Non-finite values (bf16 and fp32): before any weight changes, `step()` (or `clip_grad_norm_`,
+whichever comes first) checks the step's loss and gradients on every rank and, per the plan's
+`on_nonfinite`, raises `nns.NonFiniteError` on every rank or skips the step (`last_step_skipped`);
+see runtime/nonfinite.py.
+
 Loss scaling (fp16): `module.train_step(batch)` multiplies the loss by `optimizer.loss_scale`
 before backward; code that calls backward itself uses `optimizer.backward(loss)`, which does the
 same. `step()` unscales, skips the step when a gradient overflowed (`last_step_skipped`) and moves
@@ -159,6 +164,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
             for e, buf in zip(convert_dst, bufs):
                 e.master.grad = buf
         self._overflow = False
+        if self.scaler is None:  # a non-finite loss or gradient: raise or skip, agreed by every rank (nonfinite.py)
+            guard = getattr(self.module, "nonfinite", None)
+            if guard is not None:
+                self._overflow = guard.check([(e.fqn, e.master.grad) for e in self.entries],
+                                             "the optimizer step (nns.build_optimizer)")
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
             bad = torch.zeros((), dtype=torch.float32)
@@ -197,6 +207,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = closure() if closure is not None else None
+        rec = getattr(self.module, "flight_recorder", None)
+        if rec is not None:
+            rec.at("optimizer step")
         self._prepare()
         self._prepared = False
         self.last_step_skipped = self._overflow
@@ -216,6 +229,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             copy_all([e.param for e in copies], [e.master.view_as(e.param) for e in copies])
         for e in self.entries:
             e.version = e.param._version
+        if rec is not None:
+            rec.end_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -25,19 +25,22 @@ from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
 from nnscaler_plugins.kernels.float8 import check_float8
-from nnscaler_plugins.kernels.piece_rng import agree_seed
+from nnscaler_plugins.kernels.piece_rng import agree_seed, set_stream_state, stream_state
 from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.outputs import extract_loss
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.runtime.comm import Comm
+from nnscaler_plugins.runtime.flight_recorder import OUTSIDE, FlightRecorder
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
 from nnscaler_plugins.runtime.materialize import InitError, has_meta_tensors, materialize, move_tensor
+from nnscaler_plugins.runtime.nonfinite import NonFiniteGuard
 from nnscaler_plugins.runtime.params_on_use import params_on_use
 from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
 from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
+from nnscaler_plugins.runtime.watchdog import WATCHDOG, default_timeout_s
 from nnscaler_plugins.runtime.zero import Zero3Params
 from nnscaler_plugins.runtime.zero_setup import chunk_parameters, zero_shards
 
@@ -84,7 +87,13 @@ class ParallelModule(torch.nn.Module):
         # process groups from the plan's mesh (its DeviceMesh) and the sets the program communicates over
         self.groups, self.device_mesh = create_groups(program, world_size,
                                                       "cuda" if self._device.type == "cuda" else "cpu")
-        self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size))
+        # Faults: positions in the program (the watchdog reads them when a collective hangs), and the
+        # check of each step's loss and gradients (runtime/flight_recorder.py, watchdog.py, nonfinite.py).
+        self.flight_recorder = FlightRecorder(program, self.unit_device, self.dp_rank * plan.unit_size)
+        self.nonfinite = NonFiniteGuard(self)
+        self._last_forward: Optional[tuple[str, Any]] = None  # what replay_last_forward runs again
+        self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size),
+                          self.flight_recorder)
         if program.draws:  # random ops seeded per piece (kernels/piece_rng.py): one base seed on every rank
             agree_seed(self._comm, self._device if self._device.type != "meta" else None)
         self.source_path = artifact.source_path
@@ -156,7 +165,10 @@ class ParallelModule(torch.nn.Module):
             generated=self._micro_batch_program, comm=self._comm, device=self._device,
             params_on_use=self._params_on_use, stage_parameters=self._stage_parameters, zero3=self.zero3,
             loss_scale=lambda: self.loss_scale, boundary_shape=self._boundary_shape,
-            micro_weight=lambda mb: self._micro_weights[mb])) if plan.pipeline is not None else None
+            micro_weight=lambda mb: self._micro_weights[mb], recorder=self.flight_recorder)) \
+            if plan.pipeline is not None else None
+        if world_size > 1:
+            self._watch()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _materialize(self, model: torch.nn.Module, seed: int) -> int:
@@ -309,7 +321,11 @@ class ParallelModule(torch.nn.Module):
             raise RuntimeError(f"this plan cuts each step into {self.plan.num_micro_batches} micro-batches: call "
                                "train_step(batch), or make a plan without micro_batches to call forward")
         args, kwargs = normalize_inputs(args, kwargs) if len(args) == 1 and isinstance(args[0], dict) else (args, kwargs)
+        rec = self._begin_step()
+        if torch.is_grad_enabled():
+            self._last_forward = ("forward", (args, kwargs))
         flat = self._run(args, kwargs)
+        rec.end_step()  # the backward that follows is the caller's; its collectives still record
         return pytree.tree_unflatten(flat, self.graph.out_spec) if self.graph.out_spec is not None else flat[0]
 
     def train_step(self, batch: Any) -> torch.Tensor:
@@ -320,24 +336,79 @@ class ParallelModule(torch.nn.Module):
         micro-batch's loss weighs its share of the step's items (targets not ignored, else samples)
         over every data-parallel replica, so the gradients are those of one device on the whole
         batch; the replicas agree on the weights and on any refused size before any of them runs."""
+        rec = self._begin_step()
         try:
             micro, problem = split_batch(batch, self.plan.num_micro_batches), None
         except PlanError as e:  # told to the other replicas first, as any refused size is
             micro, problem = [], str(e)
         weights = self._agree(micro, problem)
+        self._last_forward = ("train_step", micro)
         if self.plan.pipeline is not None:
             self._micro_weights = weights
-            return self._pipeline_step(micro)
+            return self._end_step(self._pipeline_step(micro))
         total = None
         for i, (mb, w) in enumerate(zip(micro, weights)):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
+                rec.at("forward", 0, i)
                 loss = self._loss_of(mb)
                 scale = self.loss_scale * w
+                rec.at("backward", 0, i)
                 (loss * scale if scale != 1.0 else loss).backward()
             part = loss.detach() * w
             total = part if total is None else total + part
-        return total
+        return self._end_step(total)
+
+    # -- faults ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Have the process's watchdog watch this module's flight recorder (runtime/watchdog.py)."""
+        knobs = self.plan.knobs
+        timeout = knobs.collective_timeout_s or default_timeout_s(dist.get_backend())
+        WATCHDOG.watch(self.flight_recorder, timeout, knobs.report_dir or "nnscaler_reports", self._device)
+
+    def _begin_step(self) -> FlightRecorder:
+        rec = self.flight_recorder
+        rec.begin_step()
+        if self.plan.world_size > 1 and WATCHDOG.recorder() is not rec:
+            self._watch()
+        return rec
+
+    def _end_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss kept for the non-finite check; without an optimizer from
+        `nns.build_optimizer` (which checks before it steps) the check runs here, and a step to
+        skip drops the gradients (a torch optimizer then changes nothing)."""
+        self.nonfinite.last_loss = loss
+        if not self.sharded_optimizer and self.plan.knobs.on_nonfinite != "ignore":
+            self.flight_recorder.at("non-finite check")
+            grads = [(self.program.shards[v].fqn, self.local_tensor(v).grad) for v in self._held
+                     if self.program.shards[v].kind == "param"]
+            if self.nonfinite.check(grads, "train_step"):
+                self.zero_grad(set_to_none=True)
+        self.flight_recorder.end_step()
+        return loss
+
+    def replay_last_forward(self, run: Callable[[Callable[[], Any]], Any]) -> bool:
+        """Run the last step's forward again, without gradients, each forward call through
+        `run(fn)` (a tracer looking at every statement's output); the flight recorder says which
+        micro-batch and stage runs. Collective like the step itself: every rank calls it. False when
+        there is nothing to run again."""
+        if self._last_forward is None:
+            return False
+        kind, what = self._last_forward
+        rec = self.flight_recorder
+        with torch.no_grad():
+            if kind == "forward":
+                args, kwargs = what
+                rec.at("re-run", 0, 0)
+                run(lambda: self._run(args, kwargs))
+            elif self.plan.pipeline is not None:
+                inputs = [flat for _, _, flat in self._step]
+                run(lambda: self._executor.forward_only(inputs))
+            else:
+                for i, mb in enumerate(what):
+                    rec.at("re-run", 0, i)
+                    run(lambda mb=mb: self._loss_of(mb))
+        return True
 
     def _agree(self, micro: list[Any], problem: Optional[str]) -> list[float]:
         """Each micro-batch's weight (its items over the step's, times the replicas: gradients are
@@ -353,7 +424,9 @@ class ParallelModule(torch.nn.Module):
         if self.dp_size > 1:
             t = torch.tensor([mine, 1.0 if problem else 0.0], dtype=torch.float64,
                              device=self._device if self._device.type != "meta" else "cpu")
+            self.flight_recorder.enter(OUTSIDE, "the step's agreement on batch sizes (all-reduce over every rank)")
             dist.all_reduce(t)
+            self.flight_recorder.leave()
             total = t[0].item() / self.plan.unit_size  # every device of a replica counted the same items
             if t[1].item() > 0 and problem is None:
                 problem = "another data-parallel replica's batch has sizes this plan cannot take (its rank says which)"
@@ -417,7 +490,9 @@ class ParallelModule(torch.nn.Module):
         src = self._comm.groups.global_rank(self.program.stage_groups[src_stage][0])
         group = self._unit_group()
         if group is not None:
+            self.flight_recorder.enter(OUTSIDE, f"the broadcast of the step's loss from rank {src} to its replica")
             dist.broadcast(loss, src=src, group=group)
+            self.flight_recorder.leave()
         return loss
 
     @property
@@ -458,6 +533,16 @@ class ParallelModule(torch.nn.Module):
                                "with compile=True instead")
         art = art.with_compile(backend)
         self.artifact, self.shape_programs, self.source_path = art, art.shapes, art.source_path
+
+    def random_stream(self) -> Optional[tuple[int, int]]:
+        """(base seed, forwards drawn so far) of this module's per-piece random ops (kernels/piece_rng.py),
+        or None when its program draws nothing: checkpoints keep it per rank, so a resumed job
+        draws the dropout masks the uninterrupted one would."""
+        return stream_state(self._comm) if self._comm.program.draws else None
+
+    def set_random_stream(self, state: tuple[int, int]) -> None:
+        """Continue the per-piece random stream from `random_stream()` saved earlier."""
+        set_stream_state(self._comm, state)
 
     def generated_source(self) -> str:
         with open(self.source_path) as f:

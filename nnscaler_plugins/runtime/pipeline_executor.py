@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, Task
 from nnscaler_plugins.kernels.collectives import pack_saved, saved_bytes, unpack_saved
+from nnscaler_plugins.runtime.flight_recorder import OUTSIDE
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
 from nnscaler_plugins.runtime.split_backward import SplitBackward
 
@@ -58,6 +59,7 @@ class StageRuntime:
     loss_scale: Callable[[], float]  # read at each loss backward (the optimizer moves it in fp16)
     boundary_shape: Callable[[str, int], tuple[int, ...]]  # (boundary value, micro-batch) -> its whole shape
     micro_weight: Callable[[int], float]  # a micro-batch's share of the step's loss
+    recorder: Any = None  # the flight recorder (runtime/flight_recorder.py): each task is a position
 
 
 @dataclass
@@ -161,12 +163,16 @@ class PipelineExecutor:
                           device=self.rt.device)
         return _Incoming(buf, dist.P2POp(dist.irecv, buf, self._global(src), tag=tag))
 
-    @staticmethod
-    def _wait(incoming: list["_Incoming"]) -> None:
+    def _wait(self, incoming: list["_Incoming"]) -> None:
         ops = [i.op for i in incoming if i.op is not None]
         if ops:
+            rec = self.rt.recorder
+            if rec is not None:
+                rec.enter(OUTSIDE, f"pipeline receive from rank(s) {sorted({op.peer for op in ops})}")
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+            if rec is not None:
+                rec.leave()
 
     def _send_forward(self, value: str, stage: int, t: torch.Tensor, mb: int, rnd: int) -> None:
         b = self.boundary[value]
@@ -306,7 +312,10 @@ class PipelineExecutor:
         self.stats = StepStats()
         z = self.rt.zero3
         reduce = z is not None and z.sync  # not inside the user's no_sync()
+        rec = self.rt.recorder
         for task in self.tasks:
+            if rec is not None:
+                rec.at(task.kind, task.stage, task.micro_batch)
             if task.kind == FORWARD:
                 self._forward(task, inputs)
             else:
@@ -329,3 +338,19 @@ class PipelineExecutor:
             raise RuntimeError(f"pipeline step ended with work left: {sorted(self._in_flight)} "
                                f"{sorted(self._mailbox)}")
         return self._loss_sum
+
+    def forward_only(self, inputs: list[list[Any]]) -> None:
+        """Every micro-batch's forward through this device's stages again, without gradients (the
+        non-finite check's re-run): micro-batch by micro-batch, stages in order, so each receive is
+        matched by a send an earlier forward posted. Collective over the pipeline like `run`."""
+        self._pending, self._outbox, self._mailbox, self._in_flight = [], [], {}, {}
+        self._loss_sum = torch.zeros((), device=self.rt.device)
+        rec = self.rt.recorder
+        for mb in range(len(inputs)):
+            for s in self.my_stages:
+                if rec is not None:
+                    rec.at("re-run", s, mb)
+                self._forward(Task(s, mb, FORWARD, grad=False), inputs)
+        for work, _ in self._pending:
+            work.wait()
+        self._pending, self._mailbox = [], {}

@@ -33,7 +33,10 @@ from nnscaler_plugins.search.network import Network, Span, span_of
 from nnscaler_plugins.search.opcost import OpCost, OpCosts
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-RECOMPUTE = ("none", "selective", "full")
+# "op": per-op selective checkpointing as torchtitan runs it (each layer recomputed in backward except the
+# outputs of every other weight matmul, of attention kernels and of reduce-scatters); priced for published
+# runs of that stack, not run by this runtime
+RECOMPUTE = ("none", "selective", "full", "op")
 BUCKET_BYTES = 25 * 1024 ** 2  # gradient reducer bucket (as DDP's default)
 
 
@@ -194,6 +197,7 @@ class CostModel:
         self._mem_rate = cluster.memory_bandwidth * eff.memory
         self._overhead = eff.op_overhead_s
         self._time: dict = {}
+        self._grad_inputs: dict = {}
         self._lay: dict = {}
         self._reshard: dict = {}
         self._reshard_direct: dict = {}
@@ -324,7 +328,7 @@ class CostModel:
                 self._time[key] = t
                 return t
         pieces = p.pieces * shard
-        isz = training.act_bytes
+        isz = max(4, training.act_bytes) if c.fp32 else training.act_bytes
         nbytes = self._local_bytes(c, p, isz) / shard
         oh = self._overhead
         mem_rate = self._mem_rate if self._kernels is None else self._table_mem_rate(nbytes)
@@ -393,8 +397,16 @@ class CostModel:
             out = self._lay[key] = (ins, outs, grads)
         return out
 
-    def _span(self, devices: Sequence[int]) -> Span:
+    def span(self, devices: Sequence[int]) -> Span:
+        """How the global `devices` lie on the cluster (nodes touched, members per node)."""
         return span_of(self.cluster, devices)
+
+    _span = span
+
+    @property
+    def streaming_rate(self) -> float:
+        """Bytes/s a streaming kernel (the optimizer step's element-wise update) reaches on this device."""
+        return self._mem_rate
 
     def replica_span(self, members: Sequence[int], unit: int, dp: int, to_global=lambda d: d) -> Span:
         """Span of unit devices `members` across all `dp` replicas of the unit (a data-parallel group)."""
@@ -459,10 +471,51 @@ class CostModel:
         """All-reduce of `nbytes` over global `devices`."""
         return self.net.all_reduce(nbytes, self._span(devices))
 
+    def reduce_scatter(self, nbytes: float, devices: Sequence[int]) -> float:
+        """Reduce-scatter of a whole tensor of `nbytes` over global `devices`."""
+        return self.net.reduce_scatter(nbytes, self._span(devices))
+
     def all_reduce_span(self, nbytes: float, span: Span) -> float:
         return self.net.all_reduce(nbytes, span)
 
     # -- memory ----------------------------------------------------------------------------------------
+    def backward_working_set(self, name: str, p: Placement, training: Training) -> float:
+        """Bytes an op's backward holds beside the activations: the gradient arriving for its outputs and
+        the gradients it makes for its inputs that need one (in its compute dtype; a loss's in fp32)."""
+        c = self.costs.ops[name]
+        if not c.needs_grad or c.kind == "view":
+            return 0.0
+        counted = self._grad_inputs.get(name)
+        if counted is None:  # which inputs get a gradient: a property of the op's place in the graph
+            g = self.graph
+            counted = self._grad_inputs[name] = tuple(
+                g.values[u.value].kind not in ("param", "buffer", "constant") and g.meta(u.value).requires_grad
+                for u in c.inputs)
+        # identical layers' ops share the sum (the search asks for it once per op and placement)
+        key = ("working set", c.key, counted, p.splits, p.blocks, training.act_bytes)
+        hit = self._time.get(key)
+        if hit is not None:
+            return hit
+        self._time[key] = total = self._working_set(c, counted, p, training)
+        return total
+
+    def _working_set(self, c: OpCost, counted_inputs: tuple, p: Placement, training: Training) -> float:
+        isz = max(4, training.act_bytes) if c.fp32 else training.act_bytes
+        counts = p.label_counts()
+        total = 0.0
+        uses = [(u, True) for u in c.outputs] + list(zip(c.inputs, counted_inputs))
+        for u, counted in uses:
+            if not counted or u.itemsize is not None:
+                continue
+            div = 1
+            for label in u.labels or ():
+                div *= counts.get(label, 1)
+            total += u.numel * isz / div
+        if c.fp32:  # a loss's backward forms the softmax of its input beside the gradient
+            total += max((u.numel * isz / math.prod(counts.get(x, 1) for x in (u.labels or ()))
+                          for u in c.inputs if u.itemsize is None), default=0.0)
+        return total
+
     def saved(self, name: str, p: Placement, training: Training,
               kept: Optional[Mapping[int, float]] = None) -> list[tuple[str, float, int]]:
         """(storage value, local bytes, replicas of it on the op's devices) the backward keeps; `kept`:
@@ -483,7 +536,8 @@ class CostModel:
             base = self.costs.storage(u.value)
             base_meta = self.graph.values[base].meta
             numel = base_meta.numel if base_meta is not None else u.numel
-            size = numel * (u.itemsize or training.act_bytes) / div
+            # a loss keeps its fp32 log-probabilities (the upcast logits' softmax), whatever the precision
+            size = numel * (u.itemsize or (max(4, training.act_bytes) if c.fp32 else training.act_bytes)) / div
             if kept and i in kept:
                 size *= kept[i]
             out.append((base, size, lay.replicas if lay is not None else 1))

@@ -7,8 +7,9 @@ preset), the table's per-kernel efficiencies (search/kernel_tables.py). What is 
 
 - `sustained` (FITTED, with a kernel table): the fraction of the table's kernel-benchmark speed that
   whole training steps of the stack reach. One number per stack, shared by every device:
-  `benchmarks/simulator_fidelity.py --fit` fits the 2021 stack's on four Megatron-LM rows and the
-  current stack's on three llm-foundry rows, and reports every other published run as held out.
+  `benchmarks/simulator_fidelity.py --fit` fits each stack's on the rows of `benchmarks/points_fit.py`
+  (four Megatron-LM rows for the 2021 stack, three llm-foundry rows for today's) and never on the
+  rows of `benchmarks/points_report.py`, which it reports.
 - `matmul`, `memory` (for clusters without a table, e.g. a user's file): the fractions of peak
   FLOP/s and of memory bandwidth every matmul and every memory-bound op reach.
 - `network` (set, 0.8): the fraction of a link's nominal bandwidth that collectives reach (NCCL's bus
@@ -23,7 +24,11 @@ Properties of the software, not constants: whether element-wise chains run fused
 Megatron's hand-fused kernels, torch.compile; off for eager PyTorch and the local CPU preset), whether
 attention written out is run as one flash kernel (`fused_attention`) and which flash family
 (`attention_kernel`), whether communication can run beside compute at all (`comm_overlap`: not for
-gloo processes on CPU cores), and the four overlap switches a plan may override (search/overlap.py).
+gloo processes on CPU cores), the four overlap switches a plan may override (search/overlap.py),
+whether the backward's tensor-parallel collectives run beside the weight-gradient matmuls
+(`tp_backward_overlap`), whether a saved all-gathered input is kept as a shard and gathered again
+(`regather_saved_inputs`: this runtime and Megatron) or kept whole (PyTorch DTensor), and how ZeRO-3
+gathers weights (`zero3_gather`: one weight at a time here, a layer at a time in FSDP).
 The presets' stacks are in search/cluster.py (`STACK_2021`, `STACK_CURRENT`).
 """
 from __future__ import annotations
@@ -62,9 +67,23 @@ class Efficiency:
     fused_attention: bool = False
     # Overlap the stack does by default (a plan's options of the same names override them; see overlap.py):
     tp_comm_overlap: bool = False  # tensor-parallel collectives pipelined with the neighbouring matmuls
+    # Without that pipelining, whether the backward's tensor-parallel collectives are issued asynchronously
+    # and run beside the weight-gradient matmuls, which do not need them (Megatron-LM's async tensor-parallel
+    # gradient all-reduce / reduce-scatter since late 2021; PyTorch DTensor's asynchronous collectives, waited
+    # for at first use). A property of the software stack, not a plan option.
+    tp_backward_overlap: bool = False
     overlap_grad_reduce: bool = True  # gradient reduce(-scatter) in buckets during the backward
     overlap_param_gather: bool = True  # ZeRO weight all-gathers prefetched under the forward / backward
     overlap_p2p: bool = True  # pipeline sends and receives asynchronous, beside compute
+    # Whether an all-gathered input that a column-split matmul saves for backward is kept as this device's
+    # shard and gathered again in backward, its gradient reduce-scattered (this runtime, Megatron-LM's
+    # sequence parallelism: less memory, one more all-gather), or kept whole with its gradient only
+    # reduce-scattered (PyTorch DTensor's sequence parallelism as torchtitan runs it).
+    regather_saved_inputs: bool = True
+    # How ZeRO-3 gathers weights: "param" (this runtime: one weight at a time as the code reads it, dropped
+    # after use) or "module" (FSDP / FSDP2 wrapping each layer: a layer's weights whole at once, the next
+    # layer's prefetched beside them, and in backward their gradients whole until reduce-scattered).
+    zero3_gather: str = "param"
 
     def to_json(self) -> dict:
         return asdict(self)

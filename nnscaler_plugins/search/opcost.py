@@ -59,6 +59,10 @@ LINEAR = frozenset({"add", "sub", "neg", "sum", "mean", "cat", "stack", "pad", "
 SAVES_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "exp", "tanh", "sigmoid", "relu",
                           "rsqrt", "sqrt", "reciprocal"})
 DROPOUT = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout"})
+# Losses every training stack computes in fp32 whatever the precision (Hugging Face's loss upcasts the
+# logits, Megatron's vocab-parallel cross-entropy and torchtitan's loss take them as float, autocast runs
+# them in fp32): their outputs, what they keep for backward and their gradients are 4-byte.
+LOSS_FP32 = frozenset({"log_softmax", "_log_softmax", "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"})
 # Ops that mask attention scores (where / masked_fill with a boolean mask, add with an additive one)
 MASKING = frozenset({"where", "masked_fill", "add"})
 # Ops that make a mask triangular (a causal mask is built from these, a padding mask is not)
@@ -103,6 +107,7 @@ class OpCost:
     # batch labels); attention kernels: (query-length label, query length, key length, head size, causal)
     gemm: tuple = ()
     attn: tuple = ()
+    fp32: bool = False  # computed in fp32 whatever the training precision (LOSS_FP32)
 
     def saved_uses(self) -> list[TensorUse]:
         return [self.inputs[i] if i >= 0 else self.outputs[~i] for i in self.saved]
@@ -286,7 +291,8 @@ class OpCosts:
                 saved = float_ins[:1] + [i for i, u in enumerate(ins) if u.itemsize is not None]
             else:
                 saved = float_ins  # an op with no known formula: assume it keeps its activation inputs
-        return OpCost(op.name, "memory", 0.0, 0.0, 0.0, ins, outs, needs_grad, saved, masks, key=key)
+        return OpCost(op.name, "memory", 0.0, 0.0, 0.0, ins, outs, needs_grad, saved, masks, key=key,
+                      fp32=name in LOSS_FP32)
 
     # -- storage ----------------------------------------------------------------------------------------
     def _copies(self, op: OpNode, name: str) -> bool:

@@ -1,7 +1,7 @@
 """Which communication of a step hides behind compute, and how much of it still shows.
 
-Four switches, each a plan option of the same name (``nns.plan(..., tp_comm_overlap=True)``, or
-``plan.options[...]``) that overrides the cluster's default (`Efficiency`, i.e. the software stack a
+Four switches, each a plan knob of the same name (``nns.plan(..., tp_comm_overlap=True)``, or
+``plan.knobs.tp_comm_overlap``; None: the cluster's) that overrides the cluster's default (`Efficiency`, i.e. the software stack a
 preset assumes):
 
 - ``tp_comm_overlap``: tensor-parallel collectives split into chunks and pipelined with the matmul
@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p")
-# What this repository's runtime does with each switch (for messages and `Estimate.details`).
+# What this repository's runtime does with each switch (for messages and `Estimate.details`); the last is the
+# stack's `Efficiency.tp_backward_overlap` (not a plan option): backward tensor-parallel collectives beside the
+# weight-gradient matmuls.
 RUNTIME_DOES = {"tp_comm_overlap": False, "overlap_grad_reduce": True, "overlap_param_gather": True,
-                "overlap_p2p": True}  # overlap_grad_reduce both ways; overlap_p2p only "on"
+                "overlap_p2p": True, "tp_backward_overlap": False}  # overlap_grad_reduce both ways; p2p only "on"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Overlap:
     param_gather: bool = True
     p2p: bool = True
     kappa: Optional[float] = 1.15  # slowdown of overlapped compute and communication; None: they cannot overlap
+    tp_backward: bool = False  # backward tensor-parallel collectives beside the weight-gradient matmuls
 
     @classmethod
     def of(cls, options: Mapping[str, Any], cluster) -> "Overlap":
@@ -59,8 +62,11 @@ class Overlap:
 
         if kappa is None:  # communication on the compute cores: nothing hides
             return cls(False, False, False, False, None)
+        # a plan that asks for its tensor-parallel collectives not overlapped (tp_comm_overlap=False, as
+        # this runtime runs them) gets none of the stack's backward overlap either
+        backward = bool(eff.tp_backward_overlap) and options.get("tp_comm_overlap") is not False
         return cls(pick("tp_comm_overlap"), pick("overlap_grad_reduce"), pick("overlap_param_gather"),
-                   pick("overlap_p2p"), kappa)
+                   pick("overlap_p2p"), kappa, backward)
 
     def tp_exposed(self, comm: float, compute: float, ways: int) -> float:
         """Time tensor-parallel communication `comm` adds to a pass whose compute takes `compute`."""
@@ -90,6 +96,8 @@ def not_run_as_priced(options: Mapping[str, Any], cluster, zero: int = 0, tp: bo
     out = []
     if o.tp_comm and tp and not RUNTIME_DOES["tp_comm_overlap"]:
         out.append("tp_comm_overlap")
+    elif o.tp_backward and tp and not RUNTIME_DOES["tp_backward_overlap"]:
+        out.append("tp_backward_overlap (the stack's)")
     if o.param_gather and zero in (1, 2):
         out.append("overlap_param_gather")
     if not o.p2p and o.kappa is not None:

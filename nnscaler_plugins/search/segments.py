@@ -30,6 +30,11 @@ class Group:
     shared: dict = field(default_factory=dict)  # the part of `inputs` made outside the layers (kept once)
     fwd: float = 0.0
     fwd_comm: float = 0.0
+    # what a checkpointing policy keeps of the group's own outputs (`Walker(keep_output=...)`): those
+    # storages stay from forward to backward, and the ops and collectives making them are not run again
+    kept: dict = field(default_factory=dict)  # storage -> bytes
+    kept_fwd: float = 0.0
+    kept_comm: float = 0.0
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Segment:
     # parameters: storage value -> (local elements, devices holding it, gradient partial-group size)
     params: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)  # value -> (local bytes, devices)
+    backward_working_set: float = 0.0  # the largest gradient working set of one op's backward (bytes)
 
     @property
     def activations(self) -> float:
@@ -68,7 +74,7 @@ class Segment:
             kept = dict(self.act)
             shared: dict = {}
             for g in self.groups.values():
-                for k, b in g.inputs.items():
+                for k, b in list(g.inputs.items()) + list(g.kept.items()):
                     kept[k] = max(kept.get(k, 0.0), b)
                 for k, b in g.shared.items():
                     shared[k] = max(shared.get(k, 0.0), b)
@@ -87,13 +93,15 @@ class Segment:
     def transient(self, recompute: str) -> float:
         """Extra bytes while a backward rebuilds the largest recompute group."""
         if recompute == "groups":
-            return max((sum(g.saved.values()) for g in self.groups.values()), default=0.0)
+            return max((sum(b for k, b in g.saved.items() if k not in g.kept) for g in self.groups.values()),
+                       default=0.0)
         return 0.0
 
     def recompute_time(self, recompute: str) -> tuple[float, float]:
         """(compute, communication) re-run in backward under a recomputation mode."""
         if recompute == "groups":
-            return sum(g.fwd for g in self.groups.values()), sum(g.fwd_comm for g in self.groups.values())
+            return (sum(g.fwd - g.kept_fwd for g in self.groups.values()),
+                    sum(g.fwd_comm - g.kept_comm for g in self.groups.values()))
         if recompute == "selective":
             return self.core_fwd, 0.0
         return 0.0, 0.0
@@ -117,7 +125,7 @@ class Walker:
     def __init__(self, graph: Graph, cm: CostModel, training: Training, num_segments: int,
                  to_global: Callable[[int], int] = lambda d: d, sp_layers: Optional[set] = None,
                  layer_segments: Optional[set] = None, group_of: Optional[Callable[[str], Any]] = None,
-                 cp_comm: str = "ring"):
+                 cp_comm: str = "ring", keep_output: Optional[Callable[[str], bool]] = None):
         self.graph, self.cm, self.t = graph, cm, training
         self.cp_comm = cp_comm  # how attention split along its sequence meets its keys (the plan's option)
         self.segments = [Segment() for _ in range(num_segments)]
@@ -125,6 +133,8 @@ class Walker:
         self.sp_ops = sp_layers or set()  # ops where sequence parallelism (the plan option) applies
         self.layer_segments = set(range(num_segments)) if layer_segments is None else set(layer_segments)
         self.group_of = group_of or (lambda name: None)  # recompute group of an op (None: kept)
+        # a checkpointing policy inside the groups: ops whose outputs are kept rather than recomputed
+        self.keep_output = keep_output
         # (src segment, dst segment) -> bytes per micro-batch crossing, and the part needing gradients
         self.boundary: dict[tuple[int, int], float] = {}
         self.boundary_grad: dict[tuple[int, int], float] = {}
@@ -151,8 +161,11 @@ class Walker:
         storage: dict[str, tuple[Layout, int]] = {}
         delivered: set = set()
         sp = t.sequence_parallel
+        regather = cm.cluster.efficiency.regather_saved_inputs
         made_by: dict[str, Any] = {}  # value -> recompute group of its producer
         gathered: dict[str, float] = {}  # value -> the piece of it kept, for views of gathered values
+        copies: dict[str, list[int]] = {}  # weight -> the segments holding a copy of it (one per device group)
+        copy_layout: dict[tuple[str, int], tuple[Layout, int]] = {}
         for op in ops:
             name = op.name
             k = segment_of(name)
@@ -179,8 +192,11 @@ class Walker:
             seg.flops += ot.flops * 3 if c.needs_grad else ot.flops
             if c.core:
                 seg.core_fwd += ot.fwd
+            keeps = group is not None and self.keep_output is not None and self.keep_output(name)
             if group is not None:
                 group.fwd += ot.fwd
+                if keeps:
+                    group.kept_fwd += ot.fwd
             ins, outs, grads = cm.layouts(name, p)
             kept: dict[int, float] = {}  # input -> fraction of it the backward keeps (a gathered input's shard)
             view_of_gathered = None
@@ -192,9 +208,18 @@ class Walker:
                 isz = itemsize(val.meta.dtype, t)
                 needs_grad = val.meta.requires_grad and op.grad_enabled
                 if val.kind in ("param", "buffer", "constant"):
+                    # a weight read on another device group (a tied embedding on the last pipeline stage)
+                    # is a copy there, with its own states, as the runtime keeps it
+                    held = next((h for h in copies.get(v, ()) if not cross_segment(h, k)), None)
+                    if held is None:
+                        copies.setdefault(v, []).append(k)
+                        storage.pop(v, None)
+                    elif storage.get(v, (None, held))[1] != held:
+                        storage[v] = copy_layout[(v, held)]
                     if v not in storage:
                         lay = Layout(need.shape, need.group, need.replicas * need.partial, 1, need.splits, need.blocks)
                         storage[v] = (lay, k)
+                        copy_layout[(v, k)] = storage[v]
                         local = math.prod(lay.local_shape())
                         if val.kind == "param" and val.meta.requires_grad:
                             seg.params[v] = (local, tuple(sorted(set(lay.group))), grads[i])
@@ -239,6 +264,11 @@ class Walker:
                     f, b = cm.reshard(src, need, isz, self.to_global)
                     seg.fwd_comm += f
                     seg.bwd_comm += b if needs_grad else 0.0
+                    if group is not None and self.keep_output is not None and src.partial > 1:
+                        # a checkpointing policy keeps the result of a reduction of partial sums (torchtitan
+                        # saves its reduce-scatters' outputs): not communicated again in backward
+                        group.kept_comm += f
+                        group.kept[f"{v}:reduced"] = math.prod(need.local_shape()) * isz
                 # (a view of) a value gathered from pieces: the runtime keeps the piece for the backward
                 # of a consumer whose gradient is partial and gathers it again there, with a
                 # reduce-scatter of the gradient where an all-reduce was (the same traffic)
@@ -246,13 +276,22 @@ class Walker:
                          if gathered_from_pieces(src, need) else gathered.get(v) if src == need else None)
                 if piece is not None and c.kind == "view" and view_of_gathered is None:
                     view_of_gathered = piece
-                if piece is not None and grads[i] > 1 and needs_grad:
+                if piece is not None and grads[i] > 1 and needs_grad and regather:
                     kept[i] = piece
                 if grads[i] > 1 and needs_grad:
                     local = math.prod(need.local_shape()) * isz
-                    members = sorted(p.devices)[:grads[i]]
-                    seg.bwd_comm += cm.all_reduce(local, [self.to_global(d) for d in members])
+                    members = [self.to_global(d) for d in sorted(p.devices)[:grads[i]]]
+                    if piece is not None and not regather:
+                        # kept whole: the gradient goes back to the pieces by one reduce-scatter
+                        seg.bwd_comm += cm.reduce_scatter(local, members)
+                    else:  # an all-reduce; for a kept shard, the reduce-scatter plus the gather again
+                        seg.bwd_comm += cm.all_reduce(local, members)
             for j, v in enumerate(op.outputs):
+                if keeps and v is not None and j < len(outs) and outs[j] is not None and \
+                        g.values[v].meta is not None and g.values[v].meta.dtype.is_floating_point:
+                    base = costs.storage(v)
+                    group.kept[base] = max(group.kept.get(base, 0.0),
+                                           math.prod(outs[j].local_shape()) * itemsize(g.values[v].meta.dtype, t))
                 if v is not None and j < len(outs) and outs[j] is not None:
                     produced[v] = (outs[j], k)
                     made_by[v] = gid
@@ -261,6 +300,7 @@ class Walker:
             if group is not None:
                 group.fwd_comm += seg.fwd_comm - comm_before
             self._saved(seg, name, p, group, kept)
+            seg.backward_working_set = max(seg.backward_working_set, cm.backward_working_set(name, p, t))
         return self.segments
 
     def _saved(self, seg: Segment, name: str, p: Placement, group: Optional[Group],

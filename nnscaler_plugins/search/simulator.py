@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
@@ -32,6 +32,7 @@ from nnscaler_plugins.plan.timeline import Timeline
 from nnscaler_plugins.search.cluster import ClusterSpec, GiB
 from nnscaler_plugins.search.costmodel import CostModel, Training
 from nnscaler_plugins.search.layouts import Placement
+from nnscaler_plugins.search.opcost import ATTENTION, MATMUL
 from nnscaler_plugins.search.offload_cost import apply_offload
 from nnscaler_plugins.search.overlap import Overlap, not_run_as_priced
 from nnscaler_plugins.search.segments import Walker
@@ -149,6 +150,26 @@ def priced_settings(plan: Plan) -> dict:
             "overlap_p2p": k.overlap_p2p, "compile": k.compile}
 
 
+def op_checkpoint_policy(graph: Graph, part: Mapping[str, Any]) -> Callable[[str], bool]:
+    """torchtitan's per-op selective activation checkpointing, as a predicate on ops: inside each layer
+    the outputs of the 1st, 3rd, 5th, ... matmul with a weight operand and of attention kernels are kept;
+    everything else is recomputed in backward (its `_save_list` and "every second mm" rule)."""
+    keep: set = set()
+    count: dict[Any, int] = {}
+    for op in graph.ops:
+        layer = part.get(op.name)
+        if not isinstance(layer, tuple):
+            continue
+        name = op.short_name
+        if name in ATTENTION:
+            keep.add(op.name)
+        elif name in MATMUL and any(graph.values[v].kind == "param" for v in op.inputs):
+            count[layer] = count.get(layer, 0) + 1
+            if count[layer] % 2 == 1:
+                keep.add(op.name)
+    return keep.__contains__
+
+
 def training_of(plan: Plan, cluster: ClusterSpec) -> Training:
     """How `plan` trains, as the cost model prices it: from the fields the runtime reads.
 
@@ -189,16 +210,19 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     # recomputation: the plan's recompute groups when it has them; otherwise its "recompute" option
     # (full: every layer one group; selective: the attention cores)
     groups = {name: p.recompute for name, p in plan.ops.items() if getattr(p, "recompute", None) is not None}
+    keep_output = None
     if groups:
         group_of, mode = groups.get, "groups"
-    elif training.recompute == "full":
+    elif training.recompute in ("full", "op"):
         group_of = lambda n: part[n] if part[n] not in ("pre", "post") else None  # noqa: E731
         mode = "groups"
+        if training.recompute == "op":
+            keep_output = op_checkpoint_policy(graph, part)
     else:
         group_of, mode = (lambda n: None), training.recompute
     walker = Walker(graph, cm, training, len(seg_index), sp_layers=sp_ops,
                     layer_segments={i for i, layer in seg_layer.items() if layer}, group_of=group_of,
-                    cp_comm=plan.knobs.cp_comm)
+                    cp_comm=plan.knobs.cp_comm, keep_output=keep_output)
     placements = {name: Placement.of(p) for name, p in plan.ops.items()}
     segments = walker.run(graph.ops, placements.__getitem__, lambda n: seg_index[(stage_of[n], part[n])],
                           lambda a, b: seg_stage[a] != seg_stage[b])
@@ -234,6 +258,8 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     step = replay_step(stages, lists, shape, transfer, overlap_factor(cluster), keep_timeline)
     est = estimate_of(plan, cluster, training, stages, step, m)
     missing = not_run_as_priced(priced_settings(plan), cluster, training.zero, any(s.comm > 0 for s in stages))
+    if training.recompute == "op" and not groups:
+        missing.append("recompute='op' (per-op selective checkpointing)")
     if missing:
         est.details["not_run_as_priced"] = missing
     return est
@@ -260,7 +286,7 @@ class Transfers:
         cross = len({self.to_global(d) // dpn for d in list(sdev) + list(ddev)}) > 1
         net = self.cm.net
         if len(sdev) == len(ddev) and len(sdev) > 1:
-            inner = net.all_gather(nbytes, self.cm._span([self.to_global(d) for d in ddev]))
+            inner = net.all_gather(nbytes, self.cm.span([self.to_global(d) for d in ddev]))
             return net.p2p(nbytes / len(sdev), cross) + inner
         per_sender = math.ceil(len(ddev) / max(1, len(sdev)))
         return net.p2p(nbytes * per_sender, cross)

@@ -121,7 +121,8 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
             act += n * sum(kept.values())
             for k, b in kept_shared.items():
                 shared[k] = max(shared.get(k, 0.0), b)
-            transient = max(transient, s.transient(part.recompute))
+            # during a backward: a rebuilt recompute group, or one op's gradients beside what is held
+            transient = max(transient, s.transient(part.recompute), s.backward_working_set)
             for v, (nbytes, devs) in s.buffers.items():
                 if group and group[0] in devs:
                     sc.buffers += nbytes * n
@@ -148,26 +149,38 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
                 gather_b += ag + (cm.net.all_reduce(nbytes, span) if partition > 1
                                   else cm.net.reduce_scatter(nbytes, replicas))
             elif t.zero in (1, 2) and dp > 1:
-                # distributed optimizer: reduce-scatter the gradients, all-gather the updated weights
-                ar = cm.net.all_reduce(nbytes, span)
-                sync_time += ar / 2
-                sync_gather += ar / 2
+                # distributed optimizer: reduce-scatter the gradients (in their accumulation dtype), all-gather
+                # the updated weights (in theirs: half the bytes of fp32 gradients in bf16 training)
+                sync_time += cm.net.reduce_scatter(nbytes, span)
+                sync_gather += cm.net.all_gather(el * t.param_bytes, span)
             else:
                 sync_time += cm.net.all_reduce(nbytes, span)
             sync_time += (buckets - 1) * (cm.net.alpha_in if span.local else cm.net.alpha_x)
         states = _states(t, parts, worst, dp)
         sc.states = states
+        if t.zero >= 3 and dp > 1 and cm.cluster.efficiency.zero3_gather == "module":
+            # FSDP's working set: the largest layer's weights whole (and the next one's, prefetched) and its
+            # gradients whole before their reduce-scatter
+            largest = max((sum(local for local, devices, _ in part.segment.params.values() if worst in devices)
+                           for part in parts), default=0.0)
+            transient += largest * (2 * t.param_bytes + t.grad_bytes)
         act += sum(shared.values())
         ways = max(1, len(group))
         f = fwd + ov.tp_exposed(fcomm, fwd, ways)
-        b = bwd_in + rec + ov.tp_exposed(bcomm + rec_comm, bwd_in + bwd_w + rec, ways)
+        if ov.tp_comm or not ov.tp_backward:
+            b = bwd_in + rec + ov.tp_exposed(bcomm + rec_comm, bwd_in + bwd_w + rec, ways)
+        else:  # the backward's collectives beside its weight-gradient matmuls; recomputation's as in forward
+            b = bwd_in + rec + rec_comm + ov.hidden_behind(bcomm, bwd_w)
         w = bwd_w
         if gather:
             if kappa is None or not ov.param_gather:  # communication takes the cores compute would use
                 f, b = f + gather, b + gather_b
             else:
-                f = max(f, gather) * kappa
-                b = max(b + w, gather_b) * kappa - w
+                # the gathers run beside the pass's compute: what does not fit under it shows, and the
+                # overlapped part slows both by kappa (not the whole pass: a short gather under a long
+                # pass costs little)
+                f = f + ov.hidden_behind(gather, f)
+                b = b + ov.hidden_behind(gather_b, b + w)
         if not split_backward:
             b, w = b + w, 0.0
         sc.F, sc.B, sc.W = f, b, w
@@ -180,7 +193,7 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
         sc.sync_overlap, sc.gather_overlap = ov.grad_reduce, ov.param_gather
         per_param = t.param_bytes * 2 + t.grad_bytes + (t.master_bytes + t.optimizer_bytes) * 2
         opt_elems = sc.states["optimizer"] / max(1, t.master_bytes + t.optimizer_bytes)
-        sc.optimizer = opt_elems * per_param / cm._mem_rate
+        sc.optimizer = opt_elems * per_param / cm.streaming_rate
         out.append(sc)
     return out
 
@@ -219,19 +232,72 @@ def overlap_factor(cluster) -> Optional[float]:
     return eff.overlap_slowdown if eff.comm_overlap else None
 
 
+@dataclass(frozen=True)
+class ChunkTimes:
+    """When a rank's model chunk (one stage of it) runs its last backward and its first forward in the
+    replayed step: its gradients are reduced from the start of that backward on (buckets launched as
+    they fill) and its weights must be gathered again before that forward of the next step."""
+
+    last_backward_start: float
+    last_backward_end: float
+    first_forward_start: float
+
+
+def _sync_exposed(stages: list[StageCost], ks: list[int], end: float, kappa: float,
+                  chunks: dict[int, ChunkTimes]) -> float:
+    """Time the gradient reductions of a rank's chunks add after its last task: each chunk's reduction
+    starts with its last backward (Megatron's overlap-grad-reduce launches a chunk's buckets there; an
+    interleaved rank's later chunks finish their backwards while the earlier ones still compute), the
+    reductions queue on the network one after another, and what runs beside compute slows it by kappa."""
+    free = 0.0
+    total = 0.0
+    for k in sorted(ks, key=lambda k: chunks[k].last_backward_start):
+        sync = stages[k].sync
+        if sync <= 0:
+            continue
+        free = max(free, chunks[k].last_backward_start) + sync
+        total += sync
+    shown = max(0.0, free - end)
+    return shown + (kappa - 1.0) * (total - shown)
+
+
+def _gather_exposed(stages: list[StageCost], ks: list[int], kappa: float, chunks: dict[int, ChunkTimes]) -> float:
+    """Delay of the next step's first forwards waiting for the weights all-gathered after the optimizer
+    step (ZeRO-1/2 with overlap-param-gather): chunk by chunk in the order of their first forwards, each
+    needed by the end of its chunk's first forward (the gather runs ahead bucket by bucket)."""
+    free = delay = total = 0.0
+    for k in sorted(ks, key=lambda k: chunks[k].first_forward_start):
+        gather = stages[k].sync_gather
+        if gather <= 0:
+            continue
+        free += gather
+        total += gather
+        delay = max(delay, free - (chunks[k].first_forward_start + stages[k].F))
+    return delay + (kappa - 1.0) * (total - delay)
+
+
 def _finish(stages: list[StageCost], rank_stages: list[list[int]], ends: list[float], kappa: Optional[float],
-            last_b: list[float], m: int) -> tuple[float, list[float], list[float], list[float]]:
+            last_b: list[float], m: int, chunks: Optional[list[dict[int, ChunkTimes]]] = None
+            ) -> tuple[float, list[float], list[float], list[float]]:
+    """Step time and per-rank figures from the ranks' ends: gradient reduction and weight gathers after
+    the last tasks (overlapped as the stages allow), the optimizer step. `chunks`: each rank's chunk
+    times from a replayed timeline (the simulator); without them, the closed forms' window of one last
+    backward and one first forward (the search's screening)."""
     total, exposed, computes, comms = [], [], [], []
     for rank, ks in enumerate(rank_stages):
         sync = sum(stages[k].sync for k in ks)
         window = last_b[rank]
         overlapped = kappa is not None and all(stages[k].sync_overlap for k in ks)
-        extra = max(0.0, sync - window) + (kappa - 1.0) * min(sync, window) if overlapped else sync
+        if overlapped and chunks is not None:
+            extra = _sync_exposed(stages, ks, ends[rank], kappa, chunks[rank])
+        else:
+            extra = max(0.0, sync - window) + (kappa - 1.0) * min(sync, window) if overlapped else sync
         gather = sum(stages[k].sync_gather for k in ks)
         if gather:
             first_f = sum(stages[k].F for k in ks)
             if kappa is not None and all(stages[k].gather_overlap for k in ks):
-                extra += max(0.0, gather - first_f) + (kappa - 1.0) * min(gather, first_f)
+                extra += _gather_exposed(stages, ks, kappa, chunks[rank]) if chunks is not None else \
+                    max(0.0, gather - first_f) + (kappa - 1.0) * min(gather, first_f)
             else:
                 extra += gather
         opt = max((stages[k].optimizer for k in ks), default=0.0)
@@ -260,12 +326,19 @@ def replay_step(stages: list[StageCost], lists: list[list[Task]], shape: Pipelin
 
     tl = replay(lists, shape, duration, xfer)
     rank_stages = _rank_stages(shape.stage_rank)
-    ends, last_b = [], []
-    for events in tl.events:
+    ends, last_b, chunks = [], [], []
+    for rank, events in enumerate(tl.events):
         ends.append(events[-1].end if events else 0.0)
         lb = next((e for e in reversed(events) if e.task.kind != FORWARD), None)
         last_b.append(lb.end - lb.start if lb is not None else 0.0)
-    time, exposed, computes, comms = _finish(stages, rank_stages, ends, kappa, last_b, shape.micro_batches)
+        times: dict[int, ChunkTimes] = {}
+        for k in rank_stages[rank]:
+            back = [e for e in events if e.task.stage == k and e.task.kind != FORWARD]
+            fwd = next((e for e in events if e.task.stage == k and e.task.kind == FORWARD), None)
+            times[k] = ChunkTimes(back[-1].start if back else 0.0, back[-1].end if back else 0.0,
+                                  fwd.start if fwd is not None else 0.0)
+        chunks.append(times)
+    time, exposed, computes, comms = _finish(stages, rank_stages, ends, kappa, last_b, shape.micro_batches, chunks)
     release = WEIGHT if shape.split_backward else BACKWARD
     peaks, helds = [0.0] * len(stages), [0.0] * len(stages)
     for rank, events in enumerate(tl.events):

@@ -1,0 +1,269 @@
+"""Non-finite losses and gradients, stopped before they do harm (the plan's `knobs.on_nonfinite`).
+
+Before the optimizer changes any weight, every rank looks at what it holds (the step's loss and
+its gradients: one max-of-absolute-values per tensor, on the device) and the ranks agree on one
+flag (one all-reduce of one number over the world), so all of them act at the same step:
+
+- "raise": `NonFiniteError` on every rank. Before raising, the ranks re-run the step's forward
+  together (no gradients; each collective as in the step) with a check after every statement of
+  the generated program, and name the first op, in program order, whose output was not finite,
+  with its model source line, micro-batch, stage and rank; when the forward was finite, the
+  parameters whose gradients were not.
+- "skip": the step is skipped on every rank (the optimizer changes nothing; with a plain torch
+  optimizer the gradients are dropped, so it skips every parameter).
+- "ignore": no check and no communication (what training did before the knob existed).
+
+fp16 keeps its own rule: the loss scaler skips a step whose gradients overflowed and lowers the
+scale (runtime/precision.py); that is the check there.
+
+The re-run is traced with `sys.settrace` over the generated files only: a statement's output is
+looked at when the next line starts, so the cost is paid only after something went wrong.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nnscaler_plugins.errors import NonFiniteError
+from nnscaler_plugins.runtime.flight_recorder import is_generated_file
+
+
+def nonfinite_flag(tensors: Iterable[Optional[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 on `device`: 1.0 when any of `tensors` holds a NaN or an infinity, else 0.0.
+    One max-of-absolute-values per tensor, no copy and no sync."""
+    ts = [t.detach() for t in tensors if t is not None and t.is_floating_point() and t.numel()]
+    dev = torch.device("cpu") if device.type == "meta" else device
+    if not ts:
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in ts:
+        by_device.setdefault(t.device, []).append(t)
+    peaks = []
+    for group in by_device.values():
+        peaks += [n.float().reshape(1).to(dev) for n in torch._foreach_norm(group, math.inf)]
+    return (~torch.isfinite(torch.cat(peaks))).any().float()
+
+
+def agree(flag: torch.Tensor) -> bool:
+    """Whether any rank's flag is set (collective over the world; no communication in one process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+# -- finding the first non-finite op -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Found:
+    """The first non-finite statement output one rank saw while re-running the forward."""
+
+    micro_batch: int
+    stage: int
+    index: int  # the statement's position in its stage's program
+    value: str  # the generated code's variable
+    what: str  # "nan", "inf" or "nan and inf"
+    op: str  # the op it computes, with module path and source line
+    source_code: str
+    rank: int
+
+    def order(self) -> tuple[int, int, int, int]:
+        return (self.micro_batch, self.stage, self.index, self.rank)
+
+    def describe(self) -> str:
+        code = f" `{self.source_code}`" if self.source_code else ""
+        return (f"op {self.op}{code} (its output {self.value} holds {self.what}; micro-batch {self.micro_batch}, "
+                f"stage {self.stage}, rank {self.rank})")
+
+
+def _kind(t: torch.Tensor) -> Optional[str]:
+    if not t.is_floating_point() or not t.numel():
+        return None
+    t = t.detach()
+    nan, inf = bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+    if not (nan or inf):
+        return None
+    return "nan and inf" if nan and inf else ("nan" if nan else "inf")
+
+
+def _assignments(path: str) -> dict[int, list[str]]:
+    """Line number -> the names an assignment on that line binds, for a generated file."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    out: dict[int, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            names = []
+            for target in node.targets:
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name):
+                        names.append(n.id)
+            out.setdefault(node.lineno, []).extend(names)
+    return out
+
+
+class StatementTracer:
+    """Looks at every value the generated code binds, statement by statement, while `run()` runs
+    under it; keeps the first non-finite one (where: `position()` says the micro-batch and stage)."""
+
+    def __init__(self, describe: Callable[[str, int], Optional[tuple[int, str, str]]],
+                 position: Callable[[], tuple[int, int]], rank: int):
+        self._lines: dict[str, Optional[dict[int, list[str]]]] = {}  # file -> its assignments (None: not generated)
+        self._describe = describe  # (value, stage) -> (statement index, op, source code) or None
+        self._position = position
+        self._rank = rank
+        self.found: Optional[Found] = None
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if self.found is not None:
+            return None
+        if event in ("line", "return"):
+            prev = self._prev.get(id(frame))
+            if prev is not None:
+                self._check(frame, prev)
+            self._prev[id(frame)] = frame.f_lineno if event == "line" else None
+        return self._local
+
+    def _check(self, frame: Any, line: int) -> None:
+        names = (self._lines.get(frame.f_code.co_filename) or {}).get(line, ())
+        values = frame.f_locals
+        for name in names:
+            v = values.get(name)
+            if isinstance(v, torch.Tensor):
+                what = _kind(v)
+                if what is not None:
+                    mb, stage = self._position()
+                    info = self._describe(name, stage) or (-1, name, "")
+                    self.found = Found(mb, stage, info[0], name, what, info[1], info[2], self._rank)
+                    return
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        if event != "call" or self.found is not None:
+            return None
+        name = frame.f_code.co_filename
+        if name not in self._lines:
+            self._lines[name] = _assignments(name) if is_generated_file(name) else None
+        return self._local if self._lines[name] is not None else None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        self._prev: dict[int, Optional[int]] = {}
+        old = sys.gettrace()
+        sys.settrace(self._global)
+        try:
+            return fn()
+        finally:
+            sys.settrace(old)
+
+
+def statement_index(program: Any, unit_device: int) -> Callable[[str, int], Optional[tuple[int, str, str]]]:
+    """(generated variable, stage) -> (statement index, the op in words, its source code) for this
+    device's program."""
+    table: dict[tuple[str, int], tuple[int, str, str]] = {}
+    for stage, sp in program.ranks[unit_device].stages.items():
+        for i, stmt in enumerate(sp.stmts):
+            for name in stmt.out or ():
+                op = stmt.op
+                where = op.where() if op is not None else name
+                code = getattr(op, "source_code", "") or ""
+                table.setdefault((name, stage), (i, where if stmt.kind == "op" else
+                                                 f"{stmt.kind} {stmt.comment or ''} for {where}".strip(), code))
+    return lambda name, stage: table.get((name, stage))
+
+
+def first_nonfinite(found: Optional[Found]) -> Optional[Found]:
+    """The first, in program order, of every rank's find (collective over the world)."""
+    everyone: list[Optional[Found]] = [found]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+    hits = [f for f in everyone if f is not None]
+    return min(hits, key=Found.order) if hits else None
+
+
+def bad_gradients(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> list[str]:
+    """Names of the gradients here that hold a NaN or an infinity, with what they hold."""
+    out = []
+    for name, g in named:
+        if g is not None:
+            what = _kind(g)
+            if what is not None:
+                out.append(f"{name} ({what})")
+    return out
+
+
+def all_bad_gradients(mine: list[str]) -> list[str]:
+    """Every rank's `bad_gradients`, each name once, with the ranks that hold it (collective)."""
+    everyone: list[list[str]] = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+    ranks: dict[str, list[int]] = {}
+    for r, names in enumerate(everyone):
+        for n in names:
+            ranks.setdefault(n, []).append(r)
+    return [f"{n} on rank(s) {rs}" for n, rs in ranks.items()]
+
+
+def raise_nonfinite(step: int, where: str, found: Optional[Found], gradients: list[str], loss_bad: bool,
+                    searched: bool) -> None:
+    """Raise the NonFiniteError every rank raises alike."""
+    what = "loss" if loss_bad and not gradients else ("loss and gradients" if loss_bad else "gradients")
+    lines = [f"step {step}: non-finite {what} (NaN or infinity) on some rank; {where} stopped on every rank before "
+             "the optimizer changed any weight."]
+    if found is not None:
+        lines.append(f"The first non-finite output in program order: {found.describe()}.")
+    elif searched:
+        lines.append("Re-running the step's forward found every op's output finite: the non-finite values arose in "
+                     "the backward.")
+    if gradients:
+        lines.append("Non-finite gradients: " + "; ".join(gradients[:8]) + (" ..." if len(gradients) > 8 else "") + ".")
+    lines.append("Look at that op's inputs (the batch, a learning rate too high, a log or division at 0); "
+                 "on_nonfinite='skip' skips such steps instead, on_nonfinite='ignore' trains on.")
+    raise NonFiniteError(" ".join(lines[:1]) + "\n  " + "\n  ".join(lines[1:]), step=step,
+                         op=None if found is None else found.op, rank=None if found is None else found.rank,
+                         gradients=tuple(gradients))
+
+
+class NonFiniteGuard:
+    """A ParallelModule's check of each step (see the module docstring): `check` is called once per
+    step, before any weight changes, by the optimizer `nns.build_optimizer` made, or by `train_step`
+    itself when no such optimizer exists. `last_loss` is the loss `train_step` last returned."""
+
+    def __init__(self, module: Any):
+        self.module = module
+        self.steps = 0
+        self.last_loss: Optional[torch.Tensor] = None
+
+    @property
+    def mode(self) -> str:
+        return self.module.plan.knobs.on_nonfinite
+
+    def check(self, gradients: Sequence[tuple[str, Optional[torch.Tensor]]], where: str) -> bool:
+        """Collective over the world (every rank calls it at the same point of the step). True when
+        the step must be skipped; raises NonFiniteError in "raise" mode."""
+        if self.mode == "ignore":
+            return False
+        self.steps += 1
+        module = self.module
+        dev = module.device if module.device.type != "meta" else torch.device("cpu")
+        loss, self.last_loss = self.last_loss, None
+        flags = torch.stack([nonfinite_flag([g for _, g in gradients], dev), nonfinite_flag([loss], dev)])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        grad_bad, loss_bad = (bool(x) for x in flags.tolist())
+        if not (grad_bad or loss_bad):
+            return False
+        if self.mode == "skip":
+            return True
+        found, searched = None, False
+        rec = module.flight_recorder
+        tracer = StatementTracer(statement_index(module.program, module.unit_device),
+                                 lambda: (rec.micro_batch, rec.stage), module.rank)
+        searched = module.replay_last_forward(tracer.run)
+        found = first_nonfinite(tracer.found)
+        raise_nonfinite(self.steps, where, found, all_bad_gradients(bad_gradients(gradients)), loss_bad, searched)
+        return True  # not reached
