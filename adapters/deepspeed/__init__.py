@@ -117,6 +117,9 @@ def plan_session(settings: Settings) -> Session:
     options = dict(settings.plan_options, zero=settings.zero_stage, precision=settings.precision)
     if settings.offload is not None:
         options["offload"] = settings.offload
+    # a non-finite step is the engine's to handle as DeepSpeed does (fp16: the loss scaler skips it and
+    # lowers the scale; bf16 / fp32: counted as an overflow); the nnscaler section may still ask otherwise
+    options.setdefault("on_nonfinite", "ignore")
     try:
         return Session(settings.plan, where=WHERE, **options)
     except (PlanError, FileNotFoundError) as e:
@@ -130,7 +133,7 @@ def parallel_degrees(session: Session, world_size: int) -> tuple[int, int]:
     try:
         return session.source.degrees(world_size, session.options)
     except PlanError as e:
-        shown = {k: v for k, v in session.options.items() if k not in ("zero", "precision", "offload")}
+        shown = {k: v for k, v in session.options.items() if k not in ("zero", "precision", "offload", "on_nonfinite")}
         raise DeepSpeedConfigError(f"nnscaler section {dict(plan=session.source.name, **shown)}: {e}") from None
 
 
