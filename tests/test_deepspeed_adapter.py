@@ -16,6 +16,7 @@ import models
 from nnscaler_plugins.adapters import deepspeed
 from nnscaler_plugins.adapters.deepspeed import schedulers as ours
 from nnscaler_plugins.adapters.deepspeed.config import DeepSpeedConfigError, resolve_batch, translate
+from nnscaler_plugins.adapters.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from nnscaler_plugins.adapters.deepspeed.optimizers import build_optimizer
 
 
@@ -81,16 +82,21 @@ def test_keys_are_accepted_warned_or_refused_by_name() -> None:
 
 
 def test_nnscaler_section_sets_the_data_parallel_size_before_launch() -> None:
-    from nnscaler_plugins.adapters.deepspeed import _degrees
+    from nnscaler_plugins.adapters.deepspeed import parallel_degrees, plan_session
 
-    assert _degrees("dp", {}, 4) == (1, 4)
-    assert _degrees("tp", {"tp": 2}, 4) == (2, 2)
-    assert _degrees("1f1b", {"pp": 2}, 4) == (2, 2)
-    assert _degrees("auto", {}, 4) == (4, 1)  # the search decides inside one replica of the whole world
+    def degrees(section: dict, world: int) -> tuple[int, int]:
+        return parallel_degrees(plan_session(translate({"train_batch_size": 4, "nnscaler": section})), world)
+
+    assert degrees({"plan": "dp"}, 4) == (1, 4)
+    assert degrees({"plan": "tp", "tp": 2}, 4) == (2, 2)
+    assert degrees({"plan": "1f1b", "pp": 2}, 4) == (2, 2)
+    assert degrees({"plan": "auto"}, 4) == (4, 1)  # the search decides inside one replica of the whole world
     with pytest.raises(DeepSpeedConfigError, match="unknown strategy 'tensor'"):
-        _degrees("tensor", {}, 2)
+        degrees({"plan": "tensor"}, 2)
     with pytest.raises(DeepSpeedConfigError, match="nnscaler section"):
-        _degrees("hybrid", {"tp": 3}, 4)
+        degrees({"plan": "hybrid", "tp": 3}, 4)
+    with pytest.raises(DeepSpeedConfigError, match="'nnscaler' section.*'tpp'"):  # a misspelt option, once
+        plan_session(translate({"train_batch_size": 4, "nnscaler": {"plan": "hybrid", "tpp": 2}}))
     with pytest.raises(DeepSpeedConfigError, match="micro-batches are the config's gradient_accumulation_steps"):
         translate({"train_batch_size": 4, "nnscaler": {"plan": "1f1b", "micro_batches": 4}})
 
@@ -98,8 +104,12 @@ def test_nnscaler_section_sets_the_data_parallel_size_before_launch() -> None:
 def test_optimizer_names_follow_deepspeed() -> None:
     ps = [torch.nn.Parameter(torch.ones(2))]
     adam = build_optimizer("Adam", {"lr": 0.1}, ps)  # adam_w_mode defaults to true; fused Adam's weight_decay 0
-    assert type(adam) is torch.optim.AdamW and adam.defaults["weight_decay"] == 0.0
-    assert type(build_optimizer("adam", {"adam_w_mode": False}, ps)) is torch.optim.Adam
+    assert type(adam) is FusedAdam and adam.defaults["weight_decay"] == 0.0
+    assert adam.defaults["decoupled_weight_decay"] and adam.defaults["adam_w_mode"]
+    plain = build_optimizer("adam", {"adam_w_mode": False}, ps)
+    assert type(plain) is FusedAdam and not plain.defaults["decoupled_weight_decay"]
+    cpu = build_optimizer("AdamW", {}, ps, cpu_optimizer=True)  # an offloaded optimizer: DeepSpeed's CPU Adam
+    assert type(cpu) is DeepSpeedCPUAdam and cpu.defaults["decoupled_weight_decay"]
     torch_adamw = build_optimizer("AdamW", {"torch_adam": True}, ps)
     assert type(torch_adamw) is torch.optim.AdamW and torch_adamw.defaults["weight_decay"] == 0.01
     assert type(build_optimizer("SGD", {"lr": 0.1, "momentum": 0.9}, ps)) is torch.optim.SGD
@@ -162,11 +172,11 @@ def test_translation_is_a_hook_a_plugin_can_take_over() -> None:
     plugin = Lenient()
     register(plugin, name="lenient")
     try:
-        from nnscaler_plugins.adapters.deepspeed import _settings_of
+        from nnscaler_plugins.adapters.deepspeed import settings_of
 
-        assert _settings_of({"train_batch_size": 4, "my_key": 1}).train_batch_size == 4
+        assert settings_of({"train_batch_size": 4, "my_key": 1}).train_batch_size == 4
         with pytest.raises(DeepSpeedConfigError, match="my_other_key"):
-            _settings_of({"train_batch_size": 4, "my_other_key": 1})
+            settings_of({"train_batch_size": 4, "my_other_key": 1})
     finally:
         unregister(plugin)
 
@@ -238,7 +248,7 @@ def _data_parallel_engine(rank: int, world: int, ckpt_dir: str) -> dict:
             engine.backward(loss)
             if step == 0 and m == 0:  # off the boundary the gradients stay local
                 grads = [None, None]
-                dist.all_gather_object(grads, engine.module.parameter("fc1.weight").grad.clone())
+                dist.all_gather_object(grads, engine.parallel_module.parameter("fc1.weight").grad.clone())
                 out["unreduced"] = not torch.allclose(grads[0], grads[1])
             engine.step()
             out["losses"].append(loss.item())
@@ -381,7 +391,7 @@ def test_zero_stages_and_bf16(workers2) -> None:
         for case in r.values():
             if case["skipped"] == 0:
                 assert case["lr"] == [pytest.approx(0.01 * 0.5 ** 3)]
-        assert r[(0, "fp32")]["optimizer"] == "AdamW" and r[(2, "fp32")]["optimizer"] == "ZeroOptimizer"
+        assert r[(0, "fp32")]["optimizer"] == "FusedAdam" and r[(2, "fp32")]["optimizer"] == "ZeroOptimizer"
         assert r[(2, "fp32")]["no_sync_refused"] and r[(3, "bf16")]["stage"] == 3
 
 

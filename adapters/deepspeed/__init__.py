@@ -10,6 +10,11 @@ about by name (the table is `keys.py`). An optional "nnscaler" section picks the
 `{"nnscaler": {"plan": "tp"}}`, `{"plan": "1f1b", "pp": 2}`, `{"plan": "auto"}`; data parallel
 otherwise. Importing this module never imports DeepSpeed itself.
 
+DeepSpeed's module paths that scripts import from resolve here too (`deepspeed.comm`,
+`deepspeed.accelerator`, `deepspeed.runtime.lr_schedules`, `deepspeed.runtime.zero`,
+`deepspeed.ops.adam`, `deepspeed.utils.zero_to_fp32`, `deepspeed.checkpoint.utils`), each holding
+this engine's objects under DeepSpeed's names.
+
 The built-in config translation is a plugin: it implements the `nnscaler_translate_deepspeed_config`
 hook and is registered through the `nnscaler_plugins` entry point like any third-party plugin.
 """
@@ -23,8 +28,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.plugins import get_plugin_manager
+from nnscaler_plugins.session import Session
 
 from .config import (
     DeepSpeedConfigError,
@@ -33,6 +40,7 @@ from .config import (
     resolve_batch,
     translate,
 )
+from .checkpoint import DS_VERSION
 from .engine import DeepSpeedEngine
 from .errors import ZeRORuntimeException
 from .launch import add_config_arguments, init_distributed
@@ -45,14 +53,22 @@ from .schedulers import (
     WarmupLR,
     build_scheduler,
 )
-from . import checkpoint, utils, zero
+from . import accelerator, checkpoint, comm, ops, runtime, utils, zero
+from .accelerator import get_accelerator
 from .zero_optimizer import ZeroOptimizer
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
-           "ZeRORuntimeException", "checkpoint", "zero", "utils",
-           "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+__all__ = ["initialize", "settings_of", "plan_session", "parallel_degrees", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
+           "ZeRORuntimeException", "checkpoint", "zero", "utils", "comm", "ops", "runtime", "accelerator",
+           "get_accelerator", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 PLUGIN_NAME = "builtin_deepspeed"
+
+# The DeepSpeed release whose behaviour (config, engine, checkpoint layout) this drop-in follows,
+# under the names DeepSpeed's version attributes have; there is no DeepSpeed source tree behind it.
+__version__ = DS_VERSION
+__version_major__, __version_minor__, __version_patch__ = (int(v) for v in DS_VERSION.split("."))
+__git_hash__ = None
+__git_branch__ = None
 
 
 @hookimpl
@@ -70,7 +86,10 @@ def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
     return translate(config).to_dict()
 
 
-def _settings_of(config: dict) -> Settings:
+def settings_of(config: dict) -> Settings:
+    """The engine's settings from a DeepSpeed config dict, translated by the `nnscaler_translate_deepspeed_config`
+    hook (the built-in translation unless a plugin answers first). The plan it names is checked by
+    `plan_session`."""
     pm = get_plugin_manager()
     this = sys.modules[__name__]
     # Imported directly while entry points are switched off: the built-in still applies, unless
@@ -82,30 +101,40 @@ def _settings_of(config: dict) -> Settings:
         raise DeepSpeedConfigError(f"no plugin translated the DeepSpeed config (the built-in {PLUGIN_NAME!r} is "
                                    "blocked); unblock it or install a plugin implementing "
                                    "nnscaler_translate_deepspeed_config")
-    settings = result if isinstance(result, Settings) else Settings(**result)
-    if isinstance(settings.plan, (str, os.PathLike)):  # whichever plugin translated it: option names checked here
-        from nnscaler_plugins.errors import PlanError
-        from nnscaler_plugins.plan.source import check_options
-
-        try:
-            check_options(settings.plan, settings.plan_options, "the DeepSpeed config's 'nnscaler' section")
-        except PlanError as e:
-            raise DeepSpeedConfigError(str(e)) from None
-    return settings
+    return result if isinstance(result, Settings) else Settings(**result)
 
 
-def _degrees(plan: Any, options: dict, world_size: int) -> tuple[int, int]:
-    """(ranks per model replica, data-parallel size) of the plan the config names, before it exists:
-    the batch sizes and the data loader need the data-parallel size at initialize."""
-    from nnscaler_plugins.errors import PlanError
-    from nnscaler_plugins.plan.source import resolve
+#: How messages name where the plan and its options were written.
+WHERE = "the DeepSpeed config's 'nnscaler' section"
 
-    if not isinstance(plan, (str, os.PathLike)):
-        raise DeepSpeedConfigError(f"nnscaler.plan must be a strategy name or a plan file, got {plan!r}")
+
+def plan_session(settings: Settings) -> Session:
+    """The job's one `Session`: the plan the config names, resolved once and its options checked
+    (whichever plugin translated the config), before the process group is touched. The training
+    fields (ZeRO stage, precision, offload) are the config's own sections'."""
+    if not isinstance(settings.plan, (str, os.PathLike)):
+        raise DeepSpeedConfigError(f"nnscaler.plan must be a strategy name or a plan file, got {settings.plan!r}")
+    options = dict(settings.plan_options, zero=settings.zero_stage, precision=settings.precision)
+    if settings.offload is not None:
+        options["offload"] = settings.offload
+    # a non-finite step is the engine's to handle as DeepSpeed does (fp16: the loss scaler skips it and
+    # lowers the scale; bf16 / fp32: counted as an overflow); the nnscaler section may still ask otherwise
+    options.setdefault("on_nonfinite", "ignore")
     try:
-        return resolve(plan, "nnscaler.plan").degrees(world_size, options)
+        return Session(settings.plan, where=WHERE, **options)
     except (PlanError, FileNotFoundError) as e:
-        raise DeepSpeedConfigError(f"nnscaler section {dict(plan=plan, **options)}: {e}") from None
+        raise DeepSpeedConfigError(str(e)) from None
+
+
+def parallel_degrees(session: Session, world_size: int) -> tuple[int, int]:
+    """(ranks per model replica, data-parallel size) of the session's plan on `world_size` ranks,
+    before the plan exists: the batch sizes and the data loader need the data-parallel size at
+    initialize."""
+    try:
+        return session.source.degrees(world_size, session.options)
+    except PlanError as e:
+        shown = {k: v for k, v in session.options.items() if k not in ("zero", "precision", "offload", "on_nonfinite")}
+        raise DeepSpeedConfigError(f"nnscaler section {dict(plan=session.source.name, **shown)}: {e}") from None
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
@@ -126,7 +155,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     """
     assert model is not None, "deepspeed.initialize requires a model"
     raw = load_config(config, config_params, args)
-    settings = _settings_of(raw)
+    settings = settings_of(raw)
+    session = plan_session(settings)
     if not isinstance(model, torch.nn.Module):
         raise DeepSpeedConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None:
@@ -144,13 +174,15 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if settings.zero_stage in (1, 2):  # DeepSpeed's ZeRO-1/2 optimizer asserts it
         assert settings.allgather_bucket_size % 2 == 0, (
             "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2 ")
-    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):  # DeepSpeed asserts it too
+    if _asserted_scheduler(lr_scheduler):  # DeepSpeed asserts it too
         assert isinstance(optimizer, torch.optim.Optimizer), (
-            "a client lr_scheduler object needs the client optimizer object it was made on (pass optimizer=)")
+            f"Client Optimizer (type = {type(optimizer)} is not instantiated but Client LR Scheduler is "
+            "instantiated: a client lr_scheduler object needs the client optimizer object it was made on "
+            "(pass optimizer=)")
 
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     rank, world = dist.get_rank(), dist.get_world_size()
-    unit, dp = _degrees(settings.plan, settings.plan_options, world)
+    unit, dp = parallel_degrees(session, world)
     resolve_batch(settings, dp)
 
     if optimizer is not None and settings.client_optimizer_refused:  # DeepSpeed raises it here too
@@ -166,8 +198,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if opt is not None and (settings.zero_stage > 0 or settings.precision != "fp32"):
         opt = ZeroOptimizer(opt)  # DeepSpeed hands back its ZeRO / mixed-precision wrapper here too
     sched = _make_scheduler(lr_scheduler, settings, opt)
-    engine = DeepSpeedEngine(model, settings, raw, optimizer=opt, lr_scheduler=sched, rank=rank, world_size=world,
-                             unit_size=unit, dp_size=dp)
+    _warn_if_detached(sched, opt)
+    engine = DeepSpeedEngine(model, settings, raw, session=session, optimizer=opt, lr_scheduler=sched, rank=rank,
+                             world_size=world, unit_size=unit, dp_size=dp)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     if example_inputs is None and engine.training_dataloader is not None:
@@ -175,6 +208,29 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if example_inputs is not None:
         engine.parallelize(example_inputs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _asserted_scheduler(scheduler: Any) -> bool:
+    """Whether DeepSpeed 0.19.8 asserts that this client scheduler came with its optimizer object:
+    it checks `isinstance(scheduler, torch.optim.lr_scheduler._LRScheduler)`, the deprecated base
+    that torch's own schedulers (LambdaLR, StepLR, OneCycleLR, ...) no longer derive from, so in
+    practice only schedulers written on that old base are checked; any other object is taken as
+    it is."""
+    old_base = getattr(torch.optim.lr_scheduler, "_LRScheduler", None)
+    return old_base is not None and isinstance(scheduler, old_base)
+
+
+def _warn_if_detached(scheduler: Any, optimizer: Any) -> None:
+    """A client scheduler made on another optimizer than the engine's steps that optimizer, not the
+    engine's (DeepSpeed takes it all the same): say so, since the learning rate will not follow it."""
+    bound = getattr(scheduler, "optimizer", None)
+    if bound is None or optimizer is None:
+        return
+    engine_side = {id(optimizer), id(getattr(optimizer, "inner", optimizer))}
+    if id(bound) not in engine_side:
+        warnings.warn(f"the lr_scheduler ({type(scheduler).__name__}) was made on an optimizer the engine does not "
+                      "step, so it will not change the engine's learning rate; make it on the optimizer passed to "
+                      "initialize (or pass a callable optimizer -> scheduler)", stacklevel=3)
 
 
 def _without_empty_groups(params: list) -> list:
@@ -206,7 +262,8 @@ def _make_optimizer(given: Any, settings: Settings, params: list) -> Any:
                                    f"{type(given).__name__}")
     if settings.optimizer is None:
         return None
-    return build_optimizer(settings.optimizer["type"], settings.optimizer["params"], params)
+    return build_optimizer(settings.optimizer["type"], settings.optimizer["params"], params,
+                           cpu_optimizer=settings.offload is not None)
 
 
 def _make_scheduler(given: Any, settings: Settings, optimizer: Any) -> Any:

@@ -473,12 +473,4 @@ def _nnscaler_section(section: Any) -> tuple[Any, dict]:
     if taken:
         raise DeepSpeedConfigError(f"nnscaler.{taken[0]}: the config's own sections set it (zero_optimization.stage, "
                                    "bf16 / fp16); remove it from the nnscaler section")
-    if isinstance(plan, (str, os.PathLike)):
-        from nnscaler_plugins.errors import PlanError
-        from nnscaler_plugins.plan.source import check_options
-
-        try:
-            check_options(plan, options, "the DeepSpeed config's 'nnscaler' section")
-        except PlanError as e:
-            raise DeepSpeedConfigError(str(e)) from None
-    return plan, options
+    return plan, options  # the plan and its option names are checked once, by `plan_session`

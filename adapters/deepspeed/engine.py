@@ -28,10 +28,13 @@ import torch.utils._pytree as pytree
 import nnscaler_plugins as nns
 from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
 from nnscaler_plugins.outputs import extract_loss
+from nnscaler_plugins.runtime.zero import all_gather_chunks
+from nnscaler_plugins.session import Session
 
 from . import checkpoint as ckpt
 from .checkpoint import universal
 from .config import DeepSpeedConfigError, Settings
+from .held_params import HeldParameters, register_in_place_of
 from .zero_optimizer import ZeroOptimizer
 
 log = logging.getLogger("nnscaler_plugins.deepspeed")
@@ -53,8 +56,8 @@ def _concat(batches: list) -> Any:
 class DeepSpeedEngine(torch.nn.Module):
     """DeepSpeed's engine surface over a ParallelModule. Build it with `initialize`."""
 
-    def __init__(self, model: torch.nn.Module, settings: Settings, config: dict, *, optimizer: Any,
-                 lr_scheduler: Any, rank: int, world_size: int, unit_size: int, dp_size: int,
+    def __init__(self, model: torch.nn.Module, settings: Settings, config: dict, *, session: Session,
+                 optimizer: Any, lr_scheduler: Any, rank: int, world_size: int, unit_size: int, dp_size: int,
                  cache_dir: str = ".nnscaler_cache"):
         super().__init__()
         # Kept out of nn.Module's registry: `parameters()` must be the weights that train, which
@@ -62,6 +65,7 @@ class DeepSpeedEngine(torch.nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_pmodule", None)
         self._settings = settings
+        self._session = session  # the plan, resolved once at initialize; it captures, plans and compiles
         self._config = config
         self._cache_dir = cache_dir
         self.optimizer = optimizer
@@ -77,6 +81,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.sparse_tensor_module_names: set = set()  # DeepSpeed's sparse-gradient modules: none here
+        # zero_optimization.enable_sanity_checks: writing into gathered parameters unannounced raises
+        self.sanity_checks = bool((config.get("zero_optimization") or {}).get("enable_sanity_checks", False))
         self._boundary_override: Optional[bool] = None
         self._in_no_sync = False
         self._grad_norm: Optional[float] = None
@@ -89,7 +96,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._tied = {n: self._model_param_names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
                       if self._model_param_names[id(p)] != n}
+        from .zero import take_from_engine, whole_shape
+
+        take_from_engine(model)  # (a model another engine trains: its current weights)
         self._model_params = dict(model.named_parameters())
+        self._whole_shapes = {n: whole_shape(p) for n, p in self._model_params.items()}
         self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
         if settings.precision != "fp32":  # DeepSpeed's bf16/fp16 engines hold the model in that dtype
             from nnscaler_plugins.runtime.precision import compute_dtype
@@ -101,10 +112,19 @@ class DeepSpeedEngine(torch.nn.Module):
         # A model built on the meta device (zero.Init) is initialized per piece when parallelized, from
         # one seed every rank agrees on here, so that saving it before then gives the same weights.
         self._init_seed: Optional[int] = _agreed_seed() if _has_meta(model) else None
+        # ZeRO-3: the parameters hold no values from here on, as DeepSpeed's (see held_params.py)
+        self._held: Optional[HeldParameters] = None
+        if settings.zero_stage >= 3:
+            self._held = HeldParameters(model, self._model_params, self._whole_shapes, self._model_param_names)
+
+    def _whole(self) -> Any:
+        """Before the model is parallelized: a context in which its parameters are whole (under
+        ZeRO-3 they are kept aside otherwise); nothing to do after."""
+        return self._held.whole() if self._held is not None and self._pmodule is None else contextlib.nullcontext()
 
     def _materialize(self) -> None:
         """The whole model in this process, initialized as parallelizing it would (only for state
-        asked of a meta model before it is parallelized)."""
+        asked of a meta model before it is parallelized). Call it inside `_whole()`."""
         if self._pmodule is None and _has_meta(self._model):
             nns.init_weights(self._model, self._init_seed)
 
@@ -113,7 +133,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """The model's name of `param`: one of the model's parameters, or this rank's piece of one."""
         name = self._model_param_names.get(id(param))
         if name is None and self._pmodule is not None:
-            name = next((n for n in self._model_params if self._pmodule.parameter(n) is param), None)
+            name = self.__dict__.get("_piece_names", {}).get(id(param))
         return name
 
     def _piece_of(self, param: torch.Tensor) -> tuple[str, Optional[torch.Tensor]]:
@@ -121,30 +141,62 @@ class DeepSpeedEngine(torch.nn.Module):
         return name, (self._pmodule.parameter(name) if self._pmodule is not None else None)
 
     def full_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """The whole gradient of a parameter as this rank holds it (deepspeed.utils.safe_get_full_grad)."""
+        """The whole, reduced gradient of a parameter (deepspeed.utils.safe_get_full_grad): where this
+        rank holds a piece of it (a ZeRO-2 gradient chunk, a ZeRO-3 chunk, a tensor-parallel piece)
+        the pieces are gathered, so every rank calls it, as in DeepSpeed. None before a backward."""
         name, local = self._piece_of(param)
         if local is None:
             return self._model_params[name].grad
-        if local.shape != self._model_params[name].shape:
-            raise NotImplementedError(f"{name}: this rank holds a piece of it under the plan (tensor parallel or "
-                                      "ZeRO-3); its whole gradient is not gathered here")
-        if local.grad is None and self._pmodule.plan.zero >= 2 and self.dp_world_size > 1:
-            raise NotImplementedError(f"{name}: under ZeRO-2 each rank keeps only its chunk of the gradient")
-        return local.grad
+        pm = self._pmodule
+        shard = pm.zero_shards.get(name)
+        reducer = pm.grad_reducer
+        chunk = None
+        if reducer is not None and id(local) in reducer.shard_grads:  # ZeRO-2: this rank's chunk
+            chunk = reducer.shard_grads[id(local)]
+        elif pm.zero3 is not None and shard is not None and tuple(local.shape) != tuple(shard.shape):
+            chunk = local.grad  # ZeRO-3: the chunk parameter's gradient
+            if chunk is None:
+                return None
+        if chunk is not None:
+            piece = torch.empty(shard.numel, dtype=chunk.dtype, device=chunk.device)
+            all_gather_chunks([shard], [chunk.reshape(-1)], [piece])
+            piece = piece.view(shard.shape)
+        else:
+            piece = local.grad
+            if piece is None:
+                return None
+        if tuple(piece.shape) != tuple(self._whole_shapes[name]):  # a tensor-parallel piece
+            piece = pm.whole_tensor(self._shard_key(name), piece, piece.dtype)
+        return piece
+
+    def _shard_key(self, name: str) -> str:
+        """The key (into the program's shards) of this device's piece of parameter `name`."""
+        for key in self._pmodule.held_keys:
+            s = self._pmodule.program.shards[key]
+            if s.kind == "param" and s.fqn == name:
+                return key
+        raise KeyError(name)
 
     def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Make `value` (the whole, reduced gradient) the gradient the next step uses for `param`
-        (deepspeed.utils.safe_set_full_grad): under ZeRO-2 this rank keeps its chunk of it."""
+        (deepspeed.utils.safe_set_full_grad): each rank keeps its piece of it (its ZeRO-2 or ZeRO-3
+        chunk, its tensor-parallel piece)."""
         name, local = self._piece_of(param)
         if local is None:
             target = self._model_params[name]
             target.grad = value.detach().to(target.dtype).clone()
             return
-        if local.shape != self._model_params[name].shape:
-            raise NotImplementedError(f"{name}: this rank holds a piece of it under the plan (tensor parallel or "
-                                      "ZeRO-3); setting its whole gradient is not supported here")
         scale = self.optimizer.loss_scale if isinstance(self.optimizer, ZeroOptimizer) else 1.0
-        value = value.detach().reshape(local.shape) * scale  # gradients are held times the fp16 loss scale
+        value = value.detach().reshape(self._whole_shapes[name]) * scale  # held times the fp16 loss scale
+        pm = self._pmodule
+        shard = pm.zero_shards.get(name)
+        if shard is not None and tuple(shard.shape) != tuple(value.shape):  # a tensor-parallel piece
+            value = pm.program.shards[self._shard_key(name)].layout.slice_full(value, pm.unit_device)
+        if pm.zero3 is not None and shard is not None and tuple(local.shape) != tuple(shard.shape):
+            mine = shard.owned(value.reshape(-1)).reshape(local.shape)  # ZeRO-3: this rank's chunk
+            local.grad = mine.to(local.dtype).clone()
+            return
+        value = value.reshape(local.shape)
         reducer = self._pmodule.grad_reducer
         if reducer is not None and id(local) in reducer.shard_grads:
             shard = self._pmodule.zero_shards[name]
@@ -162,50 +214,79 @@ class DeepSpeedEngine(torch.nn.Module):
         """The whole fp32 value of a parameter: the master weight under bf16/fp16 (collective)."""
         name, _ = self._piece_of(param)
         if self._pmodule is None:
-            self._materialize()
-            return self._model_params[name].detach().float()
+            with self._whole():
+                self._materialize()
+                return dict(self._model.named_parameters())[name].detach().float().clone()
         if isinstance(self.optimizer, ZeroOptimizer):
             master = self.optimizer.inner.full_state_dict(only=[name])["state"].get(name, {}).get("master_param")
             if master is not None:
                 return master.float()
         return self._pmodule.full_state_dict(only=[name])[name].float()
 
-    def refresh_model_parameters(self, params: list) -> None:
-        """Write the whole, current values into these model parameters (collective once parallelized)."""
+    def gather_whole(self, params: list) -> list[Callable[[], None]]:
+        """Make each of these parameters (the model's, or this rank's pieces) the whole, current
+        tensor (zero.GatheredParameters; collective once parallelized: every rank passes the same
+        parameters). Returns what puts each back as it was."""
         if self._pmodule is None:
-            return
-        pieces = [p for p in params if id(p) not in self._model_param_names]
-        for p in pieces:
-            name, local = self._piece_of(p)
-            if local.shape != self._model_params[name].shape:
-                raise NotImplementedError(f"GatheredParameters: {name} is this rank's piece of the parameter; pass "
-                                          "the model's own parameters (model.parameters()) to see it whole")
-        params = [p for p in params if id(p) in self._model_param_names]
-        whole = self._pmodule.full_state_dict(only=sorted({self._model_param_names[id(p)] for p in params}))
+            with self._whole():
+                self._materialize()  # a zero.Init model before it is parallelized: whole, as it will train
+            if self._held is None:
+                return []
+            restore = []
+            for p in params:  # ZeRO-3: the kept values, written in place
+                if self._held.is_kept(p):  # the model's own meta-era object, whole now
+                    continue
+                p.data = self._held.value(self.name_of(p))
+                restore.append(lambda p=p: setattr(p, "data", torch.empty(0, dtype=p.dtype, device=p.device)))
+            return restore
+        names = sorted({self.name_of(p) for p in params})
+        whole = self._pmodule.full_state_dict(only=names)
+        restore = []
         with torch.no_grad():
             for p in params:
-                value = whole[self._model_param_names[id(p)]]
-                if p.is_meta or p.shape != value.shape:
-                    p.data = value.to(p.dtype).clone()
-                elif p.data_ptr() != value.data_ptr():
-                    p.data.copy_(value)
+                if p.is_meta:
+                    raise RuntimeError(f"GatheredParameters: {self.name_of(p)} is a parameter object of the model "
+                                       "built under zero.Init from before it was parallelized, when the model got "
+                                       "real parameters in place of its meta ones; take it from the model again "
+                                       "(engine.module.named_parameters())")
+                value = whole.get(self.name_of(p))
+                if value is None:  # a parameter the forward never reads: the model's own, whole
+                    continue
+                if p.shape == value.shape:
+                    if p.data_ptr() != value.data_ptr():
+                        p.data.copy_(value.to(p.dtype))  # a whole copy (stale if not shared): now current
+                    continue
+                held = p.data
+                p.data = value.to(device=held.device, dtype=p.dtype)
+                restore.append(lambda p=p, held=held: setattr(p, "data", held))
+        return restore
 
-    def apply_model_parameters(self, params: list) -> None:
-        """Train on these model parameters' values from now on (every rank passes the same values)."""
-        if self._pmodule is None:
+    def whole_values(self, params: list) -> dict[str, torch.Tensor]:
+        """These parameters' values by name, as they are now (inside GatheredParameters: whole)."""
+        return {self.name_of(p): p.detach().clone() for p in params}
+
+    def apply_model_parameters(self, values: dict[str, torch.Tensor]) -> None:
+        """Train on these whole values from now on (every rank passes the same ones)."""
+        if self._pmodule is None:  # the model's own tensors were written in place
             return
         whole = self._pmodule.full_state_dict()
-        for p in params:
-            name = self.name_of(p)
-            if id(p) in self._model_param_names:
-                whole[name] = p.detach()
+        whole.update(values)
         self._pmodule.load_full_state_dict(whole)
 
     # -- the module ---------------------------------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
-        """The parallelized module once built (it holds the weights that train), the model before."""
-        return self._pmodule if self._pmodule is not None else self._model
+        """The model given to initialize, as DeepSpeed's `engine.module` (its attributes, config,
+        `save_pretrained`, its parameters under their own names). Once parallelized, a parameter
+        whole on this rank shares storage with the piece that trains; the others hold no values and
+        carry DeepSpeed's ZeRO-3 marks (zero.GatheredParameters gives them whole). Run it through
+        the engine (`engine(batch)`): the model's own forward has only those whole parameters."""
+        return self._model
+
+    @property
+    def parallel_module(self) -> Optional[Any]:
+        """This rank's ParallelModule (its plan, its pieces), None until the model is parallelized."""
+        return self._pmodule
 
     def parallelize(self, example_inputs: Any) -> None:
         """Parallelize the model now, on these example inputs (what one forward takes: a dict is
@@ -215,28 +296,29 @@ class DeepSpeedEngine(torch.nn.Module):
             self._build(example_inputs)
 
     def _build(self, example_inputs: Any, micro_batches: int = 1) -> None:
-        s = self._settings
-        options = dict(s.plan_options, zero=s.zero_stage, precision=s.precision)
-        if s.offload is not None:
-            options["offload"] = s.offload
+        session = self._session
         if micro_batches > 1:
-            options["micro_batches"] = micro_batches
-        if self._init_seed is not None:
-            options["init_seed"] = self._init_seed
-        pm = nns.parallelize(self._model, example_inputs, plan=s.plan, cache_dir=self._cache_dir, **options)
-        acc = self.gradient_accumulation_steps()
-        if pm.plan.pipeline is not None and micro_batches == 1 and acc > 1:
-            # a pipeline's micro-batches are the accumulation steps: its example is acc micro-batches
-            options["micro_batches"] = acc
-            pm = nns.parallelize(self._model, _concat([example_inputs] * acc), plan=s.plan, cache_dir=self._cache_dir,
-                                 **options)
+            session.options["micro_batches"] = micro_batches
+        with self._whole():
+            pm = session.parallelize(self._model, example_inputs, cache_dir=self._cache_dir, init_seed=self._init_seed)
+            acc = self.gradient_accumulation_steps()
+            if pm.plan.pipeline is not None and micro_batches == 1 and acc > 1:
+                # a pipeline's micro-batches are the accumulation steps: its example is acc micro-batches
+                session.options["micro_batches"] = acc
+                pm = session.parallelize(self._model, _concat([example_inputs] * acc), cache_dir=self._cache_dir,
+                                         init_seed=self._init_seed)
+            planned = self._planned_names(pm)
+            # a parameter the forward never reads is in no piece: the model keeps its values (whole here)
+            unread = {n: p.data for n, p in self._model_params.items()
+                      if n not in planned and not p.is_meta and p.numel() > 0}
+        self._held = None  # the pieces hold the values now
         object.__setattr__(self, "_pmodule", pm)
         if pm.dp_size != self.dp_world_size:
             raise DeepSpeedConfigError(f"the plan has data-parallel size {pm.dp_size}, the batch sizes were resolved for "
                                        f"{self.dp_world_size}; give nnscaler.dp explicitly")
         pm.train(self._model.training)
         if isinstance(self.optimizer, ZeroOptimizer):
-            self.optimizer.adopt(pm, self._model_param_names, s.loss_scale)
+            self.optimizer.adopt(pm, self._model_param_names, self._settings.loss_scale)
         elif self.optimizer is not None:
             self._rebind_optimizer()
         if self._pending_load is not None:
@@ -246,20 +328,64 @@ class DeepSpeedEngine(torch.nn.Module):
         if self._pending_state is not None:  # a universal checkpoint's optimizer state, whole, by name
             self._stepping_optimizer().load_full_state_dict({"state": self._pending_state})
             self._pending_state = None
-        self._share_storage()
+        self._share_storage(planned, unread)
         self._trainable = {n: p.requires_grad for n, p in self._model_params.items()}
 
-    def _share_storage(self) -> None:
+    def _share_storage(self, planned: set, unread: dict) -> None:
         """The model's parameters become views of this rank's pieces where a piece is the whole
-        tensor, so the model a script still holds trains along (and its tensors get gradients)."""
+        tensor, so the model a script still holds trains along (and its tensors get gradients).
+        The others (ZeRO-3 chunks, tensor-parallel pieces, another stage's, and every parameter of a
+        model built under zero.Init) hold no values from now on, as DeepSpeed's partitioned
+        parameters: they and the pieces carry the ZeRO-3 marks, and zero.GatheredParameters gives
+        them whole."""
+        from .zero import mark_partitioned
+
         pairs = []
         for name, p in self._model_params.items():
             local = self._pmodule.parameter(name)
-            # (a model built under zero.Init keeps its meta tensors, as DeepSpeed's keeps empty partitions)
-            if local is not None and local.shape == p.shape and local.dtype == p.dtype and not p.is_meta:
+            shape = self._whole_shapes[name]
+            if p.is_meta:  # built under zero.Init: a real tensor from now on (a meta one cannot take values)
+                p = self._replace_meta(name, p)
+            if name not in planned:  # the forward never reads it: no rank holds a piece, the model keeps it whole
+                if name in unread:
+                    p.data = unread[name]
+                    for k in [k for k in vars(p) if k.startswith("ds_")]:
+                        delattr(p, k)
+                continue
+            if local is not None and local.shape == shape and local.dtype == p.dtype:
                 p.data = local.data
+                for k in [k for k in vars(p) if k.startswith("ds_")]:  # whole here: no ZeRO-3 marks
+                    delattr(p, k)
                 pairs.append((p, local))
+                continue
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            mark_partitioned(p, shape)
+            if local is not None and local.shape != shape:
+                mark_partitioned(local, shape)
         self._shared = pairs
+        self._piece_names = {id(self._pmodule.parameter(n)): n for n in self._model_params
+                             if self._pmodule.parameter(n) is not None}
+
+    @staticmethod
+    def _planned_names(pm: Any) -> set:
+        """Names of the parameters the plan holds (on some rank); one the forward never reads is not
+        among them."""
+        names = set()
+        for shard in pm.program.shards.values():
+            names.add(shard.fqn)
+            names.update(shard.aliases)
+        return names
+
+    def _replace_meta(self, name: str, meta: torch.nn.Parameter) -> torch.nn.Parameter:
+        """A real, empty Parameter (with `meta`'s attributes) in place of a meta one, wherever the
+        model registers it; the engine knows both objects by the name."""
+        new = torch.nn.Parameter(torch.empty(0, dtype=meta.dtype), requires_grad=meta.requires_grad)
+        for k, v in vars(meta).items():
+            setattr(new, k, v)
+        register_in_place_of(self._model, meta, new)
+        self._model_params[name] = new
+        self._model_param_names[id(new)] = name
+        return new
 
     def _check_trainable(self) -> None:
         """Which parameters train is fixed when the model is parallelized (its program computes their
@@ -356,15 +482,12 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """The weights that train under the model's own names: the model's before it is
-        parallelized, this rank's pieces after (a parameter this rank holds none of is left out)."""
-        if self._pmodule is None:
-            yield from self._model.named_parameters(prefix, recurse, remove_duplicate)
-            return
-        for name in self._model_params:
-            local = self._pmodule.parameter(name)
-            if local is not None:
-                yield (f"{prefix}.{name}" if prefix else name), local
+        """The model's parameters, named as in DeepSpeed's engine (which holds the model as its
+        submodule `module`): "module.<name>". Where this rank holds a parameter whole they share
+        storage with the piece that trains (and get its gradients); the others hold no values and
+        carry DeepSpeed's ZeRO-3 marks."""
+        inner = f"{prefix}.module" if prefix else "module"
+        yield from self._model.named_parameters(inner, recurse, remove_duplicate)
 
     def compile(self, backend: Any = None, compile_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
         """DeepSpeed's engine.compile(): the model runs under torch.compile. Here that is each rank's
@@ -607,12 +730,13 @@ class DeepSpeedEngine(torch.nn.Module):
                           exclude_frozen_parameters: bool = False) -> dict:
         """Whole weights under the model's own names, in the training dtype (collective once
         parallelized)."""
-        self._materialize()
-        state = self._pmodule.full_state_dict() if self._pmodule is not None else \
-            {k: v.detach().clone() for k, v in self._model.state_dict().items()}
-        custom = self._model.__dict__.get("state_dict")
-        if custom is not None:  # the script gave the model its own state_dict: its entries are what is saved
-            state = {k: state[k] if k in state else v for k, v in custom().items()}
+        with self._whole():
+            self._materialize()
+            state = self._pmodule.full_state_dict() if self._pmodule is not None else \
+                {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+            custom = self._model.__dict__.get("state_dict")
+            if custom is not None:  # the script gave the model its own state_dict: its entries are what is saved
+                state = {k: state[k] if k in state else v.detach().clone() for k, v in custom().items()}
         if exclude_frozen_parameters:
             state = {k: v for k, v in state.items() if k not in self._frozen_names()}
         return {prefix + k: v for k, v in state.items()}
@@ -659,12 +783,14 @@ class DeepSpeedEngine(torch.nn.Module):
         """Each optimizer group's trainable parameter names, their fp32 master values and their whole
         optimizer state by name (empty where the plan's optimizer does not hold it yet; collective)."""
         opt = self.optimizer
-        self._materialize()
         if self._pmodule is None or opt is None:
             groups = [[self._model_param_names[id(p)] for p in g["params"]
                        if id(p) in self._model_param_names and p.requires_grad] for g in opt.param_groups] \
                 if opt is not None else [[n for n, p in self._model_params.items() if p.requires_grad]]
-            whole = {n: p.detach().float() for n, p in self._model.named_parameters(remove_duplicate=False)}
+            with self._whole():
+                self._materialize()
+                whole = {n: p.detach().float().clone()
+                         for n, p in self._model.named_parameters(remove_duplicate=False)}
             if self._pmodule is not None:
                 whole = {n: t.float() for n, t in self._pmodule.full_state_dict().items()}
             return groups, {n: whole[n] for g in groups for n in g}, {}
@@ -691,6 +817,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """DeepSpeed's layout (`latest`, `<tag>/` with its model and optimizer state files) around a
         reshardable checkpoint of this engine; every rank must call it. Works before the first
         forward too (the model as it is, no optimizer state yet)."""
+        if not save_dir:  # DeepSpeed's check and message
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         self._check_tag(tag)
         groups, masters, moments = self._groups_and_masters()
@@ -712,6 +840,11 @@ class DeepSpeedEngine(torch.nn.Module):
                   parallel=self._pmodule, optimizer=self._stepping_optimizer() if self._pmodule is not None else None,
                   save_latest=save_latest, moments=moments, clip_grad=self.gradient_clipping())
         return True
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: str, expp_rank: int = 0) -> str:
+        """DeepSpeed's name of the file holding this rank's optimizer state in checkpoint `tag`."""
+        return os.path.join(checkpoints_path, str(tag),
+                            ckpt.optim_file(self.zero_optimization_stage(), self._settings.precision, self.dp_rank))
 
     def _counters(self) -> dict:
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
@@ -752,8 +885,9 @@ class DeepSpeedEngine(torch.nn.Module):
             else:
                 self._pmodule.load_full_state_dict({**self._pmodule.full_state_dict(), **module_state})
         else:
-            self._materialize()  # a meta model: whole here, as the checkpoint's module state is
-            missing = self._model.load_state_dict(module_state, strict=False)
+            with self._whole():
+                self._materialize()  # a meta model: whole here, as the checkpoint's module state is
+                missing = self._model.load_state_dict(module_state, strict=False)
             absent = [k for k in missing.missing_keys if k not in self._frozen_names()]
             if load_module_strict and (absent or missing.unexpected_keys):
                 raise RuntimeError(f"Error(s) in loading state_dict: missing keys {absent}, unexpected keys "
@@ -784,7 +918,7 @@ class DeepSpeedEngine(torch.nn.Module):
         tag = universal.resolve_tag(load_dir, tag)
         path = os.path.join(load_dir, tag)
         states = ckpt.read_states(path)
-        trainable = {n: p.shape for n, p in self._model_params.items() if p.requires_grad}
+        trainable = {n: self._whole_shapes[n] for n, p in self._model_params.items() if p.requires_grad}
         weights, opt_state, groups = universal.read(path, trainable)
         module_state = dict(states["module"])
         for name, value in weights.items():  # in this model's dtype (the fp32 masters go to the optimizer)
@@ -802,8 +936,9 @@ class DeepSpeedEngine(torch.nn.Module):
             if with_optimizer:
                 self._stepping_optimizer().load_full_state_dict({"state": opt_state})
         else:
-            self._materialize()
-            missing = self._model.load_state_dict(module_state, strict=False)
+            with self._whole():
+                self._materialize()
+                missing = self._model.load_state_dict(module_state, strict=False)
             absent = [k for k in missing.missing_keys if k not in self._frozen_names()]
             if strict and (absent or missing.unexpected_keys):
                 raise RuntimeError(f"Error(s) in loading state_dict: missing keys {absent}, unexpected keys "

@@ -2,9 +2,10 @@
 
 DeepSpeed matches its own optimizer names case-insensitively and hands any other name to
 `getattr(torch.optim, name)`. Its "Adam" runs in AdamW mode (decoupled weight decay) unless
-`adam_w_mode` is false; its fused Adam defaults weight_decay to 0, while `torch_adam: true` takes
-torch's class with torch's defaults (AdamW: 0.01). Both are reproduced here with torch's Adam/AdamW,
-which compute the same update.
+`adam_w_mode` is false; it builds its FusedAdam (weight_decay 0 by default), DeepSpeedCPUAdam when
+the optimizer is offloaded to the host, and torch's Adam/AdamW (torch's defaults: AdamW's
+weight_decay is 0.01) with `torch_adam: true`. The same classes are built here, under the same
+names (`deepspeed.ops.adam`): torch's Adam with DeepSpeed's arguments, the same update.
 """
 from __future__ import annotations
 
@@ -49,8 +50,12 @@ def check_optimizer_section(name: Any, params: dict) -> None:
                                    "(names outside DeepSpeed's own are case-sensitive, e.g. 'SGD')")
 
 
-def build_optimizer(name: str, params: dict, model_parameters: Iterable[Any]) -> torch.optim.Optimizer:
-    """A torch optimizer over `model_parameters` (parameters or param-group dicts)."""
+def build_optimizer(name: str, params: dict, model_parameters: Iterable[Any],
+                    cpu_optimizer: bool = False) -> torch.optim.Optimizer:
+    """A torch optimizer over `model_parameters` (parameters or param-group dicts); `cpu_optimizer`:
+    the optimizer is offloaded to the host (DeepSpeed then builds its CPU Adam)."""
+    from .ops.adam import DeepSpeedCPUAdam, FusedAdam
+
     check_optimizer_section(name, params)
     kw = dict(params)
     low = name.lower()
@@ -61,13 +66,14 @@ def build_optimizer(name: str, params: dict, model_parameters: Iterable[Any]) ->
             kw.pop(k, None)
         foreach = kw.pop("foreach", None)
         decoupled = low == "adamw" or adam_w_mode
-        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-        if not torch_adam:  # DeepSpeed's fused Adam: its own defaults
-            kw.setdefault("lr", 1e-3)
-            kw.setdefault("weight_decay", 0.0)
         if "betas" in kw:
             kw["betas"] = tuple(kw["betas"])
-        return cls(model_parameters, foreach=foreach, **kw)
+        if torch_adam:  # torch's class, torch's defaults
+            cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+            return cls(model_parameters, foreach=foreach, **kw)
+        if cpu_optimizer:
+            return DeepSpeedCPUAdam(model_parameters, adamw_mode=decoupled, **kw)
+        return FusedAdam(model_parameters, adam_w_mode=decoupled, **kw)
     if low == "adagrad":
         return torch.optim.Adagrad(model_parameters, **kw)
     cls = getattr(torch.optim, name)

@@ -1,4 +1,5 @@
-"""What scripts use of `deepspeed.checkpoint.utils`: copies of state safe to hand to `torch.save`.
+"""What scripts use of `deepspeed.checkpoint.utils`: copies of state safe to hand to `torch.save`,
+and the names of a checkpoint's files.
 
 A state dict's tensors may be views into larger storage (a flat buffer, this rank's shard of one);
 `torch.save` writes a view's whole storage, so a saved state dict can be many times its size.
@@ -6,6 +7,7 @@ Cloning each tensor first writes only what the state dict holds.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Union
 
 import torch
@@ -24,3 +26,8 @@ def clone_tensors_for_torch_save(item: Any, device: Union[str, torch.device] = t
     if isinstance(item, dict):
         return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     return item
+
+
+def get_model_ckpt_name_for_rank(base_folder: str, mp_rank_str: str) -> str:
+    """The model states file of model-parallel rank `mp_rank_str` ('00') in a tag's folder."""
+    return os.path.join(base_folder, "mp_rank_" + mp_rank_str + "_model_states.pt")

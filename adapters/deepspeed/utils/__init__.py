@@ -1,5 +1,7 @@
 """What scripts use of `deepspeed.utils`: the accessors of whole tensors behind a parameter,
-`safe_get_full_grad`, `safe_set_full_grad` and `safe_get_full_fp32_param`, and `RepeatingLoader`.
+`safe_get_full_grad`, `safe_set_full_grad` and `safe_get_full_fp32_param`, `RepeatingLoader`,
+`logger` / `log_dist`, and the submodules `zero_to_fp32` (whole fp32 weights from a checkpoint)
+and `torch` (`required_torch_version`).
 
 DeepSpeed scripts pass the parameters they took from the engine or the model; each is traced to
 the engine training it. Under ZeRO DeepSpeed gathers the pieces; so do these where a piece is not
@@ -7,11 +9,22 @@ the whole tensor (collective then: every rank calls them, as in DeepSpeed).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-from .zero import engine_of
+from ..zero import engine_of
+
+logger = logging.getLogger("nnscaler_plugins.deepspeed")
+
+
+def log_dist(message: str, ranks: Optional[list] = None, level: int = logging.INFO) -> None:
+    """Log `message` on the given global ranks (all when None or containing -1), as DeepSpeed's does."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if ranks is None or -1 in ranks or rank in ranks:
+        logger.log(level, "[Rank %d] %s", rank, message)
 
 
 def _engine(param: torch.Tensor):
