@@ -31,6 +31,7 @@ from nnscaler_plugins.capture.autograd_functions import (
 from nnscaler_plugins.capture.causal_mask import fold_causal_masks
 from nnscaler_plugins.capture.constant_index import slices_for_constant_index
 from nnscaler_plugins.capture.experts import experts_as_one_op
+from nnscaler_plugins.capture.flex_attention import flex_attention_as_one_op
 from nnscaler_plugins.capture.fused_sections import split_fused_sections
 from nnscaler_plugins.capture.graph import (
     Graph,
@@ -85,6 +86,7 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         # experts modules called with rows sorted by expert and their counts stay one op each: the
         # split sizes they read from the counts are data (routed ones only when a strategy asks)
         stack.enter_context(experts_as_one_op(model, routed=False))
+        stack.enter_context(flex_attention_as_one_op())  # its score / mask functions held by the op
         stack.enter_context(_recorded_contiguous())
         layers = find_stack(model) if trace_repeated_layers_once else None
         if layers is not None:
