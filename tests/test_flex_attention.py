@@ -149,15 +149,16 @@ class Block(nn.Module):
             nn.Linear(dim, 2 * dim, bias=False)
 
     def forward(self, x, block_mask):
-        x = x + self.attn(self.attn_norm(x), block_mask)
+        x = x + self.attn(self.attn_norm(x).detach(), block_mask)
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
 class FlexLlama(nn.Module):
     """torchtitan's shape: the block mask made once before the layers (`mask_in_forward`) or held by
-    the model, built outside forward; q/k/v projections frozen (the CPU build has no FlexAttention
-    backward), everything after them trains."""
+    the model, built outside forward; the embedding and q/k/v projections frozen, everything after
+    them trains; each layer's attention reads its input detached (the CPU build has no FlexAttention
+    backward, and a second layer's input depends on trainable weights)."""
 
     def __init__(self, mask: str, mask_in_forward: bool, score_mod=None, vocab: int = 32, dim: int = 32,
                  heads: int = HEADS, kv_heads: int = HEADS, layers: int = 2, batch: int = BATCH):
@@ -230,6 +231,15 @@ def test_a_mask_read_from_the_inputs_is_refused_by_name():
     assert "FlexAttention" in msg and "mask_mod" in msg and "outside" in msg and "test_flex_attention.py:" in msg, msg
 
 
+def test_a_mask_made_for_another_batch_size_is_refused_by_name():
+    model, batch = build("document", False, batch=BATCH)
+    half = {k: v[:2] for k, v in batch.items()}  # what a replica or a micro-batch holds
+    with pytest.raises(CaptureError) as err:
+        nns.capture(model, half)
+    msg = str(err.value)
+    assert "FlexAttention" in msg and "made for 4 rows" in msg and "B=None" in msg, msg
+
+
 def test_a_score_mod_reading_a_learned_tensor_is_refused_by_name():
     class LearnedBias(nn.Module):
         def __init__(self):
@@ -250,6 +260,22 @@ def test_a_score_mod_reading_a_learned_tensor_is_refused_by_name():
     assert "FlexAttention" in str(err.value) and "gradient" in str(err.value), str(err.value)
 
 
+def test_flex_attention_called_through_a_held_reference_is_refused_by_name_with_the_way_out():
+    class Held(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.attend = nn.Linear(8, 24), flex_attention  # a reference capture does not replace
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], SEQ, 3, 1, 8).permute(2, 0, 3, 1, 4)
+            return self.attend(q, k, v, block_mask=_mask("causal")).sum()
+
+    with pytest.raises(CaptureError) as err:
+        nns.capture(Held().requires_grad_(False), (torch.randn(2, SEQ, 8),))
+    msg = str(err.value)
+    assert "FlexAttention" in msg and "test_flex_attention.py:" in msg and "attribute" in msg, msg
+
+
 # -- equivalence with one process on two workers ------------------------------------------------------
 
 CASES = [("document", False, alibi, HEADS), ("causal", True, None, HEADS)]
@@ -264,8 +290,8 @@ def _equivalence(rank, world, cases):
         warnings.simplefilter("ignore")
         for mask, in_forward, score_mod, kv_heads in cases:
             for strategy, options, dp in PLANS_2:
-                # a mask with a row dim is the global batch's: under dp each replica builds its own
-                if dp > 1 and MASKS[mask][1] is not None and not in_forward:
+                # a mask with a row dim reads DOCS by row: a replica's or a micro-batch's rows are others
+                if (dp > 1 or "pp" in options) and MASKS[mask][1] is not None:
                     continue
                 builder = functools.partial(build, mask, in_forward, score_mod, kv_heads)
                 problems += sgd_equivalence(rank, world, builder, strategy, options, dp, training=True,

@@ -68,6 +68,19 @@ def _check_reads(fn: Optional[Callable], what: str, where: str) -> None:
                 "mask set before the model runs), or use torch.nn.attention.varlen.varlen_attn for packed documents")
 
 
+def _check_sizes(block_mask: Any, query: torch.Tensor, where: str) -> None:
+    """A mask dim must broadcast (1) or be the call's own: FlexAttention reads the first rows of a
+    larger one, and the rows a data-parallel replica or a micro-batch holds are not the first."""
+    for dim, what in ((0, "rows"), (1, "heads")):
+        made, has = int(block_mask.shape[dim]), int(query.shape[dim])
+        if made not in (1, has):
+            raise FlexAttentionCaptureError(
+                f"{_NAME} at {where}: its block mask was made for {made} {what} and the call has {has} (under "
+                "data parallelism or micro-batches the model runs on a share of the batch). Make the mask with "
+                f"{'B' if dim == 0 else 'H'}=None when it is the same for all {what}, or build it in forward "
+                "for the rows it is called with")
+
+
 def _recorded_flex_attention(original: Callable) -> Callable:
     def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Any = None,
                        block_mask: Any = None, scale: Optional[float] = None, enable_gqa: bool = False,
@@ -88,6 +101,7 @@ def _recorded_flex_attention(original: Callable) -> Callable:
                         f"{_NAME} at {where}: its block mask was built from values traced in forward, not by "
                         "create_block_mask on known tensors; build it with create_block_mask (outside forward or in it)")
             _check_reads(block_mask.mask_mod, "mask_mod", where)
+            _check_sizes(block_mask, query, where)
         _check_reads(score_mod, "score_mod", where)
         lse = bool(return_lse or (return_aux is not None and getattr(return_aux, "lse", False)))
         spec = FlexSpec(block_mask=block_mask, score_mod=score_mod, scale=scale, enable_gqa=bool(enable_gqa),
