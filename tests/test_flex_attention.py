@@ -211,6 +211,16 @@ def test_flex_attention_is_one_op_with_rows_and_heads_split_and_the_sequence_who
         [plan.ops[op.name].splits for op in ops]
 
 
+def test_context_parallelism_is_refused_by_name_for_flex_attention():
+    from nnscaler_plugins.errors import PlanError
+
+    model, batch = build("causal", False)
+    graph = nns.capture(model, batch)
+    with pytest.raises(PlanError) as err:
+        nns.plan(graph, strategy="cp", world_size=2)
+    assert "FlexAttention" in str(err.value) and "tp" in str(err.value), str(err.value)
+
+
 def test_a_mask_read_from_the_inputs_is_refused_by_name():
     class FromInputs(nn.Module):
         def __init__(self):
