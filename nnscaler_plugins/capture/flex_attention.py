@@ -38,10 +38,12 @@ class FlexAttentionCaptureError(FunctionCaptureError):
 
 def _caller() -> str:
     """The model's line that made the call, for messages."""
-    for frame in inspect.stack()[2:]:
-        f = frame.filename
+    frame = sys._getframe(2)
+    while frame is not None:
+        f = frame.f_code.co_filename
         if f"{os.sep}torch{os.sep}" not in f and f"{os.sep}nnscaler_plugins{os.sep}" not in f:
-            return f"{os.path.basename(f)}:{frame.lineno}"
+            return f"{os.path.basename(f)}:{frame.f_lineno}"
+        frame = frame.f_back
     return "?"
 
 
