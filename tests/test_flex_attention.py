@@ -17,13 +17,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from sgd_check import sgd_equivalence
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import nnscaler_plugins as nns
-from nnscaler_plugins.capture.flex_attention import FlexAttentionCaptureError
 from nnscaler_plugins.capture.tracing import CaptureError
-from nnscaler_plugins.kernels.flex_attention_piece import FlexAttentionCall, flex_attention_piece
-from sgd_check import sgd_equivalence
+from nnscaler_plugins.kernels.flex_attention_piece import (
+    FlexAttentionCall,
+    flex_attention_piece,
+)
 
 SEQ = 128  # FlexAttention's block size: the smallest sequence a block mask describes
 BATCH, HEADS = 4, 4

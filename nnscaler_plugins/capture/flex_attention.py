@@ -15,7 +15,6 @@ needing a gradient (a learned bias would get none).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
 from typing import Any, Callable, Iterator, Optional
@@ -26,8 +25,16 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._python_dispatch import _disable_current_modes
 
-from nnscaler_plugins.capture.autograd_functions import FunctionCaptureError, opaque_call
-from nnscaler_plugins.kernels.flex_attention_piece import FlexAttentionCall, FlexSpec, referenced_values, register
+from nnscaler_plugins.capture.autograd_functions import (
+    FunctionCaptureError,
+    opaque_call,
+)
+from nnscaler_plugins.kernels.flex_attention_piece import (
+    FlexAttentionCall,
+    FlexSpec,
+    referenced_values,
+    register,
+)
 
 _NAME = "FlexAttention (torch.nn.attention.flex_attention.flex_attention)"
 

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nnscaler_plugins.kernels.flex_attention_piece import FlexAttentionCall, flex_attention_piece, spec_of
+from nnscaler_plugins.kernels.flex_attention_piece import (
+    FlexAttentionCall,
+    flex_attention_piece,
+    spec_of,
+)
 from nnscaler_plugins.rules.registry import rule
 from nnscaler_plugins.rules.signature import LocalCall, Localized, OpCall, Signature
 
