@@ -1,23 +1,37 @@
-"""FlexAttention is refused at capture by name, with the model's source line and the ways out
-(SDPA for causal masks, varlen_attn for packed documents and sliding windows, SDPA with a mask
-tensor otherwise): its mask_mod / score_mod subgraphs have no rules yet, so no split of it can be
-shown exact. The CPU build runs FlexAttention forward only (no backward), so these models are
-captured with frozen weights.
+"""FlexAttention (`torch.nn.attention.flex_attention.flex_attention`, with block masks) is captured as
+one op with a rule: batch rows and heads split, each piece calling FlexAttention on its rows / heads
+with the matching slice of the block mask (the same mask where the mask broadcasts a dim), and a
+score_mod / mask_mod that reads `b` or `h` sees the global index. The sequence stays whole (no cp).
+
+The CPU build runs FlexAttention forward only (no backward), so here the projections feeding it are
+frozen and the layers after it train: forward exactness of every split, planning, and SGD steps of
+the rest of the model are checked on CPU; FlexAttention's own backward is a GPU check.
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from sgd_check import sgd_equivalence
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.capture.tracing import CaptureError
+from nnscaler_plugins.kernels.flex_attention_piece import (
+    FlexAttentionCall,
+    flex_attention_piece,
+)
 
 SEQ = 128  # FlexAttention's block size: the smallest sequence a block mask describes
+BATCH, HEADS = 4, 4
+EVERY = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
+
+warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 
 
 def causal(b, h, q, kv):
@@ -28,42 +42,278 @@ def sliding_window(b, h, q, kv):
     return (q >= kv) & (q - kv <= 32)
 
 
-DOCUMENT = torch.tensor([0] * 50 + [1] * 78)
+#: one document id per token of a row, rows packed differently (a per-token doc id tensor)
+DOCS = torch.tensor([[0] * 50 + [1] * 78, [0] * 100 + [1] * 28, [0] * 20 + [1] * 60 + [2] * 48, [0] * 128])
 
 
 def document(b, h, q, kv):
-    return (DOCUMENT[q] == DOCUMENT[kv]) & (q >= kv)
+    return (DOCS[b, q] == DOCS[b, kv]) & (q >= kv)
 
 
-class FlexBlock(nn.Module):
-    def __init__(self, mask_mod, mask_in_forward: bool, dim: int = 16, heads: int = 2):
+def head_window(b, h, q, kv):
+    """A window whose width depends on the head: a mask that reads `h`."""
+    return (q >= kv) & (q - kv <= 16 * (h + 1))
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def alibi(score, b, h, q, kv):
+    """A score_mod that reads the global head (and row) index."""
+    return score - SLOPES[h] * (q - kv) + 0.1 * b
+
+
+MASKS = {  # name -> (mask_mod, B, H): B / H None where the mask broadcasts that dim
+    "causal": (causal, None, None),
+    "sliding_window": (sliding_window, None, None),
+    "document": (document, BATCH, None),
+    "head_window": (head_window, None, HEADS),
+}
+
+
+def _mask(name: str, batch: int = BATCH):
+    mod, b, h = MASKS[name]
+    return create_block_mask(mod, None if b is None else batch, h, SEQ, SEQ, device="cpu")
+
+
+# -- the op's rule: pieces reassembled equal the whole op --------------------------------------------
+
+PIECE_CASES = [(n, s) for n in MASKS for s in (None, alibi)] if EVERY else [("document", alibi), ("head_window", alibi)]
+
+
+@pytest.mark.parametrize("name,score_mod", PIECE_CASES)
+def test_pieces_of_rows_and_heads_reassemble_the_whole_op(name, score_mod):
+    from nnscaler_plugins.kernels.flex_attention_piece import FlexSpec, register
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(BATCH, HEADS, SEQ, 8) for _ in range(3))
+    key = register(FlexSpec(_mask(name), score_mod, None, False, False, None))
+    whole = FlexAttentionCall.apply(q, k, v, key)
+    assert torch.allclose(whole, flex_attention(q, k, v, score_mod=score_mod, block_mask=_mask(name)))
+    for nb, nh in ((2, 1), (1, 2), (2, 2), (4, 4)) if EVERY else ((2, 2),):
+        b, h = BATCH // nb, HEADS // nh
+        rows = []
+        for i in range(nb):
+            heads = [flex_attention_piece(q[i * b:(i + 1) * b, j * h:(j + 1) * h], k[i * b:(i + 1) * b, j * h:(j + 1) * h],
+                                          v[i * b:(i + 1) * b, j * h:(j + 1) * h], key, i * b, j * h) for j in range(nh)]
+            rows.append(torch.cat(heads, dim=1))
+        torch.testing.assert_close(torch.cat(rows), whole, msg=f"{name} {score_mod} in {nb}x{nh} pieces")
+
+
+def test_grouped_query_heads_split_with_their_groups():
+    from nnscaler_plugins.kernels.flex_attention_piece import FlexSpec, register
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, SEQ, 8)
+    k, v = torch.randn(2, 2, SEQ, 8), torch.randn(2, 2, SEQ, 8)
+    key = register(FlexSpec(_mask("head_window"), alibi, None, True, False, None))
+    whole = FlexAttentionCall.apply(q, k, v, key)
+    pieces = [flex_attention_piece(q[:, 2 * j:2 * j + 2], k[:, j:j + 1], v[:, j:j + 1], key, 0, 2 * j) for j in range(2)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole)
+
+
+# -- a small Llama-style model ----------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.heads, self.mask_mod, self.mask_in_forward = heads, mask_mod, mask_in_forward
-        self.qkv = nn.Linear(dim, 3 * dim)
-        # torchtitan builds the mask once per batch, before the model runs
-        self.block_mask = create_block_mask(mask_mod, None, None, SEQ, SEQ, device="cpu")
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        mask = create_block_mask(self.mask_mod, None, None, t, t, device="cpu") if self.mask_in_forward \
-            else self.block_mask
-        return flex_attention(q, k, v, block_mask=mask).sum()
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-EVERY = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
-CASES = [(m, f) for m in (causal, document, sliding_window) for f in (False, True)]
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, score_mod):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd, self.score_mod = heads, kv_heads, dim // heads, score_mod
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, block_mask):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        o = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask,
+                           enable_gqa=self.kv_heads != self.heads)
+        return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
-@pytest.mark.parametrize("mask_mod,mask_in_forward", CASES if EVERY else [(document, True)])
-def test_flex_attention_is_refused_by_name_with_the_model_line_and_the_ways_out(mask_mod, mask_in_forward):
-    model = FlexBlock(mask_mod, mask_in_forward).requires_grad_(False)
-    x = torch.randn(2, SEQ, 16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # FlexAttention's own "called without torch.compile()"
-        model(x)  # it runs eagerly on this build
-        with pytest.raises(CaptureError) as err:
-            nns.capture(model, (x,))
+class Block(nn.Module):
+    def __init__(self, dim, heads, kv_heads, score_mod):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.attn = Attention(dim, heads, kv_heads, score_mod)
+        self.w1, self.w2, self.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False), \
+            nn.Linear(dim, 2 * dim, bias=False)
+
+    def forward(self, x, block_mask):
+        x = x + self.attn(self.attn_norm(x).detach(), block_mask)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class FlexLlama(nn.Module):
+    """torchtitan's shape: the block mask made once before the layers (`mask_in_forward`) or held by
+    the model, built outside forward; the embedding and q/k/v projections frozen, everything after
+    them trains; each layer's attention reads its input detached (the CPU build has no FlexAttention
+    backward, and a second layer's input depends on trainable weights)."""
+
+    def __init__(self, mask: str, mask_in_forward: bool, score_mod=None, vocab: int = 32, dim: int = 32,
+                 heads: int = HEADS, kv_heads: int = HEADS, layers: int = 2, batch: int = BATCH):
+        super().__init__()
+        self.mask_name, self.mask_in_forward = mask, mask_in_forward
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, score_mod) for _ in range(layers))
+        self.norm, self.head = RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.block_mask = None if mask_in_forward else _mask(mask, batch)
+        self.embed.requires_grad_(False)
+        for layer in self.layers:
+            for lin in (layer.attn.wq, layer.attn.wk, layer.attn.wv):
+                lin.requires_grad_(False)
+            layer.attn_norm.requires_grad_(False)
+
+    def forward(self, ids, labels):
+        mod, b, h = MASKS[self.mask_name]
+        mask = create_block_mask(mod, None if b is None else ids.shape[0], h, ids.shape[1], ids.shape[1],
+                                 device="cpu") if self.mask_in_forward else self.block_mask
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build(mask: str, mask_in_forward: bool, score_mod=None, kv_heads: int = HEADS, batch: int = BATCH):
+    model = FlexLlama(mask, mask_in_forward, score_mod, kv_heads=kv_heads, batch=batch)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32, (batch, SEQ), generator=g)
+    return model, {"ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+
+@pytest.mark.parametrize("mask_in_forward", [False, True])
+def test_flex_attention_is_one_op_with_rows_and_heads_split_and_the_sequence_whole(mask_in_forward):
+    from nnscaler_plugins.rules import signature_for
+
+    model, batch = build("document", mask_in_forward, alibi)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = nns.capture(model, batch)
+    assert not [w for w in caught if "no dimension rule" in str(w.message)], [str(w.message) for w in caught]
+    ops = [op for op in graph.ops if isinstance(op.target, type(graph.ops[0].target)) or "FlexAttentionCall" in str(op.target)]
+    ops = [op for op in ops if "FlexAttentionCall" in str(op.target)]
+    assert len(ops) == 2, [str(op.target) for op in graph.ops]
+    sig = signature_for(graph, ops[0])
+    assert sig.inputs[0] == ("b", "h", "^l", "^e") and sig.outputs[0][:2] == ("b", "h"), sig
+    plan = nns.plan(graph, strategy="tp", world_size=2)
+    assert all(plan.ops[op.name].splits and plan.ops[op.name].splits[0][0] == "h" for op in ops), \
+        [plan.ops[op.name].splits for op in ops]
+
+
+def test_context_parallelism_is_refused_by_name_for_flex_attention():
+    from nnscaler_plugins.errors import PlanError
+
+    model, batch = build("causal", False)
+    graph = nns.capture(model, batch)
+    with pytest.raises(PlanError) as err:
+        nns.plan(graph, strategy="cp", world_size=2)
+    assert "FlexAttention" in str(err.value) and "tp" in str(err.value), str(err.value)
+
+
+def test_a_mask_read_from_the_inputs_is_refused_by_name():
+    class FromInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x, docs):
+            def same_doc(b, h, q, kv):
+                return docs[b, q] == docs[b, kv]
+
+            mask = create_block_mask(same_doc, x.shape[0], None, SEQ, SEQ, device="cpu")
+            q, k, v = self.qkv(x).view(x.shape[0], SEQ, 3, 1, 8).permute(2, 0, 3, 1, 4)
+            return flex_attention(q, k, v, block_mask=mask).sum()
+
+    with pytest.raises(CaptureError) as err:
+        nns.capture(FromInputs().requires_grad_(False), (torch.randn(2, SEQ, 8), DOCS[:2].clone()))
     msg = str(err.value)
-    assert "FlexAttention" in msg and "test_flex_attention.py:" in msg, msg
-    assert "is_causal=True" in msg and "varlen_attn" in msg, msg
+    assert "FlexAttention" in msg and "mask_mod" in msg and "outside" in msg and "test_flex_attention.py:" in msg, msg
+
+
+def test_a_mask_made_for_another_batch_size_is_refused_by_name():
+    model, batch = build("document", False, batch=BATCH)
+    half = {k: v[:2] for k, v in batch.items()}  # what a replica or a micro-batch holds
+    with pytest.raises(CaptureError) as err:
+        nns.capture(model, half)
+    msg = str(err.value)
+    assert "FlexAttention" in msg and "made for 4 rows" in msg and "B=None" in msg, msg
+
+
+def test_a_score_mod_reading_a_learned_tensor_is_refused_by_name():
+    class LearnedBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.bias = nn.Linear(8, 24), nn.Parameter(torch.zeros(SEQ))
+
+        def forward(self, x):
+            bias = self.bias
+
+            def biased(score, b, h, q, kv):
+                return score + bias[kv]
+
+            q, k, v = self.qkv(x).view(x.shape[0], SEQ, 3, 1, 8).permute(2, 0, 3, 1, 4)
+            return flex_attention(q, k, v, score_mod=biased).sum()
+
+    with pytest.raises(CaptureError) as err:
+        nns.capture(LearnedBias(), (torch.randn(2, SEQ, 8),))
+    assert "FlexAttention" in str(err.value) and "gradient" in str(err.value), str(err.value)
+
+
+def test_flex_attention_called_through_a_held_reference_is_refused_by_name_with_the_way_out():
+    class Held(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.attend = nn.Linear(8, 24), flex_attention  # a reference capture does not replace
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], SEQ, 3, 1, 8).permute(2, 0, 3, 1, 4)
+            return self.attend(q, k, v, block_mask=_mask("causal")).sum()
+
+    with pytest.raises(CaptureError) as err:
+        nns.capture(Held().requires_grad_(False), (torch.randn(2, SEQ, 8),))
+    msg = str(err.value)
+    assert "FlexAttention" in msg and "test_flex_attention.py:" in msg and "attribute" in msg, msg
+
+
+# -- equivalence with one process on two workers ------------------------------------------------------
+
+# by default one case that reaches every piece of the rule: a per-head mask made in forward (sliced
+# under tp), a score_mod reading the global head, grouped-query heads
+CASES = [("head_window", True, alibi, 2)]
+ALL_CASES = CASES + [("document", False, alibi, HEADS), ("causal", True, None, HEADS), ("sliding_window", False, None, HEADS),
+                     ("sliding_window", True, alibi, 2), ("head_window", False, None, HEADS), ("document", True, None, 2),
+                     ("causal", False, alibi, 2)]
+PLANS_2 = [("dp", {}, 2), ("tp", {}, 1), ("1f1b", {"pp": 2, "micro_batches": 2}, 1)]
+
+
+def _equivalence(rank, world, cases):
+    problems = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mask, in_forward, score_mod, kv_heads in cases:
+            for strategy, options, dp in PLANS_2:
+                # a mask with a row dim reads DOCS by row: a replica's or a micro-batch's rows are others
+                if (dp > 1 or "pp" in options) and MASKS[mask][1] is not None:
+                    continue
+                builder = functools.partial(build, mask, in_forward, score_mod, kv_heads)
+                problems += sgd_equivalence(rank, world, builder, strategy, options, dp, training=True,
+                                            what=f"{mask} (in forward: {in_forward}, {score_mod}) under {strategy}")
+    return problems
+
+
+def test_flex_llama_trains_like_one_process_under_dp_tp_and_a_pipeline(workers2):
+    problems = workers2.run(_equivalence, ALL_CASES if EVERY else CASES)
+    assert problems == [[], []], problems

@@ -31,6 +31,7 @@ from nnscaler_plugins.capture.autograd_functions import (
 from nnscaler_plugins.capture.causal_mask import fold_causal_masks
 from nnscaler_plugins.capture.constant_index import slices_for_constant_index
 from nnscaler_plugins.capture.experts import experts_as_one_op
+from nnscaler_plugins.capture.flex_attention import flex_attention_as_one_op
 from nnscaler_plugins.capture.fused_sections import split_fused_sections
 from nnscaler_plugins.capture.graph import (
     Graph,
@@ -85,6 +86,7 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         # experts modules called with rows sorted by expert and their counts stay one op each: the
         # split sizes they read from the counts are data (routed ones only when a strategy asks)
         stack.enter_context(experts_as_one_op(model, routed=False))
+        stack.enter_context(flex_attention_as_one_op())  # its score / mask functions held by the op
         stack.enter_context(_recorded_contiguous())
         layers = find_stack(model) if trace_repeated_layers_once else None
         if layers is not None:
@@ -273,16 +275,16 @@ def _meta_of(val: Any, requires_grad: bool = False) -> Optional[TensorMeta]:
     return None
 
 
-#: Higher-order ops refused by name, with what to use instead. FlexAttention's mask and score
-#: functions are subgraphs over (batch, head, query, key) indices that the generated code cannot
-#: call yet, so no split of it (not even heads) can be shown exact; its CPU build has no backward.
+#: Higher-order ops refused by name, with what to use instead. Calls of FlexAttention by its name
+#: are captured as one op (capture/flex_attention.py); one reaching the trace as torch's own
+#: higher-order op came through a reference capture did not replace (an attribute holding it).
 _REFUSED_HOPS = {"flex_attention": "FlexAttention (torch.nn.attention.flex_attention.flex_attention)",
                  "flex_attention_backward": "FlexAttention (torch.nn.attention.flex_attention.flex_attention)"}
-_FLEX_WAYS = ("it is not captured yet (its block mask's mask_mod and score_mod have no rules). Ways out: "
-              "a causal mask -> F.scaled_dot_product_attention(q, k, v, is_causal=True) (batch and heads "
-              "split, and the sequence under cp); documents packed into one row or a sliding window -> "
-              "torch.nn.attention.varlen.varlen_attn(..., window_size=(w, 0)) (heads split); any other "
-              "mask -> scaled_dot_product_attention with attn_mask= a boolean tensor (batch and heads split)")
+_FLEX_WAYS = ("it was called through a reference capture does not replace (an attribute holding the function, "
+              "torch.compile(flex_attention)), so it cannot be kept as one op. Call torch.nn.attention.flex_attention.flex_attention itself in the model (the plan's "
+              "generated code runs it), or: a causal mask -> F.scaled_dot_product_attention(q, k, v, is_causal=True) "
+              "(batch and heads split, and the sequence under cp); documents packed into one row or a sliding window "
+              "-> torch.nn.attention.varlen.varlen_attn(..., window_size=(w, 0)) (heads split)")
 _REFUSED_HOP_WAYS = {"flex_attention": _FLEX_WAYS, "flex_attention_backward": _FLEX_WAYS}
 
 

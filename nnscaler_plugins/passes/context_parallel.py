@@ -53,6 +53,13 @@ def check_context_parallel(builder: PlanBuilder, cp: int, mode: str, balance: bo
     """The sequence length every attention shares, after refusing what cp cannot run exactly."""
     if mode not in MODES:
         raise PlanError(f"cp_comm={mode!r}: use one of {', '.join(MODES)}")
+    flex = [op for op in builder.ops if str(op.node.target).endswith(".FlexAttentionCall")]
+    if flex:  # its block mask and mask/score functions index the whole sequence (rules/flex_attention.py)
+        raise PlanError("context parallelism cannot split FlexAttention's sequence: its block mask and its "
+                        "mask_mod / score_mod index the whole query sequence, and no cp kernel shifts them yet. "
+                        "Use dp, tp (heads) or a pipeline with FlexAttention, or for a causal mask "
+                        "F.scaled_dot_product_attention(q, k, v, is_causal=True) under cp",
+                        op=flex[0].name, where=flex[0].where())
     attns = attention_ops(builder)
     if not attns:
         raise PlanError(f"context parallelism found no scaled_dot_product_attention in {builder.graph.model_class}; "

@@ -36,6 +36,7 @@ def _load_builtins() -> None:
         embedding,
         experts,
         experts_op,
+        flex_attention,
         factories,
         losses,
         matmul,

@@ -1,0 +1,201 @@
+"""FlexAttention as one op, and what a piece of it runs (batch rows and/or heads of the whole call).
+
+Why one op: `flex_attention(q, k, v, score_mod, block_mask)` calls the user's `score_mod` and the
+block mask's `mask_mod` on (batch, head, query, key) indices; traced, they become subgraphs the
+plan cannot split. Kept whole, the call has a plain rule (`rules/flex_attention.py`): batch rows
+and heads are independent, so piece (b0.., h0..) of the inputs gives that piece of the output,
+provided the piece sees the *global* indices. `flex_attention_piece` arranges that: its block mask
+is the whole mask's rows / heads for the piece (or the same mask where the mask broadcasts a dim of
+size 1), and both user functions are called with `b + batch_start`, `h + head_start`.
+
+The score function, the block mask and the settings are held by reference in a process-local
+registry under a digest of what they compute (as the experts op holds its module): the generated
+code names the key, and the model must be captured in the process that runs it (`nns.parallelize`
+does).
+
+Forward runs `flex_attention` without recording; backward recomputes it with autograd, which
+gives exactly FlexAttention's own gradients (on devices where FlexAttention has a backward: the
+CPU build has none and raises torch's own message).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+#: The function the model calls, kept before capture replaces the name while tracing.
+from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+
+
+@dataclass(eq=False)
+class FlexSpec:
+    """Everything of one `flex_attention` call that is not q, k, v."""
+
+    block_mask: Optional[BlockMask]
+    score_mod: Optional[Callable]
+    scale: Optional[float]
+    enable_gqa: bool
+    return_lse: bool
+    kernel_options: Optional[dict]
+
+
+_SPECS: dict[str, FlexSpec] = {}
+
+
+def _digest_tensor(h: Any, t: torch.Tensor) -> None:
+    h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+    h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def referenced_values(fn: Any) -> list[Any]:
+    """What a user function reads besides its arguments: closure cells, defaults, and the globals
+    its code names (recursively through nested code objects)."""
+    if fn is None:
+        return []
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    out: list[Any] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            pass
+    out += list(getattr(fn, "__defaults__", None) or ())
+    code, glb = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        out += [glb[n] for n in c.co_names if n in glb and not inspect.ismodule(glb[n])]
+        stack += [k for k in c.co_consts if inspect.iscode(k)]
+    if code is None and hasattr(fn, "__dict__"):  # a callable object: its attributes
+        out += list(vars(fn).values())
+    return out
+
+
+def _digest_function(h: Any, fn: Any, depth: int = 0) -> None:
+    if fn is None:
+        h.update(b"none")
+        return
+    h.update(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}".encode())
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is not None:
+        h.update(code.co_code)
+        h.update(repr([c for c in code.co_consts if not inspect.iscode(c)]).encode())
+    for v in referenced_values(fn):
+        if isinstance(v, torch.Tensor):
+            _digest_tensor(h, v)
+        elif callable(v) and depth < 3:
+            _digest_function(h, v, depth + 1)
+        elif isinstance(v, (int, float, str, bool, tuple, type(None))):
+            h.update(repr(v).encode())
+        else:
+            h.update(f"{type(v).__qualname__}@{id(v)}".encode())  # an object: this process's own
+
+
+def register(spec: FlexSpec) -> str:
+    """The key generated code names this call's mask, score function and settings by: a digest of
+    what they compute, so equal calls share it (and a cached file stays valid) and different ones
+    never do."""
+    h = hashlib.sha1()
+    _digest_function(h, spec.score_mod)
+    m = spec.block_mask
+    if m is not None:
+        h.update(repr((m.seq_lengths, m.BLOCK_SIZE)).encode())
+        for name in BlockMask._TENSOR_ATTRS:
+            t = getattr(m, name, None)
+            if isinstance(t, torch.Tensor):
+                _digest_tensor(h, t)
+        _digest_function(h, m.mask_mod)
+    h.update(repr((spec.scale, spec.enable_gqa, spec.return_lse, sorted((spec.kernel_options or {}).items()))).encode())
+    key = f"flex{h.hexdigest()[:16]}"
+    _SPECS.setdefault(key, spec)
+    return key
+
+
+def spec_of(key: str) -> FlexSpec:
+    try:
+        return _SPECS[key]
+    except KeyError:
+        raise RuntimeError(f"FlexAttention call {key!r} is not known in this process: the model must be captured "
+                           "here (nns.parallelize does) before the generated code runs") from None
+
+
+def _offset_mask_mod(fn: Callable, b0: int, h0: int) -> Callable:
+    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return fn(b + b0, h + h0, q, kv)
+    return mask_mod
+
+
+def _offset_score_mod(fn: Callable, b0: int, h0: int) -> Callable:
+    def score_mod(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return fn(score, b + b0, h + h0, q, kv)
+    return score_mod
+
+
+def piece_mask(mask: Optional[BlockMask], batch_start: int, batch: int, head_start: int, heads: int) -> Optional[BlockMask]:
+    """The block mask of rows [batch_start, +batch) and query heads [head_start, +heads): sliced
+    along a dim the mask holds per row / head, kept where it broadcasts (size 1); its mask_mod sees
+    global indices."""
+    if mask is None or (batch_start == 0 and head_start == 0 and tuple(mask.shape[:2]) in
+                        ((batch, heads), (1, heads), (batch, 1), (1, 1))):
+        return mask
+    mb, mh = mask.shape[0], mask.shape[1]
+    rows = slice(None) if mb == 1 else slice(batch_start, batch_start + batch)
+    hs = slice(None) if mh == 1 else slice(head_start, head_start + heads)
+    local = mask[rows, hs]
+    local.mask_mod = _offset_mask_mod(mask.mask_mod, 0 if mb == 1 else batch_start, 0 if mh == 1 else head_start)
+    return local
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int, head_start: int) -> Any:
+    spec = spec_of(key)
+    mask = piece_mask(spec.block_mask, batch_start, q.shape[0], head_start, q.shape[1])
+    if mask is not None and mask.kv_num_blocks.device != q.device:
+        mask = mask.to(q.device)
+    score_mod = spec.score_mod
+    if score_mod is not None and (batch_start or head_start):
+        score_mod = _offset_score_mod(score_mod, batch_start, head_start)
+    return torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=spec.scale,
+                                enable_gqa=spec.enable_gqa, return_lse=spec.return_lse,
+                                kernel_options=spec.kernel_options)
+
+
+class FlexAttentionCall(torch.autograd.Function):
+    """`FlexAttentionCall.apply(q, k, v, key, batch_start=0, head_start=0)`: FlexAttention on
+    rows from `batch_start` and query heads from `head_start` of the whole call registered under
+    `key`; returns the output, or (output, log-sum-exp) when the call asked for it."""
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int = 0,
+                head_start: int = 0) -> Any:
+        spec = spec_of(key)
+        if torch._subclasses.fake_tensor.is_fake(q) or q.device.type == "meta":
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # capture only needs the shapes
+            return (out, q.new_empty(q.shape[:-1], dtype=torch.float32)) if spec.return_lse else out
+        with torch.no_grad():
+            return _run(q.detach(), k.detach(), v.detach(), key, batch_start, head_start)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        q, k, v, key, *starts = inputs
+        ctx.save_for_backward(q, k, v)
+        ctx.key, ctx.starts = key, (tuple(starts) + (0, 0))[:2]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _run(q, k, v, ctx.key, *ctx.starts)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        dq, dk, dv = torch.autograd.grad([o for o, _ in pairs], (q, k, v), [g for _, g in pairs], allow_unused=True)
+        return dq, dk, dv, None, None, None
+
+
+def flex_attention_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int,
+                         head_start: int) -> Any:
+    """What a piece of a split FlexAttention op runs (generated code calls it by name)."""
+    return FlexAttentionCall.apply(q, k, v, key, batch_start, head_start)
