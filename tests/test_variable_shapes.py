@@ -74,8 +74,10 @@ def run_varying(rank: int, world: int, builder: str, strategy: str, options: dic
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     problems = []
+    split = plan.mesh.axes.get("batch", 1)  # a batch split inside the unit (auto's) needs sizes it divides
     for step, sizes in enumerate(steps):
         sizes = sizes[:dp] if dp > 1 else [sizes[0]]
+        sizes = [(-(-b // split) * split, s) for b, s in sizes]
         parts = [_batch(100 * step + r, b * m, s) for r, (b, s) in enumerate(sizes)]
         longest = max(s for _, s in sizes)
         whole = {k: torch.cat([_pad(p, longest)[k] for p in parts]) for k in parts[0]}
