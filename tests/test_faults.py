@@ -71,7 +71,8 @@ def work(tmp_path_factory) -> str:
 
 # -- a killed rank, a killed save ------------------------------------------------------------------------------
 def test_sigkill_at_a_random_step_resumes_exactly_under_tp_zero3_and_a_pipeline(work):
-    scenarios = ["tp:kill", "zero3:kill", "pipeline:kill"]
+    # the pipeline's kill/resume with NNS_TEST_ALL_PLANS=1 (a torchrun attempt per scenario on 2 cores)
+    scenarios = ["tp:kill", "zero3:kill"] + (["pipeline:kill"] if os.environ.get("NNS_TEST_ALL_PLANS") == "1" else [])
     code, out = torchrun(work, ["--scenarios", ",".join(scenarios), "--micro-batch-size", "2"], restarts=3)
     assert code == 0, out[-6000:]
     ev = events(out)
