@@ -2,9 +2,9 @@
 
     python benchmarks/gpu_wave.py                 # on a machine with one CUDA GPU: results to RESULTS.md
     python benchmarks/gpu_wave.py --small         # tiny shapes on whatever device is there (smoke test)
-    python benchmarks/gpu_wave.py --sections ring # some of: meta, moe, ring, speed, collectives
+    python benchmarks/gpu_wave.py --sections ring # some of: meta, moe, ring, speed, collectives, flex
 
-Five sections, each written to RESULTS.md:
+Six sections, each written to RESULTS.md:
 
 1. meta: a Llama-2-7B-shaped model built under `torch.device("meta")`, parallelized with plan
    "zero3", `precision="bf16"` and `offload="optimizer"` on one GPU (NCCL, world 1): the weights
@@ -26,6 +26,11 @@ Five sections, each written to RESULTS.md:
    most of it compilation (the warm-up column).
 5. collectives: every collective the generated code calls, forward and backward over the world-1
    NCCL group, against the same call without communication; the median time of each.
+6. flex: a small Llama-style model whose attention is FlexAttention with a causal block mask and
+   a score_mod reading the head index, trained through the generated code (plan "tp" at world 1:
+   the FlexAttention op and its kernel) against the same model eager: first-step loss, largest
+   gradient difference, time ratio. FlexAttention has no backward on a CPU, so `--small` on a CPU
+   compares the forward's loss only (the row says so).
 """
 from __future__ import annotations
 
@@ -389,6 +394,85 @@ def collective_paths(device: torch.device, iters: int) -> list[tuple[str, ...]]:
     return rows
 
 
+# -- 6. FlexAttention through the generated code ------------------------------------------------------
+class _FlexBlock(torch.nn.Module):
+    """Pre-norm attention (FlexAttention, causal block mask, a per-head bias as score_mod) and an MLP."""
+
+    def __init__(self, d: int, heads: int, mask):
+        super().__init__()
+        self.heads, self.mask = heads, mask
+        self.norm1, self.norm2 = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d, bias=False), torch.nn.Linear(d, d, bias=False)
+        self.up, self.down = torch.nn.Linear(d, 4 * d, bias=False), torch.nn.Linear(4 * d, d, bias=False)
+
+    @staticmethod
+    def head_bias(score, b, h, q, kv):
+        return score - 0.05 * (h + 1) * (q - kv).abs()
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = flex_attention(q, k, v, score_mod=self.head_bias, block_mask=self.mask)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm2(x))))
+
+
+class _FlexLM(torch.nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, mask):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab, bias=False)
+        self.blocks = torch.nn.ModuleList([_FlexBlock(d, heads, mask) for _ in range(layers)])
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def flex_training(device: torch.device, small: bool, iters: int) -> list[tuple[str, ...]]:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, s, d, heads, layers, vocab = (2, 128, 64, 4, 2, 512) if small else (4, 2048, 1024, 16, 4, 32000)
+    mask = create_block_mask(lambda b_, h_, q, kv: q >= kv, None, None, s, s, device=str(device))
+    torch.manual_seed(0)
+    eager = _FlexLM(vocab, d, heads, layers, mask).to(device)
+    mine = copy.deepcopy(eager)
+    batch = _tokens(b, s, vocab, device)
+    pm = nns.parallelize(mine, batch, plan="tp", cache_dir="/tmp/nns_bench_cache")
+    name = f"flex llama {layers}x{d}, {heads} heads, causal + head bias"
+    if device.type != "cuda":  # no FlexAttention backward on a CPU: the forward only
+        with torch.no_grad():
+            want, got = eager(**batch).item(), float(pm(**batch))
+        return [(name, f"{b * s}", f"{abs(got - want) / abs(want):.1e}", "forward only (no CPU backward)",
+                 "-", "-", "-", "-")]
+
+    def eager_step() -> float:
+        eager.zero_grad(set_to_none=False)
+        loss = eager(**batch)
+        loss.backward()
+        return loss.item()
+
+    def ours_step() -> float:
+        for p in pm.parameters():
+            p.grad = None
+        return pm.train_step(batch).item()
+
+    first_eager, first_ours = eager_step(), ours_step()
+    grads = {n: p.grad for n, p in eager.named_parameters()}
+    worst = 0.0
+    for n, p in pm.named_parameters():
+        key = n.split(".", 1)[-1].replace("__", ".")
+        ref = grads.get(key)
+        if p.grad is not None and ref is not None:
+            worst = max(worst, float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-30)))
+    p = common.time_paired(eager_step, ours_step, warmup=1, iters=iters, sync=common.sync_device)
+    return [(name, f"{b * s}", f"{abs(first_ours - first_eager) / abs(first_eager):.1e}", f"{worst:.1e}",
+             f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}", *p.cells(2))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes on whatever device is there (smoke test)")
@@ -434,6 +518,11 @@ def main() -> None:
         out.append(("gpu_wave.py: every collective of the generated code over the world-1 process group "
                     "(NCCL on a GPU) against no communication", collective_paths(device, args.iters),
                     ("path", "values and gradients", "median ms (forward + backward)")))
+    if "flex" in sections:
+        out.append(("gpu_wave.py: FlexAttention (causal block mask, score_mod) training through the generated code vs "
+                    "eager, one GPU", flex_training(device, args.small, args.iters),
+                    ("model", "tokens", "first loss rel diff", "largest grad diff (rel. to grad max)", "eager ms",
+                     "ours ms", "ratio eager/ours of the median steps", "median per-step ratio")))
     for title, rows, header in out:
         if args.no_record or args.small or device.type != "cuda":
             print(title)
@@ -443,7 +532,7 @@ def main() -> None:
             print(common.record(title, rows, header))
 
 
-SECTIONS = ("meta", "moe", "ring", "speed", "collectives")
+SECTIONS = ("meta", "moe", "ring", "speed", "collectives", "flex")
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,7 @@ def split_linears(builder, **_):
             builder.replicate(op)
 
 
-def _global_batch(name: str, train: bool = False):
+def global_batch(name: str, train: bool = False):
     """The model and its global batch; dropout off (pieces would otherwise draw other masks than the
     reference): by eval(), or with `train` in training mode with every dropout probability zero."""
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def _global_batch(name: str, train: bool = False):
     return model, inputs
 
 
-def _slice_batch(inputs: dict, dp_rank: int, dp: int) -> dict:
+def slice_batch(inputs: dict, dp_rank: int, dp: int) -> dict:
     out = {}
     for k, v in inputs.items():
         n = v.shape[0] // dp
@@ -113,13 +113,13 @@ def run_case(rank: int, world: int, name: str, strategy, options: dict, steps: i
 
     if strategy == "custom_mlp":
         strategy = split_linears
-    ref_model, inputs = _global_batch(name, train)
-    model, _ = _global_batch(name, train)
+    ref_model, inputs = global_batch(name, train)
+    model, _ = global_batch(name, train)
     initial = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    plan = nns.plan(model, strategy=strategy, world_size=world, example_inputs=_slice_batch(inputs, 0, _dp(strategy, world, options)), **options)
+    plan = nns.plan(model, strategy=strategy, world_size=world, example_inputs=slice_batch(inputs, 0, _dp(strategy, world, options)), **options)
     dp = plan.dp
     second = {k: v.roll(1, 0) for k, v in inputs.items()}  # another global batch of the same shapes
-    local = lambda batch: _slice_batch(batch, rank // plan.unit_size, dp)  # noqa: E731
+    local = lambda batch: slice_batch(batch, rank // plan.unit_size, dp)  # noqa: E731
     pm = nns.parallelize(model, local(inputs), plan=plan, cache_dir="/tmp/nns_test_cache")
     ref_params = dict(ref_model.named_parameters(remove_duplicate=False))
     problems = []

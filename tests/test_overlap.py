@@ -265,12 +265,12 @@ def zero_gather_run(rank: int, world: int, stage: int, overlap, root: str) -> li
     import nnscaler_plugins as nns
     from nnscaler_plugins.outputs import extract_loss
 
-    from test_equivalence import _global_batch, _slice_batch
+    from test_equivalence import global_batch, slice_batch
 
-    ref, inputs = _global_batch("gpt2_small", train=True)
-    base, _ = _global_batch("gpt2_small", train=True)
+    ref, inputs = global_batch("gpt2_small", train=True)
+    base, _ = global_batch("gpt2_small", train=True)
     options = dict(zero=stage, micro_batches=2, overlap_param_gather=overlap)
-    local = _slice_batch(inputs, rank, world)
+    local = slice_batch(inputs, rank, world)
 
     def build():
         pm = nns.parallelize(copy.deepcopy(base), local, plan="dp", cache_dir="/tmp/nns_test_cache", **options)
