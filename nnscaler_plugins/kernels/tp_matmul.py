@@ -137,6 +137,16 @@ def _gathered_shape(x: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _shaped(y: torch.Tensor, shape: list) -> torch.Tensor:
+    """`y` in `shape` as a tensor of its own, not a view: a custom Function's output that is a view
+    cannot be modified in place afterwards (a model's `x += ...` on the matmul's result). A fresh
+    contiguous result is reshaped in place, without a copy."""
+    shape = list(y.reshape(*shape).shape)  # a -1 in `shape` resolved
+    if y.is_contiguous() and y._base is None:
+        return y.resize_(*shape)
+    return y.reshape(*shape).clone()
+
+
 class _GatheredMatmuls(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: tuple, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -162,7 +172,7 @@ class _GatheredMatmuls(Function):
             full = _gathered_shape(x, dim, len(order))
         lead = list(shape[:-1]) if shape is not None else list(full[:-1])
         ctx.save_for_backward(x, *operands)
-        return tuple(o.reshape(*lead, _out_features(f, w)) for o, f, w in zip(outs, forms, ws))
+        return tuple(_shaped(o, [*lead, _out_features(f, w)]) for o, f, w in zip(outs, forms, ws))
 
     @staticmethod
     def backward(ctx: Any, *douts: Optional[torch.Tensor]) -> tuple:
@@ -275,7 +285,7 @@ class _ReducedMatmul(Function):
         xv = x.reshape(*lead, k_in)
         ctx.save_for_backward(x, w, b)
         if group is None:
-            return _apply(form, xv.reshape(-1, k_in), w, b).view(*xv.shape[:-1], n_out)
+            return _shaped(_apply(form, xv.reshape(-1, k_in), w, b), [*xv.shape[:-1], n_out])
         if scatter is None:  # all-reduce: rows in `chunks` runs, each summed while the next computes
             rows = xv.reshape(-1, k_in)
             runs = rows.tensor_split(chunks) if chunks > 1 else (rows,)
@@ -287,7 +297,7 @@ class _ReducedMatmul(Function):
             for wk in works:
                 wk.wait()
             y = outs[0] if len(outs) == 1 else torch.cat(outs)
-            return y.view(*xv.shape[:-1], n_out)
+            return _shaped(y, [*xv.shape[:-1], n_out])
         dim, blocks, order = scatter
         n = len(order)
         mine = []
@@ -303,7 +313,8 @@ class _ReducedMatmul(Function):
             mine.append(out)
         for wk, _ in works:
             wk.wait()
-        return cat_dim(mine, dim, blocks)
+        y = cat_dim(mine, dim, blocks)
+        return _shaped(y, list(y.shape))
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:

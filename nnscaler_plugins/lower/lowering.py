@@ -27,6 +27,7 @@ from nnscaler_plugins.lower.placement import (
     tensor_layout,
 )
 from nnscaler_plugins.lower import expert_overlap, tp_overlap
+from nnscaler_plugins.plan.float8 import float8_linears
 from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
 from nnscaler_plugins.plan.plan import OpPlacement, Plan
@@ -597,8 +598,12 @@ class _Lowering:
         returned = {v for v in self.sent_vars.values()} | {v for v in self.out_vars.values() if v is not None}
 
         def tables(k: int, stmts: list[Stmt]) -> tp_overlap.Tables:
-            return tp_overlap.Tables(self.reshards, self.grad_groups, self.kernel_groups,
-                                     self.local_shapes(k, stmts).get, self.plan.knobs.tp_comm_overlap)
+            shapes = self.local_shapes(k, stmts)
+            # a fp8 plan's float8 linears keep their own kernel (codegen calls kernels/float8.py for them)
+            keep = frozenset(float8_linears(self.graph, self.plan.knobs, shapes)) \
+                if self.plan.precision == "fp8" else frozenset()
+            return tp_overlap.Tables(self.reshards, self.grad_groups, self.kernel_groups, shapes.get,
+                                     self.plan.knobs.tp_comm_overlap, keep)
 
         self.stmts = tp_overlap.fuse_program(self.stmts, returned, tables)
         self.stmts = expert_overlap.overlap_experts(self.stmts, self.plan.knobs.tp_comm_overlap is not False)

@@ -49,6 +49,8 @@ class Tables:
     kernel_groups: list[tuple[tuple[int, ...], ...]]
     local_shape: Callable[[str], Optional[tuple[int, ...]]]  # this device's shape of a value (None: unknown)
     overlap: Optional[bool]  # the plan's tp_comm_overlap (None: the backend's default)
+    # ops whose matmul runs another kernel (a precision="fp8" plan's float8 linears): never fused
+    keep_ops: frozenset = frozenset()
 
 
 @dataclass
@@ -93,9 +95,11 @@ def _plain(s: Any) -> bool:
     return s.coshard is None and s.grad_enabled and s.output_of is None
 
 
-def _matmul_form(s: Any) -> Optional[str]:
-    """The form of a matmul statement the kernels take, or None."""
+def _matmul_form(s: Any, keep_ops: frozenset = frozenset()) -> Optional[str]:
+    """The form of a matmul statement the kernels take, or None (also for an op in `keep_ops`)."""
     if s.kind != "op" or s.group_kwarg is not None or s.kwargs or not _plain(s):
+        return None
+    if s.op is not None and s.op.name in keep_ops:
         return None
     form = MATMULS.get(s.target)
     if form is None:
@@ -257,7 +261,7 @@ def _fuse_input_side(stmts: list[Any], i: int, device: int, keep: set[str], t: T
             s = stmts[j]
             if s.recompute != recompute:
                 return None
-            form = _matmul_form(s)
+            form = _matmul_form(s, t.keep_ops)
             if form is not None and s.args[_x_index(form)] == Ref(var) and \
                     sum(1 for a in s.args if a == Ref(var)) == 1:
                 if not summed and grad_sums:
@@ -359,7 +363,7 @@ def _comment(gather: Optional[tuple], grad: str, group: tuple[int, ...], n: int)
 def _fuse_output_side(stmts: list[Any], i: int, device: int, keep: set[str], t: Tables,
                       uses: _Uses) -> Optional[tuple]:
     m = stmts[i]
-    form = _matmul_form(m)
+    form = _matmul_form(m, t.keep_ops)
     if form is None or not m.out or not m.out[0]:
         return None
     w = t.local_shape(_weight(form, m))
