@@ -266,8 +266,8 @@ def test_deepspeed_compile_section_and_engine_compile():
     late, _ = engine({})
     assert not plain.is_compiled and from_config.is_compiled and not late.is_compiled
     late.compile(backend=BACKEND)
-    assert late.is_compiled and late.module.artifact.compile_backend == BACKEND
-    assert from_config.module.artifact.compile_backend == BACKEND
+    assert late.is_compiled and late.parallel_module.artifact.compile_backend == BACKEND
+    assert from_config.parallel_module.artifact.compile_backend == BACKEND
     for _ in range(2):
         losses = []
         for e in (plain, from_config, late):

@@ -65,9 +65,12 @@ class Comm:
         return y
 
     def kernel(self, key: int) -> Any:
-        """The process group a group-aware piece function communicates over."""
+        """The process group a group-aware piece function communicates over. The recorder notes the op
+        as entered: a hang inside it (a fused tensor-parallel matmul's chunked collectives, an experts
+        all-to-all) is reported with its collective, ranks, op and source line; the next position
+        recorded supersedes it."""
         if self.recorder is not None and not torch.compiler.is_compiling():
-            self.recorder.called(KERNEL, key)
+            self.recorder.enter(KERNEL, key)
         if key in self.program.replica_kernels:
             return self.replicas()
         return self.groups.get(self._own(self.program.kernel_groups[key]))
