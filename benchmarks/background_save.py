@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         steps()
 
     try:
-        a, b, ratio_bg = common.time_paired(plain, background, warmup=1, iters=2 * args.pairs)
-        a2, c, ratio_sync = common.time_paired(plain, blocking, warmup=1, iters=2 * args.pairs)
+        bg = common.time_paired(plain, background, warmup=1, iters=2 * args.pairs)
+        sync = common.time_paired(plain, blocking, warmup=1, iters=2 * args.pairs)
+        a, b, ratio_bg, a2, c, ratio_sync = bg.a, bg.b, bg.per_step, sync.a, sync.b, sync.per_step
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = [("gpt2 4x256, AdamW", "8x128", f"{state_bytes / 2**20:.0f}", f"{a * 1000 / args.every:.1f}",
