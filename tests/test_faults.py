@@ -365,3 +365,18 @@ def test_the_search_plans_for_the_launchers_nodes(monkeypatch):
     plan = session.plan_for(model, batch, 4)
     assert seen == [("local-cpu", 2, 2)], seen
     assert plan.mesh.devices_per_node == 2 and plan.mesh.within_node(["tp", "cp"]) is True, plan.mesh
+
+
+def test_nonfinite_flag_sees_nan_and_both_infinities_in_any_tensor():
+    """The per-step check reads each tensor once; a NaN, +inf or -inf anywhere (one element of the
+    last tensor) sets the flag, finite values of any size do not."""
+    from nnscaler_plugins.runtime.nonfinite import nonfinite_flag
+
+    cpu = torch.device("cpu")
+    tensors = [torch.randn(300, 7), torch.full((5,), -3.0e38), torch.randn(64).half(), None, torch.arange(4)]
+    assert nonfinite_flag(tensors, cpu).item() == 0.0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = [x.clone() if x is not None else None for x in tensors]
+        t[2][-1] = bad
+        assert nonfinite_flag(t, cpu).item() == 1.0, bad
+    assert nonfinite_flag([], cpu).item() == 0.0
