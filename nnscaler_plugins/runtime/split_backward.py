@@ -9,15 +9,21 @@ twice).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import functools
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-try:  # pragma: no cover - depends on the installed torch
-    from torch.distributed.pipelining._backward import stage_backward_input as _input_part
-    from torch.distributed.pipelining._backward import stage_backward_weight as _weight_part
-except ImportError:  # pragma: no cover
-    _input_part = _weight_part = None
+
+@functools.cache
+def _pipelining_parts() -> tuple[Optional[Callable], Optional[Callable]]:
+    """PyTorch's input-part and weight-part backward, or (None, None). Imported on first use:
+    the pipelining package pulls in DTensor and costs every process about a second at import."""
+    try:  # pragma: no cover - depends on the installed torch
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    except ImportError:  # pragma: no cover
+        return None, None
+    return stage_backward_input, stage_backward_weight
 
 
 class SplitBackward:
@@ -38,8 +44,9 @@ class SplitBackward:
             return
         if not self.leaves:
             return  # nothing upstream waits: the weight part does the whole backward
-        if _input_part is not None:
-            _, self._groups = _input_part(self.roots, self.grads, self.leaves, iter(self.params))
+        input_part, _ = _pipelining_parts()
+        if input_part is not None:
+            _, self._groups = input_part(self.roots, self.grads, self.leaves, iter(self.params))
             return
         got = torch.autograd.grad(self.roots, self.leaves, self.grads, retain_graph=True, allow_unused=True)
         for leaf, g in zip(self.leaves, got):
@@ -54,7 +61,7 @@ class SplitBackward:
         if not self.leaves:
             torch.autograd.backward(self.roots, self.grads, inputs=self.params)
         elif self._groups is not None:
-            _weight_part(iter(self.params), self._groups)
+            _pipelining_parts()[1](iter(self.params), self._groups)
         else:
             torch.autograd.backward(self.roots, self.grads, inputs=self.params)
         self.roots = self.grads = []
