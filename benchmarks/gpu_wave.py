@@ -40,6 +40,7 @@ import math
 import os
 import sys
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -118,32 +119,41 @@ def moe_generated_vs_eager(device: torch.device, small: bool, iters: int) -> lis
     batch = _tokens(2 if small else 4, 32 if small else 512, cfg.vocab_size, device)
     pm = nns.parallelize(mine, batch, plan="ep", cache_dir="/tmp/nns_bench_cache")
 
+    p, first, worst = train_against_eager(eager, pm, batch, lambda out: out.loss, iters)
+    name = f"mixtral {shape['num_hidden_layers']}x{shape['hidden_size']} 8 experts top-2"
+    return [(name, f"{batch['input_ids'].numel()}", f"{first:.1e}", f"{worst:.1e}", f"{p.a * 1e3:.1f}",
+             f"{p.b * 1e3:.1f}", *p.cells(2))]
+
+
+def train_against_eager(eager: torch.nn.Module, pm: Any, batch: dict, loss_of: Callable[[Any], torch.Tensor],
+                        iters: int) -> tuple[common.Paired, float, float]:
+    """One world-1 training step of `eager` and of its generated copy `pm` on `batch`, then their
+    steps timed in alternation: (the paired times, the first losses' relative difference, the
+    worst relative gradient difference over every parameter; every parameter must be compared)."""
+
     def eager_step() -> float:
         eager.zero_grad(set_to_none=False)
-        loss = eager(**batch).loss
+        loss = loss_of(eager(**batch))
         loss.backward()
         return loss.item()
 
     def ours_step() -> float:
-        for p in pm.parameters():
-            p.grad = None
+        for q in pm.parameters():
+            q.grad = None
         return pm.train_step(batch).item()
 
     first_eager, first_ours = eager_step(), ours_step()
-    grads = {n.replace(".", "__"): p.grad for n, p in eager.named_parameters()}
+    grads = {n: q.grad for n, q in eager.named_parameters()}
     worst, compared = 0.0, 0
-    for n, p in pm.named_parameters():  # world 1: every shard is its whole parameter
-        key = n.split(".", 1)[-1]
-        if p.grad is not None and key in grads:
-            ref = grads[key]
-            worst = max(worst, float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-30)))
+    for n, q in pm.named_parameters():  # world 1: every shard is its whole parameter
+        ref = grads.get(n.split(".", 1)[-1].replace("__", "."))
+        if q.grad is not None and ref is not None:
+            worst = max(worst, float((q.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-30)))
             compared += 1
     if compared < len(grads):
         raise RuntimeError(f"compared {compared} of {len(grads)} gradients: the shards' names did not match")
     p = common.time_paired(eager_step, ours_step, warmup=1, iters=iters, sync=common.sync_device)
-    name = f"mixtral {shape['num_hidden_layers']}x{shape['hidden_size']} 8 experts top-2"
-    return [(name, f"{batch['input_ids'].numel()}", f"{abs(first_ours - first_eager) / abs(first_eager):.1e}",
-             f"{worst:.1e}", f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}", *p.cells(2))]
+    return p, abs(first_ours - first_eager) / abs(first_eager), worst
 
 
 # -- 3. ring attention's per-block kernel against whole attention -----------------------------------
@@ -449,28 +459,8 @@ def flex_training(device: torch.device, small: bool, iters: int) -> list[tuple[s
         return [(name, f"{b * s}", f"{abs(got - want) / abs(want):.1e}", "forward only (no CPU backward)",
                  "-", "-", "-", "-")]
 
-    def eager_step() -> float:
-        eager.zero_grad(set_to_none=False)
-        loss = eager(**batch)
-        loss.backward()
-        return loss.item()
-
-    def ours_step() -> float:
-        for p in pm.parameters():
-            p.grad = None
-        return pm.train_step(batch).item()
-
-    first_eager, first_ours = eager_step(), ours_step()
-    grads = {n: p.grad for n, p in eager.named_parameters()}
-    worst = 0.0
-    for n, p in pm.named_parameters():
-        key = n.split(".", 1)[-1].replace("__", ".")
-        ref = grads.get(key)
-        if p.grad is not None and ref is not None:
-            worst = max(worst, float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-30)))
-    p = common.time_paired(eager_step, ours_step, warmup=1, iters=iters, sync=common.sync_device)
-    return [(name, f"{b * s}", f"{abs(first_ours - first_eager) / abs(first_eager):.1e}", f"{worst:.1e}",
-             f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}", *p.cells(2))]
+    p, first, worst = train_against_eager(eager, pm, batch, lambda out: out, iters)
+    return [(name, f"{b * s}", f"{first:.1e}", f"{worst:.1e}", f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}", *p.cells(2))]
 
 
 def main() -> None:
