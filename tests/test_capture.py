@@ -127,3 +127,31 @@ def test_one_tensor_given_as_two_inputs_stays_two_inputs():
     while token_ids.kind == "op":  # back through the view to the input it reads
         token_ids = g.values[g.op(token_ids.producer).inputs[0]]
     assert token_ids.name == next(i.name for i in g.inputs if i.path[1] == "input_ids")
+
+
+def test_no_captured_op_computes_what_nothing_reads():
+    """Hugging Face models build a causal mask that the capture folds into `is_causal`; export's
+    assertions still read the mask's chain, and without removing them it stayed in every rank's
+    program (index ops and comparisons each step). Random ops stay even when unread: removing one
+    would shift the random stream of every later one."""
+    for build in (models.llama_small, models.gpt2_small):
+        model, inputs = build()
+        g = nns.capture(model, kwargs=inputs)
+        read = {v for op in g.ops for v in op.inputs} | {v for v in g.outputs if v is not None}
+        unread = [op.name for op in g.ops if op.outputs and not any(o in read for o in op.outputs if o is not None)
+                  and not op.op_name.endswith("_") and "copy_" not in op.op_name]
+        assert unread == [], (build.__name__, unread[:10])
+
+
+def test_dead_code_keeps_random_draws_nothing_reads():
+    class DrawsAndDiscards(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            torch.rand(3)  # read by nothing: still moves the random stream
+            return torch.nn.functional.dropout(self.lin(x), 0.5, training=True)
+
+    g = nns.capture(DrawsAndDiscards(), (torch.randn(2, 4),))
+    assert any(op.op_name.startswith("aten.rand") for op in g.ops), [op.op_name for op in g.ops]

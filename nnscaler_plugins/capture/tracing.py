@@ -29,6 +29,7 @@ from nnscaler_plugins.capture.autograd_functions import (
     rebuild_call,
 )
 from nnscaler_plugins.capture.causal_mask import fold_causal_masks
+from nnscaler_plugins.capture.dead_code import ASSERTIONS, drop_dead_code
 from nnscaler_plugins.capture.constant_index import slices_for_constant_index
 from nnscaler_plugins.capture.experts import experts_as_one_op
 from nnscaler_plugins.capture.flex_attention import flex_attention_as_one_op
@@ -44,14 +45,6 @@ from nnscaler_plugins.capture.graph import (
 from nnscaler_plugins.capture.repeated_layers import Stack, find_stack, replicate
 from nnscaler_plugins.plugins import get_plugin_manager
 from nnscaler_plugins.progress import phase
-
-# Ops with no runtime effect in our generated code (export's own shape/dtype assertions).
-_DROPPED = {
-    "aten._assert_tensor_metadata.default",
-    "aten._assert_scalar.default",
-    "aten.sym_constrain_range_for_size.default",
-    "aten._assert_async.msg",
-}
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
@@ -95,6 +88,7 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
                 return split_fused_sections(slices_for_constant_index(graph))
         ep = _export(model, args, kwargs)
         fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
+        drop_dead_code(ep)  # what only export's assertions read (the folded mask's chain)
         # one matmul per unequal section of a fused projection, constant index runs read as slices
         return split_fused_sections(slices_for_constant_index(_to_graph(ep, model, args, kwargs)))
 
@@ -211,6 +205,7 @@ def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict, layer
         with layers.truncated(2):
             ep = _export(model, args, kwargs)
             fold_causal_masks(ep)
+            drop_dead_code(ep)
             short = _to_graph(ep, model, args, kwargs)
     except Exception:  # the model minds its layer count (or anything else): trace it whole
         return None
@@ -363,7 +358,7 @@ class _Converter:
                 self.env[node] = src[node.args[1]]
                 continue
             tname = str(target)
-            if tname in _DROPPED:
+            if tname in ASSERTIONS:  # no runtime effect in generated code
                 continue
             hop = getattr(target, "__name__", "") or tname
             if hop == "wrap_with_set_grad_enabled":
