@@ -40,6 +40,8 @@ LONG = {
         "test_two_processes_all_plans_with_accumulation_clipping_and_resume runs by default",
     "tests/test_adapters_any_shape.py::test_hf_trainer_with_padding_collators_equals_a_plain_trainer[lm]":
         "the padding collator case runs by default",
+    "tests/test_adapters_any_shape.py::test_lightning_with_per_batch_padding_trains_like_one_process":
+        "the HF Trainer's padding collator and the DeepSpeed engine's variable-length loader run by default",
     "tests/test_adapter_resume.py::test_whole_state_saved_on_two_loads_on_four_under_other_plans":
         "four processes; the per-rank refusal and test_checkpoint's plan changes run by default",
     "tests/test_frontier_runs.py::test_every_frontier_plan_runs_2[llama_small]": "GPT-2's frontier runs by default",

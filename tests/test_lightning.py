@@ -120,10 +120,13 @@ def test_capture_error_is_one_message_before_any_process_starts(tmp_path):
 def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path):
     """... and the tp run's checkpoint resumes under 1f1b (whole optimizer state, cut for the
     pipeline's stages) on the trajectory of the run that never stopped."""
-    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", "tp;dp;1f1b;auto", "--steps", "2",
+    # 1f1b and auto train here with NNS_TEST_ALL_PLANS=1; by default 1f1b runs as the resumed plan
+    every = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
+    names = ["tp", "dp", "1f1b", "auto"] if every else ["tp", "dp"]
+    rows = _run_recipe(tmp_path, "--devices", "2", "--plans", ";".join(names), "--steps", "2",
                        "--accumulate", "2", "--clip", "0.5", "--resume-check", "--resume-under", "1f1b")
     plans = {r["plan"]: r for r in rows if "plan" in r}
-    assert set(plans) == {"dp", "tp", "1f1b", "auto"}
+    assert set(plans) == set(names)
     for r in plans.values():
         assert r["match"], r
         # the sampler splits data by data-parallel replica, not by process

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import models
-from harness import Workers
 
 SEED = 1234
 LAYERS = 2  # a pipeline's two stages hold one block each
@@ -23,13 +22,6 @@ PLANS = {
     "dp4-zero3": ("dp", {"zero": 3}, 4),
     "1f1b-pp2-dp2": ("1f1b", {"pp": 2, "micro_batches": 2}, 2),
 }
-
-
-@pytest.fixture(scope="module")
-def workers():
-    w = Workers(4)
-    yield w
-    w.close()
 
 
 def _meta(builder):
@@ -95,7 +87,7 @@ ALL = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
 
 
 @pytest.mark.parametrize("builder_name", ["gpt2_small", "llama_small"])
-def test_meta_model_gets_the_same_weights_under_every_plan(workers, builder_name):
+def test_meta_model_gets_the_same_weights_under_every_plan(workers4, builder_name):
     import nnscaler_plugins as nns
 
     builder = getattr(models, builder_name)
@@ -111,7 +103,7 @@ def test_meta_model_gets_the_same_weights_under_every_plan(workers, builder_name
 
     if builder_name != "gpt2_small" and not ALL:
         return
-    results = workers.run(_parallel_weights, builder_name)
+    results = workers4.run(_parallel_weights, builder_name)
     biggest = max(v.numel() * v.element_size() for v in ref.values())
     for rank, r in enumerate(results):
         assert r["ref_loss"] == pytest.approx(ref_loss, rel=1e-6)
