@@ -1,0 +1,77 @@
+"""ZeRO-3 all-gathers the weights of float8 linears in float8 (the `fp8_all_gather` knob, torchao's
+FSDP float8 all-gather): each replica casts its chunk with the scale of the whole weight (one
+all-reduce of the chunks' maxima), so the gathered float8 values are those of casting the whole
+weight, and the run equals the same run gathering in bf16, for a quarter of fp32's bytes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+
+pytest.importorskip("torchao.float8")
+
+STEPS = 4
+
+
+def _batches(n: int, rows: int = 4, seq: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, models.VOCAB, (rows, seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def zero3_fp8(rank: int, world: int, gather: bool, steps: int = STEPS) -> dict:
+    """A Llama layer under zero=3, precision fp8 (emulated), trained `steps` steps in training mode:
+    losses, whole weights after, and per float8-gathered weight its gathers' bytes and elements."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model, batch = models.llama_small(1)
+    n = batch["input_ids"].shape[0] // world
+    local = lambda b: {k: v[rank * n:(rank + 1) * n] for k, v in b.items()}  # noqa: E731
+    pm = nns.parallelize(model, local(batch), plan="dp", zero=3, precision="fp8", fp8_emulate=True,
+                         fp8_all_gather=gather, cache_dir="/tmp/nns_test_cache")
+    pm.train()
+    opt = nns.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+    z = pm.zero3
+    losses, grad_dtypes = [], set()
+    for b in _batches(steps):
+        losses.append(pm.train_step(local(b)).item())
+        grad_dtypes |= {str(z.chunks[k].grad.dtype) for k in z.float8_keys}
+        opt.step()
+        opt.zero_grad()
+    names = {k: z.shards[k].fqn for k in range(len(z.shards))}
+    return {"losses": losses, "weights": {k: v.float() for k, v in pm.state_dict().items()},
+            "float8": sorted(names[k] for k in z.float8_keys),
+            "traffic": {names[k]: b for k, b in z.gathered_traffic.items()},
+            "padded": {names[k]: s.size * s.chunk for k, s in enumerate(z.shards)},
+            "grad_dtypes": sorted(grad_dtypes), "dtype": {names[k]: str(c.dtype) for k, c in enumerate(z.chunks)}}
+
+
+def test_float8_all_gather_equals_bf16_gather_for_a_quarter_of_fp32_bytes(workers2):
+    on = workers2.run(zero3_fp8, True)
+    off = workers2.run(zero3_fp8, False)
+    for rank in range(2):
+        a, b = on[rank], off[rank]
+        # every linear of the layer and the head (torchao's default: 7 + 1), nothing else
+        assert len(a["float8"]) == 8 and all(n.endswith("proj.weight") or n == "lm_head.weight" for n in a["float8"])
+        assert b["float8"] == []
+        assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+        for name, w in b["weights"].items():
+            assert torch.equal(a["weights"][name], w), name
+        assert a["losses"][-1] != a["losses"][0]  # the weights moved: the scales were recomputed each step
+        # the backward is unchanged: gradients in the chunks' dtype (reduce-scattered so), master weights updated
+        assert a["grad_dtypes"] == [a["dtype"][a["float8"][0]]]
+        for name in a["float8"]:
+            sent_fp8, sent_hp = a["traffic"][name], b["traffic"][name]
+            hp_itemsize = getattr(torch, b["dtype"][name].split(".")[1]).itemsize
+            gathers = sent_hp // (hp_itemsize * b["padded"][name])
+            assert gathers >= 2 * STEPS  # the forward's gather and the backward's, every step
+            fp32 = gathers * b["padded"][name] * torch.float32.itemsize
+            assert sent_fp8 * 4 == fp32, (name, sent_fp8, fp32)  # float8: a quarter of fp32's bytes
+        others = set(a["traffic"]) - set(a["float8"])
+        assert others and all(a["traffic"][n] == b["traffic"][n] for n in others)  # norms, embedding: as before
