@@ -5,6 +5,8 @@ weight, and the run equals the same run gathering in bf16, for a quarter of fp32
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -75,3 +77,59 @@ def test_float8_all_gather_equals_bf16_gather_for_a_quarter_of_fp32_bytes(worker
             assert sent_fp8 * 4 == fp32, (name, sent_fp8, fp32)  # float8: a quarter of fp32's bytes
         others = set(a["traffic"]) - set(a["float8"])
         assert others and all(a["traffic"][n] == b["traffic"][n] for n in others)  # norms, embedding: as before
+
+
+def test_knob_refused_where_it_cannot_apply_and_kept_in_plan_files(tmp_path):
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+    from nnscaler_plugins.plan.plan import Plan
+
+    model, batch = models.mlp()
+
+    def plan(**kw):
+        return nns.plan(model, strategy="dp", world_size=2, example_inputs=batch, **kw)
+
+    with pytest.raises(PlanError, match=r"fp8_all_gather=True with fp8_recipe='rowwise'.*tensorwise"):
+        plan(precision="fp8", zero=3, fp8_recipe="rowwise", fp8_all_gather=True)
+    with pytest.raises(PlanError, match=r"fp8_all_gather=True cannot apply.*ZeRO-3.*zero=2"):
+        plan(precision="fp8", zero=2, fp8_all_gather=True)
+    with pytest.raises(PlanError, match=r"fp8_all_gather=True cannot apply.*precision='bf16'"):
+        plan(precision="bf16", zero=3, fp8_all_gather=True)
+    with pytest.raises(PlanError, match=r"did you mean 'fp8_all_gather'"):
+        plan(precision="fp8", zero=3, fp8_all_gaher=True)
+    # unset: on where it applies, off elsewhere (rowwise gathers in bf16 without complaint)
+    assert plan(precision="fp8", zero=3, fp8_recipe="rowwise").knobs.fp8_all_gather is None
+    p = plan(precision="fp8", zero=3, fp8_all_gather=False)
+    p.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json").knobs.fp8_all_gather is False
+
+
+def test_simulator_prices_float8_gathers_at_one_byte_an_element():
+    """Under ZeRO-3 with fp8_all_gather the weights of float8 linears are priced at 1 byte an
+    element on the wire (bf16: 2), the rest as before: the forward's exposed gathers differ by
+    exactly the network's time for those weights' extra bytes."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.plan.float8 import float8_weights
+    from nnscaler_plugins.search.costmodel import CostModel
+
+    torch.manual_seed(0)
+    model, batch = models.llama_small(2)
+    graph = nns.capture(model, batch)
+    cluster = nns.cluster("h100-dgx")
+    est = {}
+    for gather in (True, False):
+        plan = nns.plan(graph, strategy="dp", world_size=8, precision="fp8", zero=3, fp8_all_gather=gather,
+                        overlap_param_gather=False)  # gathers exposed, so they show in the forward's time
+        est[gather] = nns.simulate(plan, cluster)
+    weights = float8_weights(graph)
+    assert est[True].details["training"]["fp8_all_gather"] == len(weights) == 15
+    assert "fp8_all_gather" not in est[False].details["training"]
+    numel = {v: math.prod(graph.meta(v).shape) for v, x in graph.values.items()
+             if x.kind == "param" and graph.meta(v).requires_grad}
+    f8 = sum(numel[v] for v in weights)
+    rest = sum(n for v, n in numel.items() if v not in weights)
+    cm = CostModel(graph, cluster)
+    span = cm.replica_span((0,), 1, 8, lambda d: d)
+    want = cm.net.all_gather(2 * (f8 + rest), span) - cm.net.all_gather(f8 + 2 * rest, span)
+    got = est[False].details["stage_fwd_s"][0] - est[True].details["stage_fwd_s"][0]
+    assert want > 0 and got == pytest.approx(want, rel=1e-6), (got, want)
