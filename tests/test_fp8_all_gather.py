@@ -34,7 +34,10 @@ def zero3_fp8(rank: int, world: int, gather: bool, steps: int = STEPS) -> dict:
     torch.manual_seed(0)
     model, batch = models.llama_small(1)
     n = batch["input_ids"].shape[0] // world
-    local = lambda b: {k: v[rank * n:(rank + 1) * n] for k, v in b.items()}  # noqa: E731
+
+    def local(b: dict) -> dict:
+        return {k: v[rank * n:(rank + 1) * n] for k, v in b.items()}
+
     pm = nns.parallelize(model, local(batch), plan="dp", zero=3, precision="fp8", fp8_emulate=True,
                          fp8_all_gather=gather, cache_dir="/tmp/nns_test_cache")
     pm.train()

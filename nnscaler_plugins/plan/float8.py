@@ -71,8 +71,8 @@ def all_gather_in_float8(precision: str, zero: int, dp: int, knobs: Knobs) -> bo
         why = (f"fp8_recipe={knobs.fp8_recipe!r} scales per row, and a float8 all-gather needs one scale per weight "
                "(torchao offers it for tensorwise scaling only; use fp8_recipe='tensorwise')")
     elif zero != 3 or dp <= 1:
-        why = (f"weights are all-gathered only under ZeRO-3 over several data-parallel replicas (this plan: zero={zero}, "
-               f"dp={dp}; use zero=3 with dp > 1)")
+        why = (f"weights are all-gathered only under ZeRO-3 over several data-parallel replicas (this plan: "
+               f"zero={zero}, dp={dp}; use zero=3 with dp > 1)")
     if why is None:
         return knobs.fp8_all_gather is not False
     if knobs.fp8_all_gather:

@@ -138,8 +138,8 @@ def check(k: Knobs) -> None:
             raise PlanError(f"{name}={v!r} must be True, False or None ("
                             + ("wherever it applies" if name == "fp8_all_gather" else "the cluster's default") + ")")
     if k.fp8_all_gather and k.fp8_recipe != "tensorwise":
-        raise PlanError(f"fp8_all_gather=True with fp8_recipe={k.fp8_recipe!r}: a float8 all-gather needs one scale per "
-                        "weight (tensorwise scaling; torchao offers it for tensorwise only). Use "
+        raise PlanError(f"fp8_all_gather=True with fp8_recipe={k.fp8_recipe!r}: a float8 all-gather needs one scale "
+                        "per weight (tensorwise scaling; torchao offers it for tensorwise only). Use "
                         "fp8_recipe='tensorwise', or leave fp8_all_gather unset to gather these weights in bf16")
     t = k.collective_timeout_s
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t)):

@@ -17,7 +17,11 @@ stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gather
 parameter just before the forward's first use of it (prefetching the next) and lets it go after
 the last, lets saved-tensor hooks drop them from what autograd keeps for backward (they are gathered again when backward needs them, the next one prefetched while the
 current node computes), and reduce-scatters their gradients
-asynchronously from the backward, overlapped with the rest of it.
+asynchronously from the backward, overlapped with the rest of it. Under precision="fp8" the weights
+of float8 linears are gathered as float8 (`Zero3Params.gather_in_float8`, torchao's FSDP float8
+all-gather): each replica casts its chunk with the whole weight's tensorwise scale (one all-reduce
+of the chunks' maxima per forward, for all of them), so the gathered values are those of casting
+the whole weight, and their gradients are reduce-scattered in the chunks' dtype as any other.
 """
 from __future__ import annotations
 

@@ -75,8 +75,8 @@ def float8_gathered(program: Program, unit_device: int) -> list[str]:
     local = {sh.value: tuple(sh.layout.local_shape()) for sh in program.shards.values()
              if sh.kind == "param" and unit_device in sh.layout.group}
     weights = set(float8_weights(program.graph, plan.knobs, local))
-    by_value = {sh.value: key for key, sh in program.shards.items() if sh.kind == "param"}
-    wanted = {by_value[v] for v in weights if v in by_value}
+    held = set(program.ranks[unit_device].params)
+    wanted = {key for key, sh in program.shards.items() if key in held and sh.kind == "param" and sh.value in weights}
     for sp in program.ranks[unit_device].stages.values():
         for st in sp.stmts:
             whole_call = (st.kind == "op" and st.coshard is None and st.fused_reshards is None
