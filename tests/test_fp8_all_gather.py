@@ -27,8 +27,9 @@ def _batches(n: int, rows: int = 4, seq: int = 16) -> list[dict]:
 
 
 def zero3_fp8(rank: int, world: int, gather: bool, steps: int = STEPS) -> dict:
-    """A Llama layer under zero=3, precision fp8 (emulated), trained `steps` steps in training mode:
-    losses, whole weights after, and per float8-gathered weight its gathers' bytes and elements."""
+    """A Llama layer under zero=3, precision fp8 (emulated), trained `steps` steps in training mode
+    then one eval forward: losses, whole weights after, and per parameter its gathers' bytes and
+    padded elements."""
     import nnscaler_plugins as nns
 
     torch.manual_seed(0)
@@ -49,6 +50,10 @@ def zero3_fp8(rank: int, world: int, gather: bool, steps: int = STEPS) -> dict:
         grad_dtypes |= {str(z.chunks[k].grad.dtype) for k in z.float8_keys}
         opt.step()
         opt.zero_grad()
+    pm.eval()
+    with torch.no_grad():  # a forward without autograd multiplies the gathered float8 weights too
+        out = pm(**local(batch))
+    losses.append(float(out["loss"] if isinstance(out, dict) else out.loss))
     names = {k: z.shards[k].fqn for k in range(len(z.shards))}
     return {"losses": losses, "weights": {k: v.float() for k, v in pm.state_dict().items()},
             "float8": sorted(names[k] for k in z.float8_keys),
@@ -75,7 +80,7 @@ def test_float8_all_gather_equals_bf16_gather_for_a_quarter_of_fp32_bytes(worker
             sent_fp8, sent_hp = a["traffic"][name], b["traffic"][name]
             hp_itemsize = getattr(torch, b["dtype"][name].split(".")[1]).itemsize
             gathers = sent_hp // (hp_itemsize * b["padded"][name])
-            assert gathers >= 2 * STEPS  # the forward's gather and the backward's, every step
+            assert gathers >= 2 * STEPS + 1  # the forward's gather and the backward's, every step; the eval's
             fp32 = gathers * b["padded"][name] * torch.float32.itemsize
             assert sent_fp8 * 4 == fp32, (name, sent_fp8, fp32)  # float8: a quarter of fp32's bytes
         others = set(a["traffic"]) - set(a["float8"])
