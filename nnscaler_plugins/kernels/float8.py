@@ -14,6 +14,10 @@ maximum first); that is at least as accurate and needs no communication.
 the numbers of a float8 matmul on any device, the CPU included. `float8_matmul_support(device)`
 says whether a device multiplies in float8 at all (CUDA compute capability 8.9 or newer); the
 runtime refuses a plan that needs it on a device without it, unless emulation was asked for.
+
+Under ZeRO-3 a weight may arrive already in float8 (`WeightCast`: gathered as float8 with the
+scale of the whole weight); `linear` multiplies it as it is, as `Float8Linear` does under FSDP2's
+float8 all-gather.
 """
 from __future__ import annotations
 
@@ -92,7 +96,55 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     kind = input.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else input.dtype
     with torch.autocast(kind, enabled=False):
-        out = matmul_with_hp_or_float8_args.apply(input.to(dtype), weight.to(dtype).t(), mm, config)
+        w = weight if is_float8(weight) else weight.to(dtype)  # gathered in float8: multiplied as it is
+        out = matmul_with_hp_or_float8_args.apply(input.to(dtype), w.t(), mm, config)
         if bias is not None:
             out = out + bias.to(out.dtype)
     return out
+
+
+def is_float8(t: torch.Tensor) -> bool:
+    """Whether `t` is already a float8 operand (a weight gathered in float8), not a high-precision one."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    return isinstance(t, Float8TrainingTensor)
+
+
+class WeightCast:
+    """The weight cast of `recipe` (tensorwise: one scale per weight) split in the steps a float8
+    all-gather takes (torchao's FSDP float8 all-gather): `scales` from each weight's maximum |w|
+    over all its chunks, `cast` of one chunk with its weight's scale (elementwise, so the chunks
+    cast are the chunks of the whole weight cast), and `operand`, the gathered float8 values as
+    the operand `linear` multiplies without casting again (forward and backward)."""
+
+    def __init__(self, recipe: str = "tensorwise", emulate: bool = False) -> None:
+        if recipe != "tensorwise":
+            raise PlanError(f"a float8 all-gather needs one scale per weight: fp8_recipe={recipe!r} scales per row "
+                            "(use fp8_recipe='tensorwise')")
+        self.recipe, self.emulate = recipe, emulate
+        config, self._mm = _configs(recipe, emulate)
+        self.dtype: torch.dtype = config.cast_config_weight.target_dtype
+        self._round = config.round_scales_to_power_of_2
+
+    def scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """torchao's scales (fp32) of weights whose largest magnitudes are `amax` (one per weight)."""
+        from torchao.float8.float8_utils import amax_to_scale
+
+        return amax_to_scale(amax.float(), self.dtype, self._round)
+
+    def cast(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`t` (a chunk of a weight) in float8 with its weight's `scale`, as torchao casts the weight."""
+        from torchao.float8.float8_utils import to_fp8_saturated
+
+        return to_fp8_saturated(t.to(torch.float32) * scale, self.dtype)
+
+    def operand(self, data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype) -> torch.Tensor:
+        """Gathered float8 values (`data`, any strides) with their scale, as `linear`'s weight."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        return Float8TrainingTensor(data, scale, orig_dtype, self._mm, gemm_input_role=GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+        """(float8 values, scale, high-precision dtype) of an operand `operand` made."""
+        return t._data, t._scale, t._orig_dtype

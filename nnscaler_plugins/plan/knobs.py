@@ -52,6 +52,9 @@ class Knobs:
     fp8_emulate: bool = False  # float8 matmuls emulated in high precision (a CPU, a GPU without fp8 units)
     fp8_linears: tuple[str, ...] = ()  # module paths (fnmatch patterns) to convert; () is torchao's default
     fp8_skip: tuple[str, ...] = ()  # module paths containing one of these stay in bf16 (torchao's filter_fqns)
+    # ZeRO-3 all-gathers the weights of float8 linears as float8 (one global-amax scale per weight, a
+    # quarter of fp32's bytes); None: wherever it applies (tensorwise scaling, ZeRO-3 with replicas)
+    fp8_all_gather: Optional[bool] = None
     collective_timeout_s: Optional[float] = None  # a hung collective is reported after this (None: the backend's)
     report_dir: Optional[str] = None  # where hang reports are written as JSON (None: ./nnscaler_reports)
     on_nonfinite: str = "raise"  # a non-finite loss or gradient: raise NonFiniteError, skip the step, or ignore
@@ -99,7 +102,7 @@ class Knobs:
 KNOB_NAMES = tuple(f.name for f in dataclasses.fields(Knobs))
 #: Options every strategy takes (besides its own) that set a knob directly.
 KNOB_OPTIONS = frozenset({"tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p", "compile",
-                          "compile_backend", "fp8_recipe", "fp8_emulate", "fp8_linears", "fp8_skip",
+                          "compile_backend", "fp8_recipe", "fp8_emulate", "fp8_linears", "fp8_skip", "fp8_all_gather",
                           "collective_timeout_s", "on_nonfinite", "report_dir"})
 
 
@@ -129,10 +132,15 @@ def check(k: Knobs) -> None:
     for name in ("sequence_parallel", "experts_as_one_op", "compile", "fp8_emulate"):
         if not isinstance(getattr(k, name), bool):
             raise PlanError(f"{name}={getattr(k, name)!r} must be True or False")
-    for name in ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p"):
+    for name in ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p", "fp8_all_gather"):
         v = getattr(k, name)
         if v is not None and not isinstance(v, bool):
-            raise PlanError(f"{name}={v!r} must be True, False or None (the cluster's default)")
+            raise PlanError(f"{name}={v!r} must be True, False or None ("
+                            + ("wherever it applies" if name == "fp8_all_gather" else "the cluster's default") + ")")
+    if k.fp8_all_gather and k.fp8_recipe != "tensorwise":
+        raise PlanError(f"fp8_all_gather=True with fp8_recipe={k.fp8_recipe!r}: a float8 all-gather needs one scale "
+                        "per weight (tensorwise scaling; torchao offers it for tensorwise only). Use "
+                        "fp8_recipe='tensorwise', or leave fp8_all_gather unset to gather these weights in bf16")
     t = k.collective_timeout_s
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t)):
         raise PlanError(f"collective_timeout_s={t!r} must be a positive number of seconds (or None for the "

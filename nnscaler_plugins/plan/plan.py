@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError, PlanFormatWarning, refuse_unknown
+from nnscaler_plugins.plan.float8 import all_gather_in_float8
 from nnscaler_plugins.plan.knobs import Knobs, from_v1_options
 from nnscaler_plugins.plan.mesh import Mesh, unit_mesh
 from nnscaler_plugins.plan.migrate import migrated_mesh
@@ -263,6 +264,7 @@ class Plan:
         if self.offload == "params" and self.zero != 3:
             raise PlanError(f"offload='params' keeps ZeRO-3's parameter chunks in host memory; this plan has "
                             f"zero={self.zero}. Use zero=3 with it, or offload='optimizer'")
+        all_gather_in_float8(self.precision, self.zero, self.dp, self.knobs)  # refuses fp8_all_gather=True where it cannot apply
 
     def check_runnable(self) -> None:
         """What the runtime cannot execute yet (the search may still price such plans)."""

@@ -24,7 +24,7 @@ from nnscaler_plugins.batches import normalize_inputs, split_batch
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
-from nnscaler_plugins.kernels.float8 import check_float8
+from nnscaler_plugins.kernels.float8 import WeightCast, check_float8
 from nnscaler_plugins.kernels.piece_rng import agree_seed, set_stream_state, stream_state
 from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.outputs import extract_loss
@@ -42,7 +42,7 @@ from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
 from nnscaler_plugins.runtime.watchdog import WATCHDOG, default_timeout_s
 from nnscaler_plugins.runtime.zero import PendingGather, Zero3Params
-from nnscaler_plugins.runtime.zero_setup import chunk_parameters, zero_shards
+from nnscaler_plugins.runtime.zero_setup import chunk_parameters, float8_gathered, zero_shards
 
 if TYPE_CHECKING:  # pragma: no cover
     from nnscaler_plugins.capture.graph import Graph
@@ -155,6 +155,9 @@ class ParallelModule(torch.nn.Module):
             for fqn, chunk in chunks.items():
                 self.shards[_safe(fqn)] = chunk
             self._zero3_key = {fqn: i for i, fqn in enumerate(chunks)}
+            gathered = [self._zero3_key[f] for f in float8_gathered(program, self.unit_device) if f in self._zero3_key]
+            if gathered:  # the weights of float8 linears travel as float8 (plan knob fp8_all_gather)
+                self.zero3.gather_in_float8(gathered, WeightCast(plan.knobs.fp8_recipe, plan.knobs.fp8_emulate))
         # The base seed a meta-device model was initialized from (None when the model came with weights).
         self.init_seed: Optional[int] = None
         self.init_peak_bytes = 0

@@ -17,7 +17,11 @@ stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gather
 parameter just before the forward's first use of it (prefetching the next) and lets it go after
 the last, lets saved-tensor hooks drop them from what autograd keeps for backward (they are gathered again when backward needs them, the next one prefetched while the
 current node computes), and reduce-scatters their gradients
-asynchronously from the backward, overlapped with the rest of it.
+asynchronously from the backward, overlapped with the rest of it. Under precision="fp8" the weights
+of float8 linears are gathered as float8 (`Zero3Params.gather_in_float8`, torchao's FSDP float8
+all-gather): each replica casts its chunk with the whole weight's tensorwise scale (one all-reduce
+of the chunks' maxima per forward, for all of them), so the gathered values are those of casting
+the whole weight, and their gradients are reduce-scattered in the chunks' dtype as any other.
 """
 from __future__ import annotations
 
@@ -278,6 +282,9 @@ class _SavedRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    # a weight gathered in float8: its scale and high-precision dtype (the operand is rebuilt from them)
+    scale: Optional[torch.Tensor] = None
+    orig_dtype: Optional[torch.dtype] = None
 
 
 @dataclass
@@ -318,6 +325,14 @@ class Zero3Params:
         self._fwd_prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        # Weights all-gathered in float8 (`gather_in_float8`): their keys, the cast, and the scales of
+        # the current forward (computed at its first float8 gather, for all of them at once).
+        self._float8: frozenset[int] = frozenset()
+        self._cast: Any = None
+        self._scales: Optional[dict[int, torch.Tensor]] = None
+        self._saved_scale: dict[int, torch.Tensor] = {}  # the scale each weight was saved with (backward)
+        # Bytes every all-gather of a parameter received, by key (what the gathers cost on the wire).
+        self.gathered_traffic: dict[int, int] = {}
         self._queued = False
         self.launched = 0  # gradient reductions started (tests read it to see no_sync work)
         # Set by a pipeline, which settles reductions itself between its tasks. Gradients summed
@@ -325,6 +340,40 @@ class Zero3Params:
         # the step: reducing them inside one stage's backward could wait on a stage that first
         # needs this one's gradients.
         self.in_pipeline = False
+
+    # -- float8 all-gather ----------------------------------------------------------------------
+    def gather_in_float8(self, keys: list[int], cast: Any) -> None:
+        """Gather the weights `keys` (read only by float8 linears) as float8 with `cast`
+        (kernels/float8.WeightCast): each replica casts its chunk with the weight's scale, the
+        float8 bytes travel, and the forward gets the float8 operand the linear multiplies."""
+        self._float8 = frozenset(keys)
+        self._cast = cast if keys else None
+
+    @property
+    def float8_keys(self) -> frozenset:
+        return self._float8
+
+    def new_forward(self) -> None:
+        """A forward begins: the float8 scales are computed again from the weights as they are now."""
+        self._scales = None
+
+    def _scale(self, key: int) -> torch.Tensor:
+        """The scale of float8 weight `key` in this forward. At the first one, every float8 weight's
+        scale: the largest magnitude of each chunk, one all-reduce (MAX) per replica group for all of
+        them, then torchao's scale of each maximum (so every replica casts with the whole weight's)."""
+        if self._scales is None:
+            keys = sorted(self._float8)
+            scales: dict[int, torch.Tensor] = {}
+            for group, idx in _buckets([self.shards[k] for k in keys]):
+                chunks = [self._on_device(self.chunks[keys[i]].detach()) for i in idx]
+                with torch.no_grad():
+                    amax = torch.stack([c.abs().max().float() if c.numel() else c.new_zeros((), dtype=torch.float32)
+                                        for c in chunks])
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+                    for i, sc in zip(idx, self._cast.scales(amax)):
+                        scales[keys[i]] = sc
+            self._scales = scales
+        return self._scales[key]
 
     # -- forward ---------------------------------------------------------------------------------
     def fetch(self, key: int, prefetch: Optional[int] = None) -> torch.Tensor:
@@ -337,11 +386,19 @@ class Zero3Params:
         if prefetch is not None and prefetch not in self._fwd_prefetched:
             self._fwd_prefetched[prefetch] = self._launch_gather(prefetch)
         s = self.shards[key]
-        whole = buf[:s.numel].view(s.shape)
+        whole = self._whole(key, buf)
         self._track(buf)
         if self._in_forward:
             self._live[buf.untyped_storage().data_ptr()] = (key, weakref.ref(buf))
+        if key in self._float8:
+            whole = self._cast.operand(whole.view(s.shape), self._scale(key), self.chunks[key].dtype)
+        else:
+            whole = whole.view(s.shape)
         return _Gathered.apply(self.chunks[key], _Box(whole), self, key) if torch.is_grad_enabled() else whole
+
+    def _whole(self, key: int, buf: torch.Tensor) -> torch.Tensor:
+        """The flat whole parameter in a gathered buffer (float8 values for a float8 weight)."""
+        return buf[:self.shards[key].numel]
 
     def _track(self, buf: torch.Tensor) -> None:
         """Count the bytes of whole parameters alive now (a test reads the forward's peak)."""
@@ -396,7 +453,11 @@ class Zero3Params:
                 self._fwd_prefetched.clear()
 
     def _pack(self, t: torch.Tensor) -> Any:
-        entry = self._live.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        scale = orig = None
+        inner = t
+        if self._cast is not None and self._cast_operand(t):
+            inner, scale, orig = self._cast.parts(t)
+        entry = self._live.get(inner.untyped_storage().data_ptr()) if inner.device.type != "meta" else None
         if entry is None:
             return t
         key, alive = entry
@@ -405,13 +466,29 @@ class Zero3Params:
         if key not in self._saved_at:
             self._saved_at[key] = len(self._saved_order)
             self._saved_order.append(key)
-        return _SavedRef(key, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        if scale is not None:
+            self._saved_scale[key] = scale
+        return _SavedRef(key, tuple(inner.size()), tuple(inner.stride()), inner.storage_offset(), scale, orig)
 
-    def _launch_gather(self, key: int) -> tuple[Any, torch.Tensor]:
-        """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done."""
+    @staticmethod
+    def _cast_operand(t: torch.Tensor) -> bool:
+        from nnscaler_plugins.kernels.float8 import is_float8
+
+        return is_float8(t)
+
+    def _launch_gather(self, key: int, scale: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor]:
+        """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done.
+        A float8 weight travels as the float8 bytes of its chunk cast with `scale` (default: this
+        forward's), as bytes (float8 is not a dtype every backend takes); the buffer returned is
+        their float8 view (the object whose lifetime tells the saved-tensor hooks it is alive)."""
         s, c = self.shards[key], self._on_device(self.chunks[key].detach())
+        if key in self._float8:
+            with torch.no_grad():
+                c = self._cast.cast(c, self._scale(key) if scale is None else scale).view(torch.uint8)
         buf = transient_empty(s.size * s.chunk, c)
-        return all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True), buf
+        self.gathered_traffic[key] = self.gathered_traffic.get(key, 0) + buf.numel() * buf.element_size()
+        work = all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True)
+        return work, (buf.view(self._cast.dtype) if key in self._float8 else buf)
 
     def keep_on_host(self, host_copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Move chunks that live on the device into host memory (offload="params"), in place: the
@@ -439,17 +516,20 @@ class Zero3Params:
         ref = self._regathered.get(key)
         whole = ref() if ref is not None else None
         if whole is None:
-            work, buf = self._prefetched.pop(key, None) or self._launch_gather(key)
+            work, buf = self._prefetched.pop(key, None) or self._launch_gather(key, saved.scale)
             work.wait()
-            whole = buf[:self.shards[key].numel]
+            whole = self._whole(key, buf)
             self._regathered[key] = weakref.ref(whole)
         at = self._saved_at.get(key)
         if at:
             nxt = self._saved_order[at - 1]
             held = self._regathered.get(nxt)
             if nxt not in self._prefetched and (held is None or held() is None):
-                self._prefetched[nxt] = self._launch_gather(nxt)
-        return whole.as_strided(saved.size, saved.stride, saved.offset)
+                self._prefetched[nxt] = self._launch_gather(nxt, self._saved_scale.get(nxt))
+        view = whole.as_strided(saved.size, saved.stride, saved.offset)
+        if saved.scale is not None:  # the float8 operand the forward saved, from the same float8 values
+            return self._cast.operand(view, saved.scale, saved.orig_dtype)
+        return view
 
     # -- backward --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -587,4 +667,5 @@ class Zero3Params:
         self._prefetched.clear()
         self._saved_order.clear()
         self._saved_at.clear()
+        self._saved_scale.clear()
         self._queued = False

@@ -3,13 +3,16 @@ owns (`zero_shards`), and at stage 3 the parameters replaced by those chunks (`c
 
 Sharding is across the replicas of each unit device; without ZeRO, or with one replica, every
 `FlatShard` is the whole parameter (size 1). `runtime/zero.py` holds what runs with them.
+`float8_gathered` names the parameters a precision="fp8" plan's ZeRO-3 gathers in float8.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 
+from nnscaler_plugins.plan.float8 import all_gather_in_float8, float8_weights
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.plan_groups import replicas_of
 from nnscaler_plugins.runtime.zero import FlatShard, Zero3Params
@@ -60,3 +63,29 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
     out.copy_(t)
     return out
+
+
+def float8_gathered(program: Program, unit_device: int) -> list[str]:
+    """The fqns of the parameters this device's ZeRO-3 all-gathers in float8 (the `fp8_all_gather`
+    knob): weights that its code reads only as the weight of a float8 linear, called whole (a
+    co-sharded or fused call cuts or sends its weight in high precision, so its weight is gathered so)."""
+    plan = program.plan
+    if not all_gather_in_float8(plan.precision, plan.zero, plan.dp, plan.knobs):
+        return []
+    local = {sh.value: tuple(sh.layout.local_shape()) for sh in program.shards.values()
+             if sh.kind == "param" and unit_device in sh.layout.group}
+    weights = set(float8_weights(program.graph, plan.knobs, local))
+    held = set(program.ranks[unit_device].params)
+    wanted = {key for key, sh in program.shards.items() if key in held and sh.kind == "param" and sh.value in weights}
+    for sp in program.ranks[unit_device].stages.values():
+        for st in sp.stmts:
+            whole_call = (st.kind == "op" and st.coshard is None and st.fused_reshards is None
+                          and st.target is torch.ops.aten.linear.default and len(st.args) > 1)
+            for leaf in pytree.tree_leaves((st.args, st.kwargs)):
+                name = getattr(leaf, "name", None)
+                if name in wanted and not (whole_call and st.args[1] is leaf):
+                    wanted.discard(name)
+            if st.src in wanted:
+                wanted.discard(st.src)
+        wanted -= set(sp.sent) | {o for o in sp.outputs if o}
+    return sorted(program.shards[k].fqn for k in wanted)

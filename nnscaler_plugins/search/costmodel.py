@@ -81,6 +81,9 @@ class Training:
     # precision="fp8": the linears (op names) whose products run in float8 (dtype stays bf16: weights,
     # activations and the other ops are bf16); priced at the cluster's fp8 peak where it has one
     fp8_ops: frozenset = frozenset()
+    # the weights (parameter values) ZeRO-3 all-gathers in float8 (the plan's fp8_all_gather): 1 byte
+    # an element on the wire instead of `param_bytes`
+    fp8_gathered: frozenset = frozenset()
     compiled: bool = False  # the plan's compile knob: compute priced COMPILE_SPEEDUP faster on GPU stacks
 
     def __post_init__(self) -> None:
@@ -116,6 +119,8 @@ class Training:
                "sequence_parallel": self.sequence_parallel, "grad_bytes": self.grad_bytes}
         if self.fp8_ops:
             out["fp8_linears"] = len(self.fp8_ops)
+        if self.fp8_gathered:
+            out["fp8_all_gather"] = len(self.fp8_gathered)
         if self.compiled:
             out["compiled"] = True
         return out

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.plan.float8 import float8_linears
+from nnscaler_plugins.plan.float8 import all_gather_in_float8, float8_linears, float8_weights
 from nnscaler_plugins.plan.layers import layer_groups
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.schedules import BACKWARD, FORWARD, PipelineShape, Task
@@ -190,6 +190,8 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     training = training_of(plan, cluster)
     if plan.precision == "fp8":
         training = dataclasses.replace(training, fp8_ops=frozenset(float8_linears(graph, plan.knobs)))
+    if all_gather_in_float8(plan.precision, plan.zero, plan.dp, plan.knobs):  # priced as the runtime gathers
+        training = dataclasses.replace(training, fp8_gathered=frozenset(float8_weights(graph, plan.knobs)))
     m = plan.num_micro_batches
     if plan.pipeline is None:
         stage_of = {op.name: 0 for op in graph.ops}

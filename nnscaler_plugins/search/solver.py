@@ -42,7 +42,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.plan.knobs import Knobs
-from nnscaler_plugins.plan.float8 import float8_linears
+from nnscaler_plugins.plan.float8 import float8_linears, float8_weights
 from nnscaler_plugins.plan.plan import PRECISIONS, Plan
 from nnscaler_plugins.search.cluster import PRESETS, ClusterSpec
 from nnscaler_plugins.search.cluster import cluster as make_cluster
@@ -162,6 +162,7 @@ class Search:
         self.graphs = graphs
         self.compile = compile  # True: priced and run compiled; None: chosen per plan where it is faster
         self._fp8_ops: Optional[frozenset] = None
+        self._fp8_gathered: frozenset = frozenset()
         self.context_parallel = context_parallel
         self.world = int(world_size)
         self.cluster = cluster
@@ -201,7 +202,10 @@ class Search:
             return Training(dtype=self.dtype, compiled=self.compile is True, **kw)
         if self._fp8_ops is None:
             self._fp8_ops = frozenset(n for g in self.graphs.values() for n in float8_linears(g))
-        return Training(dtype="bf16", fp8_ops=self._fp8_ops, compiled=self.compile is True, **kw)
+            # ZeRO-3 gathers their weights in float8 (fp8_all_gather's default; priced only at zero 3)
+            self._fp8_gathered = frozenset(v for g in self.graphs.values() for v in float8_weights(g))
+        return Training(dtype="bf16", fp8_ops=self._fp8_ops, fp8_gathered=self._fp8_gathered,
+                        compiled=self.compile is True, **kw)
 
     # -- configurations ---------------------------------------------------------------------------------
     def group_sizes(self) -> list[int]:

@@ -21,7 +21,7 @@ from nnscaler_plugins.plan.schedules import (
     Task,
 )
 from nnscaler_plugins.plan.timeline import Timeline, replay
-from nnscaler_plugins.search.costmodel import BUCKET_BYTES, CostModel, Training
+from nnscaler_plugins.search.costmodel import BUCKET_BYTES, DTYPE_BYTES, CostModel, Training
 from nnscaler_plugins.search.overlap import Overlap
 from nnscaler_plugins.search.segments import Segment
 
@@ -75,6 +75,18 @@ def _param_devices(parts: Sequence[Part], group: Sequence[int]) -> tuple[dict, d
 
 
 _PARAM_CACHE: dict = {}  # the same stage contents priced under many ZeRO / recompute choices
+
+
+def _float8_elements(parts: Sequence[Part], names: frozenset) -> dict[tuple, float]:
+    """Of the gradient-sync groups' elements (`_param_devices`' keys), those of the weights `names`
+    (ZeRO-3 gathers them in float8)."""
+    out: dict[tuple, float] = {}
+    for part in parts:
+        for v, (local, devices, partition) in part.segment.params.items():
+            if v in names:
+                key = (tuple(sorted(devices)[:partition]), partition)
+                out[key] = out.get(key, 0.0) + local * part.times
+    return out
 
 
 def _param_devices_uncached(parts: Sequence[Part], group: Sequence[int]) -> tuple[dict, dict]:
@@ -132,6 +144,7 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
         # (the runtime's `FlatShard`: `Plan.dp` chunks; nothing to shard with one replica).
         worst = max(group, key=lambda d: elems[d]) if group else 0
         gather = gather_b = sync_time = sync_gather = 0.0
+        float8 = _float8_elements(parts, t.fp8_gathered) if t.zero >= 3 and dp > 1 and t.fp8_gathered else {}
         for (members, partition), el in sync.items():
             shard = partition * dp
             if shard <= 1:
@@ -144,7 +157,8 @@ def compose(cm: CostModel, training: Training, stages: Sequence[Sequence[Part]],
                 # backward and reduce-scatters its gradients among them (a gradient summed over
                 # several devices of the unit too is all-reduced whole, then chunked)
                 replicas = cm.replica_span(members[:1], unit, dp, to_global)
-                ag = cm.net.all_gather(el * t.param_bytes, replicas)
+                f8 = float8.get((members, partition), 0.0)  # weights gathered in float8: 1 byte an element
+                ag = cm.net.all_gather((el - f8) * t.param_bytes + f8 * DTYPE_BYTES["fp8"], replicas)
                 gather += ag
                 gather_b += ag + (cm.net.all_reduce(nbytes, span) if partition > 1
                                   else cm.net.reduce_scatter(nbytes, replicas))
