@@ -26,7 +26,7 @@ from nnscaler_plugins.lower.placement import (
     tensor_digits,
     tensor_layout,
 )
-from nnscaler_plugins.lower import expert_overlap, tp_overlap
+from nnscaler_plugins.lower import expert_overlap, grouped_query, tp_overlap
 from nnscaler_plugins.plan.float8 import float8_linears
 from nnscaler_plugins.lower.resharding import ReshardPlan
 from nnscaler_plugins.lower.resharding import plan as plan_reshard
@@ -355,6 +355,7 @@ class _Lowering:
         add_forward_tokens(self.stmts, Stmt)  # after recompute: the token is taken once
         self.emit_stage_outputs()
         self.overlap_tp_collectives()
+        self.fold_key_value_repeats()
         return self.assemble()
 
     # -- 1. stages and pipeline boundaries ----------------------------------------------------------
@@ -607,6 +608,13 @@ class _Lowering:
 
         self.stmts = tp_overlap.fuse_program(self.stmts, returned, tables)
         self.stmts = expert_overlap.overlap_experts(self.stmts, self.plan.knobs.tp_comm_overlap is not False)
+
+    # -- 8. grouped-query attention without key/value copies --------------------------------------------
+    def fold_key_value_repeats(self) -> None:
+        """Key/value heads repeated for grouped-query attention are read in place by the attention
+        call (`enable_gqa`; lower/grouped_query.py)."""
+        returned = {v for v in self.sent_vars.values()} | {v for v in self.out_vars.values() if v is not None}
+        self.stmts = grouped_query.fold_program(self.stmts, returned)
 
     def local_shapes(self, k: int, stmts: list[Stmt]) -> dict[str, tuple[int, ...]]:
         """Each value's shape on one device of stage k (what its statements make, and what enters it)."""
