@@ -74,6 +74,12 @@ class Case:
 
 
 # -- builders the point files write their rows with ---------------------------------------------------
+# Megatron-LM / Megatron-Core: hand-fused element-wise kernels (bias-GeLU, scale-mask-softmax,
+# bias-dropout-add, fused norms) in eager mode; XLA (Alpa) fuses them too. The presets' stacks price this
+# runtime's generated code, one kernel per op unless compiled.
+MEGATRON_STACK = {"fused_elementwise": True}
+
+
 def megatron_2021(name: str, h: int, l: int, a: int, tp: int, pp: int, gpus: int, batch: int, time_s: float,
                   fit: bool = False) -> Case:
     """A Megatron-LM PTD-P row (Narayanan et al., SC'21, Table 1): A100 80GB, s 2048, V 51200, full
@@ -84,7 +90,8 @@ def megatron_2021(name: str, h: int, l: int, a: int, tp: int, pp: int, gpus: int
         per_rank = l // pp
         v = next((v for v in (2, 3, 4, 5) if per_rank % v == 0), 1)
         opts.update(schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
-    return Case("C1", name, Model(h, l, a), "a100-dgx", gpus, batch, 1, opts, time_s, fit=fit)
+    return Case("C1", name, Model(h, l, a), "a100-dgx", gpus, batch, 1, opts, time_s, stack=dict(MEGATRON_STACK),
+                fit=fit)
 
 
 def sequence_parallel_2021(name: str, h: int, l: int, a: int, tp: int, pp: int, batch: int, b: int, v: int,
@@ -97,12 +104,14 @@ def sequence_parallel_2021(name: str, h: int, l: int, a: int, tp: int, pp: int, 
         base.update(schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
     world = tp * pp
     model = Model(h, l, a)
+    st = dict(MEGATRON_STACK)
     return [Case("C2 full", name, model, "a100-dgx", world, batch, b, dict(base, recompute="full"), full_s,
-                 {"states": states}, fit=fit),
+                 {"states": states}, stack=st, fit=fit),
             Case("C2 selective", name, model, "a100-dgx", world, batch, b,
-                 dict(base, recompute="selective", sequence_parallel=True), selective_s, {"activations": act_sel}, fit=fit),
+                 dict(base, recompute="selective", sequence_parallel=True), selective_s, {"activations": act_sel},
+                 stack=st, fit=fit),
             Case("C2 no recompute", name, model, "a100-dgx", world, batch, b, dict(base, recompute="none"),
-                 None, {"activations": act_none}, fit=fit)]
+                 None, {"activations": act_none}, stack=st, fit=fit)]
 
 
 MPT = {"760m": (1536, 24, 12), "1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32),
@@ -137,22 +146,32 @@ GRAND_TETON = {"memory_bytes": 96e9, "memory_bandwidth": 2.4e12, "peak_flops": {
 
 def torchtitan(source: str, name: str, key: str, gpu: str, gpus: int, local_batch: int, tp: int, recompute: str,
                compiled: bool, async_tp: bool, tps: float, memory_gib: Optional[float] = None,
-               fit: bool = False) -> Case:
+               fit: bool = False, float8: bool = False, seq: int = 0, compiled_loss: bool = False) -> Case:
     """A torchtitan row: FSDP2 (zero 3 over the data-parallel ranks) x tensor parallelism with sequence
     parallelism (DTensor: a column-parallel matmul keeps its all-gathered input whole for backward), no
     gradient accumulation (the local batch is one micro-batch), PyTorch SDPA (FlashAttention-2 class),
     torch.compile per block or eager, async TP or plain. Step time = local batch x data-parallel
     ranks x sequence / (tokens/s/GPU x GPUs). `recompute`: "selective" for torchtitan's per-op policy
-    ("op" here), "full", "none". Memory: torchtitan logs the caching allocator's reserved peak."""
-    model = LLAMA[key]
+    ("op" here), "full", "none". Memory: torchtitan logs the caching allocator's reserved peak.
+    `compiled` is the plan's compile knob (priced as any compiled plan: element-wise chains fused);
+    `compiled_loss`: whether that covered the loss (torchtitan's `build_cross_entropy_loss` compiles it
+    from 2025; its 2024-12 train.py left it eager, the line commented out).
+    `float8`: torchtitan's Float8 rows, torchao's Float8Linear with tensorwise dynamic scaling on every
+    nn.Linear but the output projection (`lm_head` here), the plan's precision "fp8"; torchao keeps the
+    high-precision (bf16) input of each float8 product for backward and casts it again there, so the
+    activations are those of bf16 training."""
+    model = LLAMA[key] if not seq else replace(LLAMA[key], s=seq)
     dp = gpus // tp
     rc = {"selective": "op"}.get(recompute, recompute)
-    opts = {"tp": tp, "pp": 1, "zero": 3, "recompute": rc, **({"sequence_parallel": True} if tp > 1 else {})}
-    return Case(source, name, model, "h100-dgx" if gpu == "H100" else "a100-dgx", gpus, local_batch * dp, local_batch,
+    opts = {"tp": tp, "pp": 1, "zero": 3, "recompute": rc, **({"sequence_parallel": True} if tp > 1 else {}),
+            **({"compile": True} if compiled else {}), **({"precision": "fp8", "fp8_skip": ("lm_head",)} if float8 else {})}
+    preset = {"H100": "h100-dgx", "H200": "h200", "A100": "a100-dgx"}[gpu]
+    return Case(source, name, model, preset, gpus, local_batch * dp, local_batch,
                 opts, local_batch * dp * model.s / (tps * gpus), {"peak": memory_gib} if memory_gib else {},
-                stack={"fused_elementwise": compiled, "attention_kernel": "flash2", "tp_comm_overlap": async_tp,
+                stack={"attention_kernel": "flash2", "tp_comm_overlap": async_tp, "compiled_loss": compiled_loss,
                        "regather_saved_inputs": False, "zero3_gather": "module"},
-                hardware=dict(GRAND_TETON) if gpu == "H100" else {}, fit=fit, era=f"{gpu} current")
+                hardware=dict(GRAND_TETON) if gpu == "H100" else {}, fit=fit,
+                era=f"{'H100' if gpu == 'H200' else gpu} current")
 
 
 def megatron_core_h100(name: str, a: int, h: int, l: int, tp: int, pp: int, gpus: int, batch: int, tflops: float,
@@ -178,7 +197,23 @@ def megatron_core_h100(name: str, a: int, h: int, l: int, tp: int, pp: int, gpus
         mb = next(b for b in (4, 2, 1) if (batch // dp) % b == 0 and
                   _fits_h100(h, l, a, tp, b, s, V, dp))
     return Case(source, name, Model(h, l, a, s=s, V=V), "h100-dgx", gpus, batch, mb, opts,
-                flops / (gpus * tflops * 1e12), fit=fit, era="H100 current")
+                flops / (gpus * tflops * 1e12), stack=dict(MEGATRON_STACK), fit=fit, era="H100 current")
+
+
+def megatron_bridge_llama(name: str, key: str, s: int, tp: int, pp: int, v: int, gpus: int, batch: int,
+                          recompute: str, peak_gib: float, fit: bool = False) -> Case:
+    """A Megatron-Bridge (Megatron-Core) Llama run on H100 80GB with FP8 (Transformer Engine, current
+    scaling): distributed optimizer (ZeRO-1 over data parallelism, fp32 main gradients), sequence
+    parallelism, interleaved 1F1B with `v` chunks per rank, micro-batch 1, TE's fused element-wise kernels
+    and flash attention; every transformer linear in float8 (the output layer not), each keeping its
+    float8 input for backward. `recompute` "selective": Megatron's default selective recomputation (the
+    attention core). Memory only: the published figure is the peak memory Megatron's report gives."""
+    model = replace(LLAMA[key], s=s)
+    opts = {"tp": tp, "pp": pp, "zero": 1, "recompute": recompute, "sequence_parallel": tp > 1,
+            "schedule": "interleaved" if v > 1 else "1f1b", "virtual_stages": v,
+            "precision": "fp8", "fp8_skip": ("lm_head",)}
+    return Case("MB-H100 fp8", name, model, "h100-dgx", gpus, batch, 1, opts, None, {"peak": peak_gib},
+                stack=dict(MEGATRON_STACK, fp8_saves_float8=True), fit=fit, era="H100 current")
 
 
 def _fits_h100(h: int, l: int, a: int, tp: int, b: int, s: int, V: int, dp: int) -> bool:
@@ -241,6 +276,8 @@ def published_plan(case: Case, g=None):
     g = g if g is not None else graph(case.model, case.micro_batch)
     strategy = get_strategy("megatron")
     opts = dict(case.options)
+    # what the plan's typed fields and knobs carry, not the strategy's arguments
+    compiled, precision, fp8_skip = opts.pop("compile", False), opts.pop("precision", None), opts.pop("fp8_skip", ())
     unit, dp = strategy.degrees(case.world, **opts)
     builder = PlanBuilder(g, unit, dp, strategy="megatron",
                           options={k: v for k, v in opts.items() if isinstance(v, (int, float, str, bool))},
@@ -253,6 +290,11 @@ def published_plan(case: Case, g=None):
         plan.zero = opts["zero"]
     if opts.get("recompute") == "op":
         plan.knobs = plan.knobs.replace(recompute="op")
+    if compiled:
+        plan.knobs = plan.knobs.replace(compile=True)
+    if precision:
+        plan.precision = precision
+        plan.knobs = plan.knobs.replace(fp8_skip=tuple(fp8_skip))
     return plan
 
 

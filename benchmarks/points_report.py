@@ -15,9 +15,18 @@ ALPA = "github.com/alpa-projects/alpa benchmark README (GPT-2.6B manual plan on 
 LLM_FOUNDRY = "github.com/mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 TORCHTITAN_2024_12 = "github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (docs/performance.md " \
                      "of 2024-12/2025-01); 405B row: docs/performance.md at 4d88a8a (2024-12-03)"
+TORCHTITAN_FLOAT8 = "github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torch 1963fc8, torchao " \
+                    "eab345c, torchtitan 9dec370, 2024-12): Table 1 and Table 3 row 'FSDP + torch.compile + Float8', " \
+                    "Table 2 row 'FSDP 8, CP 1', Table 4 rows '2D' and '2D + AsyncTP'"
+TORCHTITAN_H200 = "github.com/pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (torchtitan e7c0cae, " \
+                  "torchao 0afa4c1, 2025-06): rows NUM_NODES 4 and 8; llama3_8b.toml of that commit (sequence 8192, " \
+                  "per-op selective AC), float8 with FSDP float8 all-gather, compiled, local batch 2"
 TORCHTITAN_A100 = "github.com/pytorch/torchtitan docs/performance.md at 613bfd0 (2024-04-16) and later 2024 versions"
 TORCHTITAN_ASYNC_TP = "github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md " \
                       "(table assets/images/async-tp-perf-06-14-2025.png)"
+MEGATRON_BRIDGE_FP8 = "github.com/NVIDIA-NeMo/Megatron-Bridge skills/nemo-mbridge-perf-memory-tuning/SKILL.md at 067f987, " \
+                     "'Measured Results' (Llama3 70B SFT, 32 x H100 80GB, FP8 current scaling, seq 4096, MBS 1, GBS 32, " \
+                     "VPP 5; from Bridge PR #3107): rows Baseline, More PP, More TP, column 'Peak Mem (GB)'"
 MEGATRON_CORE_H100 = "github.com/NVIDIA/Megatron-LM README, 'Training speed and scalability' (images/model_table.png " \
                      "and images/strong_scaling.png, commit f2e5db4, 2024-07-15)"
 
@@ -46,7 +55,8 @@ def _alpa() -> list[C.Case]:
     # source: ALPA. UniformParallelArgs(prefer_reduce_scatter=True, use_remat=True, dp=2, op=2, pp=2): gradients
     # and optimizer states reduce-scattered over data parallelism (ZeRO-2 style), fp16; 2.464 s/step, 8.745 GB
     return [C.Case("C3", "GPT-2.6B", C.Model(2560, 32, 32, s=1024), "v100-p3", 8, 32, 4,
-                   {"tp": 2, "pp": 2, "recompute": "full", "schedule": "1f1b", "zero": 2}, 2.464, {"peak": 8.745})]
+                   {"tp": 2, "pp": 2, "recompute": "full", "schedule": "1f1b", "zero": 2}, 2.464, {"peak": 8.745},
+                   stack=dict(C.MEGATRON_STACK))]
 
 
 def _llm_foundry() -> list[C.Case]:
@@ -80,8 +90,23 @@ def _torchtitan() -> list[C.Case]:
               ("70B FSDP 32 x TP 8, async TP", "llama3-70b", 256, 16, 8, "full", True, 652.4),
               ("8B FSDP 8 x TP 8, plain TP", "llama3-8b", 64, 12, 8, "selective", False, 4378.0),
               ("8B FSDP 8 x TP 8, async TP", "llama3-8b", 64, 12, 8, "selective", True, 4809.4)]
-    out += [C.torchtitan("TT-H100 TP", name, key, "H100", gpus, b, tp, rc, True, atp, tps)
+    out += [C.torchtitan("TT-H100 TP", name, key, "H100", gpus, b, tp, rc, True, atp, tps, compiled_loss=True)
             for name, key, gpus, b, tp, rc, atp, tps in asyncs]
+    # source: TORCHTITAN_FLOAT8; the same Grand Teton H100s, torch.compile + Float8 (torchao Float8Linear, tensorwise
+    # dynamic scaling, output projection kept bf16). name, model, GPUs, local batch, tp, AC, async TP, sequence,
+    # tokens/s/GPU, reserved GiB
+    fp8 = [("8B FSDP 8 GPUs compiled float8", "llama3-8b", 8, 2, 1, "selective", False, 0, 8532, 76.8),
+           ("8B FSDP 128 GPUs compiled float8", "llama3-8b", 128, 2, 1, "selective", False, 0, 8380, 61.8),
+           ("8B FSDP 8 GPUs s32768 full AC compiled float8", "llama3-8b", 8, 1, 1, "full", False, 32768, 3890, 83.9),
+           ("70B FSDP 32 x TP 8 compiled float8", "llama3-70b", 256, 16, 8, "full", False, 0, 829, 71.9),
+           ("70B FSDP 32 x TP 8 compiled float8, async TP", "llama3-70b", 256, 16, 8, "full", True, 0, 876, 67.6)]
+    out += [C.torchtitan("TT-H100 fp8", name, key, "H100", gpus, b, tp, rc, True, atp, tps, mem, float8=True, seq=seq)
+            for name, key, gpus, b, tp, rc, atp, seq, tps, mem in fp8]
+    # source: TORCHTITAN_H200; 8 H200 per host, 400 Gb/s per GPU; compiled (the loss too, as torchtitan did from
+    # 2025), float8, per-op selective AC, local batch 2
+    out += [C.torchtitan("TT-H200 fp8", f"8B FSDP {gpus} GPUs compiled float8", "llama3-8b", "H200", gpus, 2, 1,
+                         "selective", True, False, tps, mem, float8=True, compiled_loss=True)
+            for gpus, tps, mem in ((32, 10938, 47.96), (64, 10753, 46.97))]
     # source: TORCHTITAN_A100; 64 A100 80GB, FSDP, eager: name, model, local batch, AC, tokens/s/GPU
     a100 = [("Llama 3 8B", "llama3-8b", 1, "selective", 2973), ("Llama 3 70B", "llama3-70b", 1, "full", 331),
             ("Llama 2 13B", "llama2-13b", 2, "none", 2162), ("Llama 2 13B, selective op AC", "llama2-13b", 2, "selective", 1904),
@@ -89,6 +114,15 @@ def _torchtitan() -> list[C.Case]:
     out += [C.torchtitan("TT-A100", name, key, "A100", 64, b, 1, rc, False, False, tps)
             for name, key, b, rc, tps in a100]
     return out
+
+
+def _megatron_bridge() -> list[C.Case]:
+    # source: MEGATRON_BRIDGE_FP8; name, tp, pp, peak GB (the baseline ran out of memory at 58.8 GB allocated on
+    # rank 0 from fragmentation, and passed at ~59 GB with expandable segments: the same peak)
+    rows = [("70B tp4 pp4 vpp5 dp2 fp8", 4, 4, 58.8), ("70B tp4 pp8 vpp5 dp1 fp8", 4, 8, 53.2),
+            ("70B tp8 pp4 vpp5 dp1 fp8", 8, 4, 50.2)]
+    return [C.megatron_bridge_llama(name, "llama3-70b", 4096, tp, pp, 5, 32, 32, "selective", mem)
+            for name, tp, pp, mem in rows]
 
 
 def _megatron_core_h100() -> list[C.Case]:
@@ -110,4 +144,4 @@ def _megatron_core_h100() -> list[C.Case]:
 
 def cases() -> list[C.Case]:
     return (_megatron_2021() + _sequence_parallel_2021() + _alpa() + _llm_foundry() + _torchtitan()
-            + _megatron_core_h100())
+            + _megatron_core_h100() + _megatron_bridge())

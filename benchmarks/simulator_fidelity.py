@@ -123,7 +123,8 @@ def describe_plan(case) -> str:
     v = o.get("virtual_stages", 1)
     return (f"tp{o.get('tp', 1)} pp{o.get('pp', 1)} dp{case.dp} b{case.micro_batch} m{case.micro_batches} "
             f"{o.get('schedule', '')}{' v' + str(v) if v > 1 else ''} rc={o.get('recompute')}"
-            f"{' sp' if o.get('sequence_parallel') else ''}{' zero' + str(o['zero']) if 'zero' in o else ''}")
+            f"{' sp' if o.get('sequence_parallel') else ''}{' zero' + str(o['zero']) if 'zero' in o else ''}"
+            f"{' compiled' if o.get('compile') else ''}{' fp8' if o.get('precision') == 'fp8' else ''}")
 
 
 def main() -> None:
@@ -188,10 +189,14 @@ def main() -> None:
         if before_errs:
             line += f"; before: {mape([e for c, w, e in before_errs if w.startswith('time') and pick(c)])}"
         summary.append(line)
-    mem = [(e, tt) for c, w, e, tt in errs if not w.startswith("time")]
-    summary.append(f"memory MAPE: {mape([e for e, _ in mem])}; of the 2021 papers' points: "
-                   f"{mape([e for e, tt in mem if not tt])}; of today's stacks (torchtitan's peaks): "
-                   f"{mape([e for e, tt in mem if tt])}, worst {worst([e for e, tt in mem if tt])}")
+    mem = [(c, e) for c, w, e, _ in errs if not w.startswith("time")]
+    today = [e for c, e in mem if c.era != "2021"]
+    fp8 = [e for c, e in mem if c.options.get("precision") == "fp8"]
+    mcore = [e for c, e in mem if c.source.startswith("MB-")]
+    summary.append(f"memory MAPE: {mape([e for _, e in mem])}; of the 2021 papers' points: "
+                   f"{mape([e for c, e in mem if c.era == '2021'])}; of today's stacks (torchtitan's reserved peaks, "
+                   f"Megatron-Core's): {mape(today)}, worst {worst(today)}; fp8: {mape(fp8)}, worst {worst(fp8)}; "
+                   f"Megatron-Core: {mape(mcore)}, worst {worst(mcore)}")
     summary.append(f"sustained: 2021 stack {fitted['2021']}, current stack {fitted['current']}; "
                    f"{time.time() - t0:.0f} s")
     print("\n" + "\n".join(summary))

@@ -44,13 +44,16 @@ SUSTAINED_CURRENT = 0.80
 # Megatron-LM as in the 2021 papers the A100 and V100 calibration points come from (CUDA 11.0 era): gradient
 # all-reduce in buckets during the backward, pipeline p2p beside compute, tensor-parallel collectives
 # synchronous, attention written out as matmuls and a fused softmax.
-STACK_2021 = replace(GPU_EFFICIENCY, sustained=SUSTAINED_2021, tp_comm_overlap=False, attention_kernel="flash2")
+# Element-wise chains: as this runtime's generated code runs them, one kernel per op unless the plan is
+# compiled (compile=True prices them fused, search/costmodel.py); a published run's own stack says whether
+# it fused them (Megatron's hand-fused kernels, XLA: benchmarks/calibration.py).
+STACK_2021 = replace(GPU_EFFICIENCY, sustained=SUSTAINED_2021, tp_comm_overlap=False, attention_kernel="flash2",
+                     fused_elementwise=False)
 # Megatron-Core / torchtitan / FSDP today: tp-comm-overlap or async TP (else backward tensor-parallel collectives
 # issued asynchronously beside the weight-gradient matmuls), distributed-optimizer / FSDP overlap
 # of reduce-scatter and all-gather, flash attention (cuDNN / FlashAttention-3 class on Hopper).
 STACK_CURRENT = replace(GPU_EFFICIENCY, sustained=SUSTAINED_CURRENT, tp_comm_overlap=True, tp_backward_overlap=True,
-                        attention_kernel="flash3",
-                        fused_attention=True)
+                        attention_kernel="flash3", fused_attention=True, fused_elementwise=False)
 
 
 # -- presets -----------------------------------------------------------------------------------------------

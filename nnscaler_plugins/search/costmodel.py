@@ -20,7 +20,7 @@ Memory: model states per ZeRO stage (`Training`), activations as the storage bas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from nnscaler_plugins.capture.graph import Graph
@@ -40,20 +40,21 @@ RECOMPUTE = ("none", "selective", "full", "op")
 BUCKET_BYTES = 25 * 1024 ** 2  # gradient reducer bucket (as DDP's default)
 
 
-# torch.compile (the plan's compile knob), priced as faster kernels: torchtitan's Llama-3.1-8B on 8 x
-# H100 (FSDP, sequence 8192) runs 5,762 tokens/s per GPU eager and 6,667 with torch.compile (its
-# benchmarks folder), the same communication, so the compute of a compiled step takes 5762 / 6667 of
-# the eager one's. Applied on clusters with a GPU kernel table (the presets); the local CPU preset
-# measures eager PyTorch and gets no discount (inductor's CPU code is not what it measured).
-COMPILE_SPEEDUP = 6667 / 5762
+# torch.compile (the plan's compile knob) is priced through the efficiency model, as every other software
+# fact: a compiled program runs chains of element-wise ops as one kernel (`Efficiency.fused_elementwise`),
+# so the intermediate tensors of a chain are neither written nor read back and an op wholly inside a chain
+# launches no kernel of its own. The presets' stacks describe this runtime's generated code, which runs
+# one kernel per op unless compiled. Only on clusters with a GPU kernel table: the local CPU preset
+# measures eager PyTorch, and inductor's CPU code is not what it measured.
 # Passes over a float8 product's operand bytes its casts take (torchao's dynamic scaling: an amax
 # read, then a read and a half-size write): about 1.5 reads' worth on top of the product's own.
 FP8_CAST_PASSES = 1.5
 
 
 def compiles_faster(cluster: ClusterSpec) -> bool:
-    """Whether compile=True is priced faster on `cluster` (GPU presets with a kernel table)."""
-    return cluster.kernels is not None
+    """Whether compile=True can price faster on `cluster`: a GPU kernel table (the presets), and a stack
+    that does not fuse element-wise chains already (this runtime's eager code, eager PyTorch)."""
+    return cluster.kernels is not None and not cluster.efficiency.fused_elementwise
 
 
 def supports_fp8(cluster: ClusterSpec) -> bool:
@@ -84,7 +85,7 @@ class Training:
     # the weights (parameter values) ZeRO-3 all-gathers in float8 (the plan's fp8_all_gather): 1 byte
     # an element on the wire instead of `param_bytes`
     fp8_gathered: frozenset = frozenset()
-    compiled: bool = False  # the plan's compile knob: compute priced COMPILE_SPEEDUP faster on GPU stacks
+    compiled: bool = False  # the plan's compile knob: element-wise chains fused on GPU stacks (compiles_faster)
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -290,10 +291,30 @@ class CostModel:
         bw = tbl.matmul_efficiency(k, n, m * batch, 1, dtype)  # dW = X^T dY: k x n, contracting the tokens
         return peak * max(fwd, 1e-3), peak * max(bi, 1e-3), peak * max(bw, 1e-3)
 
-    def _local_bytes(self, c: OpCost, p: Placement, itemsize: int) -> float:
+    @staticmethod
+    def _operand_bytes(c: OpCost, p: Placement, itemsize: int, shard: int) -> tuple[float, float, float]:
+        """Local bytes of a product's activation input X, its weight W and its output Y (one piece;
+        `shard` divides the activations, as sequence parallelism of a replicated op does)."""
+        counts = p.label_counts()
+
+        def size(u) -> float:
+            return u.numel * (u.itemsize or itemsize) / math.prod(counts.get(l, 1) for l in (u.labels or ()))
+
+        x = size(c.inputs[0]) / shard if c.inputs else 0.0
+        w = size(c.inputs[1]) if len(c.inputs) > 1 else 0.0
+        return x, w, sum(size(u) for u in c.outputs) / shard
+
+    @staticmethod
+    def _inside_chain(c: OpCost) -> bool:
+        """Whether every tensor `c` reads and writes passes inside a fused element-wise chain."""
+        return (bool(c.inputs) and len(c.fused_in) == len(c.inputs) and bool(c.outputs)
+                and len(c.fused_out) == len(c.outputs))
+
+    def _local_bytes(self, c: OpCost, p: Placement, itemsize: int, fuse: bool) -> float:
+        """Bytes one piece of `c` reads and writes; with `fuse`, not those it passes inside a fused
+        element-wise chain."""
         counts = p.label_counts()
         total = 0.0
-        fuse = self.cluster.efficiency.fused_elementwise
         for i, u in enumerate(list(c.inputs) + list(c.outputs)):
             if fuse and ((i < len(c.inputs) and i in c.fused_in) or
                          (i >= len(c.inputs) and i - len(c.inputs) in c.fused_out)):
@@ -313,14 +334,10 @@ class CostModel:
             return OpTime(v, v if c.needs_grad else 0.0, 0.0)
         f8 = name in training.fp8_ops and "fp8" in self.cluster.peak_flops
         compiled = training.compiled and compiles_faster(self.cluster)
-        key = (c.key, p.splits, p.blocks, training.dtype, shard, f8, compiled)
+        fuse = compiled or self.cluster.efficiency.fused_elementwise
+        key = (c.key, p.splits, p.blocks, training.dtype, shard, f8, fuse)
         t = self._time.get(key)
         if t is not None:
-            return t
-        if compiled:  # the eager price, made faster (see COMPILE_SPEEDUP)
-            t = self.op_time(name, p, replace(training, compiled=False), shard)
-            t = OpTime(t.fwd / COMPILE_SPEEDUP, t.bwd_input / COMPILE_SPEEDUP, t.bwd_weight / COMPILE_SPEEDUP, t.flops)
-            self._time[key] = t
             return t
         if self.profiler is not None:
             t = self.profiler.time(self, name, p, training, shard)
@@ -334,8 +351,10 @@ class CostModel:
                 return t
         pieces = p.pieces * shard
         isz = max(4, training.act_bytes) if c.fp32 else training.act_bytes
-        nbytes = self._local_bytes(c, p, isz) / shard
+        nbytes = self._local_bytes(c, p, isz, fuse) / shard
         oh = self._overhead
+        if fuse and c.kind != "matmul" and self._inside_chain(c):
+            oh = 0.0  # runs inside its chain's one kernel: no launch of its own
         mem_rate = self._mem_rate if self._kernels is None else self._table_mem_rate(nbytes)
         if c.kind == "matmul":
             flops = c.flops / pieces
@@ -345,11 +364,15 @@ class CostModel:
             else:
                 rf, ri, rw = self._table_rates(c, p, mm, shard)
             # float8: each product first casts its two operands (read bf16, find the scale, write
-            # float8): FP8_CAST_PASSES passes over the operands' bytes, as memory-bound kernels
-            cast = FP8_CAST_PASSES * nbytes / mem_rate if f8 else 0.0
-            fwd = max(flops / rf, nbytes / mem_rate) + oh + cast
-            bi = max(c.flops_input_grad / pieces / ri, nbytes / mem_rate) + oh + cast if c.flops_input_grad else 0.0
-            bw = max(c.flops_weight_grad / pieces / rw, nbytes / mem_rate) + oh + cast if c.flops_weight_grad else 0.0
+            # float8): FP8_CAST_PASSES passes over the operands' bytes, as memory-bound kernels. The
+            # operands: X and W forward, dY and W for dX, X and dY for dW (not the product's output)
+            cf = ci = cw = 0.0
+            if f8:
+                x, w, y = self._operand_bytes(c, p, isz, shard)
+                cf, ci, cw = (FP8_CAST_PASSES * v / mem_rate for v in (x + w, y + w, x + y))
+            fwd = max(flops / rf, nbytes / mem_rate) + oh + cf
+            bi = max(c.flops_input_grad / pieces / ri, nbytes / mem_rate) + oh + ci if c.flops_input_grad else 0.0
+            bw = max(c.flops_weight_grad / pieces / rw, nbytes / mem_rate) + oh + cw if c.flops_weight_grad else 0.0
             t = OpTime(fwd, bi, bw, flops)
         else:
             name_ = self.graph.op(name).short_name
@@ -484,6 +507,14 @@ class CostModel:
         return self.net.all_reduce(nbytes, span)
 
     # -- memory ----------------------------------------------------------------------------------------
+    def _loss_bytes(self, training: Training) -> int:
+        """Bytes per element a loss keeps and works in: eager, its fp32 upcast and log-probabilities;
+        compiled (a compiled program that covers the loss, `Efficiency.compiled_loss`), one fused kernel
+        that reads the logits in the training dtype, keeps them and writes their gradient in it."""
+        if training.compiled and compiles_faster(self.cluster) and self.cluster.efficiency.compiled_loss:
+            return training.act_bytes
+        return max(4, training.act_bytes)
+
     def backward_working_set(self, name: str, p: Placement, training: Training) -> float:
         """Bytes an op's backward holds beside the activations: the gradient arriving for its outputs and
         the gradients it makes for its inputs that need one (in its compute dtype; a loss's in fp32)."""
@@ -497,7 +528,7 @@ class CostModel:
                 g.values[u.value].kind not in ("param", "buffer", "constant") and g.meta(u.value).requires_grad
                 for u in c.inputs)
         # identical layers' ops share the sum (the search asks for it once per op and placement)
-        key = ("working set", c.key, counted, p.splits, p.blocks, training.act_bytes)
+        key = ("working set", c.key, counted, p.splits, p.blocks, training.act_bytes, self._loss_bytes(training))
         hit = self._time.get(key)
         if hit is not None:
             return hit
@@ -505,7 +536,8 @@ class CostModel:
         return total
 
     def _working_set(self, c: OpCost, counted_inputs: tuple, p: Placement, training: Training) -> float:
-        isz = max(4, training.act_bytes) if c.fp32 else training.act_bytes
+        isz = self._loss_bytes(training) if c.fp32 else training.act_bytes
+        fused_loss = c.fp32 and isz == training.act_bytes
         counts = p.label_counts()
         total = 0.0
         uses = [(u, True) for u in c.outputs] + list(zip(c.inputs, counted_inputs))
@@ -516,7 +548,7 @@ class CostModel:
             for label in u.labels or ():
                 div *= counts.get(label, 1)
             total += u.numel * isz / div
-        if c.fp32:  # a loss's backward forms the softmax of its input beside the gradient
+        if c.fp32 and not fused_loss:  # a loss's backward forms the softmax of its input beside the gradient
             total += max((u.numel * isz / math.prod(counts.get(x, 1) for x in (u.labels or ()))
                           for u in c.inputs if u.itemsize is None), default=0.0)
         return total
@@ -541,8 +573,12 @@ class CostModel:
             base = self.costs.storage(u.value)
             base_meta = self.graph.values[base].meta
             numel = base_meta.numel if base_meta is not None else u.numel
-            # a loss keeps its fp32 log-probabilities (the upcast logits' softmax), whatever the precision
-            size = numel * (u.itemsize or (max(4, training.act_bytes) if c.fp32 else training.act_bytes)) / div
+            # an eager loss keeps its fp32 log-probabilities (the upcast logits' softmax), whatever the
+            # precision; a compiled one its logits (`_loss_bytes`)
+            size = numel * (u.itemsize or (self._loss_bytes(training) if c.fp32 else training.act_bytes)) / div
+            if i == 0 and name in training.fp8_ops and self.cluster.efficiency.fp8_saves_float8 \
+                    and "fp8" in self.cluster.peak_flops:
+                size *= DTYPE_BYTES["fp8"] / training.act_bytes  # kept as the product's float8 operand
             if kept and i in kept:
                 size *= kept[i]
             out.append((base, size, lay.replicas if lay is not None else 1))

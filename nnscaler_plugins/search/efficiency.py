@@ -84,6 +84,14 @@ class Efficiency:
     # after use) or "module" (FSDP / FSDP2 wrapping each layer: a layer's weights whole at once, the next
     # layer's prefetched beside them, and in backward their gradients whole until reduce-scattered).
     zero3_gather: str = "param"
+    # Whether a compiled plan's loss is compiled too (this runtime compiles the whole per-rank program;
+    # torchtitan compiled only the transformer blocks until 2025): its fused kernel keeps the logits in the
+    # training dtype instead of their fp32 upcast and log-probabilities (search/costmodel.py `_loss_bytes`).
+    compiled_loss: bool = True
+    # Whether a float8 product keeps its activation input for backward as float8 (Transformer Engine, as
+    # Megatron-Core runs it: the cast input and its transpose) or in the training dtype, cast again in
+    # backward (torchao's Float8Linear, as torchtitan runs it).
+    fp8_saves_float8: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -600,8 +600,8 @@ def search(model_or_graph: Any, *, world_size: int, cluster: Union[ClusterSpec, 
     splitting their experts with their tokens (ep, all-to-all) is in the space beside keeping them
     whole; False captures them as written (a graph passed in is searched as it was captured).
     `compile`: False (default) plans run eagerly; True every plan runs under torch.compile (the
-    compile knob) and is priced so; None puts it in the space: each plan compiled where that is
-    priced faster (the GPU presets, see costmodel.COMPILE_SPEEDUP). `fp8=True` puts precision fp8
+    compile knob) and is priced so (element-wise chains fused); None puts it in the space: each plan
+    compiled where that is priced faster (the GPU presets, see costmodel.compiles_faster). `fp8=True` puts precision fp8
     in the space beside bf16 where the cluster's devices multiply in float8 (an fp8 peak: H100,
     H200): each plan then trains in fp8 where that is priced faster (float8 numerics: opt in).
     """
