@@ -133,7 +133,10 @@ def test_written_out_attention_priced_as_flash_on_fusing_stacks(graph):
 
     # Megatron-Core's stack: flash attention for the core and its hand-fused element-wise kernels around it
     fused, flash = run(eager, "h100-dgx", fused_elementwise=True), run(graph, "h100-dgx", fused_elementwise=True)
-    assert fused.step_time_s == pytest.approx(flash.step_time_s, rel=0.05)
+    # The written-out model also builds its causal mask as a tensor each step (about 20 small ops,
+    # 8 % of this tiny model's step); the sdpa model's mask is folded into is_causal at capture and
+    # its builder removed. An attention core priced unfused would cost several times more.
+    assert flash.step_time_s < fused.step_time_s < 1.10 * flash.step_time_s
     assert fused.max_memory_bytes == pytest.approx(flash.max_memory_bytes, rel=0.05)
     unfused, flash_a100 = run(eager, "a100-dgx"), run(graph, "a100-dgx")
     assert unfused.step_time_s > flash_a100.step_time_s and unfused.max_memory_bytes > flash_a100.max_memory_bytes
