@@ -191,3 +191,42 @@ def clamped_length(rank: int, world: int) -> list[float]:
 def test_a_size_beyond_the_fitted_range_is_checked_before_it_runs(workers2):
     for diffs in workers2.run(clamped_length):
         assert max(diffs) < 1e-6, diffs
+
+
+class _Pooled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.lin(x).mean(1), y)
+
+
+def test_the_first_fit_reaches_four_times_below_and_above_so_a_stream_stops_no_more():
+    """The one-time fit checks its program at a quarter of the smallest and four times the largest
+    size it was fitted at: sizes a padding collator brings later in that range need no capture (each
+    one a stall of a step), and compute what the model computes."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model, ref = _Pooled(), _Pooled()
+    ref.load_state_dict(model.state_dict())
+    pm = nns.parallelize(model, {"x": torch.randn(4, 16, 8), "y": torch.randn(4, 8)}, plan="dp", world_size=1,
+                         cache_dir="/tmp/nns_test_cache")
+    programs = pm.shape_programs
+    made = []
+    generate = programs._generate
+    programs._generate = lambda *a, **k: made.append(a[1]) or generate(*a, **k)
+
+    def run(b: int, s: int) -> float:
+        g = torch.Generator().manual_seed(s)
+        batch = {"x": torch.randn(b, s, 8, generator=g), "y": torch.randn(b, 8, generator=g)}
+        with torch.no_grad():
+            return abs(pm(**batch).item() - ref(**batch).item())
+
+    assert run(4, 20) < 1e-6  # the first other size: the one-time fit, probes included
+    fitted = len(made)
+    assert fitted >= 3, made
+    for b, s in ((4, 6), (4, 100), (2, 120), (12, 8), (4, 33)):
+        assert run(b, s) < 1e-6, (b, s)
+    assert len(made) == fitted, f"captures after the fit at sizes {made[fitted:]}"

@@ -294,16 +294,36 @@ class ShapePrograms:
             "-".join(f"{i}.{d}" for i, d in g) for g in symbols))
         if self.compile_module is not None:
             self.compile_module(module, True)  # one graph per region for every size
+        fitted = _Fitted(module, template, symbols, boundary, list(points) + [check])
+        self._reach(fitted, args, kwargs)
         self.rebuild_seconds.append(time.perf_counter() - start)
-        return _Fitted(module, template, symbols, boundary, list(points) + [check])
+        return fitted
+
+    def _fits(self, fitted: _Fitted, probe: list[int], args: tuple, kwargs: dict) -> bool:
+        """Whether the program generated at sizes `probe` is the fitted one (a capture at those sizes)."""
+        made = self._generate(fitted.symbols, probe, args, kwargs)
+        return not isinstance(made, str) and same_code(fitted.template.at(probe), made[0]) and all(
+            tuple(int(p(probe)) for p in fitted.boundary[v]) == made[1][v] for v in fitted.boundary)
+
+    def _reach(self, fitted: _Fitted, args: tuple, kwargs: dict) -> None:
+        """Check the fitted program a factor of 4 below and above the sizes it was fitted at, in the
+        same one-time phase: a stream of sizes (lengths from a padding collator) then seldom stops
+        later for a check of a new smallest or largest size (`_holds_at`), each a capture. A probe
+        the program does not hold at (a size past the model's positions, a clamp) widens nothing."""
+        step = math.lcm(*(p.divisor for p in fitted.template.polys)) if fitted.template.polys else 1
+        low = [max(2 * step, (lo // 4) // step * step) for lo in fitted.lo]
+        high = [-(-hi * 4 // step) * step for hi in fitted.hi]
+        for probe in (low, high):
+            if all(lo <= v <= hi for v, lo, hi in zip(probe, fitted.lo, fitted.hi)):
+                continue
+            if self._fits(fitted, probe, args, kwargs):
+                fitted.widen(probe)
 
     def _holds_at(self, fitted: _Fitted, values: list[int], args: tuple, kwargs: dict) -> bool:
         """Whether the fitted program is the one generated at sizes outside the range it was
         checked on (widening the range when it is); once per new smallest or largest size."""
         def fits(probe: list[int]) -> bool:
-            made = self._generate(self.symbols, probe, args, kwargs)
-            return not isinstance(made, str) and same_code(fitted.template.at(probe), made[0]) and all(
-                tuple(int(p(probe)) for p in fitted.boundary[v]) == made[1][v] for v in fitted.boundary)
+            return self._fits(fitted, probe, args, kwargs)
 
         # First a leap: twice past the old range (or half below it), so a stream of lengths stops
         # paying for checks after its first few records; a clamp inside the leap fails it, and the
