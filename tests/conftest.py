@@ -88,6 +88,14 @@ def workers2() -> Iterator[Workers]:
 
 
 @pytest.fixture(scope="session")
+def deepspeed_workers2() -> Iterator[Workers]:
+    """Two workers for the DeepSpeed modules only: importing DeepSpeed in a worker patches torch
+    functions for the rest of that process, so these are kept apart from the shared pools."""
+    with Workers(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="session")
 def workers4() -> Iterator[Workers]:
     with Workers(4) as w:
         yield w

@@ -22,14 +22,10 @@ from nnscaler_plugins.adapters.deepspeed.optimizers import build_optimizer
 
 # -- config, without processes --------------------------------------------------------------------
 
-# Importing DeepSpeed in a worker patches torch functions for the rest of that process: these
-# workers are this module's own, not the session's shared ones.
 @pytest.fixture(scope="module")
-def workers2():
-    from harness import Workers
-
-    with Workers(2) as w:
-        yield w
+def workers2(deepspeed_workers2):
+    """The DeepSpeed modules' own pool (tests/conftest.py), not the session's shared one."""
+    return deepspeed_workers2
 
 def _batch(cfg: dict, dp: int):
     s = translate(cfg)

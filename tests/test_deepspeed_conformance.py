@@ -25,11 +25,9 @@ HIDDEN = 8
 
 
 @pytest.fixture(scope="module")
-def workers2():
-    from harness import Workers
-
-    with Workers(2) as w:
-        yield w
+def workers2(deepspeed_workers2):
+    """The DeepSpeed modules' own pool (tests/conftest.py), not the session's shared one."""
+    return deepspeed_workers2
 
 
 class SimpleModel(torch.nn.Module):
