@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler_plugins.kernels.collectives import pack_saved, unpack_saved
+from nnscaler_plugins.kernels.float8 import is_float8
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -455,7 +456,7 @@ class Zero3Params:
     def _pack(self, t: torch.Tensor) -> Any:
         scale = orig = None
         inner = t
-        if self._cast is not None and self._cast_operand(t):
+        if self._cast is not None and is_float8(t):
             inner, scale, orig = self._cast.parts(t)
         entry = self._live.get(inner.untyped_storage().data_ptr()) if inner.device.type != "meta" else None
         if entry is None:
@@ -470,11 +471,6 @@ class Zero3Params:
             self._saved_scale[key] = scale
         return _SavedRef(key, tuple(inner.size()), tuple(inner.stride()), inner.storage_offset(), scale, orig)
 
-    @staticmethod
-    def _cast_operand(t: torch.Tensor) -> bool:
-        from nnscaler_plugins.kernels.float8 import is_float8
-
-        return is_float8(t)
 
     def _launch_gather(self, key: int, scale: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor]:
         """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done.
