@@ -122,8 +122,9 @@ class Session:
             if rank == 0 or world_size == 1:
                 raise
             time.sleep(QUIET_RANK_WAIT_S)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise tracing.CaptureError(f"rank {rank}: {first} (rank 0 reports the whole error)") from None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            said = " ".join(lines[:2]) if lines else type(e).__name__  # what failed, and the reason's first line
+            raise tracing.CaptureError(f"rank {rank}: {said} (rank 0 reports the whole error)") from None
 
     # -- plan --------------------------------------------------------------------------------------------
     def make_plan(self, graph: Graph, world_size: int, micro: int, lower_now: bool = True,

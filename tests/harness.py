@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
+import tempfile
 import sys
 import time
 import traceback
@@ -46,6 +48,7 @@ def _worker(rank: int, world: int, port: int, path: list[str], tasks: Any, resul
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _stack_dump_on_signal(rank, port)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=30))
     while True:
@@ -69,6 +72,19 @@ def _worker(rank: int, world: int, port: int, path: list[str], tasks: Any, resul
     os._exit(0)
 
 
+def _stack_file(rank: int, port: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"nns_worker_{port}_{rank}.stacks")
+
+
+def _stack_dump_on_signal(rank: int, port: int) -> None:
+    """SIGUSR1 writes every thread's Python stack to a file the parent reads: when some ranks
+    failed and others stay silent, the error says where the silent ones are."""
+    import faulthandler
+
+    out = open(_stack_file(rank, port), "w")  # kept open for the life of the process
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+
+
 class Workers:
     def __init__(self, world_size: int, timeout: float = 300.0):
         self.world_size = world_size
@@ -80,7 +96,7 @@ class Workers:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = self._port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, daemon=True,
@@ -115,19 +131,37 @@ class Workers:
                     self._kill()
                     raise WorkerError(f"{getattr(fn, '__name__', fn)}: worker rank(s) {dead} died "
                                       f"(exit codes {codes})")
+        stacks = ""
         if len(done) < self.world_size:
+            stacks = self._stacks(sorted(set(range(self.world_size)) - set(done)))
             self._kill()
         for rank in sorted(done):
             ok, payload = done[rank]
             if not ok:
                 text, original = pickle.loads(payload)
                 cause = _loads_or_none(original)
-                raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on rank {rank}:\n{text}") from cause
+                raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on rank {rank}:\n{text}{stacks}") from cause
         if len(done) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(done))
             raise WorkerError(f"{getattr(fn, '__name__', fn)}: rank(s) {missing} did not finish within "
-                              f"{self.timeout if timeout is None else timeout:.0f} s; workers killed")
+                              f"{self.timeout if timeout is None else timeout:.0f} s; workers killed{stacks}")
         return [pickle.loads(done[r][1]) for r in range(self.world_size)]
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Where the silent ranks are: each one's Python stacks (SIGUSR1 makes it write them)."""
+        for r in ranks:
+            if self._procs[r].is_alive():
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        parts = []
+        for r in ranks:
+            try:
+                with open(_stack_file(r, self._port)) as f:
+                    text = f.read().strip()
+            except OSError:
+                text = ""
+            parts.append(f"\n--- rank {r} (no result) was at:\n{text or '(no stack written)'}")
+        return "".join(parts)
 
     def _kill(self) -> None:
         for p in self._procs:
@@ -135,6 +169,11 @@ class Workers:
                 p.kill()
         for p in self._procs:
             p.join(timeout=5)
+        for r in range(len(self._procs)):
+            try:
+                os.remove(_stack_file(r, self._port))
+            except OSError:
+                pass
         self._procs = []
 
     def close(self) -> None:
