@@ -1,7 +1,9 @@
 """FlexAttention (`torch.nn.attention.flex_attention.flex_attention`, with block masks) is captured as
 one op with a rule: batch rows and heads split, each piece calling FlexAttention on its rows / heads
 with the matching slice of the block mask (the same mask where the mask broadcasts a dim), and a
-score_mod / mask_mod that reads `b` or `h` sees the global index. The sequence stays whole (no cp).
+score_mod / mask_mod that reads `b` or `h` sees the global index. Under context parallelism the
+queries split too (contiguous or mirrored), keys and values gathered whole, each piece's block mask
+built from the mask_mod for its global query positions.
 
 The CPU build runs FlexAttention forward only (no backward), so here the projections feeding it are
 frozen and the layers after it train: forward exactness of every split, planning, and SGD steps of
@@ -195,7 +197,7 @@ def build(mask: str, mask_in_forward: bool, score_mod=None, kv_heads: int = HEAD
 
 
 @pytest.mark.parametrize("mask_in_forward", [False, True])
-def test_flex_attention_is_one_op_with_rows_and_heads_split_and_the_sequence_whole(mask_in_forward):
+def test_flex_attention_is_one_op_with_rows_heads_and_queries_split_and_keys_whole(mask_in_forward):
     from nnscaler_plugins.rules import signature_for
 
     model, batch = build("document", mask_in_forward, alibi)
@@ -207,20 +209,57 @@ def test_flex_attention_is_one_op_with_rows_and_heads_split_and_the_sequence_who
     ops = [op for op in ops if "FlexAttentionCall" in str(op.target)]
     assert len(ops) == 2, [str(op.target) for op in graph.ops]
     sig = signature_for(graph, ops[0])
-    assert sig.inputs[0] == ("b", "h", "^l", "^e") and sig.outputs[0][:2] == ("b", "h"), sig
+    assert sig.inputs[0] == ("b", "h", "l", "^e") and sig.inputs[1][2] == "^s" and sig.outputs[0][:3] == ("b", "h", "l"), sig
     plan = nns.plan(graph, strategy="tp", world_size=2)
     assert all(plan.ops[op.name].splits and plan.ops[op.name].splits[0][0] == "h" for op in ops), \
         [plan.ops[op.name].splits for op in ops]
 
 
-def test_context_parallelism_is_refused_by_name_for_flex_attention():
+QUERY_CASES = [(n, s) for n in MASKS for s in (None, alibi)] if EVERY else [("document", alibi), ("sliding_window", None)]
+
+
+@pytest.mark.parametrize("name,score_mod", QUERY_CASES)
+def test_pieces_of_queries_with_whole_keys_reassemble_the_whole_op(name, score_mod):
+    """Context parallelism's pieces: each holds some global query positions (contiguous, the
+    mirrored split that balances a causal mask, or shares of blocks), with every key and value."""
+    from nnscaler_plugins.kernels.flex_attention_piece import FlexSpec, query_chunks_of, register
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(BATCH, HEADS, SEQ, 8) for _ in range(3))
+    key = register(FlexSpec(_mask(name), score_mod, None, False, False, None))
+    whole = FlexAttentionCall.apply(q, k, v, key)
+    for n, blocks in ((2, 1), (2, -2), (4, -2), (2, 2)):
+        out = torch.full_like(whole, float("nan"))
+        for j in range(n):
+            chunks = query_chunks_of(SEQ, n, j, blocks)
+            rows = torch.cat([torch.arange(start, start + length) for start, length in chunks])
+            for b0, h0, nb, nh in ((0, 0, BATCH // 2, HEADS), (BATCH // 2, HEADS // 2, BATCH // 2, HEADS // 2),
+                                   (BATCH // 2, 0, BATCH // 2, HEADS // 2)):
+                part = (slice(b0, b0 + nb), slice(h0, h0 + nh))
+                out[part[0], part[1], rows] = flex_attention_piece(q[part][:, :, rows], k[part], v[part], key, b0, h0,
+                                                                   chunks)
+        torch.testing.assert_close(out, whole, msg=f"{name} {score_mod}: {n} pieces, blocks {blocks}")
+
+
+def test_context_parallelism_splits_flex_attention_queries_and_refuses_explicit_block_masks():
+    from torch.nn.attention.flex_attention import BlockMask
+
     from nnscaler_plugins.errors import PlanError
 
     model, batch = build("causal", False)
     graph = nns.capture(model, batch)
+    plan = nns.plan(graph, strategy="cp", world_size=2)
+    flex = [name for name in plan.ops if name.startswith("flex_attention")]
+    assert flex and all(plan.ops[name].splits == [("l", 2)] for name in flex), {n: plan.ops[n].splits for n in flex}
+
+    blocks = SEQ // 128  # a causal mask of one block, given as block indices: no mask_mod to rebuild from
+    explicit = BlockMask.from_kv_blocks(torch.ones(1, 1, blocks, dtype=torch.int32),
+                                        torch.zeros(1, 1, blocks, blocks, dtype=torch.int32))
+    model.block_mask = explicit
+    graph = nns.capture(model, batch)
     with pytest.raises(PlanError) as err:
         nns.plan(graph, strategy="cp", world_size=2)
-    assert "FlexAttention" in str(err.value) and "tp" in str(err.value), str(err.value)
+    assert "explicit block indices" in str(err.value) and "create_block_mask" in str(err.value), str(err.value)
 
 
 def test_a_mask_read_from_the_inputs_is_refused_by_name():
@@ -296,7 +335,7 @@ CASES = [("head_window", True, alibi, 2)]
 ALL_CASES = CASES + [("document", False, alibi, HEADS), ("causal", True, None, HEADS), ("sliding_window", False, None, HEADS),
                      ("sliding_window", True, alibi, 2), ("head_window", False, None, HEADS), ("document", True, None, 2),
                      ("causal", False, alibi, 2)]
-PLANS_2 = [("dp", {}, 2), ("tp", {}, 1), ("1f1b", {"pp": 2, "micro_batches": 2}, 1)]
+PLANS_2 = [("dp", {}, 2), ("tp", {}, 1), ("1f1b", {"pp": 2, "micro_batches": 2}, 1), ("cp", {}, 1)]
 
 
 def _equivalence(rank, world, cases):

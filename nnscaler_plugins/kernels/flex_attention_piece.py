@@ -8,6 +8,13 @@ provided the piece sees the *global* indices. `flex_attention_piece` arranges th
 is the whole mask's rows / heads for the piece (or the same mask where the mask broadcasts a dim of
 size 1), and both user functions are called with `b + batch_start`, `h + head_start`.
 
+A piece may also hold some of the queries (context parallelism): `query_chunks` names the global
+query positions it holds, as (start, length) ranges in order (one range for a contiguous split, two
+for the mirrored split that balances a causal mask). Its keys and values are the whole sequence, so
+the piece is exact for any mask or score function once they see global query indices: the piece's
+block mask is built again from the mask's `mask_mod` over its own queries (a block mask cannot be
+sliced along queries at arbitrary positions), cached per piece.
+
 The score function, the block mask and the settings are held by reference in a process-local
 registry under a digest of what they compute (as the experts op holds its module): the generated
 code names the key, and the model must be captured in the process that runs it (`nns.parallelize`
@@ -135,6 +142,62 @@ def _offset_score_mod(fn: Callable, b0: int, h0: int) -> Callable:
     return score_mod
 
 
+QueryChunks = tuple[tuple[int, int], ...]
+
+
+def global_query(q: Any, chunks: QueryChunks) -> Any:
+    """The global position of local query index `q` (a tensor of indices inside FlexAttention's
+    functions) for a piece holding `chunks`: (start, length) ranges laid end to end locally."""
+    (start, length), rest = chunks[0], chunks[1:]
+    out = q + start
+    local = length
+    for start, length in rest:
+        out = torch.where(q >= local, q - local + start, out)
+        local += length
+    return out
+
+
+def _query_mask_mod(fn: Callable, b0: int, h0: int, chunks: QueryChunks) -> Callable:
+    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return fn(b + b0, h + h0, global_query(q, chunks), kv)
+    return mask_mod
+
+
+def _query_score_mod(fn: Callable, b0: int, h0: int, chunks: QueryChunks) -> Callable:
+    def score_mod(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return fn(score, b + b0, h + h0, global_query(q, chunks), kv)
+    return score_mod
+
+
+def rebuildable(mask: Optional[BlockMask]) -> bool:
+    """Whether a piece holding some of the queries can have its block mask built again: the mask's
+    blocks come from its `mask_mod` (a mask made from explicit block indices carries torch's no-op
+    mask_mod, and its blocks say more than that function)."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    return mask is None or mask.mask_mod is not noop_mask
+
+
+_QUERY_MASKS: dict[tuple, BlockMask] = {}
+
+
+def query_piece_mask(mask: BlockMask, batch_start: int, batch: int, head_start: int, heads: int,
+                     chunks: QueryChunks, kv_len: int, device: torch.device) -> BlockMask:
+    """The block mask of a piece holding rows [batch_start, +batch), query heads [head_start,
+    +heads) and the global queries `chunks`, built from the whole mask's `mask_mod` (cached)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mb, mh = mask.shape[0], mask.shape[1]
+    b0, h0 = (0 if mb == 1 else batch_start), (0 if mh == 1 else head_start)
+    length = sum(n for _, n in chunks)
+    key = (id(mask), b0, h0, None if mb == 1 else batch, None if mh == 1 else heads, chunks, kv_len, str(device))
+    if key not in _QUERY_MASKS:
+        _QUERY_MASKS[key] = create_block_mask(
+            _query_mask_mod(mask.mask_mod, b0, h0, chunks), None if mb == 1 else batch, None if mh == 1 else heads,
+            length, kv_len, device=device, BLOCK_SIZE=mask.BLOCK_SIZE)
+    return _QUERY_MASKS[key]
+
+
 def piece_mask(mask: Optional[BlockMask], batch_start: int, batch: int, head_start: int, heads: int) -> Optional[BlockMask]:
     """The block mask of rows [batch_start, +batch) and query heads [head_start, +heads): sliced
     along a dim the mask holds per row / head, kept where it broadcasts (size 1); its mask_mod sees
@@ -150,13 +213,21 @@ def piece_mask(mask: Optional[BlockMask], batch_start: int, batch: int, head_sta
     return local
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int, head_start: int) -> Any:
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int, head_start: int,
+         query_chunks: Optional[QueryChunks] = None) -> Any:
     spec = spec_of(key)
-    mask = piece_mask(spec.block_mask, batch_start, q.shape[0], head_start, q.shape[1])
-    if mask is not None and mask.kv_num_blocks.device != q.device:
-        mask = mask.to(q.device)
+    whole_queries = query_chunks is None
+    if whole_queries:
+        mask = piece_mask(spec.block_mask, batch_start, q.shape[0], head_start, q.shape[1])
+        if mask is not None and mask.kv_num_blocks.device != q.device:
+            mask = mask.to(q.device)
+    else:
+        mask = None if spec.block_mask is None else query_piece_mask(
+            spec.block_mask, batch_start, q.shape[0], head_start, q.shape[1], query_chunks, k.shape[-2], q.device)
     score_mod = spec.score_mod
-    if score_mod is not None and (batch_start or head_start):
+    if score_mod is not None and not whole_queries:
+        score_mod = _query_score_mod(score_mod, batch_start, head_start, query_chunks)
+    elif score_mod is not None and (batch_start or head_start):
         score_mod = _offset_score_mod(score_mod, batch_start, head_start)
     return torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=spec.scale,
                                 enable_gqa=spec.enable_gqa, return_lse=spec.return_lse,
@@ -164,25 +235,26 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_star
 
 
 class FlexAttentionCall(torch.autograd.Function):
-    """`FlexAttentionCall.apply(q, k, v, key, batch_start=0, head_start=0)`: FlexAttention on
-    rows from `batch_start` and query heads from `head_start` of the whole call registered under
-    `key`; returns the output, or (output, log-sum-exp) when the call asked for it."""
+    """`FlexAttentionCall.apply(q, k, v, key, batch_start=0, head_start=0, query_chunks=None)`:
+    FlexAttention on rows from `batch_start`, query heads from `head_start` and the global queries
+    `query_chunks` (None: all of them) of the whole call registered under `key`; returns the
+    output, or (output, log-sum-exp) when the call asked for it."""
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int = 0,
-                head_start: int = 0) -> Any:
+                head_start: int = 0, query_chunks: Optional[QueryChunks] = None) -> Any:
         spec = spec_of(key)
         if torch._subclasses.fake_tensor.is_fake(q) or q.device.type == "meta":
             out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # capture only needs the shapes
             return (out, q.new_empty(q.shape[:-1], dtype=torch.float32)) if spec.return_lse else out
         with torch.no_grad():
-            return _run(q.detach(), k.detach(), v.detach(), key, batch_start, head_start)
+            return _run(q.detach(), k.detach(), v.detach(), key, batch_start, head_start, query_chunks)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         q, k, v, key, *starts = inputs
         ctx.save_for_backward(q, k, v)
-        ctx.key, ctx.starts = key, (tuple(starts) + (0, 0))[:2]
+        ctx.key, ctx.starts = key, (tuple(starts) + (0, 0, None))[:3]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -192,10 +264,22 @@ class FlexAttentionCall(torch.autograd.Function):
         outs = list(out) if isinstance(out, tuple) else [out]
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         dq, dk, dv = torch.autograd.grad([o for o, _ in pairs], (q, k, v), [g for _, g in pairs], allow_unused=True)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def flex_attention_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int,
-                         head_start: int) -> Any:
+                         head_start: int, query_chunks: Optional[QueryChunks] = None) -> Any:
     """What a piece of a split FlexAttention op runs (generated code calls it by name)."""
-    return FlexAttentionCall.apply(q, k, v, key, batch_start, head_start)
+    return FlexAttentionCall.apply(q, k, v, key, batch_start, head_start, query_chunks)
+
+
+def query_chunks_of(length: int, pieces: int, index: int, blocks: int) -> QueryChunks:
+    """The global query ranges piece `index` of `pieces` holds of a sequence of `length` split with
+    the plan's `blocks`: 1 contiguous; b > 1 the index-th share of each of b equal blocks; -2 the
+    mirrored split (chunks index and 2 x pieces - 1 - index of 2 x pieces)."""
+    if blocks == -2:
+        c = length // (2 * pieces)
+        return ((index * c, c), ((2 * pieces - 1 - index) * c, c))
+    b = max(blocks, 1)
+    block, share = length // b, length // b // pieces
+    return tuple((i * block + index * share, share) for i in range(b))

@@ -25,6 +25,12 @@ its pieces' meaning, and each attention's ring is the group of its own stage's d
 What cannot run exactly is refused before launch, with sizes: a length not divisible by 2cp
 (balanced) or cp, Ulysses with more devices than key/value heads (or query heads), attention
 with a mask tensor (padding, packed documents whose position_ids restart inside a row).
+
+FlexAttention takes the sequence split too, any mask: its queries split like every other op's
+sequence and its keys and values are gathered whole for it (the all-gather form, whatever
+`cp_comm` says), each piece building its block mask for its own global query positions
+(rules/flex_attention.py). A document mask is a mask like any other there, as long as it is a
+constant the capture can hold (one built from the batch's values is refused at capture).
 """
 from __future__ import annotations
 
@@ -45,27 +51,37 @@ def _is_attention(op: OpHandle) -> bool:
     return op.node.op_name == _SDPA or str(op.node.target) == _SDPA
 
 
+def _is_flex(op: OpHandle) -> bool:
+    return str(op.node.target).endswith(".FlexAttentionCall")
+
+
 def attention_ops(builder: PlanBuilder) -> list[OpHandle]:
     return [op for op in builder.ops if _is_attention(op)]
+
+
+def flex_ops(builder: PlanBuilder) -> list[OpHandle]:
+    """FlexAttention calls: their queries split along the sequence and their keys and values are
+    gathered whole for them (rules/flex_attention.py), whatever `cp_comm` says."""
+    return [op for op in builder.ops if _is_flex(op)]
 
 
 def check_context_parallel(builder: PlanBuilder, cp: int, mode: str, balance: bool) -> int:
     """The sequence length every attention shares, after refusing what cp cannot run exactly."""
     if mode not in MODES:
         raise PlanError(f"cp_comm={mode!r}: use one of {', '.join(MODES)}")
-    flex = [op for op in builder.ops if str(op.node.target).endswith(".FlexAttentionCall")]
-    if flex:  # its block mask and mask/score functions index the whole sequence (rules/flex_attention.py)
-        raise PlanError("context parallelism cannot split FlexAttention's sequence: its block mask and its "
-                        "mask_mod / score_mod index the whole query sequence, and no cp kernel shifts them yet. "
-                        "Use dp, tp (heads) or a pipeline with FlexAttention, or for a causal mask "
-                        "F.scaled_dot_product_attention(q, k, v, is_causal=True) under cp",
-                        op=flex[0].name, where=flex[0].where())
     attns = attention_ops(builder)
-    if not attns:
-        raise PlanError(f"context parallelism found no scaled_dot_product_attention in {builder.graph.model_class}; "
-                        "cp splits attention's sequence, and attention written as matmul, softmax and matmul is "
-                        "not recognized: use attn_implementation='sdpa' (Hugging Face) or "
-                        "torch.nn.functional.scaled_dot_product_attention")
+    flex = flex_ops(builder)
+    if not attns and not flex:
+        raise PlanError(f"context parallelism found no scaled_dot_product_attention or FlexAttention in "
+                        f"{builder.graph.model_class}; cp splits attention's sequence, and attention written as "
+                        "matmul, softmax and matmul is not recognized: use attn_implementation='sdpa' (Hugging "
+                        "Face), torch.nn.functional.scaled_dot_product_attention or FlexAttention")
+    for op in flex:
+        if op.signature.is_frozen(op.signature.inputs[0][2]):
+            raise PlanError("context parallelism cannot split this FlexAttention's queries: its block mask was made "
+                            "from explicit block indices (no mask_mod to build each piece's mask from); build it with "
+                            "create_block_mask(mask_mod, ...), or use dp / tp (heads) / a pipeline",
+                            op=op.name, where=op.where())
     lengths = set()
     for op in attns:
         call = op_call(builder.graph, op.node)
@@ -79,6 +95,8 @@ def check_context_parallel(builder: PlanBuilder, cp: int, mode: str, balance: bo
                             op=op.name, where=op.where())
         q, k = call.inputs[0], call.inputs[1]
         lengths.add(q.shape[-2])
+    for op in flex:
+        lengths.add(op_call(builder.graph, op.node).inputs[0].shape[-2])
         if mode == "ulysses" and (q.shape[-3] % cp or k.shape[-3] % cp):
             raise PlanError(f"cp_comm='ulysses' over cp={cp} devices needs query heads ({q.shape[-3]}) and key/value "
                             f"heads ({k.shape[-3]}) divisible by {cp}; use cp_comm='ring' or a cp of at most "
@@ -182,14 +200,14 @@ def apply_cp(par: Parallelization, cp_comm: str = "ring", balance: Optional[bool
     builder = par.builder
     n = par.degree("cp")
     tp = par.degree("tp")
-    if balance is None:
-        balance = any(bool(op_call(builder.graph, op.node).arg(5, "is_causal", False))
-                      for op in attention_ops(builder))
+    if balance is None:  # FlexAttention's masks are functions: balanced by default, as a causal one needs
+        balance = bool(flex_ops(builder)) or any(bool(op_call(builder.graph, op.node).arg(5, "is_causal", False))
+                                                  for op in attention_ops(builder))
     length = check_context_parallel(builder, n, str(cp_comm), bool(balance))
     builder.set_knobs(cp_comm=str(cp_comm))
     block = -2 if balance else 1
     choices = sequence_choices(builder, n, length, block) if n > 1 else {op.name: None for op in builder.ops}
-    if n > 1 and not any(choices[op.name] for op in attention_ops(builder)):
+    if n > 1 and not any(choices[op.name] for op in attention_ops(builder) + flex_ops(builder)):
         raise PlanError(f"context parallelism could not split the attention's sequence ({length}) {n} ways")
     tp_choices = tp_choices or {}
     if str(cp_comm) == "ulysses":

@@ -8,10 +8,15 @@ functions see global indices -- `flex_attention_piece` does both, so the split h
 that read `b` or `h`. Grouped-query attention groups consecutive query heads per key/value head,
 so equal shares of both keep the groups; one key/value head stays whole and serves every piece.
 
-The sequence dims stay whole (no context parallelism): a piece of queries would need the block
-mask's rows and the global query index shifted, and its keys from every other piece. Plans that
-want to split the sequence get the op whole; use scaled_dot_product_attention(is_causal=True)
-for causal attention under cp.
+The query sequence splits too (context parallelism): each query attends on its own given every
+key and value, so a piece of the queries with the whole keys and values computes that piece of
+the output, once its mask and score functions see global query positions. The key / value
+sequence stays whole, so a plan that splits the sequence elsewhere gathers them for this op (the
+all-gather form of context parallelism, the one torchtitan runs FlexAttention with); the piece
+learns which global queries it holds from the plan's split and blocks (contiguous, or the
+mirrored 2-block split that balances a causal mask) and builds its block mask for them from the
+mask's `mask_mod`. A block mask made from explicit block indices has no mask_mod to rebuild from:
+its queries stay whole.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from typing import Optional
 from nnscaler_plugins.kernels.flex_attention_piece import (
     FlexAttentionCall,
     flex_attention_piece,
+    query_chunks_of,
+    rebuildable,
     spec_of,
 )
 from nnscaler_plugins.rules.registry import rule
@@ -58,14 +65,19 @@ def flex_attention_call(call: OpCall) -> Optional[Signature]:
         if mask.shape[1] not in (1, q.shape[1]):
             heads, kv_heads = "^h", "^kh"
     kv_batch = batch if batch == "b" else "^kb"
-    ins = ((batch, heads, "^l", "^e"), (kv_batch, kv_heads, "^s", "^ke"), (kv_batch, kv_heads, "^s", "^ve"))
-    outs = ((batch, heads, "^l", "^ve"), (batch, heads, "^l"))[:n_out]
+    queries = "l" if rebuildable(mask) else "^l"
+    ins = ((batch, heads, queries, "^e"), (kv_batch, kv_heads, "^s", "^ke"), (kv_batch, kv_heads, "^s", "^ve"))
+    outs = ((batch, heads, queries, "^ve"), (batch, heads, queries))[:n_out]
+    length = q.shape[2]
 
     def localize(piece: LocalCall) -> Localized:
         b0 = piece.index.get("b", 0) * piece.local_inputs[0].shape[0]
         h0 = piece.index.get("h", 0) * piece.local_inputs[0].shape[1]
-        return Localized(flex_attention_piece, (*call.args[:4], b0, h0))
+        pieces = piece.splits.get("l", 1)
+        chunks = None if pieces == 1 else query_chunks_of(length, pieces, piece.index.get("l", 0),
+                                                          piece.blocks.get("l", 1))
+        return Localized(flex_attention_piece, (*call.args[:4], b0, h0, chunks))
 
     return Signature(inputs=ins, outputs=outs, localize=localize,
-                     note="FlexAttention: rows and heads split (the block mask sliced to match, global b/h "
-                          "indices for score_mod / mask_mod); the sequence stays whole (no cp)")
+                     note="FlexAttention: rows, heads and queries split (the block mask sliced or rebuilt to "
+                          "match, global b/h/q indices for score_mod / mask_mod); keys and values whole")
