@@ -18,15 +18,16 @@ variant once, the order rotating), AdamW for all:
 
 The ratio is peer's median step time over ours (> 1: ours is faster); the median of the
 per-iteration ratios (peer and ours timed in the same iteration) is shown beside it. Peak memory is
-each rank's growth of peak resident memory (ru_maxrss) in a fresh set of processes per variant, from
-just before the model is built through three training steps (MiB, ranks 0-3). The machine is shared:
-the load average is written with the rows.
+each rank's peak resident memory during three training steps above its value just before the model
+is built (MiB, ranks 0-3), in a fresh set of processes per variant; freed heap goes back to the system
+after set-up for every variant alike, so set-up's transient peak (capture and compile, for ours) is
+shown apart, in brackets. On a GPU the device's peak memory stands for the first figure. The machine
+is shared: the load average is written with the rows.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -235,23 +236,49 @@ def bench(rank: int, world: int, iters: int, with_compile: bool) -> dict:
 
 
 # -- memory ------------------------------------------------------------------------------------------------
+def _rss_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _trim_and_reset_peak() -> None:
+    """Give freed heap back to the system (glibc's malloc_trim), then restart the kernel's peak-RSS
+    count (VmHWM) at the current RSS: what follows is measured from here."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def bench_memory(rank: int, world: int, name: str) -> list[float]:
-    """This rank's growth of peak resident memory (MiB) from just before the model is built through
-    three steps, gathered to rank 0 (fresh processes per variant: ru_maxrss only grows)."""
+    """This rank's peak resident memory (MiB) above its value before the model is built: during three
+    training steps (the figure a device's peak memory stands for) and during set-up (building and,
+    for ours, capturing and compiling), gathered to rank 0. Fresh processes per variant; between
+    set-up and training, freed heap is returned to the system for every variant alike."""
     import torch.distributed as dist
 
     import nnscaler_plugins  # noqa: F401  (imported before the baseline: the import is not the model's memory)
     from torch.distributed.fsdp import fully_shard  # noqa: F401
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: F401
 
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    _trim_and_reset_peak()
+    start = _rss_mib("VmRSS")
     step = build(name, rank)
+    setup = _rss_mib("VmHWM") - start
+    _trim_and_reset_peak()
     for _ in range(3):
         step()
-    grown = torch.tensor([(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) / 1024])
-    out = [torch.zeros(1) for _ in range(world)]
+    grown = torch.tensor([_rss_mib("VmHWM") - start, setup])
+    out = [torch.zeros(2) for _ in range(world)]
     dist.all_gather(out, grown)
-    return [t.item() for t in out]
+    return [tuple(t.tolist()) for t in out]
 
 
 def main() -> None:
@@ -274,25 +301,33 @@ def main() -> None:
         mine = ours if ours in times else ours.replace(" compiled", "")
         ratio = statistics.median(times[peer]) / statistics.median(times[mine])
         paired = statistics.median(a / b for a, b in zip(times[peer], times[mine]))
-        mem = lambda n: " / ".join(f"{m:.0f}" for m in memory[n]) if n in memory else "-"  # noqa: E731
+        mem = lambda n: (" / ".join(f"{m[0]:.0f}" for m in memory[n])  # noqa: E731
+                         + f" ({max(m[1] for m in memory[n]):.0f})") if n in memory else "-"
+        peak = lambda n: max(m[0] for m in memory[n])  # noqa: E731
+        mem_ratio = f"{peak(peer) / peak(mine):.3f}" if peer in memory and mine in memory else "-"
         rows.append((peer, mine + (" (eager: see note)" if mine != ours else ""),
                      f"{statistics.median(times[peer]) * 1e3:.0f}", f"{statistics.median(times[mine]) * 1e3:.0f}",
-                     f"{ratio:.3f}", f"{paired:.3f}", mem(peer), mem(mine), f"{losses[peer]:.5f} / {losses[mine]:.5f}"))
+                     f"{ratio:.3f}", f"{paired:.3f}", mem(peer), mem(mine), mem_ratio,
+                     f"{losses[peer]:.5f} / {losses[mine]:.5f}"))
         print(rows[-1], flush=True)
     load_after = os.getloadavg()[0]
     note = (f"GPT-2 shape: {LAYERS} layers, {DIM} wide, {HEADS} heads, vocabulary {VOCAB}, sequence {SEQ}, global "
             f"batch {BATCH} ({BATCH // WORLD} per rank data-parallel; all {BATCH} on every rank under tp); AdamW; "
             f"{args.iters} timed iterations, each running every variant once in rotating order, steps fenced by "
             f"barriers; load average {load_before:.1f} before, {r['load']:.1f} during, {load_after:.1f} after "
-            f"(2 shared cores). Memory: growth of each rank's peak RSS (MiB, ranks 0 / 1 / 2 / 3) in fresh "
-            f"processes, from before the model is built through three steps.")
+            f"(2 shared cores). Memory: each rank's peak RSS during three training steps above its RSS before the "
+            f"model is built (MiB, ranks 0 / 1 / 2 / 3; fresh processes per variant; freed heap returned to the "
+            f"system after set-up for every variant alike), and in brackets the largest peak of set-up (building, "
+            f"and for ours capture and compile) above the same base. Ratio of memory: the peer's largest "
+            f"training peak over ours.")
     for name, why in notes.items():
         note += f" {name}: {why}."
     print(common.record(f"step_speed.py: ours vs DDP, FSDP2 (eager, compiled) and DTensor tp, {WORLD} gloo processes "
                         "(train step)", rows,
                         ("peer", "ours", "peer ms (median)", "ours ms (median)", "ratio of medians peer/ours",
-                         "median of paired ratios", "peer peak MiB",
-                         "ours peak MiB", "first loss peer / ours"), note))
+                         "median of paired ratios", "peer peak MiB in training (set-up)",
+                         "ours peak MiB in training (set-up)", "ratio of memory peer/ours",
+                         "first loss peer / ours"), note))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Without ZeRO-3 that is a plain list, or, while ZeRO-1/2's gathers of the updated
 in flight (`zero.PendingGather`), `SettledOnUse`, which waits for a parameter's gather when the code
 first reads it. Under ZeRO-3 it is `GatheredOnUse`: the generated code binds each parameter `_P[i]`
 at its first use and deletes it after its last, so each one is gathered whole at that moment
-(`Zero3Params.fetch`), with the next one's gather started, not all up front.
+(`Zero3Params.fetch`), with the next one's gather started, not all up front. Parameters of one
+layer travel together (`gather_units`): the first one read starts one collective for the layer.
 """
 from __future__ import annotations
 
@@ -33,6 +34,39 @@ def params_on_use(program: Program, keys: list[str], local: Callable[[str], torc
     return GatheredOnUse(program, keys, local, precision, zero3, zero3_index or {})
 
 
+#: The most bytes of whole parameters one gather unit holds (a layer larger than this is cut).
+UNIT_BYTES = 25 * 2**20
+
+
+def layer_prefix(fqn: str) -> str:
+    """The repeated layer a parameter belongs to ("model.layers.3" of "model.layers.3.mlp.up.weight"),
+    "" for one outside every numbered layer (embeddings, final norm, head)."""
+    parts = fqn.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
+
+
+def gather_units(fqns: list[str], nbytes: list[int], limit: int = UNIT_BYTES) -> list[list[int]]:
+    """Indices of parameters gathered together: runs of consecutive ones (in the order the code
+    reads them) of one layer, each at most `limit` bytes and at most a quarter of all of them (a
+    parameter larger than that alone), so that the unit in use and the next one, gathered beside
+    it, stay about half of the whole parameters at most, however few layers a stage holds."""
+    limit = min(limit, sum(nbytes) // 4)
+    units: list[list[int]] = []
+    last, size = None, 0
+    for i, (fqn, n) in enumerate(zip(fqns, nbytes)):
+        prefix = layer_prefix(fqn)
+        if units and prefix == last and size + n <= limit:
+            units[-1].append(i)
+            size += n
+        else:
+            units.append([i])
+            last, size = prefix, n
+    return units
+
+
 class GatheredOnUse:
     """The generated code's `_P` under ZeRO-3: item i is this device's parameter or buffer i, a
     ZeRO-3 parameter gathered whole at the moment it is read, with the next one's gather started."""
@@ -51,6 +85,9 @@ class GatheredOnUse:
                 self._zkey[i] = zero3_index[s.fqn]
         order = sorted(self._zkey)
         self._next = {i: self._zkey[j] for i, j in zip(order, order[1:])}
+        fqns = [program.shards[keys[i]].fqn for i in order]
+        nbytes = [zero3.shards[self._zkey[i]].numel * zero3.chunks[self._zkey[i]].element_size() for i in order]
+        zero3.gather_together([[self._zkey[order[j]] for j in unit] for unit in gather_units(fqns, nbytes)])
         self._read: set[int] = set()
 
     def __len__(self) -> int:

@@ -298,6 +298,26 @@ class _PendingReduce:
     scale: float = 1.0  # applied to `out` once reduced (when `sent` is the gradient itself, unscaled)
 
 
+@dataclass
+class _UnitGather:
+    """One all-gather of several parameters in flight; `wait` (by whichever of them is needed
+    first) settles it and copies each parameter's slices of every rank's row into its own buffer."""
+
+    work: Any
+    buf: Optional[torch.Tensor]
+    sent: Optional[torch.Tensor]
+    parts: list[tuple[int, int, torch.Tensor]]  # (offset in a rank's row, chunk elements, flat out)
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        rows = self.buf.view(-1, sum(c for _, c, _ in self.parts))  # one row per rank
+        for off, chunk, out in self.parts:
+            out.view(-1, chunk).copy_(rows[:, off:off + chunk])
+        self.work = self.buf = self.sent = None
+
+
 class Zero3Params:
     """Stage-3 parameters: chunk Parameters on this rank, whole tensors only around their use."""
 
@@ -324,6 +344,10 @@ class Zero3Params:
         self._bucket: list[tuple[int, torch.Tensor]] = []
         self._bucket_bytes = 0
         self._fwd_prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
+        # Parameters gathered together (`gather_together`): key -> the keys of its unit, in use order.
+        self._unit_of: dict[int, tuple[int, ...]] = {}
+        self._fetched: set[int] = set()  # keys the current forward has fetched
+        self.gathers_launched = 0  # all-gather collectives started by forwards and backwards
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         # Weights all-gathered in float8 (`gather_in_float8`): their keys, the cast, and the scales of
@@ -357,6 +381,7 @@ class Zero3Params:
     def new_forward(self) -> None:
         """A forward begins: the float8 scales are computed again from the weights as they are now."""
         self._scales = None
+        self._fetched.clear()
 
     def _scale(self, key: int) -> torch.Tensor:
         """The scale of float8 weight `key` in this forward. At the first one, every float8 weight's
@@ -382,10 +407,13 @@ class Zero3Params:
         `_P[i]` there and deletes it after the last use); the next one's gather is started now so
         it overlaps the ops in between. Nothing else keeps it: autograd saves a reference (see
         `_pack`), so the memory returns once the code drops it."""
-        work, buf = self._fwd_prefetched.pop(key, None) or self._launch_gather(key)
+        if key not in self._fwd_prefetched:
+            self._launch_unit(key, self._fwd_prefetched, self._fetched)
+        work, buf = self._fwd_prefetched.pop(key)
+        self._fetched.add(key)
         work.wait()
-        if prefetch is not None and prefetch not in self._fwd_prefetched:
-            self._fwd_prefetched[prefetch] = self._launch_gather(prefetch)
+        if prefetch is not None and prefetch not in self._fwd_prefetched and prefetch not in self._fetched:
+            self._launch_unit(prefetch, self._fwd_prefetched, self._fetched)
         s = self.shards[key]
         whole = self._whole(key, buf)
         self._track(buf)
@@ -433,6 +461,7 @@ class Zero3Params:
         self._prefetched.clear()
         self._saved_order.clear()
         self._saved_at.clear()
+        self._fetched.clear()
 
         def pack(t: torch.Tensor) -> Any:
             out = self._pack(t)
@@ -472,18 +501,84 @@ class Zero3Params:
         return _SavedRef(key, tuple(inner.size()), tuple(inner.stride()), inner.storage_offset(), scale, orig)
 
 
+    # -- gathers, one collective per unit ------------------------------------------------------
+    def gather_together(self, units: list[list[int]]) -> None:
+        """Parameters used together (a layer's, as FSDP wraps a block): the first one a forward or
+        a backward needs starts one all-gather for all of them (per process group and wire dtype),
+        and the next unit's starts while the last of this one is in use. One collective per
+        parameter would pay each collective's fixed cost dozens of times per layer."""
+        for unit in units:
+            for k in unit:
+                self._unit_of[k] = tuple(unit)
+
+    def _held_in_backward(self) -> set[int]:
+        """Keys backward must not gather again: whole and still held by some node, or not saved by
+        this forward (backward will not ask for them)."""
+        held = {k for k, ref in self._regathered.items() if ref() is not None}
+        return held | {k for k in self._unit_of if k not in self._saved_at}
+
+    def _launch_unit(self, key: int, table: dict[int, tuple[Any, torch.Tensor]], skip: set[int],
+                     scales: Optional[dict[int, Optional[torch.Tensor]]] = None) -> None:
+        """Start gathering `key` and the rest of its unit not in `table` or `skip`, into `table`:
+        one collective per process group and wire dtype. A float8 weight travels with `scales`' or
+        the saved scale (backward), else this forward's."""
+        keys = [key] + [k for k in self._unit_of.get(key, ()) if k != key and k not in table and k not in skip
+                        and self.shards[k].size > 1 and self.shards[k].numel]
+        scales = dict(scales or {})
+        if self._in_forward is False:  # backward: float8 weights again with the scale they were saved with
+            for k in keys:
+                if k in self._float8 and scales.get(k) is None:
+                    scales[k] = self._saved_scale.get(k)
+        by: dict[tuple, list[int]] = {}
+        for k in keys:
+            wire = torch.uint8 if k in self._float8 else self.chunks[k].dtype
+            by.setdefault((id(self.shards[k].group), wire), []).append(k)
+        for ks in by.values():
+            if len(ks) == 1:
+                table[ks[0]] = self._launch_gather(ks[0], scales.get(ks[0]))
+            else:
+                table.update(self._launch_bucket(ks, scales))
+
+    def _send_chunk(self, key: int, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's chunk of `key` as it travels: float8 bytes cast with the scale, or as stored."""
+        c = self._on_device(self.chunks[key].detach())
+        if key in self._float8:
+            with torch.no_grad():
+                c = self._cast.cast(c, self._scale(key) if scale is None else scale).view(torch.uint8)
+        return c
+
+    def _launch_bucket(self, keys: list[int], scales: dict[int, Optional[torch.Tensor]]) -> dict[int, tuple[Any, torch.Tensor]]:
+        """One all-gather for several parameters of one group: each rank sends its padded chunks end
+        to end; once done, every parameter's whole flat tensor is copied out into its own buffer
+        (so each is freed on its own, as a parameter gathered alone)."""
+        sends = [(k, self._send_chunk(k, scales.get(k))) for k in keys]
+        shard = self.shards[keys[0]]
+        sent = torch.cat([self.shards[k].chunk_padded(c) for k, c in sends])
+        buf = transient_empty(shard.size * sent.numel(), sent)
+        work = all_gather_flat(buf, sent, group=shard.group, async_op=True)
+        self.gathers_launched += 1
+        bucket = _UnitGather(work, buf, sent, [])
+        out: dict[int, tuple[Any, torch.Tensor]] = {}
+        off = 0
+        for k, c in sends:
+            s = self.shards[k]
+            flat = transient_empty(s.size * s.chunk, c)
+            self.gathered_traffic[k] = self.gathered_traffic.get(k, 0) + flat.numel() * flat.element_size()
+            bucket.parts.append((off, s.chunk, flat))
+            off += s.chunk
+            out[k] = (bucket, flat.view(self._cast.dtype) if k in self._float8 else flat)
+        return out
+
     def _launch_gather(self, key: int, scale: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor]:
         """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done.
         A float8 weight travels as the float8 bytes of its chunk cast with `scale` (default: this
         forward's), as bytes (float8 is not a dtype every backend takes); the buffer returned is
         their float8 view (the object whose lifetime tells the saved-tensor hooks it is alive)."""
-        s, c = self.shards[key], self._on_device(self.chunks[key].detach())
-        if key in self._float8:
-            with torch.no_grad():
-                c = self._cast.cast(c, self._scale(key) if scale is None else scale).view(torch.uint8)
+        s, c = self.shards[key], self._send_chunk(key, scale)
         buf = transient_empty(s.size * s.chunk, c)
         self.gathered_traffic[key] = self.gathered_traffic.get(key, 0) + buf.numel() * buf.element_size()
         work = all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True)
+        self.gathers_launched += 1
         return work, (buf.view(self._cast.dtype) if key in self._float8 else buf)
 
     def keep_on_host(self, host_copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -512,7 +607,9 @@ class Zero3Params:
         ref = self._regathered.get(key)
         whole = ref() if ref is not None else None
         if whole is None:
-            work, buf = self._prefetched.pop(key, None) or self._launch_gather(key, saved.scale)
+            if key not in self._prefetched:
+                self._launch_unit(key, self._prefetched, self._held_in_backward(), {key: saved.scale})
+            work, buf = self._prefetched.pop(key)
             work.wait()
             whole = self._whole(key, buf)
             self._regathered[key] = weakref.ref(whole)
@@ -521,7 +618,7 @@ class Zero3Params:
             nxt = self._saved_order[at - 1]
             held = self._regathered.get(nxt)
             if nxt not in self._prefetched and (held is None or held() is None):
-                self._prefetched[nxt] = self._launch_gather(nxt, self._saved_scale.get(nxt))
+                self._launch_unit(nxt, self._prefetched, self._held_in_backward())
         view = whole.as_strided(saved.size, saved.stride, saved.offset)
         if saved.scale is not None:  # the float8 operand the forward saved, from the same float8 values
             return self._cast.operand(view, saved.scale, saved.orig_dtype)
@@ -663,5 +760,6 @@ class Zero3Params:
         self._prefetched.clear()
         self._saved_order.clear()
         self._saved_at.clear()
+        self._fetched.clear()
         self._saved_scale.clear()
         self._queued = False

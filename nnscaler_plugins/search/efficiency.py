@@ -28,7 +28,7 @@ gloo processes on CPU cores), the four overlap switches a plan may override (sea
 whether the backward's tensor-parallel collectives run beside the weight-gradient matmuls
 (`tp_backward_overlap`), whether a saved all-gathered input is kept as a shard and gathered again
 (`regather_saved_inputs`: this runtime and Megatron) or kept whole (PyTorch DTensor), and how ZeRO-3
-gathers weights (`zero3_gather`: one weight at a time here, a layer at a time in FSDP).
+gathers weights (`zero3_gather`: held one weight at a time here, a layer at a time in FSDP).
 The presets' stacks are in search/cluster.py (`STACK_2021`, `STACK_CURRENT`).
 """
 from __future__ import annotations
@@ -80,8 +80,9 @@ class Efficiency:
     # sequence parallelism: less memory, one more all-gather), or kept whole with its gradient only
     # reduce-scattered (PyTorch DTensor's sequence parallelism as torchtitan runs it).
     regather_saved_inputs: bool = True
-    # How ZeRO-3 gathers weights: "param" (this runtime: one weight at a time as the code reads it, dropped
-    # after use) or "module" (FSDP / FSDP2 wrapping each layer: a layer's weights whole at once, the next
+    # How ZeRO-3 gathers weights: "param" (this runtime: a layer's weights travel in one collective, but each
+    # is dropped after the code's last use of it and gradients leave in reduce buckets, so what it holds is
+    # priced per weight; tests/test_memory_priced_vs_measured.py holds it within 10 %) or "module" (FSDP / FSDP2 wrapping each layer: a layer's weights whole at once, the next
     # layer's prefetched beside them, and in backward their gradients whole until reduce-scattered).
     zero3_gather: str = "param"
     # Whether a compiled plan's loss is compiled too (this runtime compiles the whole per-rank program;
