@@ -95,12 +95,12 @@ def check_context_parallel(builder: PlanBuilder, cp: int, mode: str, balance: bo
                             op=op.name, where=op.where())
         q, k = call.inputs[0], call.inputs[1]
         lengths.add(q.shape[-2])
-    for op in flex:
-        lengths.add(op_call(builder.graph, op.node).inputs[0].shape[-2])
         if mode == "ulysses" and (q.shape[-3] % cp or k.shape[-3] % cp):
             raise PlanError(f"cp_comm='ulysses' over cp={cp} devices needs query heads ({q.shape[-3]}) and key/value "
                             f"heads ({k.shape[-3]}) divisible by {cp}; use cp_comm='ring' or a cp of at most "
                             f"{k.shape[-3]} dividing both", op=op.name, where=op.where())
+    for op in flex:  # queries split, keys and values gathered whole: no head count to check
+        lengths.add(op_call(builder.graph, op.node).inputs[0].shape[-2])
     if len(lengths) != 1:
         raise PlanError(f"context parallelism needs one sequence length for every attention; found {sorted(lengths)}")
     length = lengths.pop()
