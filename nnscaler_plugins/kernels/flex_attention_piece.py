@@ -130,18 +130,6 @@ def spec_of(key: str) -> FlexSpec:
                            "here (nns.parallelize does) before the generated code runs") from None
 
 
-def _offset_mask_mod(fn: Callable, b0: int, h0: int) -> Callable:
-    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return fn(b + b0, h + h0, q, kv)
-    return mask_mod
-
-
-def _offset_score_mod(fn: Callable, b0: int, h0: int) -> Callable:
-    def score_mod(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return fn(score, b + b0, h + h0, q, kv)
-    return score_mod
-
-
 QueryChunks = tuple[tuple[int, int], ...]
 
 
@@ -157,15 +145,16 @@ def global_query(q: Any, chunks: QueryChunks) -> Any:
     return out
 
 
-def _query_mask_mod(fn: Callable, b0: int, h0: int, chunks: QueryChunks) -> Callable:
+def _offset_mask_mod(fn: Callable, b0: int, h0: int, chunks: Optional[QueryChunks] = None) -> Callable:
+    """`fn` seeing global indices: rows from `b0`, heads from `h0`, queries at `chunks` (None: as given)."""
     def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return fn(b + b0, h + h0, global_query(q, chunks), kv)
+        return fn(b + b0, h + h0, q if chunks is None else global_query(q, chunks), kv)
     return mask_mod
 
 
-def _query_score_mod(fn: Callable, b0: int, h0: int, chunks: QueryChunks) -> Callable:
+def _offset_score_mod(fn: Callable, b0: int, h0: int, chunks: Optional[QueryChunks] = None) -> Callable:
     def score_mod(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return fn(score, b + b0, h + h0, global_query(q, chunks), kv)
+        return fn(score, b + b0, h + h0, q if chunks is None else global_query(q, chunks), kv)
     return score_mod
 
 
@@ -193,7 +182,7 @@ def query_piece_mask(mask: BlockMask, batch_start: int, batch: int, head_start: 
     key = (id(mask), b0, h0, None if mb == 1 else batch, None if mh == 1 else heads, chunks, kv_len, str(device))
     if key not in _QUERY_MASKS:
         _QUERY_MASKS[key] = create_block_mask(
-            _query_mask_mod(mask.mask_mod, b0, h0, chunks), None if mb == 1 else batch, None if mh == 1 else heads,
+            _offset_mask_mod(mask.mask_mod, b0, h0, chunks), None if mb == 1 else batch, None if mh == 1 else heads,
             length, kv_len, device=device, BLOCK_SIZE=mask.BLOCK_SIZE)
     return _QUERY_MASKS[key]
 
@@ -225,10 +214,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_star
         mask = None if spec.block_mask is None else query_piece_mask(
             spec.block_mask, batch_start, q.shape[0], head_start, q.shape[1], query_chunks, k.shape[-2], q.device)
     score_mod = spec.score_mod
-    if score_mod is not None and not whole_queries:
-        score_mod = _query_score_mod(score_mod, batch_start, head_start, query_chunks)
-    elif score_mod is not None and (batch_start or head_start):
-        score_mod = _offset_score_mod(score_mod, batch_start, head_start)
+    if score_mod is not None and (batch_start or head_start or not whole_queries):
+        score_mod = _offset_score_mod(score_mod, batch_start, head_start, query_chunks)
     return torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=spec.scale,
                                 enable_gqa=spec.enable_gqa, return_lse=spec.return_lse,
                                 kernel_options=spec.kernel_options)

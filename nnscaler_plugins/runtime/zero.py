@@ -525,7 +525,7 @@ class Zero3Params:
         keys = [key] + [k for k in self._unit_of.get(key, ()) if k != key and k not in table and k not in skip
                         and self.shards[k].size > 1 and self.shards[k].numel]
         scales = dict(scales or {})
-        if self._in_forward is False:  # backward: float8 weights again with the scale they were saved with
+        if not self._in_forward:  # backward: float8 weights again with the scale they were saved with
             for k in keys:
                 if k in self._float8 and scales.get(k) is None:
                     scales[k] = self._saved_scale.get(k)
