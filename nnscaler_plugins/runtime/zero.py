@@ -408,12 +408,12 @@ class Zero3Params:
         it overlaps the ops in between. Nothing else keeps it: autograd saves a reference (see
         `_pack`), so the memory returns once the code drops it."""
         if key not in self._fwd_prefetched:
-            self._launch_unit(key, self._fwd_prefetched, self._fetched)
+            self._launch_unit(key, self._fwd_prefetched, self._fetched.__contains__)
         work, buf = self._fwd_prefetched.pop(key)
         self._fetched.add(key)
         work.wait()
         if prefetch is not None and prefetch not in self._fwd_prefetched and prefetch not in self._fetched:
-            self._launch_unit(prefetch, self._fwd_prefetched, self._fetched)
+            self._launch_unit(prefetch, self._fwd_prefetched, self._fetched.__contains__)
         s = self.shards[key]
         whole = self._whole(key, buf)
         self._track(buf)
@@ -511,18 +511,18 @@ class Zero3Params:
             for k in unit:
                 self._unit_of[k] = tuple(unit)
 
-    def _held_in_backward(self) -> set[int]:
-        """Keys backward must not gather again: whole and still held by some node, or not saved by
-        this forward (backward will not ask for them)."""
-        held = {k for k, ref in self._regathered.items() if ref() is not None}
-        return held | {k for k in self._unit_of if k not in self._saved_at}
+    def _held_in_backward(self, k: int) -> bool:
+        """Whether backward must not gather `k` again: whole and still held by some node, or not
+        saved by this forward (backward will not ask for it)."""
+        ref = self._regathered.get(k)
+        return k not in self._saved_at or (ref is not None and ref() is not None)
 
-    def _launch_unit(self, key: int, table: dict[int, tuple[Any, torch.Tensor]], skip: set[int],
+    def _launch_unit(self, key: int, table: dict[int, tuple[Any, torch.Tensor]], skip: Callable[[int], bool],
                      scales: Optional[dict[int, Optional[torch.Tensor]]] = None) -> None:
-        """Start gathering `key` and the rest of its unit not in `table` or `skip`, into `table`:
+        """Start gathering `key` and the rest of its unit not in `table` nor `skip`ped, into `table`:
         one collective per process group and wire dtype. A float8 weight travels with `scales`' or
         the saved scale (backward), else this forward's."""
-        keys = [key] + [k for k in self._unit_of.get(key, ()) if k != key and k not in table and k not in skip
+        keys = [key] + [k for k in self._unit_of.get(key, ()) if k != key and k not in table and not skip(k)
                         and self.shards[k].size > 1 and self.shards[k].numel]
         scales = dict(scales or {})
         if not self._in_forward:  # backward: float8 weights again with the scale they were saved with
@@ -608,7 +608,7 @@ class Zero3Params:
         whole = ref() if ref is not None else None
         if whole is None:
             if key not in self._prefetched:
-                self._launch_unit(key, self._prefetched, self._held_in_backward(), {key: saved.scale})
+                self._launch_unit(key, self._prefetched, self._held_in_backward, {key: saved.scale})
             work, buf = self._prefetched.pop(key)
             work.wait()
             whole = self._whole(key, buf)
@@ -618,7 +618,7 @@ class Zero3Params:
             nxt = self._saved_order[at - 1]
             held = self._regathered.get(nxt)
             if nxt not in self._prefetched and (held is None or held() is None):
-                self._launch_unit(nxt, self._prefetched, self._held_in_backward())
+                self._launch_unit(nxt, self._prefetched, self._held_in_backward)
         view = whole.as_strided(saved.size, saved.stride, saved.offset)
         if saved.scale is not None:  # the float8 operand the forward saved, from the same float8 values
             return self._cast.operand(view, saved.scale, saved.orig_dtype)
