@@ -34,7 +34,7 @@ from nnscaler_plugins.plan.knobs import KNOB_OPTIONS, Knobs
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.primitives import PlanBuilder
 from nnscaler_plugins.plan.source import PlanLike, PlanSource, resolve
-from nnscaler_plugins.plan.validate import validate
+from nnscaler_plugins.plan.validate import made_for, validate
 from nnscaler_plugins.plugins import get_plugin_manager
 from nnscaler_plugins.rules.table import warn_replicate_only
 from nnscaler_plugins.runtime.job_store import launcher_advice
@@ -110,6 +110,14 @@ class Session:
         whole_experts = wants_experts_as_one_op(self.source.fn or self.source.plan)
         with experts_as_one_op(model) if whole_experts else contextlib.nullcontext():
             self.graph = capture(model, args, kwargs)
+            ready = self.source.plan
+            if ready is not None and self.graph.traced and not made_for(ready, self.graph):
+                # A stack of layers traced two deep and copied, or whole where tracing two failed:
+                # the same program under other op names. The ready plan was made from a capture that
+                # went the other way (another process, another torch): trace this one that way too.
+                other = capture(model, args, kwargs, trace_repeated_layers_once=self.graph.traced != "two layers")
+                if made_for(ready, other):
+                    self.graph = other
         self._captured = key
         return self.graph
 

@@ -137,6 +137,49 @@ def test_models_outside_the_pattern_fall_back_to_the_full_trace():
         _check_generated(net, inputs)
 
 
+def test_capture_says_how_it_traced_the_stack():
+    torch.manual_seed(0)
+    inputs = _net_inputs()
+    assert capture(Net([Block(i) for i in range(6)]), kwargs=inputs).traced == "two layers"
+    minds = capture(Net([Block(i) for i in range(6)], check_count=True), kwargs=inputs)
+    assert minds.traced.startswith("whole: tracing two layers failed") and "layer count changed" in minds.traced
+    assert "not trace as one program" in capture(Net([IndexedBlock(i) for i in range(6)]), kwargs=inputs).traced
+    assert capture(Net([Block(i) for i in range(6)]), kwargs=inputs, trace_repeated_layers_once=False).traced == ""
+
+
+def test_a_plan_from_a_capture_that_traced_the_layers_the_other_way_fits():
+    """Whether a stack was traced two deep or whole changes op names, not the program: a plan made
+    from one capture must serve a model whose own capture went the other way (a process where
+    tracing two layers failed, say), in both directions."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    torch.manual_seed(0)
+    net, inputs = Net([Block(i) for i in range(6)]), _net_inputs()
+    whole = capture(net, kwargs=inputs, trace_repeated_layers_once=False)
+    fast = capture(net, kwargs=inputs)
+    assert whole.fingerprint() != fast.fingerprint()  # else this test shows nothing
+    for graph in (whole, fast):
+        plan = nns.plan(graph, strategy="dp", world_size=1)
+        _check_generated_with(net, inputs, plan)
+    other = Net([Block(i) for i in range(5)])  # another model: still refused
+    try:
+        nns.parallelize(other, inputs, plan=nns.plan(whole, strategy="dp", world_size=1), world_size=1,
+                        cache_dir="/tmp/nns_test_cache")
+    except PlanError as e:
+        assert "another graph" in str(e)
+    else:
+        raise AssertionError("a plan for six layers ran a model of five")
+
+
+def _check_generated_with(model, inputs, plan):
+    import nnscaler_plugins as nns
+
+    ref_loss, _ = _loss_and_grads(copy.deepcopy(model), inputs)
+    pm = nns.parallelize(copy.deepcopy(model), inputs, plan=plan, world_size=1, cache_dir="/tmp/nns_test_cache")
+    assert torch.equal(pm.train_step(inputs), ref_loss)
+
+
 def test_config_with_per_layer_values_is_traced_whole():
     class Config:
         layer_types = ["sliding", "sliding", "sliding", "full", "sliding", "sliding"]

@@ -119,6 +119,10 @@ class Graph:
     model_class: str = ""
     source_hash: str = ""  # hash of the model's Python source (code cache key)
     constants: dict[str, Any] = field(default_factory=dict, repr=False)  # lifted tensor constants by fqn
+    # How a stack of repeated layers was traced: "" (no stack, or traced whole by request), "two layers"
+    # (two traced, the rest copied), or "whole: <why two layers were not enough>". Not in the fingerprints:
+    # both ways give the same program, under other op names (see Session.capture's agreement).
+    traced: str = field(default="", compare=False)
     _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -46,6 +46,7 @@ from nnscaler_plugins.capture.repeated_layers import Stack, find_stack, replicat
 from nnscaler_plugins.plugins import get_plugin_manager
 from nnscaler_plugins.progress import phase
 
+_log = logging.getLogger(__name__)
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
@@ -82,15 +83,23 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
         stack.enter_context(flex_attention_as_one_op())  # its score / mask functions held by the op
         stack.enter_context(_recorded_contiguous())
         layers = find_stack(model) if trace_repeated_layers_once else None
+        traced = ""
         if layers is not None:
-            graph = _capture_two_layers(model, args, kwargs, layers)
+            graph, why = _capture_two_layers(model, args, kwargs, layers)
             if graph is not None:
-                return split_fused_sections(slices_for_constant_index(graph))
+                graph = split_fused_sections(slices_for_constant_index(graph))
+                graph.traced = "two layers"
+                return graph
+            traced = f"whole: {why}"
+            _log.info("%s: traced all %d layers of %s (%s)", type(model).__name__, len(layers.modules),
+                      layers.path, why)
         ep = _export(model, args, kwargs)
         fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
         drop_dead_code(ep)  # what only export's assertions read (the folded mask's chain)
         # one matmul per unequal section of a fused projection, constant index runs read as slices
-        return split_fused_sections(slices_for_constant_index(_to_graph(ep, model, args, kwargs)))
+        graph = split_fused_sections(slices_for_constant_index(_to_graph(ep, model, args, kwargs)))
+        graph.traced = traced
+        return graph
 
 
 def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -199,17 +208,21 @@ def _capture_error(model: torch.nn.Module, e: BaseException, printed: str) -> "C
     return err
 
 
-def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict, layers: Stack) -> Optional[Graph]:
-    """The graph with every layer of `layers`, traced with two of them; None where that does not hold."""
+def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict,
+                        layers: Stack) -> tuple[Optional[Graph], str]:
+    """The graph with every layer of `layers`, traced with two of them; else None and why not
+    (the model minds its layer count, or its two layers are not one program): it is traced whole."""
     try:
         with layers.truncated(2):
             ep = _export(model, args, kwargs)
             fold_causal_masks(ep)
             drop_dead_code(ep)
             short = _to_graph(ep, model, args, kwargs)
-    except Exception:  # the model minds its layer count (or anything else): trace it whole
-        return None
-    return replicate(short, layers.path, len(layers.modules))
+    except Exception as e:  # anything at all: the whole trace says what is wrong, if something is
+        said = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # CaptureError: where, then why
+        return None, f"tracing two layers failed: {type(e).__name__}: {said[:300]}"
+    graph = replicate(short, layers.path, len(layers.modules))
+    return graph, "" if graph is not None else "its first two layers do not trace as one program"
 
 
 def _model_source_hash(model: torch.nn.Module) -> str:

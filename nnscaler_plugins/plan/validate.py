@@ -11,10 +11,16 @@ if TYPE_CHECKING:  # for annotations only: plan.py calls this module, not the ot
     from nnscaler_plugins.plan.plan import Plan
 
 
+def made_for(plan: Plan, graph: Graph) -> bool:
+    """Whether `plan` was made for `graph`: the same graph, or the same model at other input sizes
+    (plans that carry a size-free fingerprint serve any sizes)."""
+    return plan.graph_fingerprint == graph.fingerprint() or (
+        bool(plan.structure_fingerprint) and plan.structure_fingerprint == graph.structure_fingerprint())
+
+
 def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None:
     """Raise PlanError for the first problem found, naming the op and its source line."""
-    other_sizes = bool(plan.structure_fingerprint) and plan.structure_fingerprint == graph.structure_fingerprint()
-    if plan.graph_fingerprint != graph.fingerprint() and not other_sizes:  # the same model at other sizes fits
+    if not made_for(plan, graph):
         shapes = {i.path[1] if len(i.path) == 2 else ".".join(map(str, i.path[1:])): list(graph.meta(i.name).shape)
                   for i in graph.inputs if graph.values[i.name].meta is not None}
         # Plans that carry a size-free fingerprint serve any input sizes: for them a mismatch is the
@@ -30,6 +36,8 @@ def validate(plan: Plan, graph: Graph, world_size: Optional[int] = None) -> None
         detail = ""
         if missing or extra:
             detail = f" (ops only in the graph: {missing}; only in the plan: {extra})"
+        if graph.traced.startswith("whole:"):  # its repeated layers could not be traced two deep, and why
+            detail += f"; this capture traced its layers {graph.traced}"
         raise PlanError(
             f"plan was made for another graph: plan fingerprint {plan.graph_fingerprint} ({plan.model_class}), "
             f"this graph {graph.fingerprint()} ({graph.model_class}){detail}. The model code"
