@@ -431,14 +431,23 @@ def _gathers_per_step(rank: int, world: int) -> tuple[int, int]:
     base, inputs = models.gpt2_small()
     pm = nns.parallelize(base, slice_batch(inputs, rank, world), plan="dp", zero=3, cache_dir="/tmp/nns_test_cache")
     pm.train_step(slice_batch(inputs, rank, world))  # the first step learns nothing more than the others
-    before = pm.zero3.gathers_launched
+    before, reduced = pm.zero3.gathers_launched, pm.zero3.launched
     pm.train_step(slice_batch(inputs, rank, world))
-    return pm.zero3.gathers_launched - before, len(pm.zero3.shards)
+    units = {u for u in pm.zero3.units().values()}
+    return pm.zero3.gathers_launched - before, len(pm.zero3.shards), pm.zero3.launched - reduced, len(units)
 
 
 def test_zero3_gathers_a_layer_per_collective_not_a_weight(workers2):
     """A layer's weights travel in one all-gather, in forward and again in backward, where gathering
     weight by weight pays a collective per parameter twice (56 a step for this model's 28; the
     quarter cap cuts this small model's layers in two or three)."""
-    gathers, params = workers2.run(_gathers_per_step)[0]
+    gathers, params, _, _ = workers2.run(_gathers_per_step)[0]
     assert gathers < params, (gathers, params)
+
+
+def test_zero3_reduce_scatters_each_layer_when_its_backward_ends(workers2):
+    """Gradients travel per gather unit (a layer, as FSDP's per-block reduce-scatter), not once the
+    25 MiB bucket is full: for a small model that bucket holds every whole gradient to the end of
+    backward (one reduction a step), where per unit each is let go as the layers below compute."""
+    _, _, reductions, units = workers2.run(_gathers_per_step)[0]
+    assert reductions >= units - 1 > 2, (reductions, units)  # the tied embedding's copies may share one

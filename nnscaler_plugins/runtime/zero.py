@@ -339,8 +339,9 @@ class Zero3Params:
         self._prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
         self._pending: list[_PendingReduce] = []
-        # Gradients waiting to be reduce-scattered together (one collective per BUCKET_BYTES, as DDP's
-        # buckets and the ZeRO-2 reducer's): launched when full, and at the end of each backward.
+        # Gradients waiting to be reduce-scattered together: one collective per gather unit (a layer,
+        # see `_unit_complete`) or per BUCKET_BYTES outside units, launched when the unit's last gradient
+        # arrives or the bucket is full, and at the end of each backward.
         self._bucket: list[tuple[int, torch.Tensor]] = []
         self._bucket_bytes = 0
         self._fwd_prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -511,6 +512,11 @@ class Zero3Params:
             for k in unit:
                 self._unit_of[k] = tuple(unit)
 
+    def units(self) -> dict[int, tuple[int, ...]]:
+        """Each parameter's gather unit (`gather_together`): key -> the keys gathered, and their
+        gradients reduce-scattered, together."""
+        return dict(self._unit_of)
+
     def _held_in_backward(self, k: int) -> bool:
         """Whether backward must not gather `k` again: whole and still held by some node, or not
         saved by this forward (backward will not ask for it)."""
@@ -664,18 +670,29 @@ class Zero3Params:
             self._pending.append(_PendingReduce(work, buf, key))
         elif s.size > 1:
             nbytes = grad.numel() * grad.element_size()
+            unit = self._unit_of.get(key)
             if self._bucket and (self.shards[self._bucket[0][0]].group is not s.group
                                  or self._bucket[0][1].dtype != grad.dtype
+                                 or self._unit_of.get(self._bucket[0][0]) != unit
                                  or self._bucket_bytes + nbytes > BUCKET_BYTES):
                 self.flush()  # a bucket never grows past BUCKET_BYTES by a large gradient: that one goes alone
             self._bucket.append((key, grad.detach()))
             self._bucket_bytes += nbytes
-            if self._bucket_bytes >= BUCKET_BYTES:
+            if self._bucket_bytes >= BUCKET_BYTES or (unit is not None and self._unit_complete(unit)):
                 self.flush()
             return
         else:
             self._pending.append(_PendingReduce(None, grad.detach().reshape(-1).clone(), key))
         self.launched += 1
+
+    def _unit_complete(self, unit: tuple[int, ...]) -> bool:
+        """Whether the bucket holds the gradient of every parameter of `unit` that gets one reduce-
+        scattered: a layer's gradients then travel as soon as its backward is done, one collective per
+        layer as FSDP's, and its whole gradients are let go while the layers below still compute
+        (one bucket of BUCKET_BYTES would hold a small model's every whole gradient to the end)."""
+        have = {k for k, _ in self._bucket}
+        return all(k in have for k in unit
+                   if self.shards[k].size > 1 and self.shards[k].sum_group is None and self.chunks[k].requires_grad)
 
     def flush(self) -> None:
         """Start the reduce-scatter of the gradients gathered in the bucket."""
