@@ -337,7 +337,7 @@ def main() -> None:
                         ("peer", "ours", "peer ms (median)", "ours ms (median)", "ratio of medians peer/ours",
                          "median of paired ratios", "peer peak MiB in training (set-up)",
                          "ours peak MiB in training (set-up)", "ratio of memory peer/ours",
-                         "first loss peer / ours"), note))
+                         "first loss peer / ours"), note, keep_previous=True))  # the ratios' change is the point
 
 
 if __name__ == "__main__":
