@@ -347,6 +347,7 @@ class Zero3Params:
         self._fwd_prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         # Parameters gathered together (`gather_together`): key -> the keys of its unit, in use order.
         self._unit_of: dict[int, tuple[int, ...]] = {}
+        self._unit_wants: dict[tuple[int, ...], frozenset] = {}  # a unit -> its keys whose gradients are reduce-scattered
         self._fetched: set[int] = set()  # keys the current forward has fetched
         self.gathers_launched = 0  # all-gather collectives started by forwards and backwards
         self.gathered_bytes = 0
@@ -508,6 +509,7 @@ class Zero3Params:
         a backward needs starts one all-gather for all of them (per process group and wire dtype),
         and the next unit's starts while the last of this one is in use. One collective per
         parameter would pay each collective's fixed cost dozens of times per layer."""
+        self._unit_wants.clear()  # asked again: a weight frozen since gets no gradient to wait for
         for unit in units:
             for k in unit:
                 self._unit_of[k] = tuple(unit)
@@ -690,9 +692,12 @@ class Zero3Params:
         scattered: a layer's gradients then travel as soon as its backward is done, one collective per
         layer as FSDP's, and its whole gradients are let go while the layers below still compute
         (one bucket of BUCKET_BYTES would hold a small model's every whole gradient to the end)."""
-        have = {k for k, _ in self._bucket}
-        return all(k in have for k in unit
-                   if self.shards[k].size > 1 and self.shards[k].sum_group is None and self.chunks[k].requires_grad)
+        want = self._unit_wants.get(unit)
+        if want is None:  # once per unit, not at every gradient of the backward
+            want = self._unit_wants[unit] = frozenset(
+                k for k in unit
+                if self.shards[k].size > 1 and self.shards[k].sum_group is None and self.chunks[k].requires_grad)
+        return len(want) <= len(self._bucket) and want.issubset(k for k, _ in self._bucket)
 
     def flush(self) -> None:
         """Start the reduce-scatter of the gradients gathered in the bucket."""
