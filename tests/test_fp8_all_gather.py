@@ -5,6 +5,7 @@ weight, and the run equals the same run gathering in bf16, for a quarter of fp32
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -114,11 +115,14 @@ def test_knob_refused_where_it_cannot_apply_and_kept_in_plan_files(tmp_path):
 
 def test_simulator_prices_float8_gathers_at_one_byte_an_element():
     """Under ZeRO-3 with fp8_all_gather the weights of float8 linears are priced at 1 byte an
-    element on the wire (bf16: 2), the rest as before: the forward's exposed gathers differ by
-    exactly the network's time for those weights' extra bytes."""
+    element on the wire (bf16: 2), the rest as before, and they reach their products already cast:
+    the forward differs by exactly the network's time for those weights' extra bytes plus the
+    products' casts of their weights."""
     import nnscaler_plugins as nns
-    from nnscaler_plugins.plan.float8 import float8_weights
+    from nnscaler_plugins.plan.float8 import float8_linears, float8_weights
     from nnscaler_plugins.search.costmodel import CostModel
+    from nnscaler_plugins.search.layouts import Placement
+    from nnscaler_plugins.search.simulator import training_of
 
     torch.manual_seed(0)
     model, batch = models.llama_small(2)
@@ -139,5 +143,13 @@ def test_simulator_prices_float8_gathers_at_one_byte_an_element():
     cm = CostModel(graph, cluster)
     span = cm.replica_span((0,), 1, 8, lambda d: d)
     want = cm.net.all_gather(2 * (f8 + rest), span) - cm.net.all_gather(f8 + 2 * rest, span)
+    # the weight casts the products skip: each float8 linear's forward, priced both ways
+    gathered = dataclasses.replace(training_of(plan, cluster), fp8_ops=frozenset(float8_linears(graph)))
+    cast_here = dataclasses.replace(gathered, fp8_gathered=frozenset(weights))
+    casts = 0.0
+    for name in float8_linears(graph):
+        p = Placement.of(plan.ops[name])
+        casts += cm.op_time(name, p, gathered).fwd - cm.op_time(name, p, cast_here).fwd
+        assert cm.op_time(name, p, gathered).bwd_weight == cm.op_time(name, p, cast_here).bwd_weight
     got = est[False].details["stage_fwd_s"][0] - est[True].details["stage_fwd_s"][0]
-    assert want > 0 and got == pytest.approx(want, rel=1e-6), (got, want)
+    assert want > 0 and casts > 0 and got == pytest.approx(want + casts, rel=1e-6), (got, want, casts)

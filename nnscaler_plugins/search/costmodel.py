@@ -304,6 +304,11 @@ class CostModel:
         w = size(c.inputs[1]) if len(c.inputs) > 1 else 0.0
         return x, w, sum(size(u) for u in c.outputs) / shard
 
+    def _weight_of(self, name: str) -> Optional[str]:
+        """The value a product reads as its weight (its second input), None for a one-input op."""
+        inputs = self.graph.op(name).inputs
+        return inputs[1] if len(inputs) > 1 else None
+
     @staticmethod
     def _inside_chain(c: OpCost) -> bool:
         """Whether every tensor `c` reads and writes passes inside a fused element-wise chain."""
@@ -335,7 +340,10 @@ class CostModel:
         f8 = name in training.fp8_ops and "fp8" in self.cluster.peak_flops
         compiled = training.compiled and compiles_faster(self.cluster)
         fuse = compiled or self.cluster.efficiency.fused_elementwise
-        key = (c.key, p.splits, p.blocks, training.dtype, shard, f8, fuse)
+        # a weight ZeRO-3 gathers in float8 reaches the product already cast (each replica cast its
+        # chunk before the gather): the product casts neither it nor, in backward, its transpose
+        pre_cast = f8 and training.zero >= 3 and self._weight_of(name) in training.fp8_gathered
+        key = (c.key, p.splits, p.blocks, training.dtype, shard, f8, fuse, pre_cast)
         t = self._time.get(key)
         if t is not None:
             return t
@@ -365,10 +373,12 @@ class CostModel:
                 rf, ri, rw = self._table_rates(c, p, mm, shard)
             # float8: each product first casts its two operands (read bf16, find the scale, write
             # float8): FP8_CAST_PASSES passes over the operands' bytes, as memory-bound kernels. The
-            # operands: X and W forward, dY and W for dX, X and dY for dW (not the product's output)
+            # operands: X and W forward, dY and W for dX, X and dY for dW (not the product's output);
+            # W not at all when it arrives in float8 (`pre_cast`)
             cf = ci = cw = 0.0
             if f8:
                 x, w, y = self._operand_bytes(c, p, isz, shard)
+                w = 0.0 if pre_cast else w
                 cf, ci, cw = (FP8_CAST_PASSES * v / mem_rate for v in (x + w, y + w, x + y))
             fwd = max(flops / rf, nbytes / mem_rate) + oh + cf
             bi = max(c.flops_input_grad / pieces / ri, nbytes / mem_rate) + oh + ci if c.flops_input_grad else 0.0
