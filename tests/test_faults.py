@@ -374,15 +374,18 @@ def test_the_search_plans_for_the_launchers_nodes(monkeypatch):
 
 
 def test_nonfinite_flag_sees_nan_and_both_infinities_in_any_tensor():
-    """The per-step check reads each tensor once; a NaN, +inf or -inf anywhere (one element of the
-    last tensor) sets the flag, finite values of any size do not."""
+    """The per-step check: a NaN, +inf or -inf anywhere (one element of a half tensor, or beside
+    finite values whose squares overflow the CPU's screening 2-norm) sets the flag, finite values
+    of any size do not."""
     from nnscaler_plugins.runtime.nonfinite import nonfinite_flag
 
     cpu = torch.device("cpu")
-    tensors = [torch.randn(300, 7), torch.full((5,), -3.0e38), torch.randn(64).half(), None, torch.arange(4)]
+    tensors = [torch.randn(300, 7), torch.full((5,), -3.0e38), torch.randn(64).half(), None, torch.arange(4),
+               torch.full((3,), 2.0e20).bfloat16()]
     assert nonfinite_flag(tensors, cpu).item() == 0.0
     for bad in (float("nan"), float("inf"), float("-inf")):
-        t = [x.clone() if x is not None else None for x in tensors]
-        t[2][-1] = bad
-        assert nonfinite_flag(t, cpu).item() == 1.0, bad
+        for where in (2, 1, 5):
+            t = [x.clone() if x is not None else None for x in tensors]
+            t[where][-1] = bad
+            assert nonfinite_flag(t, cpu).item() == 1.0, (bad, where)
     assert nonfinite_flag([], cpu).item() == 0.0
