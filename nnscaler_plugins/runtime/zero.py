@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import mmap
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -38,26 +37,13 @@ import torch.distributed as dist
 
 from nnscaler_plugins.kernels.collectives import pack_saved, unpack_saved
 from nnscaler_plugins.kernels.float8 import is_float8
+from nnscaler_plugins.runtime.host_buffers import transient_empty
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 BUCKET_BYTES = 25 * 2**20
 MAX_IN_FLIGHT = 2  # gradient reductions started and not yet waited for (see Zero3Params.flush)
-MAPPED_BYTES = 2**20  # transient host buffers from this size on are mapped from the OS (transient_empty)
-
-
-def transient_empty(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A flat buffer of `like`'s dtype and device that lives only around one use: a gathered whole
-    parameter or a gradient bucket being reduced. In host memory a large one is mapped from the OS
-    and unmapped when its last view goes. From the C heap, such buffers freed between the pieces
-    that stay (chunks, gradients, optimizer state) are kept by the process for reuse (glibc keeps
-    freed regions below 32 MiB), and what a rank holds grows to the worst interleaving of a step's
-    buffers instead of the most it uses at once."""
-    nbytes = numel * like.element_size()
-    if like.device.type != "cpu" or nbytes < MAPPED_BYTES:
-        return like.new_empty(numel)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype, count=numel)
 
 
 @dataclass

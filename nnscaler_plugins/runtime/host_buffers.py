@@ -1,0 +1,95 @@
+"""Transient host buffers: gathered whole parameters and gradient buckets that live around one use.
+
+ZeRO-3 on the CPU allocates a few such buffers per layer and step (a unit's gathered weights, the
+bytes it sends, a reduce-scatter's layout). From the C heap, buffers freed between the pieces that
+stay (chunks, gradients, optimizer state) are kept by the process for reuse (glibc keeps freed
+regions below 32 MiB), and what a rank holds grows to the worst interleaving of a step's buffers
+instead of the most it uses at once. Mapped from the OS at every use instead, each buffer's pages
+are faulted in and zeroed by the kernel again (about 0.4 ms a MiB, five times a warm copy), a
+cost FSDP2's caching of the same buffers does not pay.
+
+So a large buffer is mapped from the OS and, once no tensor uses it any more, kept for the next
+request of the same size (the same layer shapes repeat every step), within a bound: buffers up to
+`POOL_BUFFER_BYTES` each and `POOL_BYTES` of idle buffers in all. Larger ones (a vocabulary
+embedding's gathered weight) are unmapped when their last view goes, as before. A mapping is idle
+when the pool holds the only reference to it: a tensor made with `torch.frombuffer` keeps one on
+the mapping for as long as any view of its storage is alive.
+"""
+from __future__ import annotations
+
+import mmap
+import sys
+
+import torch
+
+MAPPED_BYTES = 2**20  # transient host buffers from this size on are mapped from the OS
+POOL_BUFFER_BYTES = 16 * 2**20  # the largest mapping kept for reuse once idle
+POOL_BYTES = 16 * 2**20  # idle mappings kept in all, per process
+
+
+class MappedPool:
+    """Mappings lent out as tensors and taken back, for reuse, when no tensor uses them."""
+
+    def __init__(self, buffer_bytes: int = POOL_BUFFER_BYTES, total_bytes: int = POOL_BYTES):
+        self.buffer_bytes = buffer_bytes
+        self.total_bytes = total_bytes
+        self._held: dict[int, list[mmap.mmap]] = {}  # size -> mappings, lent or idle
+        self.mapped = 0  # mappings made (a test reads it: reuse makes none in a steady step)
+
+    @staticmethod
+    def _idle(held: list[mmap.mmap], i: int) -> bool:
+        """Whether `held[i]` is referenced by the list alone (the second reference counted is
+        getrefcount's own argument): no tensor uses it."""
+        return sys.getrefcount(held[i]) == 2
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        """A mapping of `nbytes`: an idle one of that size, else a new one (kept for reuse when small
+        enough, after idle ones of other sizes are let go to stay within the bound)."""
+        held = self._held.get(nbytes, [])
+        for i in range(len(held)):
+            if self._idle(held, i):
+                return held[i]
+        mm = mmap.mmap(-1, nbytes)
+        self.mapped += 1
+        if nbytes <= self.buffer_bytes:
+            self._trim(self.total_bytes - nbytes)
+            self._held.setdefault(nbytes, []).append(mm)
+        return mm
+
+    def kept(self) -> list[int]:
+        """The sizes of the mappings kept for reuse, lent or idle, smallest first."""
+        return sorted(size for size, held in self._held.items() for _ in held)
+
+    def idle_bytes(self) -> int:
+        """Bytes of the mappings kept that no tensor uses now."""
+        return sum(size for size, held in self._held.items() for i in range(len(held)) if self._idle(held, i))
+
+    def _trim(self, keep: int) -> None:
+        """Let go of idle mappings, largest first, until the idle ones hold at most `keep` bytes."""
+        total = self.idle_bytes()
+        for size in sorted(self._held, reverse=True):
+            held = self._held[size]
+            i = 0
+            while i < len(held) and total > keep:
+                if self._idle(held, i):
+                    del held[i]
+                    total -= size
+                else:
+                    i += 1
+
+    def clear(self) -> None:
+        """Let go of every idle mapping (those still in use go when their tensors do)."""
+        self._trim(0)
+
+
+POOL = MappedPool()
+
+
+def transient_empty(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat uninitialized buffer of `like`'s dtype and device that lives only around one use (a
+    gathered whole parameter, a gradient bucket being reduced); in host memory a large one comes
+    from `POOL` (see the module docstring)."""
+    nbytes = numel * like.element_size()
+    if like.device.type != "cpu" or nbytes < MAPPED_BYTES:
+        return like.new_empty(numel)
+    return torch.frombuffer(POOL.take(nbytes), dtype=like.dtype, count=numel)

@@ -1,0 +1,54 @@
+"""Transient host buffers (runtime/host_buffers.py): a mapping is lent again only when no tensor
+uses it, idle ones stay within the pool's bound, and large ones are never kept."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+host_buffers = importlib.import_module("nnscaler_plugins.runtime.host_buffers")
+
+MiB = 2**20
+LIKE = torch.zeros(1)  # float32 on the CPU
+
+
+def test_a_buffer_in_use_through_any_view_is_never_lent_again():
+    pool = host_buffers.MappedPool(buffer_bytes=8 * MiB, total_bytes=16 * MiB)
+    a = torch.frombuffer(pool.take(4 * MiB), dtype=torch.float32)
+    view = a.view(1024, 1024)[7:]
+    view.fill_(3.0)
+    del a  # the tensor is gone, its storage is not
+    b = torch.frombuffer(pool.take(4 * MiB), dtype=torch.float32)
+    b.fill_(-1.0)
+    assert pool.mapped == 2 and bool((view == 3.0).all())
+    del view
+    c = torch.frombuffer(pool.take(4 * MiB), dtype=torch.float32)  # the first one is idle now
+    assert pool.mapped == 2 and c.data_ptr() != b.data_ptr()
+
+
+def test_idle_mappings_stay_within_the_bound_and_large_ones_are_not_kept():
+    pool = host_buffers.MappedPool(buffer_bytes=8 * MiB, total_bytes=10 * MiB)
+    lent = [torch.frombuffer(pool.take(size * MiB), dtype=torch.uint8) for size in (4, 4, 2)]
+    assert pool.mapped == 3 and pool.idle_bytes() == 0
+    del lent
+    assert pool.idle_bytes() == 10 * MiB
+    pool.take(8 * MiB)  # room made for it: idle ones let go, largest first
+    assert pool.idle_bytes() == 10 * MiB
+    assert pool.kept() == [2 * MiB, 8 * MiB]
+    pool.take(32 * MiB)  # above buffer_bytes: unmapped when its tensor goes, never kept
+    assert 32 * MiB not in pool.kept()
+    pool.clear()
+    assert pool.idle_bytes() == 0
+
+
+def test_transient_buffers_come_from_the_pool_only_when_large(monkeypatch):
+    pool = host_buffers.MappedPool()
+    monkeypatch.setattr(host_buffers, "POOL", pool)
+    small = host_buffers.transient_empty(1024, LIKE)
+    assert pool.mapped == 0 and small.dtype == torch.float32 and small.numel() == 1024
+    big = host_buffers.transient_empty(MiB, LIKE)  # 4 MiB of float32
+    assert pool.mapped == 1 and big.numel() == MiB
+    ptr = big.data_ptr()
+    del big
+    again = host_buffers.transient_empty(MiB, LIKE)
+    assert pool.mapped == 1 and again.data_ptr() == ptr  # the same pages, no new mapping
