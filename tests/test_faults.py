@@ -246,7 +246,7 @@ def _nonfinite(rank: int, world: int, plan: str, mode: str, bad_step: int = 2, s
     return out
 
 
-@pytest.mark.parametrize("plan", ["tp", "zero3"])
+@pytest.mark.parametrize("plan", ["dp", "tp", "zero3"])  # dp: the loss flag agreed behind backward
 def test_nonfinite_raises_on_every_rank_before_any_weight_changes(workers2, plan):
     results = workers2.run(_nonfinite, plan, "raise")
     for r in results:
@@ -260,7 +260,7 @@ def test_nonfinite_raises_on_every_rank_before_any_weight_changes(workers2, plan
     assert "micro-batch 0" in text and "rank 1" in text, text
 
 
-@pytest.mark.parametrize("plan", ["tp", "zero3"])
+@pytest.mark.parametrize("plan", ["dp", "tp", "zero3"])  # dp: the loss flag agreed behind backward
 def test_nonfinite_step_is_skipped_on_every_rank(workers2, plan):
     skipped = workers2.run(_nonfinite, plan, "skip")
     reference = workers2.run(_nonfinite, plan, "skip-reference")

@@ -55,6 +55,8 @@ class GradReducer:
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._queued = False
+        # a backward under no_sync accumulated gradients since the last reduction: they differ per rank
+        self.local_since_reduce = False
         self.launched = 0  # bucket reductions started so far (tests read it to see no_sync work)
         self._shards = shards or {}
         self._chunk_after = chunk_after or {}
@@ -111,6 +113,7 @@ class GradReducer:
 
     def _hook(self, p: torch.nn.Parameter) -> None:
         if not self._sync:
+            self.local_since_reduce = True
             return
         if not self._queued:
             self._queued = True
@@ -170,3 +173,4 @@ class GradReducer:
             bucket.buffer = None
             bucket.ready.clear()
         self._queued = False
+        self.local_since_reduce = False

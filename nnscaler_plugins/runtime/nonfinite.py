@@ -251,10 +251,40 @@ class NonFiniteGuard:
         self.module = module
         self.steps = 0
         self.last_loss: Optional[torch.Tensor] = None
+        # the loss's flag agreed early (`loss_ready`): the flag and its all-reduce in flight
+        self._loss_flag: Optional[tuple[torch.Tensor, Any]] = None
 
     @property
     def mode(self) -> str:
         return self.module.plan.knobs.on_nonfinite
+
+    def _device(self) -> torch.device:
+        dev = self.module.device
+        return dev if dev.type != "meta" else torch.device("cpu")
+
+    def loss_ready(self, loss: torch.Tensor) -> None:
+        """The step's loss, once its last forward ran and before its backward (collective: every
+        rank calls it). Where the plan leaves every rank the same gradients
+        (`ParallelModule.gradients_alike_by_plan`), their flag needs no communication, so the
+        ranks agree on the loss's flag now, behind the backward, and `check` communicates nothing.
+        Elsewhere, and under fp16 (whose loss scaler has its own rule), nothing happens here."""
+        if self.mode == "ignore" or self.module.plan.precision == "fp16" or not self.module.gradients_alike_by_plan():
+            return
+        self._settle_loss_flag()  # one left by a step that was never checked
+        flag = nonfinite_flag([loss], self._device()).reshape(1)
+        work = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        self._loss_flag = (flag, work)
+
+    def _settle_loss_flag(self) -> Optional[torch.Tensor]:
+        """The loss flag agreed by `loss_ready` (waited for), or None; forgotten once read."""
+        if self._loss_flag is None:
+            return None
+        (flag, work), self._loss_flag = self._loss_flag, None
+        if work is not None:
+            work.wait()
+        return flag[0]
 
     def check(self, gradients: Sequence[tuple[str, Optional[torch.Tensor]]], where: str) -> bool:
         """Collective over the world (every rank calls it at the same point of the step). True when
@@ -263,11 +293,17 @@ class NonFiniteGuard:
             return False
         self.steps += 1
         module = self.module
-        dev = module.device if module.device.type != "meta" else torch.device("cpu")
+        dev = self._device()
         loss, self.last_loss = self.last_loss, None
-        flags = torch.stack([nonfinite_flag([g for _, g in gradients], dev), nonfinite_flag([loss], dev)])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        early = self._settle_loss_flag()
+        grad_flag = nonfinite_flag([g for _, g in gradients], dev)
+        if early is not None and module.gradients_alike():
+            # every rank holds the same gradients, so the same flag; the loss's was agreed behind backward
+            flags = torch.stack([grad_flag, early])
+        else:
+            flags = torch.stack([grad_flag, nonfinite_flag([loss], dev)])
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         grad_bad, loss_bad = (bool(x) for x in flags.tolist())
         if not (grad_bad or loss_bad):
             return False

@@ -261,6 +261,19 @@ class ParallelModule(torch.nn.Module):
         devices (and tied copies) holding the same piece, only the first does."""
         return counts_in_norm(self.program, key, self.unit_device)
 
+    def gradients_alike_by_plan(self) -> bool:
+        """Whether this plan leaves every rank the same whole gradients after a synchronized
+        backward: plain data parallelism over the whole world (one device per replica, no pipeline,
+        no ZeRO sharding), every gradient all-reduced over every rank."""
+        p = self.plan
+        return (p.unit_size == 1 and p.pipeline is None and p.zero == 0 and p.dp == p.world_size
+                and self._reducer is not None)
+
+    def gradients_alike(self) -> bool:
+        """Whether every rank holds the same gradients now: `gradients_alike_by_plan`, and no
+        backward under `no_sync` accumulated local ones since the last reduction."""
+        return self.gradients_alike_by_plan() and not self._reducer.local_since_reduce
+
     @property
     def grad_reducer(self) -> Optional[GradReducer]:
         """The reducer of the gradients several devices hold whole (None when there are none, and
@@ -366,11 +379,13 @@ class ParallelModule(torch.nn.Module):
             with contextlib.nullcontext() if last else self.no_sync():
                 rec.at("forward", 0, i)
                 loss = self._loss_of(mb)
+                part = loss.detach() * w
+                total = part if total is None else total + part
+                if last:  # the step's loss is known: its non-finite flag travels while backward runs
+                    self.nonfinite.loss_ready(total)
                 scale = self.loss_scale * w
                 rec.at("backward", 0, i)
                 (loss * scale if scale != 1.0 else loss).backward()
-            part = loss.detach() * w
-            total = part if total is None else total + part
         return self._end_step(total)
 
     # -- faults ---------------------------------------------------------------------------------
