@@ -2,7 +2,9 @@
 
 Before the optimizer changes any weight, every rank looks at what it holds (the step's loss and
 its gradients: one pass over each tensor, on the device; see `nonfinite_flag`) and the ranks agree on one
-flag (one all-reduce of one number over the world), so all of them act at the same step:
+flag (one all-reduce of two numbers over the world; under plain data parallelism, where every rank
+holds the same reduced gradients, only the loss's flag, all-reduced behind the backward:
+`NonFiniteGuard.loss_ready`), so all of them act at the same step:
 
 - "raise": `NonFiniteError` on every rank. Before raising, the ranks re-run the step's forward
   together (no gradients; each collective as in the step) with a check after every statement of
