@@ -26,19 +26,20 @@ def test_a_buffer_in_use_through_any_view_is_never_lent_again():
     assert pool.mapped == 2 and c.data_ptr() != b.data_ptr()
 
 
-def test_idle_mappings_stay_within_the_bound_and_large_ones_are_not_kept():
+def test_the_pool_keeps_at_most_its_bound_and_never_a_large_buffer():
     pool = host_buffers.MappedPool(buffer_bytes=8 * MiB, total_bytes=10 * MiB)
-    lent = [torch.frombuffer(pool.take(size * MiB), dtype=torch.uint8) for size in (4, 4, 2)]
-    assert pool.mapped == 3 and pool.idle_bytes() == 0
+    lent = [torch.frombuffer(pool.take(size * MiB), dtype=torch.uint8) for size in (4, 4, 2, 4)]
+    assert pool.mapped == 4 and pool.kept() == [2 * MiB, 4 * MiB, 4 * MiB]  # the fourth: no room, not kept
+    assert pool.idle_bytes() == 0
     del lent
     assert pool.idle_bytes() == 10 * MiB
-    pool.take(8 * MiB)  # room made for it: idle ones let go, largest first
-    assert pool.idle_bytes() == 10 * MiB
-    assert pool.kept() == [2 * MiB, 8 * MiB]
+    again = [torch.frombuffer(pool.take(size * MiB), dtype=torch.uint8) for size in (4, 4, 2)]
+    assert pool.mapped == 4, "the kept mappings are lent again"
+    del again
     pool.take(32 * MiB)  # above buffer_bytes: unmapped when its tensor goes, never kept
-    assert 32 * MiB not in pool.kept()
+    assert pool.mapped == 5 and 32 * MiB not in pool.kept()
     pool.clear()
-    assert pool.idle_bytes() == 0
+    assert pool.idle_bytes() == 0 and pool.kept() == []
 
 
 def test_transient_buffers_come_from_the_pool_only_when_large(monkeypatch):

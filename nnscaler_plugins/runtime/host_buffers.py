@@ -9,9 +9,10 @@ are faulted in and zeroed by the kernel again (about 0.4 ms a MiB, five times a 
 cost FSDP2's caching of the same buffers does not pay.
 
 So a large buffer is mapped from the OS and, once no tensor uses it any more, kept for the next
-request of the same size (the same layer shapes repeat every step), within a bound: buffers up to
-`POOL_BUFFER_BYTES` each and `POOL_BYTES` of idle buffers in all. Larger ones (a vocabulary
-embedding's gathered weight) are unmapped when their last view goes, as before. A mapping is idle
+request of the same size (the same layer shapes repeat every step), within a bound on what the
+pool keeps, lent or idle: buffers up to `POOL_BUFFER_BYTES` each and `POOL_BYTES` in all, so a
+rank holds at most that much more than it uses at once. Other buffers (beyond the bound, or as
+large as a vocabulary embedding's gathered weight) are unmapped when their last view goes. A mapping is idle
 when the pool holds the only reference to it: a tensor made with `torch.frombuffer` keeps one on
 the mapping for as long as any view of its storage is alive.
 """
@@ -24,7 +25,7 @@ import torch
 
 MAPPED_BYTES = 2**20  # transient host buffers from this size on are mapped from the OS
 POOL_BUFFER_BYTES = 16 * 2**20  # the largest mapping kept for reuse once idle
-POOL_BYTES = 16 * 2**20  # idle mappings kept in all, per process
+POOL_BYTES = 16 * 2**20  # mappings kept in all (lent or idle), per process
 
 
 class MappedPool:
@@ -44,15 +45,16 @@ class MappedPool:
 
     def take(self, nbytes: int) -> mmap.mmap:
         """A mapping of `nbytes`: an idle one of that size, else a new one (kept for reuse when small
-        enough, after idle ones of other sizes are let go to stay within the bound)."""
+        enough and the pool has room)."""
         held = self._held.get(nbytes, [])
         for i in range(len(held)):
             if self._idle(held, i):
                 return held[i]
         mm = mmap.mmap(-1, nbytes)
         self.mapped += 1
-        if nbytes <= self.buffer_bytes:
-            self._trim(self.total_bytes - nbytes)
+        # kept while the pool has room (the first buffers of a step, the same every step: no churn);
+        # else used once and unmapped when its tensor goes
+        if nbytes <= self.buffer_bytes and sum(self.kept()) + nbytes <= self.total_bytes:
             self._held.setdefault(nbytes, []).append(mm)
         return mm
 
@@ -64,22 +66,10 @@ class MappedPool:
         """Bytes of the mappings kept that no tensor uses now."""
         return sum(size for size, held in self._held.items() for i in range(len(held)) if self._idle(held, i))
 
-    def _trim(self, keep: int) -> None:
-        """Let go of idle mappings, largest first, until the idle ones hold at most `keep` bytes."""
-        total = self.idle_bytes()
-        for size in sorted(self._held, reverse=True):
-            held = self._held[size]
-            i = 0
-            while i < len(held) and total > keep:
-                if self._idle(held, i):
-                    del held[i]
-                    total -= size
-                else:
-                    i += 1
-
     def clear(self) -> None:
-        """Let go of every idle mapping (those still in use go when their tensors do)."""
-        self._trim(0)
+        """Let go of every idle mapping (those in use are unmapped when their tensors go)."""
+        for size, held in self._held.items():
+            self._held[size] = [held[i] for i in range(len(held)) if not self._idle(held, i)]
 
 
 POOL = MappedPool()
