@@ -36,7 +36,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, path: list[str], tasks: Any, results: Any) -> None:
+def _die_with_parent(parent: int) -> None:
+    """On Linux, have the kernel kill this worker when the test process dies, however it dies: a
+    killed pytest (SIGTERM, SIGKILL) runs no exit handler, and its workers would otherwise wait on
+    their queues and sockets, spinning, for good."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
+def _worker(rank: int, world: int, port: int, path: list[str], tasks: Any, results: Any, parent: int) -> None:
+    _die_with_parent(parent)
     # Set before torch is imported here, so its thread pools start small.
     os.environ["OMP_NUM_THREADS"] = "1"
     if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
@@ -100,7 +117,8 @@ class Workers:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, self.world_size, port, list(sys.path), self._tasks[r], self._results))
+                                   args=(r, self.world_size, port, list(sys.path), self._tasks[r], self._results,
+                                         os.getpid()))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
