@@ -102,6 +102,22 @@ class Session:
         key = (id(model), _shapes_of(example_inputs))
         if self.graph is not None and self._captured == key:
             return self.graph
+        self.graph = self._trace(model, example_inputs)
+        ready = self.source.plan
+        if ready is not None and self.graph.traced and not made_for(ready, self.graph):
+            # A stack of layers traced two deep and copied, or whole where tracing two failed:
+            # the same program under other op names. The ready plan was made from a capture that
+            # went the other way (another process, another torch): trace this one that way too.
+            other = self._trace(model, example_inputs, two_layers=self.graph.traced != "two layers")
+            if made_for(ready, other):
+                self.graph = other
+        self._captured = key
+        return self.graph
+
+    def _trace(self, model: Any, example_inputs: Any, two_layers: bool = True) -> Graph:
+        """One capture of one micro-batch of `example_inputs` (a stack of repeated layers traced two
+        deep and copied when `two_layers`, else whole), mixture-of-experts layers as one op where the
+        plan wants them."""
         micro = self.micro_batches(example_inputs)
         first = split_batch(example_inputs, micro)[0] if micro > 1 else example_inputs
         args, kwargs = normalize_inputs(first, None)
@@ -109,23 +125,13 @@ class Session:
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
         whole_experts = wants_experts_as_one_op(self.source.fn or self.source.plan)
         with experts_as_one_op(model) if whole_experts else contextlib.nullcontext():
-            self.graph = capture(model, args, kwargs)
-            ready = self.source.plan
-            if ready is not None and self.graph.traced and not made_for(ready, self.graph):
-                # A stack of layers traced two deep and copied, or whole where tracing two failed:
-                # the same program under other op names. The ready plan was made from a capture that
-                # went the other way (another process, another torch): trace this one that way too.
-                other = capture(model, args, kwargs, trace_repeated_layers_once=self.graph.traced != "two layers")
-                if made_for(ready, other):
-                    self.graph = other
-        self._captured = key
-        return self.graph
+            return capture(model, args, kwargs, trace_repeated_layers_once=two_layers)
 
     def capture_on_every_rank(self, model: Any, example_inputs: Any, rank: int, world_size: int) -> Graph:
         """`capture` on every rank (same model, same shapes, so a CaptureError happens on all of them):
         rank 0 raises it, the others stay quiet, then raise one line naming rank 0."""
         try:
-            return self.capture(model, example_inputs)
+            graph = self.capture(model, example_inputs)
         except tracing.CaptureError as e:
             if rank == 0 or world_size == 1:
                 raise
@@ -133,6 +139,40 @@ class Session:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             said = " ".join(lines[:2]) if lines else type(e).__name__  # what failed, and the reason's first line
             raise tracing.CaptureError(f"rank {rank}: {said} (rank 0 reports the whole error)") from None
+        if world_size > 1 and not isinstance(model, Graph) and dist.is_available() and dist.is_initialized():
+            graph = self._agree_on_capture(model, example_inputs, rank, world_size)
+        return graph
+
+    def _agree_on_capture(self, model: Any, example_inputs: Any, rank: int, world_size: int) -> Graph:
+        """Every rank runs the program its own capture gave, so the captures must agree. A stack of
+        layers is traced two deep and copied where that traces as one program, else whole, and
+        processes can differ there (one hit an error in the two-layer trace that another did not):
+        the same computation under other op names, hence other plans. A rank that went the other way
+        from rank 0 traces again rank 0's way; ranks whose programs still differ from rank 0's are
+        named, with how each traced its layers, before any plan is made. Sizes that follow the inputs
+        may differ (each rank's example batch), as the runtime fits them."""
+        def everyone() -> list[tuple[str, str]]:
+            out: list[Any] = [None] * world_size
+            dist.all_gather_object(out, (self.graph.structure_fingerprint(), self.graph.traced))
+            return out
+
+        seen = everyone()
+        lead = seen[0]
+        if all(s[0] == lead[0] for s in seen):
+            return self.graph
+        if seen[rank][0] != lead[0] and self.graph.traced and lead[1] and self.graph.traced != lead[1]:
+            other = self._trace(model, example_inputs, two_layers=lead[1] == "two layers")
+            if other.structure_fingerprint() == lead[0]:
+                self.graph = other
+        seen = everyone()
+        differ = [r for r, s in enumerate(seen) if s[0] != seen[0][0]]
+        if differ:
+            how = "; ".join(f"rank {r}: program {s[0]}, layers traced {s[1] or 'as they are (no repeated stack)'}"
+                            for r, s in enumerate(seen) if r == 0 or r in differ)
+            raise PlanError(f"the ranks captured different programs from the model ({how}); every rank must "
+                            "capture the same model with example inputs of the same structure. Look for code "
+                            "that depends on the rank or on the values of the batch.")
+        return self.graph
 
     # -- plan --------------------------------------------------------------------------------------------
     def make_plan(self, graph: Graph, world_size: int, micro: int, lower_now: bool = True,

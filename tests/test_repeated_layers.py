@@ -5,6 +5,8 @@ model that checks its layer count) must fall back to the full trace with correct
 from __future__ import annotations
 
 import copy
+import os
+import time
 import types
 
 import models
@@ -223,3 +225,60 @@ def test_layers_that_differ_only_in_hooks_attributes_or_an_instance_forward_are_
         b.register_forward_hook(hook)
     assert find_stack(same_hook) is not None
     _check_generated(same_hook, inputs)
+
+
+class FlakyNet(Net):
+    """Its two-layer trace fails once, on one rank only (as an error one process hits and another
+    does not), so that rank traces the stack whole."""
+
+    failed: set = set()  # tokens of the models that failed once in this process (copies share it)
+
+    def __init__(self, blocks, flaky_rank: int, extra_op_on_rank: int = -1, token: str = ""):
+        super().__init__(blocks)
+        self.layers = len(blocks)
+        self.flaky_rank = flaky_rank
+        self.extra_op_on_rank = extra_op_on_rank
+        self.token = token
+
+    def forward(self, x, labels):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if len(self.blocks) != self.layers and rank == self.flaky_rank and self.token not in FlakyNet.failed:
+            FlakyNet.failed.add(self.token)
+            raise RuntimeError("a failure of this process alone")
+        if rank == self.extra_op_on_rank:
+            x = torch.nn.functional.relu(x)  # another program on that rank
+        return super().forward(x, labels)
+
+
+def _captured_on_two_ranks(rank: int, world: int, extra_op_on_rank: int, token: str) -> dict:
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    torch.manual_seed(0)
+    net = FlakyNet([Block(i) for i in range(6)], flaky_rank=1, extra_op_on_rank=extra_op_on_rank, token=token)
+    inputs = _net_inputs()
+    _, ref_grads = _loss_and_grads(copy.deepcopy(net), inputs)  # every rank trains on the same batch here
+    try:
+        pm = nns.parallelize(net, inputs, plan="dp", cache_dir="/tmp/nns_test_cache")
+    except PlanError as e:
+        return {"error": str(e)}
+    pm.train_step(inputs)
+    grads = {s.fqn: pm.parameter(s.fqn).grad for s in pm.program.shards.values() if s.kind == "param"}
+    return {"traced": pm.program.graph.traced, "program": pm.program.graph.structure_fingerprint(),
+            "equal": all(torch.allclose(g, ref_grads[k], rtol=1e-5, atol=1e-7) for k, g in grads.items())}
+
+
+def test_ranks_agree_on_how_their_layers_were_traced(workers2):
+    """Rank 1's two-layer trace fails once and it traces the stack whole; rank 0's does not. The
+    ranks compare their captures before planning: rank 1 traces again rank 0's way, and both run
+    one program, the loss equal to one process's. A rank whose program really differs is named."""
+    token = f"{os.getpid()}-{time.time()}"
+    same = workers2.run(_captured_on_two_ranks, -1, token)
+    assert [r.get("traced") for r in same] == ["two layers", "two layers"], same
+    assert same[0]["program"] == same[1]["program"] and all(r["equal"] for r in same), same
+    differ = workers2.run(_captured_on_two_ranks, 1, token + "-differ")
+    for r in differ:
+        assert "ranks captured different programs" in r.get("error", ""), r
+        assert "rank 1: program" in r["error"] and "rank 0: program" in r["error"], r
