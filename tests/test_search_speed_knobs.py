@@ -89,3 +89,32 @@ def test_search_and_auto_choose_compile_and_fp8_where_supported(llama_8b_layer):
                     choose_fp8=True)
     assert plan.knobs.compile and plan.precision == "fp8"
     assert nns.simulate(plan, nns.cluster("h100-dgx")).step_time_s < 0.9 * plain.estimates[0].step_time_s
+
+
+def test_compiled_float8_casts_fold_their_amax_into_the_producer(llama_8b_layer):
+    """A float8 product's casts: eager, an amax read then a read and a half-size write of each operand
+    (FP8_CAST_PASSES); compiled, an activation's amax rides in the kernel that produced it (one pass
+    less over X forward, over dY for dX, over both for dW), a weight's cast keeps every pass."""
+    from nnscaler_plugins.plan.float8 import float8_linears
+    from nnscaler_plugins.search.costmodel import FP8_CAST_PASSES, CostModel, Training
+    from nnscaler_plugins.search.layouts import Placement
+
+    graph, h100 = llama_8b_layer, nns.cluster("h100-dgx")
+    plan = nns.plan(graph, strategy="dp", world_size=1)
+    cm = CostModel(graph, h100)
+    name = float8_linears(graph)[0]
+    p = Placement.of(plan.ops[name])
+    f8 = frozenset([name])
+    times = {}
+    for fp8, compiled in ((False, False), (True, False), (False, True), (True, True)):
+        t = Training(dtype="bf16", fp8_ops=f8 if fp8 else frozenset(), compiled=compiled)
+        times[fp8, compiled] = cm.op_time(name, p, t)
+    x, w, y = cm.operand_bytes(cm.costs.ops[name], p, 2, 1)
+    assert x > 0 and w > 0 and y > 0
+    # compiling changes nothing else about a product: all it saves is the activations' amax passes
+    plain = [getattr(times[False, False], k) - getattr(times[False, True], k) for k in ("fwd", "bwd_input", "bwd_weight")]
+    assert plain == [0.0, 0.0, 0.0]
+    saved = [getattr(times[True, False], k) - getattr(times[True, True], k) for k in ("fwd", "bwd_input", "bwd_weight")]
+    # one pass over X forward, over dY for dX, over both for dW; none over W
+    for got, nbytes in zip(saved, (x, y, x + y)):
+        assert got > 0 and got / nbytes == pytest.approx(saved[0] / x, rel=1e-6), (saved, x, y)

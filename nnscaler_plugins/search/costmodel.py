@@ -49,6 +49,11 @@ BUCKET_BYTES = 25 * 1024 ** 2  # gradient reducer bucket (as DDP's default)
 # Passes over a float8 product's operand bytes its casts take (torchao's dynamic scaling: an amax
 # read, then a read and a half-size write): about 1.5 reads' worth on top of the product's own.
 FP8_CAST_PASSES = 1.5
+# Compiled, an activation's amax is a reduction epilogue of the element-wise kernel that produced it
+# (a norm, an activation function, the gradient of the op after the product), as inductor fuses
+# torchao's casts: its separate read goes, the cast's read and half-size write stay. A weight's
+# cast has no producer in the step to ride on (the optimizer wrote it): it keeps every pass.
+FP8_CAST_PASSES_FUSED = FP8_CAST_PASSES - 1.0
 
 
 def compiles_faster(cluster: ClusterSpec) -> bool:
@@ -292,7 +297,7 @@ class CostModel:
         return peak * max(fwd, 1e-3), peak * max(bi, 1e-3), peak * max(bw, 1e-3)
 
     @staticmethod
-    def _operand_bytes(c: OpCost, p: Placement, itemsize: int, shard: int) -> tuple[float, float, float]:
+    def operand_bytes(c: OpCost, p: Placement, itemsize: int, shard: int) -> tuple[float, float, float]:
         """Local bytes of a product's activation input X, its weight W and its output Y (one piece;
         `shard` divides the activations, as sequence parallelism of a replicated op does)."""
         counts = p.label_counts()
@@ -377,9 +382,10 @@ class CostModel:
             # W not at all when it arrives in float8 (`pre_cast`)
             cf = ci = cw = 0.0
             if f8:
-                x, w, y = self._operand_bytes(c, p, isz, shard)
+                x, w, y = self.operand_bytes(c, p, isz, shard)
                 w = 0.0 if pre_cast else w
-                cf, ci, cw = (FP8_CAST_PASSES * v / mem_rate for v in (x + w, y + w, x + y))
+                act = FP8_CAST_PASSES_FUSED if fuse else FP8_CAST_PASSES  # activations: X forward, dY backward
+                cf, ci, cw = ((act * a + FP8_CAST_PASSES * b) / mem_rate for a, b in ((x, w), (y, w), (x + y, 0.0)))
             fwd = max(flops / rf, nbytes / mem_rate) + oh + cf
             bi = max(c.flops_input_grad / pieces / ri, nbytes / mem_rate) + oh + ci if c.flops_input_grad else 0.0
             bw = max(c.flops_weight_grad / pieces / rw, nbytes / mem_rate) + oh + cw if c.flops_weight_grad else 0.0
