@@ -224,3 +224,24 @@ def test_equivalence_sequence_parallel_2(workers2, name):
 def test_equivalence_tp_on_other_models_2(workers2, name):
     problems = workers2.run(run_case, name, "tp", {})
     assert not any(problems), problems
+
+
+def _bucket_buffers_across_steps(rank: int, world: int) -> list:
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model, batch = models.gpt2_small(2)
+    pm = nns.parallelize(model, batch, plan="dp", cache_dir="/tmp/nns_test_cache")
+    seen = []  # the buffers themselves, held: a new one cannot take a freed one's place unnoticed
+    for _ in range(3):
+        pm.train_step(batch)
+        seen.append([b.buffer if b.flat is None else b.flat for b in pm.grad_reducer.buckets])
+        pm.zero_grad()
+    return [len(seen[0])] + [all(a is b for a, b in zip(seen[0], later)) for later in seen[1:]]
+
+
+def test_gradient_buckets_keep_their_buffers_from_step_to_step(workers2):
+    """As DDP's buckets: an all-reduce's flat buffer is made once, not at every step (a fresh large
+    allocation faults its pages in again); the results stay those of one process (the tests above)."""
+    for buckets, *same in workers2.run(_bucket_buffers_across_steps):
+        assert buckets >= 1 and same == [True, True], (buckets, same)
