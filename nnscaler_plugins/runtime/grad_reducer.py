@@ -145,10 +145,7 @@ class GradReducer:
         flat = bucket.flat
         if flat is None or flat.numel() != n or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = bucket.flat = grads[0].new_empty(n)
-        if len(grads) > 1:
-            torch.cat([g.reshape(-1) for g in grads], out=flat)
-        else:
-            flat.copy_(grads[0].reshape(-1))
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
         bucket.buffer = flat
         if bucket.scale != 1.0:  # averaging before the sum, as DDP does: one op per bucket
             bucket.buffer.mul_(bucket.scale)

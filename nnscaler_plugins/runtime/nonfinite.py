@@ -66,9 +66,14 @@ def nonfinite_flag(tensors: Iterable[Optional[torch.Tensor]], device: torch.devi
     return (~torch.isfinite(torch.cat(peaks))).any().float()
 
 
+def _many_ranks() -> bool:
+    """Whether this process is one of several in a process group (else nothing to agree with)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def agree(flag: torch.Tensor) -> bool:
     """Whether any rank's flag is set (collective over the world; no communication in one process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _many_ranks():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -193,7 +198,7 @@ def statement_index(program: Any, unit_device: int) -> Callable[[str, int], Opti
 def first_nonfinite(found: Optional[Found]) -> Optional[Found]:
     """The first, in program order, of every rank's find (collective over the world)."""
     everyone: list[Optional[Found]] = [found]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _many_ranks():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, found)
     hits = [f for f in everyone if f is not None]
@@ -214,7 +219,7 @@ def bad_gradients(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> list[s
 def all_bad_gradients(mine: list[str]) -> list[str]:
     """Every rank's `bad_gradients`, each name once, with the ranks that hold it (collective)."""
     everyone: list[list[str]] = [mine]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _many_ranks():
         everyone = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, mine)
     ranks: dict[str, list[int]] = {}
@@ -275,7 +280,7 @@ class NonFiniteGuard:
         self._settle_loss_flag()  # one left by a step that was never checked
         flag = nonfinite_flag([loss], self._device()).reshape(1)
         work = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _many_ranks():
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         self._loss_flag = (flag, work)
 
@@ -304,7 +309,7 @@ class NonFiniteGuard:
             flags = torch.stack([grad_flag, early])
         else:
             flags = torch.stack([grad_flag, nonfinite_flag([loss], dev)])
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if _many_ranks():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         grad_bad, loss_bad = (bool(x) for x in flags.tolist())
         if not (grad_bad or loss_bad):
