@@ -7,7 +7,7 @@ copy), so it must build deterministically.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,11 +36,13 @@ def step_and_compare(pm: Any, ref: torch.nn.Module, opts: tuple, loss: torch.Ten
 
 def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Module, dict]], strategy: Any,
                     options: dict, dp: int, steps: int = 2, lr: float = 0.1, what: str = "",
-                    cache_dir: str = "/tmp/nns_test_cache", training: bool = False) -> list[str]:
+                    cache_dir: str = "/tmp/nns_test_cache", training: bool = False,
+                    batch_of_step: Optional[Callable[[int], dict]] = None) -> list[str]:
     """Problems found (empty when the plan trains exactly like one process).
 
     `training=True` keeps the models in training mode (for models whose dropout rates are 0: pieces
-    would draw other masks than the reference otherwise)."""
+    would draw other masks than the reference otherwise). `batch_of_step(i)`: the global batch of
+    step i from the second on (default: the first batch again), for what must follow the data."""
     import nnscaler_plugins as nns
     from nnscaler_plugins.outputs import extract_loss
 
@@ -58,6 +60,9 @@ def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Mo
     label = what or f"{strategy} {options}"
     problems: list[str] = []
     for step in range(steps):
+        if step and batch_of_step is not None:
+            batch = batch_of_step(step)
+            local = replica_batch(batch, rank // (world // dp), dp)
         loss = pm.train_step(local).detach().clone().float()
         if pm.plan.dp > 1:
             torch.distributed.all_reduce(loss)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from sgd_check import sgd_equivalence
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.capture.tracing import CaptureError
@@ -262,24 +262,114 @@ def test_context_parallelism_splits_flex_attention_queries_and_refuses_explicit_
     assert "explicit block indices" in str(err.value) and "create_block_mask" in str(err.value), str(err.value)
 
 
-def test_a_mask_read_from_the_inputs_is_refused_by_name():
-    class FromInputs(nn.Module):
+# -- masks made from the batch ---------------------------------------------------------------------
+
+EOS = 0
+
+
+def get_document_mask_mod(batch, eos_id):
+    """torchtitan's document mask: a document ends at each end-of-sequence token."""
+    eos_mask = batch == eos_id
+    eos_mask[:, -1] = True
+    cumulative_mask = torch.cumsum(torch.where(eos_mask, 1, 0), dim=1)
+    sequence_indices = torch.zeros_like(cumulative_mask, dtype=torch.int32)
+    sequence_indices[:, 1:] = cumulative_mask[:, :-1]
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return sequence_indices[b, q_idx] == sequence_indices[b, kv_idx]
+
+    return document_mask
+
+
+def padding_bias(pad):
+    """A score_mod reading the batch: keys at padding pushed down (a mask as a bias)."""
+    def biased(score, b, h, q, kv):
+        return score - 5.0 * pad[b, kv]
+
+    return biased
+
+
+class DocLlama(FlexLlama):
+    """The block mask made in forward from the batch's end-of-sequence tokens (causal within each
+    document), and a score_mod reading the batch's padding, as a packed-sequence model does."""
+
+    def __init__(self, score_from_batch: bool = False, **kwargs):
+        super().__init__("causal", True, **kwargs)
+        self.score_from_batch = score_from_batch
+
+    def forward(self, ids, labels):
+        mask = create_block_mask(and_masks(causal, get_document_mask_mod(ids, EOS)), ids.shape[0], None, ids.shape[1],
+                                 ids.shape[1], device="cpu")
+        x = self.embed(ids)
+        score_mod = padding_bias((ids == 1).float()) if self.score_from_batch else None
+        for layer in self.layers:
+            layer.attn.score_mod = score_mod
+            x = layer(x, mask)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def doc_batch(seed: int, batch: int = BATCH, seq: int = SEQ) -> dict:
+    """Rows of 2-4 documents, their ends at other places in every batch."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 32, (batch, seq), generator=g)
+    for row in ids:
+        for end in torch.randint(8, seq - 8, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g):
+            row[end] = EOS
+        row[-int(torch.randint(0, 12, (1,), generator=g)):] = 1  # padding at the end
+    return {"ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+
+def test_a_mask_made_from_the_batch_is_an_input_of_the_op_and_built_each_call():
+    model = DocLlama(score_from_batch=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = nns.capture(model, doc_batch(0))
+    assert not [w for w in caught if "no dimension rule" in str(w.message)], [str(w.message) for w in caught]
+    flex = [op for op in graph.ops if "FlexAttentionCall" in str(op.target)]
+    assert len(flex) == 2 and all(len(op.inputs) == 5 for op in flex), [op.inputs for op in flex]
+    # the op, called on other batches, computes what FlexAttention computes with their masks
+    for op in flex[:1]:
+        key = op.args[3]
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(BATCH, HEADS, SEQ, 8) for _ in range(3))
+        for seed in (1, 2):
+            ids = doc_batch(seed)["ids"]
+            docs, pad = get_document_mask_mod(ids.clone(), EOS), (ids == 1).float()
+            want = flex_attention(q, k, v, score_mod=padding_bias(pad), block_mask=create_block_mask(
+                and_masks(causal, docs), BATCH, None, SEQ, SEQ, device="cpu"))
+            seq_ids = docs.__closure__[0].cell_contents
+            got = FlexAttentionCall.apply(q, k, v, key, 0, 0, None, seq_ids, pad)
+            torch.testing.assert_close(got, want, msg=f"batch {seed}")
+            halves = [flex_attention_piece(q[i * 2:i * 2 + 2, :, rows], k[i * 2:i * 2 + 2], v[i * 2:i * 2 + 2], key,
+                                           i * 2, 0, chunks, seq_ids, pad)
+                      for i in range(2) for chunks, rows in [(((0, 64),), slice(0, 64)), (((64, 64),), slice(64, 128))]]
+            torch.testing.assert_close(torch.cat([torch.cat(halves[:2], 2), torch.cat(halves[2:], 2)]), want)
+    for strategy in ("dp", "tp", "cp"):
+        plan = nns.plan(graph, strategy=strategy, world_size=2)
+        assert plan is not None
+
+
+def test_a_batch_tensor_read_through_an_attribute_is_refused_by_name():
+    class ThroughAnAttribute(nn.Module):
         def __init__(self):
             super().__init__()
             self.qkv = nn.Linear(8, 24)
 
         def forward(self, x, docs):
+            self.docs = docs + 0
+
             def same_doc(b, h, q, kv):
-                return docs[b, q] == docs[b, kv]
+                return self.docs[b, q] == self.docs[b, kv]
 
             mask = create_block_mask(same_doc, x.shape[0], None, SEQ, SEQ, device="cpu")
             q, k, v = self.qkv(x).view(x.shape[0], SEQ, 3, 1, 8).permute(2, 0, 3, 1, 4)
             return flex_attention(q, k, v, block_mask=mask).sum()
 
     with pytest.raises(CaptureError) as err:
-        nns.capture(FromInputs().requires_grad_(False), (torch.randn(2, SEQ, 8), DOCS[:2].clone()))
+        nns.capture(ThroughAnAttribute().requires_grad_(False), (torch.randn(2, SEQ, 8), DOCS[:2].clone()))
     msg = str(err.value)
-    assert "FlexAttention" in msg and "mask_mod" in msg and "outside" in msg and "test_flex_attention.py:" in msg, msg
+    assert "FlexAttention" in msg and "mask_mod" in msg and "closure" in msg and "test_flex_attention.py:" in msg, msg
 
 
 def test_a_mask_made_for_another_batch_size_is_refused_by_name():
@@ -355,4 +445,26 @@ def _equivalence(rank, world, cases):
 
 def test_flex_llama_trains_like_one_process_under_dp_tp_and_a_pipeline(workers2):
     problems = workers2.run(_equivalence, ALL_CASES if EVERY else CASES)
+    assert problems == [[], []], problems
+
+
+def _doc_llama(score_from_batch: bool):
+    return DocLlama(score_from_batch=score_from_batch, kv_heads=2), doc_batch(0)
+
+
+def _batch_mask_equivalence(rank, world, plans, score_from_batch):
+    problems = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for strategy, options, dp in plans:
+            problems += sgd_equivalence(rank, world, functools.partial(_doc_llama, score_from_batch), strategy, options,
+                                        dp, steps=3, training=True, batch_of_step=doc_batch,
+                                        what=f"mask from the batch (score_mod from it: {score_from_batch}) under {strategy}")
+    return problems
+
+
+def test_masks_made_from_each_batch_train_like_one_process(workers2):
+    """Every step's batch has its documents ending elsewhere: a mask kept from capture, or one
+    built from another replica's or micro-batch's rows, differs from one process by step 1."""
+    problems = workers2.run(_batch_mask_equivalence, PLANS_2, True)
     assert problems == [[], []], problems

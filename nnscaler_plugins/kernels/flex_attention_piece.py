@@ -20,6 +20,14 @@ registry under a digest of what they compute (as the experts op holds its module
 code names the key, and the model must be captured in the process that runs it (`nns.parallelize`
 does).
 
+A mask made from the batch (a document id per token from the end-of-sequence tokens, a padding
+mask) changes every call, so it cannot be held: the tensors its `mask_mod` closes over that come
+from the batch are the op's inputs after q, k, v (`kernels/lifted_closure.py` takes them out of the
+closures at capture and puts them back each call), and each call builds its block mask from the
+function filled with them, for the piece's rows, heads and queries -- once per batch: the layers
+of a step share the build. The same holds for a `score_mod` reading such tensors. These inputs are
+whole on every piece, so `mask_mod(b + batch_start, ...)` reads the right rows.
+
 Forward runs `flex_attention` without recording; backward recomputes it with autograd, which
 gives exactly FlexAttention's own gradients (on devices where FlexAttention has a backward: the
 CPU build has none and raises torch's own message).
@@ -28,11 +36,14 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
+
+from nnscaler_plugins.kernels.lifted_closure import LiftedClosure, code_of
 
 #: The function the model calls, kept before capture replaces the name while tracing.
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
@@ -48,6 +59,16 @@ class FlexSpec:
     enable_gqa: bool
     return_lse: bool
     kernel_options: Optional[dict]
+    #: a mask built each call from tensors of the batch: its function with them lifted out, and
+    #: how it was made (`block_mask` then only says its shape and block size)
+    mask_lifted: Optional[LiftedClosure] = None
+    #: a score function reading tensors of the batch, with them lifted out
+    score_lifted: Optional[LiftedClosure] = None
+    lifted_counts: tuple[int, int] = field(init=False, default=(0, 0))
+
+    def __post_init__(self) -> None:
+        self.lifted_counts = (self.mask_lifted.count if self.mask_lifted else 0,
+                              self.score_lifted.count if self.score_lifted else 0)
 
 
 _SPECS: dict[str, FlexSpec] = {}
@@ -102,20 +123,41 @@ def _digest_function(h: Any, fn: Any, depth: int = 0) -> None:
             h.update(f"{type(v).__qualname__}@{id(v)}".encode())  # an object: this process's own
 
 
+def _digest_lifted(h: Any, lifted: LiftedClosure) -> None:
+    h.update(repr(lifted.shapes).encode())
+    for v in code_of(lifted.template):
+        if isinstance(v, types.CodeType):
+            h.update(v.co_code)
+            h.update(repr([c for c in v.co_consts if not inspect.iscode(c)]).encode())
+        elif isinstance(v, torch.Tensor):
+            _digest_tensor(h, v)
+        elif callable(v):
+            _digest_function(h, v)
+        else:
+            h.update(repr(v).encode() if isinstance(v, (int, float, str, bool, tuple, type(None)))
+                     else f"{type(v).__qualname__}@{id(v)}".encode())
+
+
 def register(spec: FlexSpec) -> str:
     """The key generated code names this call's mask, score function and settings by: a digest of
     what they compute, so equal calls share it (and a cached file stays valid) and different ones
     never do."""
     h = hashlib.sha1()
-    _digest_function(h, spec.score_mod)
+    if spec.score_lifted is not None:
+        _digest_lifted(h, spec.score_lifted)
+    else:
+        _digest_function(h, spec.score_mod)
     m = spec.block_mask
     if m is not None:
-        h.update(repr((m.seq_lengths, m.BLOCK_SIZE)).encode())
-        for name in BlockMask._TENSOR_ATTRS:
-            t = getattr(m, name, None)
-            if isinstance(t, torch.Tensor):
-                _digest_tensor(h, t)
-        _digest_function(h, m.mask_mod)
+        h.update(repr((m.seq_lengths, m.BLOCK_SIZE, tuple(m.shape))).encode())
+        if spec.mask_lifted is not None:
+            _digest_lifted(h, spec.mask_lifted)
+        else:
+            for name in BlockMask._TENSOR_ATTRS:
+                t = getattr(m, name, None)
+                if isinstance(t, torch.Tensor):
+                    _digest_tensor(h, t)
+            _digest_function(h, m.mask_mod)
     h.update(repr((spec.scale, spec.enable_gqa, spec.return_lse, sorted((spec.kernel_options or {}).items()))).encode())
     key = f"flex{h.hexdigest()[:16]}"
     _SPECS.setdefault(key, spec)
@@ -202,18 +244,56 @@ def piece_mask(mask: Optional[BlockMask], batch_start: int, batch: int, head_sta
     return local
 
 
+_LIFTED_MASKS: dict[tuple, tuple[tuple, BlockMask]] = {}
+
+
+def _same_tensors(a: tuple, b: tuple) -> bool:
+    """Whether two calls read the same batch: the same storage, unchanged (the cache holds the
+    tensors, so a storage cannot be reused for another batch while its entry lives)."""
+    return len(a) == len(b) and all(
+        x.data_ptr() == y.data_ptr() and x._version == y._version and x.shape == y.shape and x.stride() == y.stride()
+        and x.dtype == y.dtype for x, y in zip(a, b))
+
+
+def lifted_piece_mask(key: str, spec: FlexSpec, tensors: tuple, batch_start: int, batch: int, head_start: int,
+                      heads: int, chunks: Optional[QueryChunks], q_len: int, kv_len: int,
+                      device: torch.device) -> BlockMask:
+    """The block mask of a piece, built from the mask's function filled with this call's batch
+    tensors: rows [batch_start, +batch), heads [head_start, +heads) (where the mask has those dims)
+    and the piece's queries. Built once per batch: the next call with the same tensors (the next
+    layer, the backward) reuses it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    made = spec.block_mask
+    mb, mh = made.shape[0], made.shape[1]
+    b0, h0 = (0 if mb == 1 else batch_start), (0 if mh == 1 else head_start)
+    where = (key, b0, h0, None if mb == 1 else batch, None if mh == 1 else heads, chunks, q_len, kv_len, str(device))
+    hit = _LIFTED_MASKS.get(where)
+    if hit is not None and _same_tensors(hit[0], tensors):
+        return hit[1]
+    fn = _offset_mask_mod(spec.mask_lifted.fill(tensors), b0, h0, chunks)
+    mask = create_block_mask(fn, None if mb == 1 else batch, None if mh == 1 else heads, q_len, kv_len,
+                             device=device, BLOCK_SIZE=made.BLOCK_SIZE)
+    _LIFTED_MASKS[where] = (tuple(t.detach() for t in tensors), mask)
+    return mask
+
+
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int, head_start: int,
-         query_chunks: Optional[QueryChunks] = None) -> Any:
+         query_chunks: Optional[QueryChunks] = None, lifted: tuple = ()) -> Any:
     spec = spec_of(key)
+    n_mask = spec.lifted_counts[0]
     whole_queries = query_chunks is None
-    if whole_queries:
+    if spec.mask_lifted is not None:
+        mask = lifted_piece_mask(key, spec, lifted[:n_mask], batch_start, q.shape[0], head_start, q.shape[1],
+                                 query_chunks, q.shape[2], k.shape[-2], q.device)
+    elif whole_queries:
         mask = piece_mask(spec.block_mask, batch_start, q.shape[0], head_start, q.shape[1])
         if mask is not None and mask.kv_num_blocks.device != q.device:
             mask = mask.to(q.device)
     else:
         mask = None if spec.block_mask is None else query_piece_mask(
             spec.block_mask, batch_start, q.shape[0], head_start, q.shape[1], query_chunks, k.shape[-2], q.device)
-    score_mod = spec.score_mod
+    score_mod = spec.score_lifted.fill(lifted[n_mask:]) if spec.score_lifted is not None else spec.score_mod
     if score_mod is not None and (batch_start or head_start or not whole_queries):
         score_mod = _offset_score_mod(score_mod, batch_start, head_start, query_chunks)
     return torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=spec.scale,
@@ -222,42 +302,46 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_star
 
 
 class FlexAttentionCall(torch.autograd.Function):
-    """`FlexAttentionCall.apply(q, k, v, key, batch_start=0, head_start=0, query_chunks=None)`:
-    FlexAttention on rows from `batch_start`, query heads from `head_start` and the global queries
-    `query_chunks` (None: all of them) of the whole call registered under `key`; returns the
-    output, or (output, log-sum-exp) when the call asked for it."""
+    """`FlexAttentionCall.apply(q, k, v, key, batch_start=0, head_start=0, query_chunks=None,
+    *lifted)`: FlexAttention on rows from `batch_start`, query heads from `head_start` and the
+    global queries `query_chunks` (None: all of them) of the whole call registered under `key`,
+    its mask (then score function) reading the batch tensors `lifted`; returns the output, or
+    (output, log-sum-exp) when the call asked for it."""
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int = 0,
-                head_start: int = 0, query_chunks: Optional[QueryChunks] = None) -> Any:
+                head_start: int = 0, query_chunks: Optional[QueryChunks] = None, *lifted: torch.Tensor) -> Any:
         spec = spec_of(key)
         if torch._subclasses.fake_tensor.is_fake(q) or q.device.type == "meta":
             out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # capture only needs the shapes
             return (out, q.new_empty(q.shape[:-1], dtype=torch.float32)) if spec.return_lse else out
         with torch.no_grad():
-            return _run(q.detach(), k.detach(), v.detach(), key, batch_start, head_start, query_chunks)
+            return _run(q.detach(), k.detach(), v.detach(), key, batch_start, head_start, query_chunks,
+                        tuple(t.detach() for t in lifted))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        q, k, v, key, *starts = inputs
-        ctx.save_for_backward(q, k, v)
-        ctx.key, ctx.starts = key, (tuple(starts) + (0, 0, None))[:3]
+        q, k, v, key, *rest = inputs
+        starts, lifted = (tuple(rest[:3]) + (0, 0, None))[:3], tuple(rest[3:])
+        ctx.save_for_backward(q, k, v, *lifted)
+        ctx.key, ctx.starts, ctx.lifted = key, starts, len(lifted)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+        q, k, v, *lifted = ctx.saved_tensors
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
         with torch.enable_grad():
-            out = _run(q, k, v, ctx.key, *ctx.starts)
+            out = _run(q, k, v, ctx.key, *ctx.starts, tuple(t.detach() for t in lifted))
         outs = list(out) if isinstance(out, tuple) else [out]
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         dq, dk, dv = torch.autograd.grad([o for o, _ in pairs], (q, k, v), [g for _, g in pairs], allow_unused=True)
-        return dq, dk, dv, None, None, None, None
+        return (dq, dk, dv, None, None, None, None) + (None,) * ctx.lifted
 
 
 def flex_attention_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, batch_start: int,
-                         head_start: int, query_chunks: Optional[QueryChunks] = None) -> Any:
+                         head_start: int, query_chunks: Optional[QueryChunks] = None, *lifted: torch.Tensor) -> Any:
     """What a piece of a split FlexAttention op runs (generated code calls it by name)."""
-    return FlexAttentionCall.apply(q, k, v, key, batch_start, head_start, query_chunks)
+    return FlexAttentionCall.apply(q, k, v, key, batch_start, head_start, query_chunks, *lifted)
 
 
 def query_chunks_of(length: int, pieces: int, index: int, blocks: int) -> QueryChunks:

@@ -29,8 +29,8 @@ with a mask tensor (padding, packed documents whose position_ids restart inside 
 FlexAttention takes the sequence split too, any mask: its queries split like every other op's
 sequence and its keys and values are gathered whole for it (the all-gather form, whatever
 `cp_comm` says), each piece building its block mask for its own global query positions
-(rules/flex_attention.py). A document mask is a mask like any other there, as long as it is a
-constant the capture can hold (one built from the batch's values is refused at capture).
+(rules/flex_attention.py). A document mask is a mask like any other there, held as a constant or
+made from the batch (then the batch tensors it reads are gathered whole for the op).
 """
 from __future__ import annotations
 

@@ -17,6 +17,11 @@ learns which global queries it holds from the plan's split and blocks (contiguou
 mirrored 2-block split that balances a causal mask) and builds its block mask for them from the
 mask's `mask_mod`. A block mask made from explicit block indices has no mask_mod to rebuild from:
 its queries stay whole.
+
+A mask (or score function) made from the batch reads tensors the op takes after q, k, v. Each
+piece takes them whole -- the function indexes them with global rows, heads and positions -- so a
+plan that splits them elsewhere gathers them for this op (they are small: a few integers per
+token).
 """
 from __future__ import annotations
 
@@ -66,7 +71,8 @@ def flex_attention_call(call: OpCall) -> Optional[Signature]:
             heads, kv_heads = "^h", "^kh"
     kv_batch = batch if batch == "b" else "^kb"
     queries = "l" if rebuildable(mask) else "^l"
-    ins = ((batch, heads, queries, "^e"), (kv_batch, kv_heads, "^s", "^ke"), (kv_batch, kv_heads, "^s", "^ve"))
+    ins = ((batch, heads, queries, "^e"), (kv_batch, kv_heads, "^s", "^ke"), (kv_batch, kv_heads, "^s", "^ve")) + \
+        tuple(tuple(f"^m{i}.{d}" for d in range(t.ndim)) for i, t in enumerate(call.inputs[3:]))
     outs = ((batch, heads, queries, "^ve"), (batch, heads, queries))[:n_out]
     length = q.shape[2]
 
@@ -76,7 +82,7 @@ def flex_attention_call(call: OpCall) -> Optional[Signature]:
         pieces = piece.splits.get("l", 1)
         chunks = None if pieces == 1 else query_chunks_of(length, pieces, piece.index.get("l", 0),
                                                           piece.blocks.get("l", 1))
-        return Localized(flex_attention_piece, (*call.args[:4], b0, h0, chunks))
+        return Localized(flex_attention_piece, (*call.args[:4], b0, h0, chunks, *call.args[7:]))
 
     return Signature(inputs=ins, outputs=outs, localize=localize,
                      note="FlexAttention: rows, heads and queries split (the block mask sliced or rebuilt to "
