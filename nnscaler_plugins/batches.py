@@ -3,6 +3,10 @@
 batch into micro-batches: every tensor whose leading dim is the batch size is split along it,
 everything else is handed whole to each micro-batch.
 
+A FlexAttention `BlockMask` in a batch (torchtitan passes its masks to forward) is carried as the
+tensors it is made of (`block_mask_input.py`); a micro-batch's mask is the same mask read from the
+micro-batch's first row, where the mask has a row dim.
+
 Plans are made for the shapes of one micro-batch, so the same rule serves capture (the graph is
 traced on the first micro-batch) and `train_step` (the batch is cut before it runs); pieces of
 other sizes than the example's run the same program (runtime/batch_shapes.py).
@@ -14,6 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from nnscaler_plugins.block_mask_input import BlockMaskInput, as_inputs
 from nnscaler_plugins.errors import PlanError
 
 
@@ -27,12 +32,23 @@ def normalize_inputs(args: Any, kwargs: Optional[dict]) -> tuple[tuple, dict]:
         args = (args,)
     elif isinstance(args, list):
         args = tuple(args)
-    return tuple(args), kwargs
+    return as_inputs(tuple(args)), as_inputs(kwargs)
+
+
+def input_at(args: tuple, kwargs: dict, path: tuple) -> Any:
+    """The leaf of a call's inputs at a captured graph input's path: ("args", i, ...) or
+    ("kwargs", name, ...), then keys and indices down (the tensors a block mask is made of by
+    their index). Raises KeyError / IndexError where the call lacks it."""
+    where, key, *rest = path
+    x = args[key] if where == "args" else kwargs[key]
+    for k in rest:
+        x = x.child(k) if isinstance(x, BlockMaskInput) else x[k]
+    return x
 
 
 def batch_size(batch: Any) -> Optional[int]:
     """The leading dim of the batch's first tensor (None when it holds no tensor with a dim)."""
-    for leaf in pytree.tree_leaves(batch):
+    for leaf in pytree.tree_leaves(as_inputs(batch), is_leaf=lambda x: isinstance(x, BlockMaskInput)):
         if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
             return int(leaf.shape[0])
     return None
@@ -77,9 +93,14 @@ def split_batch(batch: Any, micro_batches: int) -> list[Any]:
     for i in range(micro_batches):
         bounds.append(bounds[-1] + small + (1 if i < extra else 0))
 
+    batch = as_inputs(batch)
+
+    def cut(x: Any, i: int) -> Any:
+        if isinstance(x, BlockMaskInput):
+            return x.rows(bounds[i], bounds[i + 1]) if x.context.rows == size else x
+        return x[bounds[i]:bounds[i + 1]] if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == size else x
+
     def piece(i: int) -> Any:
-        return pytree.tree_map(
-            lambda x: x[bounds[i]:bounds[i + 1]] if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == size
-            else x, batch)
+        return pytree.tree_map(lambda x: cut(x, i), batch, is_leaf=lambda x: isinstance(x, BlockMaskInput))
 
     return [piece(i) for i in range(micro_batches)]

@@ -37,12 +37,16 @@ def step_and_compare(pm: Any, ref: torch.nn.Module, opts: tuple, loss: torch.Ten
 def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Module, dict]], strategy: Any,
                     options: dict, dp: int, steps: int = 2, lr: float = 0.1, what: str = "",
                     cache_dir: str = "/tmp/nns_test_cache", training: bool = False,
-                    batch_of_step: Optional[Callable[[int], dict]] = None) -> list[str]:
+                    batch_of_step: Optional[Callable[[int], dict]] = None,
+                    with_inputs: Optional[Callable[[dict], dict]] = None) -> list[str]:
     """Problems found (empty when the plan trains exactly like one process).
 
     `training=True` keeps the models in training mode (for models whose dropout rates are 0: pieces
     would draw other masks than the reference otherwise). `batch_of_step(i)`: the global batch of
-    step i from the second on (default: the first batch again), for what must follow the data."""
+    step i from the second on (default: the first batch again), for what must follow the data.
+    `with_inputs(batch)`: the batch the model takes, made from a replica's rows and from the whole
+    batch for the reference (inputs built outside the model from the batch, like a block mask)."""
+    with_inputs = with_inputs or (lambda b: b)
     import nnscaler_plugins as nns
     from nnscaler_plugins.outputs import extract_loss
 
@@ -54,7 +58,7 @@ def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Mo
     ref.train(training)
     model.train(training)
     local = replica_batch(batch, rank // (world // dp), dp)
-    pm = nns.parallelize(model, local, plan=strategy, cache_dir=cache_dir, **options)
+    pm = nns.parallelize(model, with_inputs(local), plan=strategy, cache_dir=cache_dir, **options)
     opt = nns.build_optimizer(pm, torch.optim.SGD, lr=lr)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     label = what or f"{strategy} {options}"
@@ -63,11 +67,11 @@ def sgd_equivalence(rank: int, world: int, build: Callable[[], tuple[torch.nn.Mo
         if step and batch_of_step is not None:
             batch = batch_of_step(step)
             local = replica_batch(batch, rank // (world // dp), dp)
-        loss = pm.train_step(local).detach().clone().float()
+        loss = pm.train_step(with_inputs(local)).detach().clone().float()
         if pm.plan.dp > 1:
             torch.distributed.all_reduce(loss)
             loss /= world
-        ref_loss = extract_loss(ref(**batch))
+        ref_loss = extract_loss(ref(**with_inputs(batch)))
         ref_loss.backward()
         problems += step_and_compare(pm, ref, (opt, ref_opt), loss, ref_loss, f"{label} step {step}")
     return problems

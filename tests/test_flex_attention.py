@@ -309,6 +309,29 @@ class DocLlama(FlexLlama):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class MaskInputLlama(FlexLlama):
+    """torchtitan's way: the block mask built outside the model from each batch and passed to
+    forward as `attention_masks`."""
+
+    def __init__(self, **kwargs):
+        super().__init__("causal", True, **kwargs)
+
+    def forward(self, ids, labels, attention_masks):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, attention_masks)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def with_document_mask(batch: dict) -> dict:
+    """What a torchtitan-style training loop does before calling the model."""
+    ids = batch["ids"]
+    mask = create_block_mask(and_masks(causal, get_document_mask_mod(ids.clone(), EOS)), ids.shape[0], None,
+                             ids.shape[1], ids.shape[1], device="cpu")
+    return {**batch, "attention_masks": mask}
+
+
 def doc_batch(seed: int, batch: int = BATCH, seq: int = SEQ) -> dict:
     """Rows of 2-4 documents, their ends at other places in every batch."""
     g = torch.Generator().manual_seed(seed)
@@ -348,6 +371,31 @@ def test_a_mask_made_from_the_batch_is_an_input_of_the_op_and_built_each_call():
     for strategy in ("dp", "tp", "cp"):
         plan = nns.plan(graph, strategy=strategy, world_size=2)
         assert plan is not None
+
+
+def window_mask(ids, width: int):
+    """A sliding window within each document: the width a plain int the function closes over."""
+    docs = get_document_mask_mod(ids.clone(), EOS)
+
+    def windowed(b, h, q, kv):
+        return docs(b, h, q, kv) & (q >= kv) & (q - kv <= width)
+
+    return create_block_mask(windowed, ids.shape[0], None, ids.shape[1], ids.shape[1], device="cpu")
+
+
+def test_a_mask_passed_to_forward_runs_with_each_batch_and_refuses_another_function():
+    torch.manual_seed(0)
+    model = MaskInputLlama(kv_heads=2).eval()
+    batch = doc_batch(0)
+    pm = nns.parallelize(model, {**batch, "attention_masks": window_mask(batch["ids"], 16)}, plan="dp", world_size=1,
+                         cache_dir="/tmp/nns_test_cache")
+    for seed in (1, 2):
+        other = doc_batch(seed)
+        other["attention_masks"] = window_mask(other["ids"], 16)
+        torch.testing.assert_close(pm.train_step(other), model(**other), msg=f"batch {seed}")
+    other["attention_masks"] = window_mask(other["ids"], 32)  # another width: not what was captured
+    with pytest.raises(RuntimeError, match="made by another function than the one captured"):
+        pm.train_step(other)
 
 
 def test_a_batch_tensor_read_through_an_attribute_is_refused_by_name():
@@ -461,6 +509,24 @@ def _batch_mask_equivalence(rank, world, plans, score_from_batch):
                                         dp, steps=3, training=True, batch_of_step=doc_batch,
                                         what=f"mask from the batch (score_mod from it: {score_from_batch}) under {strategy}")
     return problems
+
+
+def _mask_input_equivalence(rank, world, plans):
+    problems = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for strategy, options, dp in plans:
+            problems += sgd_equivalence(rank, world, lambda: (MaskInputLlama(kv_heads=2), doc_batch(0)), strategy,
+                                        options, dp, steps=3, training=True, batch_of_step=doc_batch,
+                                        with_inputs=with_document_mask, what=f"mask passed to forward under {strategy}")
+    return problems
+
+
+def test_masks_passed_to_forward_train_like_one_process(workers2):
+    """torchtitan passes each batch's block mask to forward; under a pipeline each micro-batch
+    reads its own rows of it."""
+    problems = workers2.run(_mask_input_equivalence, PLANS_2)
+    assert problems == [[], []], problems
 
 
 def test_masks_made_from_each_batch_train_like_one_process(workers2):

@@ -18,6 +18,7 @@ from import_graph import ROOT, modules, type_checking_only
 #: Parts of `nnscaler_plugins`, lowest layer first. A part is a subpackage or a top-level module.
 LAYERS: list[frozenset[str]] = [
     frozenset({"errors", "progress", "units", "svg", "hookspecs", "plugins", "framework_imports", "batches",
+               "lifted_closure", "block_mask_input",
                "outputs", "layout"}),  # base: no stage of the flow
     frozenset({"kernels"}),  # device code generated programs call (collectives, group-aware kernels)
     frozenset({"capture"}),

@@ -66,3 +66,59 @@ def test_a_value_that_only_lends_its_dtype_needs_no_gradient():
     assert not any(graph.meta(op.outputs[0]).requires_grad for op in masks)
     rotary = [op for op in graph.ops if op.op_name == "aten.view_as_real.default"]
     assert rotary and all(graph.meta(op.outputs[0]).requires_grad for op in rotary)
+
+
+def _document_masks(batch: dict) -> dict:
+    """torchtitan's training loop: the block mask made from each batch's end-of-sequence tokens
+    (here token 1) outside the model, passed to forward as `attention_masks`."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    tokens = batch["tokens"]
+    eos = tokens == 1
+    eos[:, -1] = True
+    cumulative = torch.cumsum(torch.where(eos, 1, 0), dim=1)
+    sequence_indices = torch.zeros_like(cumulative, dtype=torch.int32)
+    sequence_indices[:, 1:] = cumulative[:, :-1]
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return sequence_indices[b, q_idx] == sequence_indices[b, kv_idx]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mask = create_block_mask(and_masks(causal, document_mask), tokens.shape[0], None, tokens.shape[1],
+                             tokens.shape[1], device="cpu")
+    return {**batch, "attention_masks": mask}
+
+
+def _titan_batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, outside_llama.VOCAB, (outside_llama.BATCH, outside_llama.SEQ), generator=g)
+    ids[torch.rand(ids.shape, generator=g) < 0.2] = 1  # documents end at other places in every batch
+    return _document_masks({"tokens": ids, "labels": torch.roll(ids, -1, 1)})
+
+
+def test_torchtitan_flex_attention_with_masks_passed_to_forward():
+    """TitanLlama on FlexAttention, its document masks made from each batch outside the model:
+    captured with no warning, the op takes the mask's tensors, every plan keeps it one op, and the
+    captured program computes each new batch's loss as the model does (forward: the CPU build of
+    FlexAttention has no backward)."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model = outside_llama.WithLoss(outside_llama.TitanLlama(use_flex_attn=True)).eval()
+    batch = _titan_batch(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = nns.capture(model, kwargs=batch)
+    assert not [str(w.message) for w in caught if issubclass(w.category, ReplicateOnlyWarning)]
+    flex = [op for op in graph.ops if "FlexAttentionCall" in str(op.target)]
+    assert len(flex) == 2 and all(len(op.inputs) > 3 for op in flex), [op.inputs for op in flex]
+    for strategy in ("tp", "cp"):
+        plan = nns.plan(graph, strategy=strategy, world_size=2)
+        assert all(plan.ops[op.name].splits for op in flex), (strategy, {op.name: plan.ops[op.name].splits for op in flex})
+    pm = nns.parallelize(model, batch, plan="dp", world_size=1, cache_dir="/tmp/nns_test_cache")
+    with torch.no_grad():
+        for seed in (1, 2):
+            other = _titan_batch(seed)
+            torch.testing.assert_close(pm(**other), model(**other), msg=f"batch {seed}")

@@ -43,7 +43,7 @@ from nnscaler_plugins.kernels.flex_attention_piece import (
     referenced_values,
     register,
 )
-from nnscaler_plugins.kernels.lifted_closure import LiftedClosure, lift
+from nnscaler_plugins.lifted_closure import LiftedClosure, lift
 
 _NAME = "FlexAttention (torch.nn.attention.flex_attention.flex_attention)"
 
@@ -66,7 +66,7 @@ def _caller() -> str:
 def _tensors(values: list, deep: bool = False, depth: int = 0) -> Iterator[torch.Tensor]:
     """The tensors in `values` and in lists / tuples of them; `deep`: in dicts and objects'
     attributes too, a few levels down (where a function might find a tensor the walk of
-    `kernels/lifted_closure.py` cannot give back)."""
+    `lifted_closure.py` cannot give back)."""
     for v in values:
         if isinstance(v, torch.Tensor):
             yield v

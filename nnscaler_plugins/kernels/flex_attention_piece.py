@@ -22,7 +22,7 @@ does).
 
 A mask made from the batch (a document id per token from the end-of-sequence tokens, a padding
 mask) changes every call, so it cannot be held: the tensors its `mask_mod` closes over that come
-from the batch are the op's inputs after q, k, v (`kernels/lifted_closure.py` takes them out of the
+from the batch are the op's inputs after q, k, v (`lifted_closure.py` takes them out of the
 closures at capture and puts them back each call), and each call builds its block mask from the
 function filled with them, for the piece's rows, heads and queries -- once per batch: the layers
 of a step share the build. The same holds for a `score_mod` reading such tensors. These inputs are
@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from nnscaler_plugins.kernels.lifted_closure import LiftedClosure, code_of
+from nnscaler_plugins.lifted_closure import LiftedClosure, code_of
 
 #: The function the model calls, kept before capture replaces the name while tracing.
 from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention

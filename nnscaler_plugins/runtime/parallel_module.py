@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from nnscaler_plugins.batches import normalize_inputs, split_batch
+from nnscaler_plugins.batches import input_at, normalize_inputs, split_batch
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
@@ -313,18 +313,15 @@ class ParallelModule(torch.nn.Module):
         has them, for counting and checks that need no copy)."""
         vals = []
         for spec in self.graph.inputs:
-            where, key, *rest = spec.path
             try:
-                x = args[key] if where == "args" else kwargs[key]
-                for k in rest:
-                    x = x[k]
+                x = input_at(args, kwargs, spec.path)
             except (IndexError, KeyError) as e:
                 raise TypeError(f"missing model input {spec.path[1]!r} (the captured forward took "
                                 f"{[s.path[1] for s in self.graph.inputs]})") from e
             meta = self.graph.values[spec.name].meta
             if meta is not None:
                 if not isinstance(x, torch.Tensor):
-                    raise TypeError(f"input {key!r} must be a tensor")
+                    raise TypeError(f"input {spec.path[1]!r} must be a tensor")
                 x = x.to(self._device) if on_device else x
             vals.append(x)
         return vals
@@ -347,7 +344,8 @@ class ParallelModule(torch.nn.Module):
         if self.plan.num_micro_batches > 1:
             raise RuntimeError(f"this plan cuts each step into {self.plan.num_micro_batches} micro-batches: call "
                                "train_step(batch), or make a plan without micro_batches to call forward")
-        args, kwargs = normalize_inputs(args, kwargs) if len(args) == 1 and isinstance(args[0], dict) else (args, kwargs)
+        args, kwargs = normalize_inputs(args, kwargs) if len(args) == 1 and isinstance(args[0], dict) else \
+            normalize_inputs(tuple(args), kwargs)
         rec = self._begin_step()
         if torch.is_grad_enabled():
             self._last_forward = ("forward", (args, kwargs))
