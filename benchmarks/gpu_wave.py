@@ -29,8 +29,10 @@ Six sections, each written to RESULTS.md:
 6. flex: a small Llama-style model whose attention is FlexAttention with a causal block mask and
    a score_mod reading the head index, trained through the generated code (plan "tp" at world 1:
    the FlexAttention op and its kernel) against the same model eager: first-step loss, largest
-   gradient difference, time ratio. FlexAttention has no backward on a CPU, so `--small` on a CPU
-   compares the forward's loss only (the row says so).
+   gradient difference, time ratio. A second row passes a document mask made from the batch's
+   end-of-sequence tokens to forward (torchtitan's way; the op builds it from the batch's tensors
+   each step). FlexAttention has no backward on a CPU, so `--small` on a CPU compares the
+   forward's loss only (the rows say so).
 """
 from __future__ import annotations
 
@@ -419,12 +421,12 @@ class _FlexBlock(torch.nn.Module):
     def head_bias(score, b, h, q, kv):
         return score - 0.05 * (h + 1) * (q - kv).abs()
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         from torch.nn.attention.flex_attention import flex_attention
 
         b, s, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = flex_attention(q, k, v, score_mod=self.head_bias, block_mask=self.mask)
+        a = flex_attention(q, k, v, score_mod=self.head_bias, block_mask=self.mask if mask is None else mask)
         x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
         return x + self.down(torch.nn.functional.silu(self.up(self.norm2(x))))
 
@@ -435,11 +437,28 @@ class _FlexLM(torch.nn.Module):
         self.embed, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab, bias=False)
         self.blocks = torch.nn.ModuleList([_FlexBlock(d, heads, mask) for _ in range(layers)])
 
-    def forward(self, input_ids, labels):
+    def forward(self, input_ids, labels, attention_masks=None):
         h = self.embed(input_ids)
         for block in self.blocks:
-            h = block(h)
+            h = block(h, attention_masks)
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _document_mask(ids: torch.Tensor, eos: int):
+    """torchtitan's document mask (causal within each document), made from the batch outside the model."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+    ends = ids == eos
+    ends[:, -1] = True
+    cumulative = torch.cumsum(torch.where(ends, 1, 0), dim=1)
+    docs = torch.zeros_like(cumulative, dtype=torch.int32)
+    docs[:, 1:] = cumulative[:, :-1]
+
+    def document(b, h, q, kv):
+        return docs[b, q] == docs[b, kv]
+
+    return create_block_mask(and_masks(lambda b, h, q, kv: q >= kv, document), ids.shape[0], None, ids.shape[1],
+                             ids.shape[1], device=str(ids.device))
 
 
 def flex_training(device: torch.device, small: bool, iters: int) -> list[tuple[str, ...]]:
@@ -447,20 +466,26 @@ def flex_training(device: torch.device, small: bool, iters: int) -> list[tuple[s
 
     b, s, d, heads, layers, vocab = (2, 128, 64, 4, 2, 512) if small else (4, 2048, 1024, 16, 4, 32000)
     mask = create_block_mask(lambda b_, h_, q, kv: q >= kv, None, None, s, s, device=str(device))
-    torch.manual_seed(0)
-    eager = _FlexLM(vocab, d, heads, layers, mask).to(device)
-    mine = copy.deepcopy(eager)
-    batch = _tokens(b, s, vocab, device)
-    pm = nns.parallelize(mine, batch, plan="tp", cache_dir="/tmp/nns_bench_cache")
-    name = f"flex llama {layers}x{d}, {heads} heads, causal + head bias"
-    if device.type != "cuda":  # no FlexAttention backward on a CPU: the forward only
-        with torch.no_grad():
-            want, got = eager(**batch).item(), float(pm(**batch))
-        return [(name, f"{b * s}", f"{abs(got - want) / abs(want):.1e}", "forward only (no CPU backward)",
-                 "-", "-", "-", "-")]
-
-    p, first, worst = train_against_eager(eager, pm, batch, lambda out: out, iters)
-    return [(name, f"{b * s}", f"{first:.1e}", f"{worst:.1e}", f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}", *p.cells(2))]
+    rows = []
+    for what in ("causal + head bias", "document mask passed to forward + head bias"):
+        torch.manual_seed(0)
+        eager = _FlexLM(vocab, d, heads, layers, mask).to(device)
+        mine = copy.deepcopy(eager)
+        batch = _tokens(b, s, vocab, device)
+        if what.startswith("document"):
+            batch["attention_masks"] = _document_mask(batch["input_ids"], eos=7)
+        pm = nns.parallelize(mine, batch, plan="tp", cache_dir="/tmp/nns_bench_cache")
+        name = f"flex llama {layers}x{d}, {heads} heads, {what}"
+        if device.type != "cuda":  # no FlexAttention backward on a CPU: the forward only
+            with torch.no_grad():
+                want, got = eager(**batch).item(), float(pm(**batch))
+            rows.append((name, f"{b * s}", f"{abs(got - want) / abs(want):.1e}", "forward only (no CPU backward)",
+                         "-", "-", "-", "-"))
+            continue
+        p, first, worst = train_against_eager(eager, pm, batch, lambda out: out, iters)
+        rows.append((name, f"{b * s}", f"{first:.1e}", f"{worst:.1e}", f"{p.a * 1e3:.1f}", f"{p.b * 1e3:.1f}",
+                     *p.cells(2)))
+    return rows
 
 
 def main() -> None:
@@ -509,7 +534,7 @@ def main() -> None:
                     "(NCCL on a GPU) against no communication", collective_paths(device, args.iters),
                     ("path", "values and gradients", "median ms (forward + backward)")))
     if "flex" in sections:
-        out.append(("gpu_wave.py: FlexAttention (causal block mask, score_mod) training through the generated code vs "
+        out.append(("gpu_wave.py: FlexAttention (causal and document block masks, score_mod) training through the generated code vs "
                     "eager, one GPU", flex_training(device, args.small, args.iters),
                     ("model", "tokens", "first loss rel diff", "largest grad diff (rel. to grad max)", "eager ms",
                      "ours ms", "ratio eager/ours of the median steps", "median per-step ratio")))
