@@ -28,6 +28,16 @@ def nnscaler_add_hookspecs(pluginmanager: Any) -> None:
 
 
 @hookimpl
+def nnscaler_adapt_model_for_capture(model: Any, kwargs: dict) -> Optional[Any]:
+    """Transformers' FlexAttention path, made capturable (adapters/hf_flex_attention.py)."""
+    if not _is_hf_model(model):
+        return None
+    from .hf_flex_attention import capturable_flex_attention, uses_flex_attention
+
+    return capturable_flex_attention() if uses_flex_attention(model) else None
+
+
+@hookimpl
 def nnscaler_example_inputs(model: Any, batch: Any) -> Optional[Any]:
     if not (_is_hf_model(model) and isinstance(batch, Mapping)):
         return None

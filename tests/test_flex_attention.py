@@ -534,3 +534,56 @@ def test_masks_made_from_each_batch_train_like_one_process(workers2):
     built from another replica's or micro-batch's rows, differs from one process by step 1."""
     problems = workers2.run(_batch_mask_equivalence, PLANS_2, True)
     assert problems == [[], []], problems
+
+
+# -- a Hugging Face model on FlexAttention --------------------------------------------------------------
+
+def _hf_flex_llama(attention: str = "flex_attention"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+                      attn_implementation=attention)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _hf_batch(seed: int, padded: bool = True) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (BATCH, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:  # left padding (keys every later query would see) of other lengths every batch
+        for row, n in enumerate(torch.randint(0, 40, (BATCH,), generator=g).tolist()):
+            mask[row, :n] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _hf_forward(rank, world):
+    problems = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for strategy in ("tp", "cp"):
+            model = _hf_flex_llama("sdpa")  # the same weights and masks, another kernel (no compile of flex)
+            pm = nns.parallelize(_hf_flex_llama(), _hf_batch(0), plan=strategy, cache_dir="/tmp/nns_test_cache")
+            with torch.no_grad():
+                for seed, padded in ((1, True), (2, False), (3, True)):
+                    batch = _hf_batch(seed, padded)
+                    got, want = float(pm(**batch).loss), float(model(**batch).loss)
+                    if abs(got - want) > 1e-5 * abs(want):
+                        problems.append(f"{strategy} batch {seed}: loss {got:.7g} vs {want:.7g}")
+    return problems
+
+
+def test_a_hugging_face_model_on_flex_attention_computes_each_batch_with_its_padding(workers2):
+    """transformers' FlexAttention path reads the attention mask's values to decide whether to add
+    the padding function, and compiles flex_attention: both are made capturable while capturing
+    (adapters/hf_flex_attention.py), the padding mask reaches the op as its input, and every batch,
+    padded or not, gets its own loss under tp and cp (forward: no FlexAttention backward on a CPU)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = nns.capture(_hf_flex_llama(), _hf_batch(0))
+    assert not [str(w.message) for w in caught if "no dimension rule" in str(w.message)]
+    flex = [op for op in graph.ops if "FlexAttentionCall" in str(op.target)]
+    assert len(flex) == 2 and all(len(op.inputs) == 4 for op in flex), [op.inputs for op in flex]
+    problems = workers2.run(_hf_forward)
+    assert problems == [[], []], problems
