@@ -59,3 +59,31 @@ def test_a_masked_call_keeps_its_repeats():
     source = compiled.artifact(0).source()
     assert not any("enable_gqa=True" in c for c in _attention_lines(source))
     assert "aten.expand.default" in source
+
+
+def test_the_search_prices_what_the_rewrite_leaves():
+    """The simulator prices the repeats the program no longer runs as views: the attention keeps
+    the un-repeated keys and values for its backward, and the repeats cost nothing; a masked call's
+    repeats stay copies, priced as such. Priced activations shrink by exactly the copies."""
+    from nnscaler_plugins.lower.grouped_query import graph_repeats
+    from nnscaler_plugins.search.opcost import OpCosts
+
+    model, batch = models.llama_small()
+    for masked in (False, True):
+        inputs = dict(batch)
+        if masked:
+            inputs["attention_mask"] = torch.ones_like(batch["input_ids"])
+            inputs["attention_mask"][0, -3:] = 0
+        graph = nns.capture(model, inputs)
+        costs = OpCosts.of(graph)
+        repeats = graph_repeats(graph)
+        attention = [op for op in graph.ops if op.short_name == "scaled_dot_product_attention"]
+        assert attention and bool(repeats) != masked, (masked, repeats)
+        for op in attention:
+            q, k, v = op.inputs[:3]
+            kept = [graph.meta(costs.storage(x)).numel for x in (k, v)]
+            heads = graph.meta(q).shape[1] // (1 if masked else model.config.num_attention_heads
+                                               // model.config.num_key_value_heads)
+            assert kept == [graph.meta(q).numel * heads // graph.meta(q).shape[1]] * 2, (masked, kept)
+        for name in repeats:
+            assert costs.ops[name].kind == "view", (name, costs.ops[name].kind)

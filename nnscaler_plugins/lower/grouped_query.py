@@ -12,13 +12,14 @@ group's key/value gradients inside the attention kernel instead of through the e
 
 Only calls without a mask tensor are rewritten, as transformers itself decides (a masked call with
 `enable_gqa` leaves the fused kernels on a GPU), and only where nothing else reads the copies.
-The copies still appear in the captured graph, so the search prices them; they are views and one
-memory-bound copy per layer.
+The copies still appear in the captured graph; `graph_repeats` finds the same ones there, so the
+search prices them as what they become (views of the un-repeated keys and values: no copy, and the
+attention keeps the un-repeated tensors for its backward).
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -43,31 +44,69 @@ def _ints(xs: Any) -> Optional[list[int]]:
     return list(xs)
 
 
-def _repeat_source(stmts: list[Any], at: dict[str, int], readers: dict[str, list[int]], name: str, attn: Any,
-                   keep: set[str]) -> Optional[tuple[str, list[int]]]:
-    """(the un-repeated key/value, the statements of its repeat) when `name` is `repeat_kv` of a
-    (batch, heads, seq, dim) tensor read only on its way to the attention call, else None."""
-    chain: list[int] = []
+def _repeat_chain(producer: Callable[[str], Any], readers: Callable[[str], int], name: str,
+                  ok: Callable[[Any], bool]) -> Optional[tuple[str, list[Any]]]:
+    """(the un-repeated key/value, the reshape, expand and unsqueeze making its repeat) when `name`
+    is `repeat_kv` of a (batch, heads, seq, dim) tensor read only on its way to the attention call,
+    else None. `producer(name)`: the statement or op that made a value (None: an input);
+    `readers(name)`: how many read it; `ok`: what else each step must satisfy."""
+    chain: list[Any] = []
     for target in (RESHAPES, (aten.expand.default,), (aten.unsqueeze.default,)):
-        i = at.get(name)
-        if i is None or name in keep or len(readers.get(name, ())) != 1:
+        s = producer(name)
+        if s is None or readers(name) != 1:
             return None
-        s = stmts[i]
-        if s.target not in target or not _plain(s, attn) or len(s.out) != 1 or not s.args \
-                or not isinstance(s.args[0], Ref):
+        if s.target not in target or not ok(s) or not s.args or not isinstance(s.args[0], Ref):
             return None
-        chain.append(i)
+        chain.append(s)
         name = s.args[0].name
-    reshape, expand, unsqueeze = (stmts[i] for i in chain)
+    reshape, expand, unsqueeze = chain
     size, grown = _ints(reshape.args[1] if len(reshape.args) > 1 else None), \
         _ints(expand.args[1] if len(expand.args) > 1 else None)
     dim = unsqueeze.args[1] if len(unsqueeze.args) > 1 else unsqueeze.kwargs.get("dim")
     if size is None or grown is None or len(grown) != 5 or len(size) != 4 or dim not in (2, -3):
         return None
-    b, h, r, s, d = grown
-    if min(b, h, s, d) < 1 or r < 2 or size != [b, h * r, s, d]:
+    b, h, r, s_, d = grown
+    if min(b, h, s_, d) < 1 or r < 2 or size != [b, h * r, s_, d]:
         return None
     return name, chain
+
+
+def _foldable_call(s: Any) -> bool:
+    """An attention call the rewrite applies to: no mask tensor, no `enable_gqa` yet, distinct key
+    and value tensors."""
+    if s.target is not SDPA or len(s.args) < 3:
+        return False
+    mask = s.args[3] if len(s.args) > 3 else s.kwargs.get("attn_mask")
+    if mask is not None or s.kwargs.get("enable_gqa") or len(s.args) > 6:
+        return False
+    k, v = s.args[1], s.args[2]
+    return isinstance(k, Ref) and isinstance(v, Ref) and k.name != v.name
+
+
+def graph_repeats(graph: Any) -> dict[str, str]:
+    """The captured graph's key/value repeats the lowering folds, as {op name of each step of a
+    repeat: the un-repeated value}: what the search prices as views."""
+    made: dict[str, Any] = {}
+    count: dict[str, int] = {}
+    for op in graph.ops:
+        for n in op.inputs:
+            count[n] = count.get(n, 0) + 1
+        for o in op.outputs:
+            if o:
+                made.setdefault(o, op)
+    for o in graph.outputs:
+        if o is not None:
+            count[o] = count.get(o, 0) + 1  # a returned copy is kept
+    out: dict[str, str] = {}
+    for op in graph.ops:
+        if not _foldable_call(op):
+            continue
+        found = [_repeat_chain(made.get, lambda n: count.get(n, 0), ref.name,
+                               lambda s: len([o for o in s.outputs if o]) == 1) for ref in op.args[1:3]]
+        if all(f is not None for f in found):
+            for source, chain in found:
+                out.update({step.name: source for step in chain})
+    return out
 
 
 def fold_program(per_device: dict[tuple[int, int], list[Any]], keep: set[str]) -> dict[tuple[int, int], list[Any]]:
@@ -88,20 +127,21 @@ def fold(stmts: list[Any], keep: set[str]) -> list[Any]:
                 at.setdefault(o, i)
     drop: set[int] = set()
     out = list(stmts)
+    index = {id(s): i for i, s in enumerate(stmts)}
+
+    def producer(name: str) -> Any:
+        i = at.get(name)
+        return None if i is None or name in keep else stmts[i]
+
     for i, s in enumerate(stmts):
-        if s.kind != "op" or s.target is not SDPA or s.coshard is not None or len(s.args) < 3:
+        if s.kind != "op" or s.coshard is not None or not _foldable_call(s):
             continue
-        mask = s.args[3] if len(s.args) > 3 else s.kwargs.get("attn_mask")
-        if mask is not None or s.kwargs.get("enable_gqa") or len(s.args) > 6:
+        found = [_repeat_chain(producer, lambda n: len(readers.get(n, ())), ref.name,
+                               lambda t: _plain(t, s) and len(t.out) == 1) for ref in s.args[1:3]]
+        if any(f is None for f in found):
             continue
-        k, v = s.args[1], s.args[2]
-        if not (isinstance(k, Ref) and isinstance(v, Ref)) or k.name == v.name:
-            continue
-        found_k = _repeat_source(stmts, at, readers, k.name, s, keep)
-        found_v = _repeat_source(stmts, at, readers, v.name, s, keep)
-        if found_k is None or found_v is None:
-            continue
-        args = (s.args[0], Ref(found_k[0]), Ref(found_v[0])) + tuple(s.args[3:])
+        (k_src, k_chain), (v_src, v_chain) = found
+        args = (s.args[0], Ref(k_src), Ref(v_src)) + tuple(s.args[3:])
         out[i] = replace(s, args=args, kwargs={**s.kwargs, "enable_gqa": True})
-        drop.update(found_k[1] + found_v[1])
+        drop.update(index[id(t)] for t in k_chain + v_chain)
     return [s for i, s in enumerate(out) if i not in drop]

@@ -14,7 +14,9 @@ Saved tensors (activation memory) follow what PyTorch's autograd formulas keep: 
 operands the other operand's gradient needs, a non-linear element-wise op its input (or output), a
 softmax its output, a norm its input, dropout its mask (one byte per element), and ops that are
 linear in their inputs (add, views, sums, scalings by constants) keep nothing. Saved views keep
-their whole base tensor alive, so savings are counted per storage base. For a GPT layer this gives
+their whole base tensor alive, so savings are counted per storage base. The key/value repeats of
+grouped-query attention that the lowering folds into the attention call (`lower/grouped_query.py`)
+are views here too: the attention keeps the un-repeated heads, as the program runs. For a GPT layer this gives
 Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes exactly; nothing about transformers is assumed.
 
 Selective recomputation (Korthikanti et al.) drops what the "attention core" keeps: the ops on a
@@ -31,6 +33,7 @@ from typing import Optional
 import torch
 
 from nnscaler_plugins.capture.graph import Graph, OpNode
+from nnscaler_plugins.lower import grouped_query
 from nnscaler_plugins.rules import Signature, signature_for
 
 MATMUL = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "addbmm", "einsum", "conv1d", "conv2d",
@@ -204,6 +207,8 @@ class OpCosts:
         self.signatures: dict[str, Signature] = {}
         self.base: dict[str, str] = {}  # value -> the value owning its storage
         self._contiguous: dict[str, bool] = {}
+        # key/value repeats the lowering folds into the attention call (`enable_gqa`): views, no copy
+        self._folded = grouped_query.graph_repeats(graph)
         for op in graph.ops:
             sig = signature_for(graph, op)
             self.signatures[op.name] = sig
@@ -298,6 +303,8 @@ class OpCosts:
     def _copies(self, op: OpNode, name: str) -> bool:
         """A view-like op that allocates: reshape/contiguous of a non-contiguous input, clone, dtype casts."""
         src = op.inputs[0] if op.inputs else None
+        if op.name in self._folded:
+            return False
         if name == "clone":
             return True
         if name in ("to", "_to_copy", "type_as"):
