@@ -34,6 +34,7 @@ WORDS = {
 PLUGIN_ROW = ("strategies/   adapters/", "plugins, registered through hooks; they import only the core's public names")
 
 ROW_H, GAP, LEFT, NAME_W, WIDTH = 30, 6, 70, 210, 900
+LINE_H, LINE_CHARS = 14, 92  # a row's further lines, and how many characters of 11 px fit its box
 FILL = {"plugins": "#fde2c4", "core": "#dbe8f6", "base": "#e6e6e6"}
 
 
@@ -44,6 +45,17 @@ def layers() -> list[frozenset]:
     finally:
         sys.path.pop(0)
     return LAYERS
+
+
+def _wrapped(words: str) -> list[str]:
+    """The row's text in lines that fit its box, broken after commas or semicolons."""
+    lines = [""]
+    for piece in words.replace("; ", ";\0").replace(", ", ",\0").split("\0"):
+        if lines[-1] and len(lines[-1]) + 1 + len(piece) > LINE_CHARS:
+            lines.append(piece)
+        else:
+            lines[-1] = f"{lines[-1]} {piece}" if lines[-1] else piece
+    return lines
 
 
 def draw() -> str:
@@ -66,11 +78,14 @@ def draw() -> str:
     c.text(LEFT, 24, "nnscaler-plugins: the layers (each imports only the layers below it)", size=14)
     y = 44
     for kind, name, words in rows:
-        c.raw(f"<rect x='{LEFT}' y='{y}' width='{WIDTH - LEFT - 16}' height='{ROW_H}' rx='4' fill='{FILL[kind]}' "
+        lines = _wrapped(words)
+        height = ROW_H + LINE_H * (len(lines) - 1)
+        c.raw(f"<rect x='{LEFT}' y='{y}' width='{WIDTH - LEFT - 16}' height='{height}' rx='4' fill='{FILL[kind]}' "
               f"stroke='#8899aa'/>")
         c.text(LEFT + 8, y + 19, name, size=12, extra=" font-weight='bold'")
-        c.text(LEFT + NAME_W + 8, y + 19, words, size=11)
-        y += ROW_H + GAP
+        for k, line in enumerate(lines):
+            c.text(LEFT + NAME_W + 8, y + 19 + LINE_H * k, line, size=11)
+        y += height + GAP
     # the arrow of imports, down the left side
     top, bottom = 44 + ROW_H // 2, y - GAP - ROW_H // 2
     c.raw(f"<line x1='36' y1='{top}' x2='36' y2='{bottom - 8}' stroke='#445' stroke-width='2'/>")
