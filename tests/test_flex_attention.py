@@ -529,6 +529,39 @@ def test_masks_passed_to_forward_train_like_one_process(workers2):
     assert problems == [[], []], problems
 
 
+class WindowLlama(FlexLlama):
+    """A mask function reading the module's own setting (`self.window`), as model code often does."""
+
+    def __init__(self, **kwargs):
+        super().__init__("causal", True, **kwargs)
+        self.window = 24
+
+    def forward(self, ids, labels):
+        def windowed(b, h, q, kv):
+            return (q >= kv) & (q - kv <= self.window)
+
+        mask = create_block_mask(windowed, None, None, ids.shape[1], ids.shape[1], device="cpu")
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), labels.flatten())
+
+
+def _window_equivalence(rank, world):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sgd_equivalence(rank, world, lambda: (WindowLlama(kv_heads=2), doc_batch(0)), "dp", {}, 2,
+                               training=True, what="a mask reading self.window under dp")
+
+
+def test_a_mask_reading_an_object_is_the_same_op_on_every_rank(workers2):
+    """The op's key names the same call on every rank: an object a mask function reads (the
+    module) is named by the order it was first met, not by its address, which differs per process
+    (the ranks' captures then disagreed and the plan was refused)."""
+    problems = workers2.run(_window_equivalence)
+    assert problems == [[], []], problems
+
+
 def test_masks_made_from_each_batch_train_like_one_process(workers2):
     """Every step's batch has its documents ending elsewhere: a mask kept from capture, or one
     built from another replica's or micro-batch's rows, differs from one process by step 1."""

@@ -78,6 +78,9 @@ def _tensors(values: list, deep: bool = False, depth: int = 0) -> Iterator[torch
             yield from _tensors(list(v), deep, depth + 1)
         elif isinstance(v, dict):
             yield from _tensors(list(v.values()), deep, depth + 1)
+        elif isinstance(v, torch.nn.Module):  # its plain attributes: its weights and buffers are model state
+            yield from _tensors([x for k, x in vars(v).items() if k not in ("_parameters", "_buffers", "_modules")],
+                                deep, depth + 1)
         elif isinstance(getattr(v, "__dict__", None), dict):
             yield from _tensors(list(vars(v).values()), deep, depth + 1)
 

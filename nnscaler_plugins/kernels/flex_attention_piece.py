@@ -74,6 +74,20 @@ class FlexSpec:
 _SPECS: dict[str, FlexSpec] = {}
 
 
+#: objects a digest met, by id, with the order they were first met in (kept alive, so an id is
+#: never another object's): every rank captures the same model in the same order, so an object
+#: gets the same number on every rank, where its address differs from process to process
+_OBJECTS: dict[int, tuple[int, Any]] = {}
+
+
+def _object_token(v: Any) -> str:
+    """What a digest says of an object it does not read into (a module, a config): its type and
+    the order it was first met in this process."""
+    if id(v) not in _OBJECTS:
+        _OBJECTS[id(v)] = (len(_OBJECTS), v)
+    return f"{type(v).__qualname__}#{_OBJECTS[id(v)][0]}"
+
+
 def _digest_tensor(h: Any, t: torch.Tensor) -> None:
     h.update(f"{tuple(t.shape)}{t.dtype}".encode())
     h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -120,7 +134,7 @@ def _digest_function(h: Any, fn: Any, depth: int = 0) -> None:
         elif isinstance(v, (int, float, str, bool, tuple, type(None))):
             h.update(repr(v).encode())
         else:
-            h.update(f"{type(v).__qualname__}@{id(v)}".encode())  # an object: this process's own
+            h.update(_object_token(v).encode())
 
 
 def _digest_lifted(h: Any, lifted: LiftedClosure) -> None:
@@ -135,7 +149,7 @@ def _digest_lifted(h: Any, lifted: LiftedClosure) -> None:
             _digest_function(h, v)
         else:
             h.update(repr(v).encode() if isinstance(v, (int, float, str, bool, tuple, type(None)))
-                     else f"{type(v).__qualname__}@{id(v)}".encode())
+                     else _object_token(v).encode())
 
 
 def register(spec: FlexSpec) -> str:
