@@ -218,6 +218,21 @@ class TitanLlama(nn.Module):
         return self.output(self.norm(h))
 
 
+def get_document_mask_mod(batch: torch.Tensor, eos_id: int):
+    """torchtitan's document mask, made from the batch outside the model: a document ends at each
+    end-of-sequence token."""
+    eos_mask = batch == eos_id
+    eos_mask[:, -1] = True
+    cumulative_mask = torch.cumsum(torch.where(eos_mask, 1, 0), dim=1)
+    sequence_indices = torch.zeros_like(cumulative_mask, dtype=torch.int32)
+    sequence_indices[:, 1:] = cumulative_mask[:, :-1]
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return sequence_indices[b, q_idx] == sequence_indices[b, kv_idx]
+
+    return document_mask
+
+
 class WithLoss(nn.Module):
     """The training script's loss around a model that returns logits (torchtitan's cross_entropy_loss)."""
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from outside_llama import get_document_mask_mod
 from sgd_check import sgd_equivalence
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
@@ -265,20 +266,6 @@ def test_context_parallelism_splits_flex_attention_queries_and_refuses_explicit_
 # -- masks made from the batch ---------------------------------------------------------------------
 
 EOS = 0
-
-
-def get_document_mask_mod(batch, eos_id):
-    """torchtitan's document mask: a document ends at each end-of-sequence token."""
-    eos_mask = batch == eos_id
-    eos_mask[:, -1] = True
-    cumulative_mask = torch.cumsum(torch.where(eos_mask, 1, 0), dim=1)
-    sequence_indices = torch.zeros_like(cumulative_mask, dtype=torch.int32)
-    sequence_indices[:, 1:] = cumulative_mask[:, :-1]
-
-    def document_mask(b, h, q_idx, kv_idx):
-        return sequence_indices[b, q_idx] == sequence_indices[b, kv_idx]
-
-    return document_mask
 
 
 def padding_bias(pad):

@@ -74,20 +74,13 @@ def _document_masks(batch: dict) -> dict:
     from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
     tokens = batch["tokens"]
-    eos = tokens == 1
-    eos[:, -1] = True
-    cumulative = torch.cumsum(torch.where(eos, 1, 0), dim=1)
-    sequence_indices = torch.zeros_like(cumulative, dtype=torch.int32)
-    sequence_indices[:, 1:] = cumulative[:, :-1]
-
-    def document_mask(b, h, q_idx, kv_idx):
-        return sequence_indices[b, q_idx] == sequence_indices[b, kv_idx]
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    mask = create_block_mask(and_masks(causal, document_mask), tokens.shape[0], None, tokens.shape[1],
-                             tokens.shape[1], device="cpu")
+    documents = outside_llama.get_document_mask_mod(tokens.clone(), 1)
+    mask = create_block_mask(and_masks(causal, documents), tokens.shape[0], None, tokens.shape[1], tokens.shape[1],
+                             device="cpu")
     return {**batch, "attention_masks": mask}
 
 
