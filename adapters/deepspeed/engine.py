@@ -94,6 +94,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         # A tied parameter goes by its last name (the one the plan updates; its other names follow).
         self._model_param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        # the objects behind those ids: while an id is a key its object lives, so no other tensor
+        # can take the id and be taken for this engine's parameter (two engines, one model freed)
+        self._param_objects = {id(p): p for p in model.parameters()}
         self._tied = {n: self._model_param_names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
                       if self._model_param_names[id(p)] != n}
         from .zero import take_from_engine, whole_shape
@@ -131,9 +134,11 @@ class DeepSpeedEngine(torch.nn.Module):
     # -- the model's own parameters (zero.GatheredParameters) ---------------------------------------
     def name_of(self, param: torch.Tensor) -> Optional[str]:
         """The model's name of `param`: one of the model's parameters, or this rank's piece of one."""
-        name = self._model_param_names.get(id(param))
+        name = self._model_param_names.get(id(param)) if self._param_objects.get(id(param)) is param else None
         if name is None and self._pmodule is not None:
             name = self.__dict__.get("_piece_names", {}).get(id(param))
+            if name is not None and self._pmodule.parameter(name) is not param:
+                name = None  # another tensor at the address of a piece this engine no longer holds
         return name
 
     def _piece_of(self, param: torch.Tensor) -> tuple[str, Optional[torch.Tensor]]:
@@ -384,7 +389,10 @@ class DeepSpeedEngine(torch.nn.Module):
             setattr(new, k, v)
         register_in_place_of(self._model, meta, new)
         self._model_params[name] = new
+        self._model_param_names.pop(id(meta), None)
+        self._param_objects.pop(id(meta), None)
         self._model_param_names[id(new)] = name
+        self._param_objects[id(new)] = new
         return new
 
     def _check_trainable(self) -> None:
