@@ -201,19 +201,21 @@ def megatron_core_h100(name: str, a: int, h: int, l: int, tp: int, pp: int, gpus
 
 
 def megatron_bridge_llama(name: str, key: str, s: int, tp: int, pp: int, v: int, gpus: int, batch: int,
-                          recompute: str, peak_gib: float, fit: bool = False) -> Case:
+                          recompute: str, peak_gb: float, fit: bool = False) -> Case:
     """A Megatron-Bridge (Megatron-Core) Llama run on H100 80GB with FP8 (Transformer Engine, current
-    scaling): distributed optimizer (ZeRO-1 over data parallelism, fp32 main gradients), sequence
-    parallelism, interleaved 1F1B with `v` chunks per rank, micro-batch 1, TE's fused element-wise kernels
-    and flash attention; every transformer linear in float8 (the output layer not), each keeping its
-    float8 input for backward. `recompute` "selective": Megatron's default selective recomputation (the
-    attention core). Memory only: the published figure is the peak memory Megatron's report gives."""
+    scaling): distributed optimizer (ZeRO-1 over data parallelism), sequence parallelism, interleaved
+    1F1B with `v` chunks per rank, micro-batch 1, TE's fused element-wise kernels and flash attention;
+    every transformer linear in float8 (the output layer not), each keeping its float8 input for
+    backward. `recompute` "selective": Megatron's default selective recomputation (the attention core).
+    The fine-tuning recipe sets `grad_reduce_in_fp32=False`: gradients are accumulated and reduced in
+    bf16 (a stack fact, `main_grad_bytes=2`). Memory only: `peak_gb` is the peak Megatron-Bridge logs,
+    in decimal gigabytes (its `report_memory` divides bytes by 1e9), converted here to GiB."""
     model = replace(LLAMA[key], s=s)
     opts = {"tp": tp, "pp": pp, "zero": 1, "recompute": recompute, "sequence_parallel": tp > 1,
             "schedule": "interleaved" if v > 1 else "1f1b", "virtual_stages": v,
             "precision": "fp8", "fp8_skip": ("lm_head",)}
-    return Case("MB-H100 fp8", name, model, "h100-dgx", gpus, batch, 1, opts, None, {"peak": peak_gib},
-                stack=dict(MEGATRON_STACK, fp8_saves_float8=True), fit=fit, era="H100 current")
+    return Case("MB-H100 fp8", name, model, "h100-dgx", gpus, batch, 1, opts, None, {"peak": peak_gb * 1e9 / GiB},
+                stack=dict(MEGATRON_STACK, fp8_saves_float8=True, main_grad_bytes=2), fit=fit, era="H100 current")
 
 
 def _fits_h100(h: int, l: int, a: int, tp: int, b: int, s: int, V: int, dp: int) -> bool:

@@ -101,3 +101,19 @@ def test_estimate_round_trip(graph, spec):
     again = Estimate.from_json(est.to_json())
     assert again.step_time_s == est.step_time_s and again.peak_memory_bytes == est.peak_memory_bytes
     assert len(est.peak_memory_bytes) == 4 and "GiB" in est.describe()
+
+
+def test_a_stack_with_bf16_gradients_prices_half_the_gradient_bytes(graph, spec):
+    """A published run's stack may keep its gradients in bf16 (Megatron-Core with grad_reduce_in_fp32=False):
+    the gradients are priced at 2 bytes a parameter there, and nothing else moves."""
+    from dataclasses import replace
+
+    plan = megatron(graph, 4, 2, tp=2, zero=1)
+    fp32 = nns.simulate(plan, spec)
+    bf16 = nns.simulate(plan, replace(spec, efficiency=replace(spec.efficiency, main_grad_bytes=2)))
+    assert fp32.details["training"]["grad_bytes"] == 4 and bf16.details["training"]["grad_bytes"] == 2
+    assert bf16.memory["grads"] == pytest.approx(fp32.memory["grads"] / 2)
+    for key in ("params", "optimizer", "activations"):
+        assert bf16.memory[key] == pytest.approx(fp32.memory[key])
+    assert type(spec.efficiency).from_json(bf16_json := replace(spec.efficiency, main_grad_bytes=2).to_json()) \
+        .main_grad_bytes == 2 and isinstance(bf16_json["main_grad_bytes"], int)

@@ -93,6 +93,10 @@ class Efficiency:
     # Megatron-Core runs it: the cast input and its transpose) or in the training dtype, cast again in
     # backward (torchao's Float8Linear, as torchtitan runs it).
     fp8_saves_float8: bool = False
+    # Bytes per parameter of the gradients the stack accumulates and reduces: 0 prices the plan's own
+    # (this runtime's fp32 main gradients, `Training.grad_bytes`); 2 for a stack that keeps them in bf16
+    # (Megatron-Core with `grad_reduce_in_fp32=False`, as Megatron-Bridge's fine-tuning recipes set it).
+    main_grad_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -105,6 +109,8 @@ class Efficiency:
                 return bool(v)
             if kind in ("str", str):
                 return str(v)
+            if kind in ("int", int):
+                return int(v)
             return float(v)
         return cls(**{k: conv(k, v) for k, v in d.items() if k in cls.__dataclass_fields__})
 

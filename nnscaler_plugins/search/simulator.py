@@ -182,7 +182,10 @@ def training_of(plan: Plan, cluster: ClusterSpec) -> Training:
     opts = priced_settings(plan)
     if plan.knobs.cluster is None and plan.precision == "fp32":
         del opts["precision"]
-    return Training.from_options(opts, cluster)
+    training = Training.from_options(opts, cluster)
+    if cluster.efficiency.main_grad_bytes:  # a published run's stack that keeps its gradients narrower
+        training = dataclasses.replace(training, grad_bytes=cluster.efficiency.main_grad_bytes)
+    return training
 
 
 def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, keep_timeline: bool = False) -> Estimate:
