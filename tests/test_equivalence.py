@@ -245,3 +245,45 @@ def test_gradient_buckets_keep_their_buffers_from_step_to_step(workers2):
     allocation faults its pages in again); the results stay those of one process (the tests above)."""
     for buckets, *same in workers2.run(_bucket_buffers_across_steps):
         assert buckets >= 1 and same == [True, True], (buckets, same)
+
+
+def _gradients_live_in_their_buckets(rank: int, world: int) -> list[str]:
+    """dp in training mode, each step's gradients zeroed in place (`set_to_none=False`, the way some
+    frameworks zero): the gradients accumulate into their buckets' views, the next step reduces those
+    views in place, and training stays one process's; a micro-batched step (no_sync inside) too."""
+    import nnscaler_plugins as nns
+
+    problems = []
+    ref, inputs = global_batch("gpt2_small", train=True)
+    model, _ = global_batch("gpt2_small", train=True)
+    local = slice_batch(inputs, rank, world)
+    pm = nns.parallelize(model, local, plan="dp", cache_dir="/tmp/nns_test_cache")
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    opt = nns.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        batch = {k: v.roll(step, 0) for k, v in inputs.items()}
+        models_loss = pm.train_step(slice_batch(batch, rank, world))
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        if not torch.allclose(_global_loss(models_loss, pm.plan, world), ref_loss.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"step {step}: loss differs")
+        problems += _compare_grads(pm, ref_params, f"step {step}")
+        for b in pm.grad_reducer.buckets:
+            storage = b.flat.untyped_storage().data_ptr()
+            apart = [p for p in b.params if p.grad is None or p.grad.untyped_storage().data_ptr() != storage]
+            if apart:
+                problems.append(f"step {step}: {len(apart)} reduced gradients are copies, not views of their bucket")
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        problems += _compare_params(pm, ref_params, f"step {step}", rtol=1e-5, atol=1e-6)
+    return problems
+
+
+def test_reduced_gradients_are_views_of_their_buckets_and_train_exactly(workers2):
+    """As DDP's gradient_as_bucket_view: no copy of the reduced gradients back out of the bucket, and
+    one copy of them held between steps instead of two."""
+    problems = workers2.run(_gradients_live_in_their_buckets)
+    assert not any(problems), problems

@@ -220,6 +220,27 @@ class Program:
             out |= {tuple(g) for g in s.grad_groups}
         return sorted((g for g in out if len(g) > 1), key=lambda g: (len(g), g))
 
+    def forward_communicates(self, device: int = 0) -> bool:
+        """Whether `device`'s forward runs any collective of its own (a reshard, or a kernel over a
+        group). Without one, no input of a backward was all-gathered (nothing to keep as a shard), and a
+        rank may start its forward while a step-level collective is still in flight."""
+        return bool(self.collective_counts(device))
+
+    def forward_is_local(self, device: int = 0) -> bool:
+        """Whether `device`'s forward only computes its outputs: no collective of its own, no random
+        draws (their streams advance), no buffer, weight or input written in place (batch-norm running
+        statistics). Such a forward can run on some ranks and be thrown away (its step refused by
+        another rank) without the ranks drifting apart."""
+        if self.forward_communicates(device) or self.draws:
+            return False
+        for op in self.graph.ops:
+            name = op.short_name
+            if "batch_norm" in name:
+                return False
+            if name.endswith("_") and op.inputs and self.graph.values[op.inputs[0]].kind != "op":
+                return False
+        return True
+
     def collective_counts(self, device: int = 0):
         """Collectives this device runs in one forward (by kind), for tests and explain()."""
         from collections import Counter

@@ -63,6 +63,9 @@ class GradReducer:
         # a backward under no_sync accumulated gradients since the last reduction: they differ per rank
         self.local_since_reduce = False
         self.launched = 0  # bucket reductions started so far (tests read it to see no_sync work)
+        # Reduced gradients are views of their bucket's buffer (kept from step to step): a later reduction
+        # overwrites them, so whoever reads `.grad` reads it before the next backward, as optimizers do.
+        self._bucket_views = True
         self._shards = shards or {}
         self._chunk_after = chunk_after or {}
         self._scatter = scatter  # ZeRO-2: keep chunks (True) or whole gradients in .grad (False), per reduction
@@ -145,7 +148,13 @@ class GradReducer:
         flat = bucket.flat
         if flat is None or flat.numel() != n or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = bucket.flat = grads[0].new_empty(n)
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        views = [_is_view_at(g, flat, off) for g, off in zip(grads, _offsets(grads))]
+        if not any(views):
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+        else:  # gradients accumulated into the bucket's own views (zero_grad without set_to_none, no_sync)
+            for g, off, there in zip(grads, _offsets(grads), views):
+                if not there:
+                    flat[off:off + g.numel()].copy_(g.reshape(-1))
         bucket.buffer = flat
         if bucket.scale != 1.0:  # averaging before the sum, as DDP does: one op per bucket
             bucket.buffer.mul_(bucket.scale)
@@ -174,6 +183,10 @@ class GradReducer:
                     have = self.shard_grads.get(id(p))
                     self.shard_grads[id(p)] = mine.clone() if have is None else have.add_(mine)
                     p.grad = None
+                elif self._bucket_views:
+                    # the gradient stays in the bucket, as DDP's gradient_as_bucket_view: no copy back, and
+                    # one copy of the gradients held between steps instead of two
+                    p.grad = g
                 elif p.grad is None:
                     p.grad = g.clone()
                 else:
@@ -184,3 +197,17 @@ class GradReducer:
             bucket.ready.clear()
         self._queued = False
         self.local_since_reduce = False
+
+
+def _offsets(grads: list[torch.Tensor]) -> list[int]:
+    out, off = [], 0
+    for g in grads:
+        out.append(off)
+        off += g.numel()
+    return out
+
+
+def _is_view_at(g: torch.Tensor, flat: torch.Tensor, off: int) -> bool:
+    """Whether `g` is already the bucket's view at `off` (a gradient accumulated in place there)."""
+    return (g.is_contiguous() and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            and g.storage_offset() == flat.storage_offset() + off)

@@ -263,8 +263,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
                     continue
                 if set_to_none:
                     t.grad = None
-                else:
-                    t.grad.detach_().zero_()
+                else:  # a reduced gradient may be a view of its bucket (grad_reducer.py): no in-place detach
+                    if t.grad.grad_fn is not None:
+                        t.grad.detach_()
+                    t.grad.zero_()
         self._prepared = False
 
     # -- state --------------------------------------------------------------------------------------

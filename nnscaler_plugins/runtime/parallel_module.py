@@ -99,6 +99,12 @@ class ParallelModule(torch.nn.Module):
         self.source_path = artifact.source_path
         # Other batch sizes and lengths than the example's: the compile stage's callback makes their programs.
         self.shape_programs = artifact.shapes
+        # Whether this device's forward runs collectives of its own (programs for other sizes run the same
+        # ones): without, no saved input is an all-gathered one kept as its shard. A forward that only
+        # computes may run while the replicas agree on the step's sizes (`_agree_begin`).
+        self._forward_communicates = program.forward_communicates(self.unit_device) or plan.zero >= 3
+        self._forward_is_local = (program.forward_is_local(self.unit_device) and plan.zero < 3
+                                  and plan.precision != "fp8" and plan.pipeline is None)
         self._loss_items = artifact.loss_items
         self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
         self._micro_weights: list[float] = []
@@ -332,7 +338,12 @@ class ParallelModule(torch.nn.Module):
         fn = run.module.forward_loss if loss_only else run.module.forward
         meter = active_meter()  # a measurement around this forward: its hooks give way to these, which report to it
         on_save = meter.count_packed if meter is not None else None
-        scope = self.zero3.forward_scope(on_save) if self.zero3 is not None else saved_tensor_hooks(on_save)
+        if self.zero3 is not None:
+            scope = self.zero3.forward_scope(on_save)
+        elif on_save is not None or self._forward_communicates:
+            scope = saved_tensor_hooks(on_save)
+        else:  # nothing gathered to keep as a shard: no hook on every saved tensor
+            scope = contextlib.nullcontext()
         with scope, autocast(self.plan.precision, self._device):
             flat = fn(self._comm.for_program(run.program), self._device, self._params_on_use(), *inputs)
         return [c if v is None else t for t, v, c in zip(flat, self.graph.outputs, self.graph.output_constants)]
@@ -360,23 +371,27 @@ class ParallelModule(torch.nn.Module):
         Batches may differ in size and length from the example (see compiler/shapes.py). Each
         micro-batch's loss weighs its share of the step's items (targets not ignored, else samples)
         over every data-parallel replica, so the gradients are those of one device on the whole
-        batch; the replicas agree on the weights and on any refused size before any of them runs."""
+        batch; the replicas agree on the weights and on any refused size before any of them runs a
+        backward (or, where the forward runs collectives, draws or updates statistics, a forward)."""
         rec = self._begin_step()
         try:
             micro, problem = split_batch(batch, self.plan.num_micro_batches), None
         except PlanError as e:  # told to the other replicas first, as any refused size is
             micro, problem = [], str(e)
-        weights = self._agree(micro, problem)
+        # a forward without collectives runs while the replicas agree on the step's sizes
+        agreed = self._agree_begin(micro, problem, overlap=self._forward_is_local)
         self._last_forward = ("train_step", micro)
         if self.plan.pipeline is not None:
-            self._micro_weights = weights
+            self._micro_weights = agreed()
             return self._end_step(self._pipeline_step(micro))
-        total = None
-        for i, (mb, w) in enumerate(zip(micro, weights)):
+        total, weights = None, None
+        for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 rec.at("forward", 0, i)
                 loss = self._loss_of(mb)
+                weights = weights or agreed()
+                w = weights[i]
                 part = loss.detach() * w
                 total = part if total is None else total + part
                 if last:  # the step's loss is known: its non-finite flag travels while backward runs
@@ -440,6 +455,13 @@ class ParallelModule(torch.nn.Module):
     def _agree(self, micro: list[Any], problem: Optional[str]) -> list[float]:
         """Each micro-batch's weight (its items over the step's, times the replicas: gradients are
         averaged over them); sizes this plan cannot take are refused on every rank at once."""
+        return self._agree_begin(micro, problem, overlap=False)()
+
+    def _agree_begin(self, micro: list[Any], problem: Optional[str], overlap: bool) -> Callable[[], list[float]]:
+        """`_agree` in two halves: the all-reduce starts now, and the returned call waits for it and
+        gives the weights. With `overlap`, a rank whose own batch fits lets the agreement travel while
+        it runs its first forward: allowed only where that forward runs no collective, so a rank that
+        refuses its batch (and runs no forward) cannot leave the others waiting inside one."""
         counts = []
         for mb in micro:
             args, kwargs = normalize_inputs(mb, None)
@@ -447,21 +469,33 @@ class ParallelModule(torch.nn.Module):
             problem = problem or self.shape_programs.check(flat, args, kwargs)
             counts.append(self._loss_items.count(flat))
         mine = float(sum(counts))
-        total = mine * self.dp_size
+        t, work = None, None
         if self.dp_size > 1:
             t = torch.tensor([mine, 1.0 if problem else 0.0], dtype=torch.float64,
                              device=self._device if self._device.type != "meta" else "cpu")
-            self.flight_recorder.enter(OUTSIDE, "the step's agreement on batch sizes (all-reduce over every rank)")
-            dist.all_reduce(t)
-            self.flight_recorder.leave()
-            total = t[0].item() / self.plan.unit_size  # every device of a replica counted the same items
-            if t[1].item() > 0 and problem is None:
-                problem = "another data-parallel replica's batch has sizes this plan cannot take (its rank says which)"
-        if problem is not None:
-            raise PlanError(problem)
-        if total <= 0:
-            return [1.0 / len(micro)] * len(micro)
-        return [c * self.dp_size / total for c in counts]
+            work = dist.all_reduce(t, async_op=True)
+
+        def weights() -> list[float]:
+            nonlocal problem
+            total = mine * self.dp_size
+            if work is not None:
+                self.flight_recorder.enter(OUTSIDE, "the step's agreement on batch sizes (all-reduce over every rank)")
+                work.wait()
+                self.flight_recorder.leave()
+                total = t[0].item() / self.plan.unit_size  # every device of a replica counted the same items
+                if t[1].item() > 0 and problem is None:
+                    problem = ("another data-parallel replica's batch has sizes this plan cannot take "
+                               "(its rank says which)")
+            if problem is not None:
+                raise PlanError(problem)
+            if total <= 0:
+                return [1.0 / len(micro)] * len(micro)
+            return [c * self.dp_size / total for c in counts]
+
+        if not overlap or problem is not None or work is None:
+            done = weights()
+            return lambda: done
+        return weights
 
     def loss_weight(self, batch: Any) -> float:
         """What this replica's mean loss on `batch` is multiplied by before backward so that the
