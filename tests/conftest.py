@@ -50,6 +50,27 @@ LONG = {
     "tests/test_auto.py::test_auto_equivalence_4[llama_small]": "GPT-2 at world 4 runs by default",
     "tests/test_precision.py::test_half_precision_with_pipelines": "bf16 against one process runs by default",
     "tests/test_zero.py::test_zero_stages_with_pipeline_pp2_dp2": "ZeRO stages under dp and tp x dp run by default",
+    "tests/test_equivalence.py::test_equivalence_4[gpt2_small-dp-options3]":
+        "every model and strategy runs at world 2; world 4 runs Llama's tp, the MLP's cases and the hybrids",
+    "tests/test_equivalence.py::test_equivalence_4[gpt2_small-tp-options4]":
+        "every model and strategy runs at world 2; world 4 runs Llama's tp, the MLP's cases and the hybrids",
+    "tests/test_equivalence.py::test_equivalence_4[llama_small-dp-options5]":
+        "every model and strategy runs at world 2; world 4 runs Llama's tp, the MLP's cases and the hybrids",
+    "tests/test_pipeline.py::test_pipeline_equivalence_2[llama_small-2-gpipe-options4]":
+        "GPT-2 runs every schedule at world 2, Llama runs them at world 4",
+    "tests/test_pipeline.py::test_pipeline_equivalence_2[llama_small-2-1f1b-options5]":
+        "GPT-2 runs every schedule at world 2, Llama runs them at world 4",
+    "tests/test_pipeline.py::test_pipeline_equivalence_2[llama_small-2-zero-bubble-options6]":
+        "GPT-2 runs every schedule at world 2, Llama runs them at world 4",
+    "tests/test_pipeline.py::test_pipeline_equivalence_4[gpt2_small-2-1f1b-options2-1]":
+        "world 4 runs interleaved with dp and with tp, 4-stage 1F1B, tp x pp with sequence parallelism and interlaced",
+    "tests/test_pipeline.py::test_pipeline_equivalence_4[llama_small-2-zero-bubble-options3-1]":
+        "world 4 runs interleaved with dp and with tp, 4-stage 1F1B, tp x pp with sequence parallelism and interlaced",
+    "tests/test_pipeline.py::test_pipeline_equivalence_4[gpt2_small-4-gpipe-options5-1]":
+        "world 4 runs interleaved with dp and with tp, 4-stage 1F1B, tp x pp with sequence parallelism and interlaced",
+    "tests/test_pipeline.py::test_pipeline_equivalence_4[gpt2_small-2-megatron-options6-2]":
+        "world 4 runs interleaved with dp and with tp, 4-stage 1F1B, tp x pp with sequence parallelism and interlaced",
+    "tests/test_unruled_ops.py::test_rule_less_ops_between_split_ops_4": "the same rule-less ops run at world 2",
     "tests/test_variable_shapes.py::test_other_sizes_train_like_one_process[megatron":
         "dp, tp, zero3, 1f1b and auto run by default",
     "tests/test_variable_shapes.py::test_other_sizes_train_like_one_process[interleaved":

@@ -23,7 +23,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -94,7 +93,8 @@ def test_sigkill_at_a_random_step_resumes_exactly_under_tp_zero3_and_a_pipeline(
 
 
 def test_kill_during_a_background_save_keeps_the_previous_checkpoint(work):
-    scenarios = ["tp:savekill", "zero3:savekill"]
+    # tp by default; zero3's (its chunks saved per rank) with NNS_TEST_ALL_PLANS=1
+    scenarios = ["tp:savekill"] + (["zero3:savekill"] if os.environ.get("NNS_TEST_ALL_PLANS") == "1" else [])
     code, out = torchrun(work, ["--scenarios", ",".join(scenarios), "--micro-batch-size", "2"], restarts=2)
     assert code == 0, out[-6000:]
     ev = events(out)

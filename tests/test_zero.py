@@ -8,6 +8,7 @@ run inside one task per world size, so each module starts its process group once
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -250,8 +251,10 @@ def run_plain_optimizer(rank: int, world: int, strategy: str, options: dict) -> 
 
 
 def test_plain_torch_optimizer_is_exact_under_every_stage(workers2, workers4):
+    # tp x dp too with NNS_TEST_ALL_PLANS=1 (test_zero_stages_tp2_dp2 runs its stages with our optimizer)
     problems = workers2.run(run_plain_optimizer, "dp", {})
-    problems += workers4.run(run_plain_optimizer, "hybrid", {"tp": 2, "dp": 2})
+    if os.environ.get("NNS_TEST_ALL_PLANS") == "1":
+        problems += workers4.run(run_plain_optimizer, "hybrid", {"tp": 2, "dp": 2})
     assert not any(problems), problems
 
 
