@@ -48,6 +48,8 @@ LONG = {
     "tests/test_frontier_runs.py::test_every_frontier_plan_runs_4": "the world-2 frontier runs by default",
     "tests/test_pipeline.py::test_3d_equivalence_8": "world 8; the world-4 pipeline equivalences run by default",
     "tests/test_auto.py::test_auto_equivalence_4[llama_small]": "GPT-2 at world 4 runs by default",
+    "tests/test_auto.py::test_auto_equivalence_4[gpt2_small]":
+        "auto at world 2 runs GPT-2 and Llama; the main job (test_main_job) trains GPT-2 under auto at world 4",
     "tests/test_precision.py::test_half_precision_with_pipelines": "bf16 against one process runs by default",
     "tests/test_zero.py::test_zero_stages_with_pipeline_pp2_dp2": "ZeRO stages under dp and tp x dp run by default",
     "tests/test_equivalence.py::test_equivalence_4[gpt2_small-dp-options3]":

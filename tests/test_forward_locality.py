@@ -10,8 +10,8 @@ import models
 from test_batch_norm_statistics import build as batch_norm_net
 
 
-def _program(model, batch, plan, world=2, **options):
-    compiled = nns.compile(model, batch, plan, world_size=world, cache_dir="/tmp/nns_test_cache", **options)
+def _program(graph, plan, world=2, **options):
+    compiled = nns.compile(graph, None, plan, world_size=world, cache_dir="/tmp/nns_test_cache", **options)
     return compiled.artifact(0).program
 
 
@@ -26,19 +26,20 @@ def gpt2_without_dropout():
 
 def test_a_plain_data_parallel_forward_only_computes():
     model, batch = gpt2_without_dropout()
-    program = _program(model, batch, "dp")
+    program = _program(nns.capture(model, kwargs=batch), "dp")
     assert not program.draws and not program.forward_communicates(0)
     assert program.forward_is_local(0)
 
 
 def test_draws_collectives_and_running_statistics_are_not_local():
-    model, batch = models.gpt2_small()  # dropout 0.1: the forward draws
-    assert not _program(model, batch, "dp").forward_is_local(0)
+    model, batch = models.gpt2_small(1)  # dropout 0.1: the forward draws
+    assert not _program(nns.capture(model, kwargs=batch), "dp").forward_is_local(0)
     model, batch = gpt2_without_dropout()
-    tp = _program(model, batch, "tp")  # tensor parallelism: collectives in the forward
+    tp = _program(nns.capture(model, kwargs=batch), "tp")  # tensor parallelism: collectives in the forward
     assert tp.forward_communicates(0) and not tp.forward_is_local(0)
     net, batch = batch_norm_net()
-    synced = _program(net, batch, "dp")  # the replicas' moments combined: a collective in the forward
+    graph = nns.capture(net, kwargs=batch)
+    synced = _program(graph, "dp")  # the replicas' moments combined: a collective in the forward
     assert synced.forward_communicates(0) and not synced.forward_is_local(0)
-    local = _program(net, batch, "dp", batch_statistics="local")  # DDP's per-replica statistics: no collective,
+    local = _program(graph, "dp", batch_statistics="local")  # DDP's per-replica statistics: no collective,
     assert not local.forward_communicates(0) and not local.forward_is_local(0)  # but running statistics written

@@ -154,6 +154,36 @@ def test_a_replica_refusing_stops_every_rank_before_any_collective(workers2):
     assert "cannot be cut into 2 micro-batches" in second, second
 
 
+def refused_while_the_other_ran_its_forward(rank: int, world: int) -> tuple[str, list[float]]:
+    """A forward that only computes (no dropout, no collective) runs while the replicas agree on the
+    step's sizes: the replica whose batch fits has run its first forward when the refusal arrives."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+    from test_forward_locality import gpt2_without_dropout
+
+    torch.manual_seed(0)
+    model, _ = gpt2_without_dropout()
+    pm = nns.parallelize(model, _batch(0, 2, 16), plan="dp", micro_batches=2, cache_dir="/tmp/nns_test_cache")
+    assert pm.program.forward_is_local(pm.unit_device)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    try:
+        pm.train_step(_batch(1, 1 if rank == 1 else 2, 16))
+        message = "accepted"
+    except PlanError as e:
+        message = str(e)
+    pm.train_step(_batch(2, 2, 16))  # nothing was left half-done: the replicas step on together
+    opt.step()
+    sums = [float(p.detach().double().sum()) for p in pm.parameters()]
+    return message, sums
+
+
+def test_a_replica_refusing_while_the_other_runs_its_forward_leaves_them_alike(workers2):
+    (first, weights0), (second, weights1) = workers2.run(refused_while_the_other_ran_its_forward, timeout=120)
+    assert "another data-parallel replica" in first, first
+    assert "cannot be cut into 2 micro-batches" in second, second
+    assert weights0 == weights1  # the same weights after the next step: the thrown-away forward left no trace
+
+
 class _Windowed(torch.nn.Module):
     """Reads at most the last `window` positions: a size the model clamps (min(S, window)) is S
     for every length the fit saw, and the window beyond them."""
