@@ -23,3 +23,7 @@ fi
 # .[dev] includes torchao (float8 training, the fp8 extra), pinned to the torch above by the constraints
 "${PIP[@]}" -c "$CONSTRAINTS" -e ".[dev]"
 "$PY" -c "import torch; assert torch.__version__ == '${TORCH_VERSION}', 'setup changed torch'"
+# The package is installed editable, so its bytecode is not compiled at install time; where the
+# interpreter is told not to write bytecode (PYTHONDONTWRITEBYTECODE), every process the jobs and the
+# tests start would compile the whole package again (about a second each). Compile it once here.
+"$PY" -m compileall -q nnscaler_plugins tests benchmarks recipes >/dev/null
