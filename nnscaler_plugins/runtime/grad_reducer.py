@@ -148,11 +148,12 @@ class GradReducer:
         flat = bucket.flat
         if flat is None or flat.numel() != n or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = bucket.flat = grads[0].new_empty(n)
-        views = [_is_view_at(g, flat, off) for g, off in zip(grads, _offsets(grads))]
+        offsets = _offsets(grads)
+        views = [_is_view_at(g, flat, off) for g, off in zip(grads, offsets)]
         if not any(views):
             torch.cat([g.reshape(-1) for g in grads], out=flat)
         else:  # gradients accumulated into the bucket's own views (zero_grad without set_to_none, no_sync)
-            for g, off, there in zip(grads, _offsets(grads), views):
+            for g, off, there in zip(grads, offsets, views):
                 if not there:
                     flat[off:off + g.numel()].copy_(g.reshape(-1))
         bucket.buffer = flat
