@@ -63,9 +63,6 @@ class GradReducer:
         # a backward under no_sync accumulated gradients since the last reduction: they differ per rank
         self.local_since_reduce = False
         self.launched = 0  # bucket reductions started so far (tests read it to see no_sync work)
-        # Reduced gradients are views of their bucket's buffer (kept from step to step): a later reduction
-        # overwrites them, so whoever reads `.grad` reads it before the next backward, as optimizers do.
-        self._bucket_views = True
         self._shards = shards or {}
         self._chunk_after = chunk_after or {}
         self._scatter = scatter  # ZeRO-2: keep chunks (True) or whole gradients in .grad (False), per reduction
@@ -184,14 +181,11 @@ class GradReducer:
                     have = self.shard_grads.get(id(p))
                     self.shard_grads[id(p)] = mine.clone() if have is None else have.add_(mine)
                     p.grad = None
-                elif self._bucket_views:
-                    # the gradient stays in the bucket, as DDP's gradient_as_bucket_view: no copy back, and
-                    # one copy of the gradients held between steps instead of two
-                    p.grad = g
-                elif p.grad is None:
-                    p.grad = g.clone()
                 else:
-                    p.grad.copy_(g)
+                    # the gradient stays in the bucket, as DDP's gradient_as_bucket_view: no copy back, and
+                    # one copy of the gradients held between steps instead of two; the next reduction
+                    # overwrites it, so whoever reads `.grad` reads it before the next backward
+                    p.grad = g
                 off += n
             bucket.work = None
             bucket.buffer = None
