@@ -448,6 +448,15 @@ def test_zero3_gathers_a_layer_per_collective_not_a_weight(workers2):
     assert gathers < params, (gathers, params)
 
 
+def test_zero3_backward_gathers_each_unit_once(workers2):
+    """Backward gathers a unit once, and never again the weights it is done with: each unit once in
+    forward and once in backward, and the tied embedding once more (the head reads it again after
+    the layers). When a weight backward had already used was gathered again with the rest of its
+    unit, this model took 22 all-gathers a step for its 8 units."""
+    gathers, _, _, units = workers2.run(_gathers_per_step)[0]
+    assert gathers <= 2 * units + 1, (gathers, units)
+
+
 def test_zero3_reduce_scatters_each_layer_when_its_backward_ends(workers2):
     """Gradients travel per gather unit (a layer, as FSDP's per-block reduce-scatter), not once the
     25 MiB bucket is full: for a small model that bucket holds every whole gradient to the end of

@@ -292,15 +292,17 @@ class _UnitGather:
     work: Any
     buf: Optional[torch.Tensor]
     sent: Optional[torch.Tensor]
-    parts: list[tuple[int, int, torch.Tensor]]  # (offset in a rank's row, chunk elements, flat out)
+    parts: list[tuple[int, int, torch.Tensor]]  # (offset in a rank's row, chunk elements, flat out), end to end
 
     def wait(self) -> None:
         if self.work is None:
             return
         self.work.wait()
         rows = self.buf.view(-1, sum(c for _, c, _ in self.parts))  # one row per rank
-        for off, chunk, out in self.parts:
-            out.view(-1, chunk).copy_(rows[:, off:off + chunk])
+        # The parts lie end to end in a row: one fused copy out (as FSDP2's split_with_sizes_copy),
+        # not a slice and a copy per parameter.
+        torch.split_with_sizes_copy(rows, [c for _, c, _ in self.parts], dim=1,
+                                    out=[out.view(-1, c) for _, c, out in self.parts])
         self.work = self.buf = self.sent = None
 
 
@@ -322,6 +324,13 @@ class Zero3Params:
         self._regathered: dict[int, weakref.ref] = {}
         self._saved_order: list[int] = []  # keys in the order the forward saved them
         self._saved_at: dict[int, int] = {}
+        # How many saved references of each key the forward left, and how many the backward has
+        # unpacked: a key whose every reference was unpacked is done for this backward, and is
+        # neither gathered again with its unit nor prefetched (without this, a layer's weights
+        # already used were gathered a second time with the rest of their unit).
+        self._saves: dict[int, int] = {}
+        self._unpacks: dict[int, int] = {}
+        self._done: set[int] = set()
         self._prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
         self._pending: list[_PendingReduce] = []
@@ -447,8 +456,7 @@ class Zero3Params:
         for work, _ in self._prefetched.values():  # meant for a backward that never came
             work.wait()
         self._prefetched.clear()
-        self._saved_order.clear()
-        self._saved_at.clear()
+        self._forget_saved()
         self._fetched.clear()
 
         def pack(t: torch.Tensor) -> Any:
@@ -484,6 +492,7 @@ class Zero3Params:
         if key not in self._saved_at:
             self._saved_at[key] = len(self._saved_order)
             self._saved_order.append(key)
+        self._saves[key] = self._saves.get(key, 0) + 1
         if scale is not None:
             self._saved_scale[key] = scale
         return _SavedRef(key, tuple(inner.size()), tuple(inner.stride()), inner.storage_offset(), scale, orig)
@@ -506,10 +515,29 @@ class Zero3Params:
         return dict(self._unit_of)
 
     def _held_in_backward(self, k: int) -> bool:
-        """Whether backward must not gather `k` again: whole and still held by some node, or not
-        saved by this forward (backward will not ask for it)."""
+        """Whether backward must not gather `k` again: whole and still held by some node, not
+        saved by this forward, or done (every reference it saved unpacked): backward will not ask
+        for it, or has it."""
         ref = self._regathered.get(k)
-        return k not in self._saved_at or (ref is not None and ref() is not None)
+        return k not in self._saved_at or k in self._done or (ref is not None and ref() is not None)
+
+    def _forget_saved(self) -> None:
+        """What one forward saved and one backward unpacked, gone (a new forward, or the step's end)."""
+        self._saved_order.clear()
+        self._saved_at.clear()
+        self._saves.clear()
+        self._unpacks.clear()
+        self._done.clear()
+
+    def _next_needed(self, key: int) -> Optional[int]:
+        """The parameter backward will need after `key`: the nearest one saved before it in the
+        forward that backward is not done with (None at the first)."""
+        at = self._saved_at.get(key, 0)
+        for j in range(at - 1, -1, -1):
+            k = self._saved_order[j]
+            if k not in self._done:
+                return k
+        return None
 
     def _launch_unit(self, key: int, table: dict[int, tuple[Any, torch.Tensor]], skip: Callable[[int], bool],
                      scales: Optional[dict[int, Optional[torch.Tensor]]] = None) -> None:
@@ -607,12 +635,12 @@ class Zero3Params:
             work.wait()
             whole = self._whole(key, buf)
             self._regathered[key] = weakref.ref(whole)
-        at = self._saved_at.get(key)
-        if at:
-            nxt = self._saved_order[at - 1]
-            held = self._regathered.get(nxt)
-            if nxt not in self._prefetched and (held is None or held() is None):
-                self._launch_unit(nxt, self._prefetched, self._held_in_backward)
+        count = self._unpacks[key] = self._unpacks.get(key, 0) + 1
+        if count >= self._saves.get(key, 0):
+            self._done.add(key)
+        nxt = self._next_needed(key)
+        if nxt is not None and nxt not in self._prefetched and not self._held_in_backward(nxt):
+            self._launch_unit(nxt, self._prefetched, self._held_in_backward)
         view = whole.as_strided(saved.size, saved.stride, saved.offset)
         if saved.scale is not None:  # the float8 operand the forward saved, from the same float8 values
             return self._cast.operand(view, saved.scale, saved.orig_dtype)
@@ -766,8 +794,7 @@ class Zero3Params:
         for work, _ in self._prefetched.values():  # gathered for a backward that did not need it
             work.wait()
         self._prefetched.clear()
-        self._saved_order.clear()
-        self._saved_at.clear()
+        self._forget_saved()
         self._fetched.clear()
         self._saved_scale.clear()
         self._queued = False
