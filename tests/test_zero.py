@@ -463,3 +463,45 @@ def test_zero3_reduce_scatters_each_layer_when_its_backward_ends(workers2):
     backward (one reduction a step), where per unit each is let go as the layers below compute."""
     _, _, reductions, units = workers2.run(_gathers_per_step)[0]
     assert reductions >= units - 1 > 2, (reductions, units)  # the tied embedding's copies may share one
+
+
+def _zero3_gradients_are_views_of_their_reduction(rank: int, world: int) -> list[str]:
+    """zero3 in training mode, gradients zeroed in place (`set_to_none=False`) between steps: each
+    chunk's gradient is a view of its reduce-scatter's output (one buffer per reduction, no copy per
+    parameter), the next step adds into those views, and training stays one process's."""
+    import nnscaler_plugins as nns
+
+    problems = []
+    torch.manual_seed(0)
+    base, inputs = models.gpt2_small()
+    for m in base.modules():  # training mode with every dropout probability zero
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    base.train()
+    pm = nns.parallelize(copy.deepcopy(base), slice_batch(inputs, rank, world), plan="dp", zero=3,
+                         cache_dir="/tmp/nns_test_cache")
+    ref = copy.deepcopy(base)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        before = pm.zero3.launched
+        loss = global_loss(pm.train_step(slice_batch(inputs, rank, world)), pm.plan, world)
+        reductions = pm.zero3.launched - before
+        ref_loss = ref(**inputs).loss
+        ref_loss.backward()
+        if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
+            problems.append(f"step {step}: loss {loss.item()} vs {ref_loss.item()}")
+        storages = {c.grad.untyped_storage().data_ptr() for c in pm.zero3.chunks if c.grad is not None}
+        if len(storages) > reductions:
+            problems.append(f"step {step}: {len(storages)} gradient buffers for {reductions} reductions "
+                            "(copies per parameter)")
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        problems += compare_state(pm, ref, f"step {step}", rtol=1e-5, atol=1e-6)
+    return problems
+
+
+def test_zero3_gradients_are_views_of_their_reduction_and_train_exactly(workers2):
+    problems = workers2.run(_zero3_gradients_are_views_of_their_reduction)
+    assert not any(problems), problems

@@ -761,7 +761,10 @@ class Zero3Params:
         self.flush()
         pending, self._pending = self._pending, []
         pending.reverse()
-        while pending:  # each reduction's buffer is freed once its chunks are added, not all at the end
+        # A bucket's reduced buffer is read by nothing else: each chunk's gradient is a view of it (as
+        # a DDP bucket's with gradient_as_bucket_view), not a copy, and an allocation, per parameter.
+        # A whole gradient's buffer is let go once our chunk of it is copied out.
+        while pending:
             p = pending.pop()
             if p.work is not None:
                 p.work.wait()
@@ -774,13 +777,13 @@ class Zero3Params:
             off = 0  # a bucket: the chunks of its gradients one after another (reduce_scatter_layout)
             for key in p.keys:
                 sh = self.shards[key]
-                self._add_grad(key, p.out[off:off + sh.hi - sh.lo], own=len(p.keys) == 1)
+                self._add_grad(key, p.out[off:off + sh.hi - sh.lo], own=True)
                 off += sh.chunk
             del p
 
     def _add_grad(self, key: int, g: torch.Tensor, own: bool = False) -> None:
-        """Add a reduced chunk to the chunk parameter's gradient; `own`: `g` is a buffer nothing
-        else reads, which becomes the gradient itself instead of a copy."""
+        """Add a reduced chunk to the chunk parameter's gradient; `own`: `g` is (a view of) a buffer
+        nothing else reads, which becomes the gradient itself instead of a copy."""
         c = self.chunks[key]
         g = g.reshape(c.shape).to(device=c.device, dtype=c.dtype)
         if c.grad is None:
