@@ -25,6 +25,7 @@ so the report comes before the backend's own error.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import linecache
@@ -139,6 +140,7 @@ class Watchdog:
         self.device: Optional[torch.device] = None
         self._thread: Optional[threading.Thread] = None
         self._stalled_said = -1
+        self._stop = threading.Event()
 
     def watch(self, recorder: FlightRecorder, timeout_s: float, report_dir: str, device: torch.device) -> None:
         """Watch `recorder` from now on (the module that ran last is the one watched)."""
@@ -146,8 +148,20 @@ class Watchdog:
             self._active = weakref.ref(recorder)
             self.timeout_s, self.report_dir, self.device = float(timeout_s), os.path.abspath(report_dir), device
             if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
                 self._thread = threading.Thread(target=self._loop, name="nnscaler-watchdog", daemon=True)
                 self._thread.start()
+                atexit.unregister(self.stop)  # once, however often the thread is started again
+                atexit.register(self.stop)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread and wait for it (at interpreter exit). A daemon thread still inside a store
+        call when the interpreter finalizes is torn down in C++ code, which aborts the process
+        ("terminate called without an active exception") after the job's work is done."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def recorder(self) -> Optional[FlightRecorder]:
         ref = self._active
@@ -159,9 +173,10 @@ class Watchdog:
 
     def _loop(self) -> None:
         last_seq, still_since, published = -1, time.monotonic(), 0.0
-        while True:
+        while not self._stop.is_set():
             poll = min(1.0, max(self.timeout_s / 10, 0.05))
-            time.sleep(poll)
+            if self._stop.wait(poll):
+                return
             rec = self.recorder()
             if rec is None or not (dist.is_available() and dist.is_initialized()):
                 continue
