@@ -173,9 +173,8 @@ class Watchdog:
 
     def _loop(self) -> None:
         last_seq, still_since, published = -1, time.monotonic(), 0.0
-        while not self._stop.is_set():
-            poll = min(1.0, max(self.timeout_s / 10, 0.05))
-            if self._stop.wait(poll):
+        while True:
+            if self._stop.wait(min(1.0, max(self.timeout_s / 10, 0.05))):
                 return
             rec = self.recorder()
             if rec is None or not (dist.is_available() and dist.is_initialized()):
