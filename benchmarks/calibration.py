@@ -63,6 +63,10 @@ class Case:
     hardware: dict = field(default_factory=dict, hash=False)
     fit: bool = False  # used to fit `Efficiency.sustained`; every other case is held out
     era: str = "2021"  # "2021", "A100 current", "H100 current"
+    # whose peak the published figure is: "max", the largest over the ranks; "last", the last global rank's
+    # (a run that logged memory through its metrics writer, which lives on the last rank: the last
+    # pipeline stage)
+    peak_rank: str = "max"
 
     @property
     def dp(self) -> int:
@@ -209,13 +213,19 @@ def megatron_bridge_llama(name: str, key: str, s: int, tp: int, pp: int, v: int,
     backward. `recompute` "selective": Megatron's default selective recomputation (the attention core).
     The fine-tuning recipe sets `grad_reduce_in_fp32=False`: gradients are accumulated and reduced in
     bf16 (a stack fact, `main_grad_bytes=2`). Memory only: `peak_gb` is the peak Megatron-Bridge logs,
-    in decimal gigabytes (its `report_memory` divides bytes by 1e9), converted here to GiB."""
+    in decimal gigabytes (its `report_memory` divides bytes by 1e9), converted here to GiB. It is the
+    last global rank's peak: the run's metrics writers (TensorBoard, W&B) live on the last rank, which
+    logged its own `torch.cuda.memory_stats()` until Megatron-Bridge reduced them over the pipeline group
+    (PR #3645, 2026-05-08, for issue #3167: memory was logged "from last PP rank"). The table was
+    measured before that (PR #3107, 2026-04); its baseline ran out of memory on rank 0, the first stage,
+    whose interleaved warm-up keeps the most micro-batches, while the logged peak read 58.8 GB."""
     model = replace(LLAMA[key], s=s)
     opts = {"tp": tp, "pp": pp, "zero": 1, "recompute": recompute, "sequence_parallel": tp > 1,
             "schedule": "interleaved" if v > 1 else "1f1b", "virtual_stages": v,
             "precision": "fp8", "fp8_skip": ("lm_head",)}
     return Case("MB-H100 fp8", name, model, "h100-dgx", gpus, batch, 1, opts, None, {"peak": peak_gb * 1e9 / GiB},
-                stack=dict(MEGATRON_STACK, fp8_saves_float8=True, main_grad_bytes=2), fit=fit, era="H100 current")
+                stack=dict(MEGATRON_STACK, fp8_saves_float8=True, main_grad_bytes=2), fit=fit, era="H100 current",
+                peak_rank="last")
 
 
 def _fits_h100(h: int, l: int, a: int, tp: int, b: int, s: int, V: int, dp: int) -> bool:

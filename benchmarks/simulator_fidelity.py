@@ -83,8 +83,20 @@ def measured(case, est) -> list[tuple[str, float, float]]:
     if "activations" in case.memory:
         out.append(("activations GiB", case.memory["activations"], mem["activations"] / GiB))
     if "peak" in case.memory:
-        out.append(("peak GiB", case.memory["peak"], est.max_memory_bytes / GiB))
+        out.append(("peak GiB", case.memory["peak"], peak_of(case, est) / GiB))
     return out
+
+
+def peak_of(case, est) -> float:
+    """The simulated peak to compare with the published one: the largest over the devices, or, for a run
+    that logged its last rank's (`Case.peak_rank` "last"), the largest on the last pipeline stage's
+    devices. That stage holds the last global rank in Megatron's rank order (tensor-parallel ranks
+    innermost, pipeline stages outermost) as in this simulator's unit."""
+    if case.peak_rank == "last":
+        last = est.details.get("stage_devices", [[]])[-1]
+        if last:
+            return max(est.peak_memory_bytes[d] for d in last)
+    return est.max_memory_bytes
 
 
 def planned(case):

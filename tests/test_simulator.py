@@ -59,6 +59,19 @@ def test_replays_the_plans_task_lists(graph, spec):
     assert est.step_time_s >= tl.makespan and est.compute_s > 0
 
 
+def test_each_stage_names_its_devices_so_one_ranks_peak_can_be_read(graph, spec):
+    # a published figure of one rank (a metrics writer on the last rank) is compared with that rank's
+    # peak, not the largest: the estimate says which unit devices each pipeline stage runs on
+    plan = megatron(graph, 8, 8, pp=4, tp=2, schedule="1f1b")
+    est = nns.simulate(plan, spec)
+    stages = est.details["stage_devices"]
+    assert stages == [list(g) for g in plan.pipeline.stage_devices]
+    peak = [max(est.peak_memory_bytes[d] for d in devs) for devs in stages]
+    # 1F1B: the first stage keeps p micro-batches in flight, the last one; the last also holds the head
+    assert peak[0] == est.max_memory_bytes and peak[-1] < peak[0]
+    assert len(est.peak_memory_bytes) == plan.unit_size == sum(len(d) for d in stages)
+
+
 def test_schedules_and_micro_batches(graph, spec):
     one = [nns.simulate(megatron(graph, 4, m, pp=4, schedule="1f1b"), spec) for m in (4, 16)]
     gp = [nns.simulate(megatron(graph, 4, m, pp=4, schedule="gpipe"), spec) for m in (4, 16)]

@@ -325,7 +325,10 @@ def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: li
                "training": training.to_json(),
                # model states (params, gradients, optimizer) of each device of the unit, bytes
                "states_per_device": [static[d]["params"] + static[d]["grads"] + static[d]["optimizer"]
-                                     for d in range(plan.unit_size)]}
+                                     for d in range(plan.unit_size)],
+               # the unit's devices of each stage (chunk) in pipeline order: where a figure of one rank
+               # (the last stage's peak, the first stage's) is read from
+               "stage_devices": [list(s.devices) for s in stages]}
     if plan.offload:
         details["offload"] = offloaded[worst].to_json()
     return Estimate(step_time_s=step.time + offload_s, compute_s=step.compute, communication_s=step.comm,
