@@ -173,3 +173,40 @@ def test_profiling_mode_measures_ops():
     plan = nns.plan(graph, strategy="dp", world_size=2)
     est = nns.simulate(plan, spec, cost_model=cm)
     assert est.step_time_s > 0 and prof.measured > 5
+
+
+def test_a_stack_that_fuses_by_hand_keeps_only_what_its_kernels_cannot_recompute():
+    """Transformer Engine's RMSNorm and SwiGLU kernels recompute their intermediates in backward: the
+    normalized copy an eager RMSNorm keeps for its weight's product, and the gate's activation an eager
+    SwiGLU keeps beside the gate and up projections, are not kept on a stack that fuses by hand; the
+    norm's input, the inverse RMS, both projections and every matmul operand are."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ffn, layers = 3 * H, 2
+    cfg = LlamaConfig(hidden_size=H, num_hidden_layers=layers, num_attention_heads=A, num_key_value_heads=A,
+                      intermediate_size=ffn, vocab_size=V, max_position_embeddings=S, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+    g = nns.capture(model, kwargs={"input_ids": ids, "labels": ids})
+    spec = nns.cluster("h100-dgx")
+    eager = CostModel(g, spec)
+    fused = CostModel(g, replace(spec, efficiency=replace(spec.efficiency, fused_elementwise=True)))
+    t = Training("bf16")
+
+    def kept(cm):
+        out = {}
+        for op in g.ops:
+            for base, nbytes, _ in cm.saved(op.name, Placement(), t):
+                out[base] = max(out.get(base, 0.0), nbytes)
+        return out
+
+    a, b = kept(eager), kept(fused)
+    assert set(b) < set(a)
+    dropped = sum(a[k] for k in set(a) - set(b))
+    # per layer two normalized copies (B S H) and one activation (B S ffn); the final norm's copy once more
+    assert dropped == (2 * layers + 1) * B * S * H * 2 + layers * B * S * ffn * 2
+    # what is dropped is written by an element-wise op from tensors still kept
+    for k in set(a) - set(b):
+        assert g.op(next(op.name for op in g.ops if k in op.outputs)).short_name in ("mul", "silu", "_to_copy", "to")

@@ -580,7 +580,9 @@ class CostModel:
         ins, outs, _ = self.layouts(name, p)
         counts = p.label_counts()
         out = []
-        for i in c.saved:
+        # a stack that fuses element-wise chains by hand recomputes their intermediates in backward
+        fused = c.saved_fused is not None and self.cluster.efficiency.fused_elementwise
+        for i in (c.saved_fused if fused else c.saved):
             u = c.inputs[i] if i >= 0 else c.outputs[~i]
             lay = ins[i] if i >= 0 else outs[~i]
             div = 1

@@ -47,6 +47,9 @@ class Efficiency:
     view_overhead_s: float = 0.0
     # Whether chains of element-wise ops run as one kernel (Megatron's hand-fused kernels, torch.compile,
     # XLA) or one kernel per op (eager PyTorch). Not fitted: a property of the software that runs the plan.
+    # Such a stack also keeps less for backward: a hand-fused kernel recomputes its chain's intermediates
+    # from tensors kept anyway (an RMSNorm's normalized copy, a SwiGLU's activation; `OpCost.saved_fused`).
+    # A compiled plan's saves are priced as eager: what inductor's partitioner keeps is its own choice.
     fused_elementwise: bool = True
     # Whether communication runs beside compute (GPUs: copy engines and NICs) or takes the same cores
     # (gloo between processes on CPU cores): then gradient reduction adds to the step instead of hiding.

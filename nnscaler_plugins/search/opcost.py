@@ -100,6 +100,8 @@ class OpCost:
     needs_grad: bool  # some input requires a gradient: the op has a backward
     saved: list[int]  # indices into inputs (>= 0) or ~index of outputs (< 0) kept for backward
     saved_masks: int = 0  # elements of one-byte masks kept (dropout)
+    # `saved` where element-wise kernels are fused by hand (`OpCosts._mark_fused_saves`); None: the same
+    saved_fused: Optional[tuple] = None
     core: bool = False  # part of an attention core (dropped by selective recomputation)
     core_causal: bool = False  # the core it belongs to masks its scores (a decoder's causal attention)
     key: tuple = ()  # same key = same cost under the same placement (identical layers share it)
@@ -215,6 +217,7 @@ class OpCosts:
             self.ops[op.name] = self._cost(op, sig)
         self._mark_cores()
         self._mark_fusion()
+        self._mark_fused_saves()
 
     @classmethod
     def of(cls, graph: Graph) -> "OpCosts":
@@ -387,6 +390,58 @@ class OpCosts:
             c.fused_in = frozenset(fused_in.get(name, ()))
             c.fused_out = frozenset(fused_out.get(name, ()))
             c.key = c.key + (tuple(sorted(c.fused_in)), tuple(sorted(c.fused_out)))
+
+    def _mark_fused_saves(self) -> None:
+        """What the backward keeps where element-wise kernels are fused by hand (`Efficiency.fused_elementwise`:
+        Transformer Engine's and Megatron's RMSNorm, SwiGLU, bias-GeLU kernels): such a kernel's backward
+        recomputes the intermediates of its chain from the chain's inputs, so it keeps a tensor only when
+        that cannot be done from tensors the backward keeps anyway. Traced eagerly, an RMSNorm keeps its
+        input and its normalized copy (the weight's product keeps it) and a SwiGLU keeps the gate's
+        activation beside the gate and up projections; fused, the normalized copy and the activation are
+        recomputed from the input and the inverse RMS, and from the gate. Only tensors an element-wise op
+        keeps are dropped: a matmul's or an attention kernel's operands are read from memory by a kernel
+        of their own. Ops whose saves change get `saved_fused`, read by the cost model on such stacks."""
+        g = self.graph
+        producer: dict[str, str] = {}  # storage -> the op that wrote it (not a view of it)
+        for op in g.ops:
+            if self.ops[op.name].kind != "view":
+                for o in op.outputs:
+                    if o is not None:
+                        producer[self.storage(o)] = op.name
+        kept: set[str] = set()  # storages the backward keeps, in program order so far
+
+        def recomputable(base: str, depth: int) -> bool:
+            """Whether `base` is an element-wise result of kept tensors (through at most 8 fused ops)."""
+            name = producer.get(base)
+            if name is None or depth > 8:
+                return False
+            op, c = g.op(name), self.ops[name]
+            if not _fusable(op, c):
+                return False
+            for u in c.inputs:
+                if g.values[u.value].kind in ("param", "buffer", "constant") or u.itemsize is not None:
+                    continue  # weights are held anyway; integer and boolean inputs are not activations
+                b = self.storage(u.value)
+                if b not in kept and not recomputable(b, depth + 1):
+                    return False
+            return True
+
+        for op in g.ops:
+            c = self.ops[op.name]
+            if not c.saved:
+                continue
+            fused = _fusable(op, c)
+            mine = []
+            for i in c.saved:
+                u = c.inputs[i] if i >= 0 else c.outputs[~i]
+                base = self.storage(u.value)
+                if fused and u.itemsize is None and base not in kept and recomputable(base, 0):
+                    continue
+                mine.append(i)
+                kept.add(base)
+            if len(mine) != len(c.saved):
+                c.saved_fused = tuple(mine)
+                c.key = c.key + (("saved fused",) + c.saved_fused,)
 
     # -- selective recomputation -------------------------------------------------------------------------
     def _act_matmul(self, op: OpNode) -> bool:
