@@ -118,8 +118,8 @@ def _torchtitan() -> list[C.Case]:
 
 def _megatron_bridge() -> list[C.Case]:
     # source: MEGATRON_BRIDGE_FP8; name, tp, pp, peak in decimal GB as the table gives it (Megatron-Bridge logs
-    # memory in 1e9 bytes; the baseline ran out of memory at 58.8 GB from fragmentation and passed at ~59 GB
-    # with expandable segments: the same peak)
+    # memory in 1e9 bytes, and then logged the last rank's: see `megatron_bridge_llama`; the baseline ran out
+    # of memory on rank 0 from fragmentation and passed with expandable segments at the same ~59 GB)
     rows = [("70B tp4 pp4 vpp5 dp2 fp8", 4, 4, 58.8), ("70B tp4 pp8 vpp5 dp1 fp8", 4, 8, 53.2),
             ("70B tp8 pp4 vpp5 dp1 fp8", 8, 4, 50.2)]
     return [C.megatron_bridge_llama(name, "llama3-70b", 4096, tp, pp, 5, 32, 32, "selective", mem)
