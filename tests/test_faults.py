@@ -269,6 +269,59 @@ def test_nonfinite_step_is_skipped_on_every_rank(workers2, plan):
         assert all(torch.equal(got["weights"][k], v) for k, v in want["weights"].items())
 
 
+class _OffsetLoss(torch.nn.Module):
+    """A regression whose loss adds a batch-given offset: an infinite offset makes the loss infinite
+    while every gradient stays finite (the offset needs none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.lin(x), y) + offset.sum()
+
+
+def _loss_only_nonfinite(rank: int, world: int, skip_reference: bool) -> dict:
+    """dp over 2 ranks; at step 2 rank 1's loss alone is infinite, its gradients finite."""
+    import nnscaler_plugins as nns
+
+    def batch(step: int) -> dict:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        bad = step == 2 and rank == 1
+        return {"x": torch.randn(4, 8, generator=g), "y": torch.randn(4, 1, generator=g),
+                "offset": torch.full((1,), float("inf") if bad else 0.0)}
+
+    torch.manual_seed(0)
+    pm = nns.parallelize(_OffsetLoss(), batch(0), plan="dp", cache_dir="/tmp/nns_test_cache", on_nonfinite="skip")
+    opt = nns.build_optimizer(pm, torch.optim.SGD, lr=0.05)
+    skipped, flags = [], []
+    for step in range(4):
+        if skip_reference and step == 2:
+            continue
+        pm.train_step(batch(step))
+        grads = [p.grad for p in pm.parameters() if p.grad is not None]
+        flags.append(all(bool(torch.isfinite(g).all()) for g in grads))
+        opt.step()
+        if opt.last_step_skipped:
+            skipped.append(step)
+        opt.zero_grad()
+    return {"skipped": skipped, "finite_grads": flags,
+            "weights": {k: v.clone() for k, v in pm.full_state_dict().items()}}
+
+
+def test_a_loss_nonfinite_on_one_rank_only_skips_the_step_on_every_rank_under_dp(workers2):
+    """Under plain dp the loss's flag is summed with the first gradient bucket (no collective of its
+    own). Rank 1's loss alone is infinite and every gradient finite, so only that carried flag tells
+    rank 0 to skip: both skip the same step and end equal to a run that never took it."""
+    got = workers2.run(_loss_only_nonfinite, False)
+    want = workers2.run(_loss_only_nonfinite, True)
+    for g, w in zip(got, want):
+        assert all(g["finite_grads"]), g["finite_grads"]
+        assert g["skipped"] == [2] and w["skipped"] == [], (g["skipped"], w["skipped"])
+        for k, v in w["weights"].items():
+            assert torch.equal(g["weights"][k], v), k
+
+
 # -- the pieces, in one process ------------------------------------------------------------------------------------
 def test_latest_finds_the_newest_complete_checkpoint_and_skips_unfinished_ones(tmp_path):
     import nnscaler_plugins as nns

@@ -15,6 +15,10 @@ otherwise it is all-reduced whole into `.grad`, as at stage 1, and any optimizer
 
 With `overlap=False` (a plan's `overlap_grad_reduce=False`, see search/overlap.py) no bucket starts
 during backward: all of them are reduced, in the same order, when it ends.
+
+A flag the ranks must agree on at the end of the backward (the non-finite guard's loss flag) can ride
+on the reduction (`carry`): one more element at the end of the first bucket's buffer, summed with it,
+instead of a collective of its own.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class _Bucket:
     # and faults in again (the C heap returns a freed top region), a few milliseconds a step on a CPU.
     # It holds a step's gradients only while they are reduced, so the peak is what it was.
     flat: Optional[torch.Tensor] = None
+    rider: bool = False  # this reduction's buffer ends with the carried flag (`GradReducer.carry`)
 
 
 class GradReducer:
@@ -69,6 +74,8 @@ class GradReducer:
         self._whole = False  # this reduction keeps whole gradients (decided when its first bucket launches)
         # ZeRO-2: id(parameter) -> its reduced chunk (summed over the backward passes since zero_grad).
         self.shard_grads: dict[int, torch.Tensor] = {}
+        self._rider: Optional[torch.Tensor] = None  # the flag the next reduction carries (`carry`)
+        self._carried: Optional[torch.Tensor] = None  # its sum over the ranks, once that reduction ended
         # Reverse order approximates the order gradients become ready in backward.
         by_group: dict[tuple[int, float], list[torch.nn.Parameter]] = {}
         groups: dict[tuple[int, float], object] = {}
@@ -98,6 +105,25 @@ class GradReducer:
             self._where[id(p)] = (b, i)
         shards = [self._shards[id(p)] for p in params] if id(params[0]) in self._shards else None
         self.buckets.append(_Bucket(params, group, scale, shards=shards))
+
+    def carry(self, flag: torch.Tensor) -> None:
+        """Have the next reduction sum the one-element `flag` over the ranks as one more element of its
+        first bucket (collective: every rank calls it before the same backward). `carried()` gives the sum
+        once that reduction ended, scaled as that bucket's gradients (> 0 when any rank's flag was).
+        The first bucket is the same on every rank, so every rank's buffer has the same size; it is
+        always reduced (`_finish` launches an unused bucket too)."""
+        self._rider, self._carried = flag, None
+
+    def carried(self) -> Optional[torch.Tensor]:
+        """The flag `carry` gave the last reduction, summed over the ranks; None when no reduction
+        carried it (no synchronized backward ran, or the first bucket is reduce-scattered or spans fewer
+        ranks than the world: the caller agrees on it by itself). Forgotten once read."""
+        out, self._carried = self._carried, None
+        return out
+
+    def _rides(self, bucket: _Bucket) -> bool:
+        return (self._rider is not None and bucket is self.buckets[0] and bucket.params[0].is_floating_point()
+                and dist.get_world_size(bucket.group) == dist.get_world_size())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -142,17 +168,22 @@ class GradReducer:
             self.launched += 1
             return
         n = sum(g.numel() for g in grads)
+        bucket.rider = self._rides(bucket)
+        size = n + 1 if bucket.rider else n
         flat = bucket.flat
-        if flat is None or flat.numel() != n or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
-            flat = bucket.flat = grads[0].new_empty(n)
+        if flat is None or flat.numel() != size or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = bucket.flat = grads[0].new_empty(size)
         offsets = _offsets(grads)
         views = [_is_view_at(g, flat, off) for g, off in zip(grads, offsets)]
         if not any(views):
-            torch.cat([g.reshape(-1) for g in grads], out=flat)
+            torch.cat([g.reshape(-1) for g in grads], out=flat[:n])
         else:  # gradients accumulated into the bucket's own views (zero_grad without set_to_none, no_sync)
             for g, off, there in zip(grads, offsets, views):
                 if not there:
                     flat[off:off + g.numel()].copy_(g.reshape(-1))
+        if bucket.rider:
+            flat[n:].copy_(self._rider.reshape(1))
+            self._rider = None
         bucket.buffer = flat
         if bucket.scale != 1.0:  # averaging before the sum, as DDP does: one op per bucket
             bucket.buffer.mul_(bucket.scale)
@@ -172,6 +203,9 @@ class GradReducer:
                     have = self.shard_grads.get(id(p))
                     self.shard_grads[id(p)] = mine.clone() if have is None else have.add_(mine)
                     off += s.chunk
+            if bucket.rider:
+                self._carried = bucket.buffer[-1:].float()
+                bucket.rider = False
             for p in (bucket.params if bucket.shards is None or self._whole else ()):
                 n = p.numel()
                 g = bucket.buffer[off:off + n].view_as(p)
@@ -192,6 +226,7 @@ class GradReducer:
             bucket.ready.clear()
         self._queued = False
         self.local_since_reduce = False
+        self._rider = None  # a flag no bucket could carry: `carried()` says None
 
 
 def _offsets(grads: list[torch.Tensor]) -> list[int]:

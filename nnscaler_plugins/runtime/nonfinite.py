@@ -3,8 +3,9 @@
 Before the optimizer changes any weight, every rank looks at what it holds (the step's loss and
 its gradients: one pass over each tensor, on the device; see `nonfinite_flag`) and the ranks agree on one
 flag (one all-reduce of two numbers over the world; under plain data parallelism, where every rank
-holds the same reduced gradients, only the loss's flag, all-reduced behind the backward:
-`NonFiniteGuard.loss_ready`), so all of them act at the same step:
+holds the same reduced gradients, only the loss's flag, which rides as one more element on the
+gradient reduction the backward starts: `NonFiniteGuard.loss_ready`, `GradReducer.carry`), so all of
+them act at the same step:
 
 - "raise": `NonFiniteError` on every rank. Before raising, the ranks re-run the step's forward
   together (no gradients; each collective as in the step) with a check after every statement of
@@ -273,7 +274,8 @@ class NonFiniteGuard:
         """The step's loss, once its last forward ran and before its backward (collective: every
         rank calls it). Where the plan leaves every rank the same gradients
         (`ParallelModule.gradients_alike_by_plan`), their flag needs no communication, so the
-        ranks agree on the loss's flag now, behind the backward, and `check` communicates nothing.
+        loss's flag is handed to the gradient reduction the backward starts, which sums it over the
+        ranks with the first bucket, and `check` communicates nothing.
         Elsewhere, and under fp16 (whose loss scaler has its own rule), nothing happens here."""
         if self.mode == "ignore" or self.module.plan.precision == "fp16" or not self.module.gradients_alike_by_plan():
             return
@@ -281,17 +283,24 @@ class NonFiniteGuard:
         flag = nonfinite_flag([loss], self._device()).reshape(1)
         work = None
         if _many_ranks():
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+            # the flag rides on the gradient reduction the backward starts: no collective of its own
+            self.module.grad_reducer.carry(flag)
+            work = self.module.grad_reducer
         self._loss_flag = (flag, work)
 
     def _settle_loss_flag(self) -> Optional[torch.Tensor]:
-        """The loss flag agreed by `loss_ready` (waited for), or None; forgotten once read."""
+        """The loss flag agreed by `loss_ready` (> 0 when any rank's loss was not finite), or None;
+        forgotten once read. One the reduction could not carry is agreed on here."""
         if self._loss_flag is None:
             return None
-        (flag, work), self._loss_flag = self._loss_flag, None
-        if work is not None:
-            work.wait()
-        return flag[0]
+        (flag, reducer), self._loss_flag = self._loss_flag, None
+        if reducer is None:
+            return flag[0]
+        agreed = reducer.carried()
+        if agreed is None:  # the same on every rank: no reduction carried it
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return flag[0]
+        return agreed[0]
 
     def check(self, gradients: Sequence[tuple[str, Optional[torch.Tensor]]], where: str) -> bool:
         """Collective over the world (every rank calls it at the same point of the step). True when
