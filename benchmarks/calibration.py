@@ -163,7 +163,9 @@ def torchtitan(source: str, name: str, key: str, gpu: str, gpus: int, local_batc
     `float8`: torchtitan's Float8 rows, torchao's Float8Linear with tensorwise dynamic scaling on every
     nn.Linear but the output projection (`lm_head` here), the plan's precision "fp8"; torchao keeps the
     high-precision (bf16) input of each float8 product for backward and casts it again there, so the
-    activations are those of bf16 training."""
+    activations are those of bf16 training. With tensor parallelism torchtitan computes the loss with
+    DTensor's `loss_parallel` on vocabulary-split logits (`loss_parallel_written_out`: its backward holds
+    one logits-sized fp32 tensor more than a fused cross-entropy's)."""
     model = LLAMA[key] if not seq else replace(LLAMA[key], s=seq)
     dp = gpus // tp
     rc = {"selective": "op"}.get(recompute, recompute)
@@ -173,7 +175,7 @@ def torchtitan(source: str, name: str, key: str, gpu: str, gpus: int, local_batc
     return Case(source, name, model, preset, gpus, local_batch * dp, local_batch,
                 opts, local_batch * dp * model.s / (tps * gpus), {"peak": memory_gib} if memory_gib else {},
                 stack={"attention_kernel": "flash2", "tp_comm_overlap": async_tp, "compiled_loss": compiled_loss,
-                       "regather_saved_inputs": False, "zero3_gather": "module"},
+                       "regather_saved_inputs": False, "zero3_gather": "module", "loss_parallel_written_out": True},
                 hardware=dict(GRAND_TETON) if gpu == "H100" else {}, fit=fit,
                 era=f"{'H100' if gpu == 'H200' else gpu} current")
 

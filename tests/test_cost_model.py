@@ -210,3 +210,25 @@ def test_a_stack_that_fuses_by_hand_keeps_only_what_its_kernels_cannot_recompute
     # what is dropped is written by an element-wise op from tensors still kept
     for k in set(a) - set(b):
         assert g.op(next(op.name for op in g.ops if k in op.outputs)).short_name in ("mul", "silu", "_to_copy", "to")
+
+
+def test_dtensors_loss_parallel_holds_one_more_logits_tensor_in_backward_where_the_vocabulary_is_split(graph):
+    """torchtitan's eager loss over vocabulary-split logits is DTensor's loss_parallel, whose backward holds
+    a zeroed one-hot, the exponential of the log-probabilities and their sum beside the saved
+    log-probabilities: one fp32 logits tensor (this device's classes) more than a fused cross-entropy.
+    Nothing changes where the classes are whole, or where the loss is compiled."""
+    spec = nns.cluster("h100-dgx")
+    plain = CostModel(graph, spec)
+    dtensor = CostModel(graph, replace(spec, efficiency=replace(spec.efficiency, loss_parallel_written_out=True)))
+    loss = next(op.name for op in graph.ops if op.short_name == "cross_entropy_loss")
+    t = Training("bf16")
+    for tp in (1, 2, 4):
+        plan = megatron(graph, tp)
+        p = Placement.of(plan.ops[loss])
+        logits = max(plain.costs.ops[loss].inputs, key=lambda u: u.numel)
+        split = p.label_counts().get(logits.labels[-1], 1)
+        extra = dtensor.backward_working_set(loss, p, t) - plain.backward_working_set(loss, p, t)
+        assert split == tp
+        assert extra == (logits.numel * 4 / tp if tp > 1 else 0.0)
+        compiled = Training("bf16", compiled=True)
+        assert dtensor.backward_working_set(loss, p, compiled) == plain.backward_working_set(loss, p, compiled)

@@ -565,8 +565,14 @@ class CostModel:
                 div *= counts.get(label, 1)
             total += u.numel * isz / div
         if c.fp32 and not fused_loss:  # a loss's backward forms the softmax of its input beside the gradient
-            total += max((u.numel * isz / math.prod(counts.get(x, 1) for x in (u.labels or ()))
-                          for u in c.inputs if u.itemsize is None), default=0.0)
+            logits = max((u for u in c.inputs if u.itemsize is None), key=lambda u: u.numel, default=None)
+            if logits is not None:
+                local = logits.numel * isz / math.prod(counts.get(x, 1) for x in (logits.labels or ()))
+                total += local
+                # DTensor's loss_parallel over split classes: a zeroed one-hot, the exponential and their sum
+                if self.cluster.efficiency.loss_parallel_written_out and logits.labels \
+                        and counts.get(logits.labels[-1], 1) > 1:
+                    total += local
         return total
 
     def saved(self, name: str, p: Placement, training: Training,

@@ -100,6 +100,11 @@ class Efficiency:
     # (this runtime's fp32 main gradients, `Training.grad_bytes`); 2 for a stack that keeps them in bf16
     # (Megatron-Core with `grad_reduce_in_fp32=False`, as Megatron-Bridge's fine-tuning recipes set it).
     main_grad_bytes: int = 0
+    # Whether an eager loss over vocabulary-split logits runs as PyTorch DTensor's `loss_parallel` (torchtitan
+    # with tensor parallelism): its backward (`_nll_loss_and_log_softmax_backward`) holds a zeroed one-hot
+    # gradient, the log-probabilities' exponential and their sum beside the saved log-probabilities, one
+    # logits-sized fp32 tensor more than a fused cross-entropy backward (search/costmodel.py `_working_set`).
+    loss_parallel_written_out: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)
