@@ -292,17 +292,17 @@ class _UnitGather:
     work: Any
     buf: Optional[torch.Tensor]
     sent: Optional[torch.Tensor]
-    parts: list[tuple[int, int, torch.Tensor]]  # (offset in a rank's row, chunk elements, flat out), end to end
+    parts: list[tuple[int, torch.Tensor]]  # (chunk elements, flat out), end to end in each rank's row
 
     def wait(self) -> None:
         if self.work is None:
             return
         self.work.wait()
-        rows = self.buf.view(-1, sum(c for _, c, _ in self.parts))  # one row per rank
+        rows = self.buf.view(-1, sum(c for c, _ in self.parts))  # one row per rank
         # The parts lie end to end in a row: one fused copy out (as FSDP2's split_with_sizes_copy),
         # not a slice and a copy per parameter.
-        torch.split_with_sizes_copy(rows, [c for _, c, _ in self.parts], dim=1,
-                                    out=[out.view(-1, c) for _, c, out in self.parts])
+        torch.split_with_sizes_copy(rows, [c for c, _ in self.parts], dim=1,
+                                    out=[out.view(-1, c) for c, out in self.parts])
         self.work = self.buf = self.sent = None
 
 
@@ -581,13 +581,11 @@ class Zero3Params:
         self.gathers_launched += 1
         bucket = _UnitGather(work, buf, sent, [])
         out: dict[int, tuple[Any, torch.Tensor]] = {}
-        off = 0
         for k, c in sends:
             s = self.shards[k]
             flat = transient_empty(s.size * s.chunk, c)
             self.gathered_traffic[k] = self.gathered_traffic.get(k, 0) + flat.numel() * flat.element_size()
-            bucket.parts.append((off, s.chunk, flat))
-            off += s.chunk
+            bucket.parts.append((s.chunk, flat))
             out[k] = (bucket, flat.view(self._cast.dtype) if k in self._float8 else flat)
         return out
 
