@@ -168,9 +168,25 @@ def record(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...], not
     return text
 
 
-def _worker(rank: int, world: int, port: int, fn, args, q, result_rank: int = 0) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """End this worker when the benchmark that started it is gone (killed, or interrupted before it
+    joined its workers): a worker left waiting in a collective would hold its cores and memory, and
+    every later measurement on the machine, until someone kills it by hand."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _worker(rank: int, world: int, port: int, fn, args, q, result_rank: int = 0, parent: int = 0) -> None:
     import torch.distributed as dist
 
+    if parent:
+        _exit_with_parent(parent)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -199,7 +215,8 @@ def _spawn(fn, world: int, args: tuple, result_rank: int):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q, result_rank)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q, result_rank, os.getpid()))
+             for r in range(world)]
     for p in procs:
         p.start()
     out = q.get(timeout=1800)
