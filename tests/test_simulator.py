@@ -130,3 +130,22 @@ def test_a_stack_with_bf16_gradients_prices_half_the_gradient_bytes(graph, spec)
         assert bf16.memory[key] == pytest.approx(fp32.memory[key])
     assert type(spec.efficiency).from_json(bf16_json := replace(spec.efficiency, main_grad_bytes=2).to_json()) \
         .main_grad_bytes == 2 and isinstance(bf16_json["main_grad_bytes"], int)
+
+
+def test_the_optimizer_step_of_a_bf16_gradient_stack_holds_an_fp32_copy_of_its_shards_gradients(graph, spec):
+    """Megatron-Core's optimizer copies each bf16 gradient of its shard to fp32 for the update, when the
+    activations are gone: with little in flight (full recomputation) that step sets the peak, at the
+    states plus 4 bytes per element of the device's optimizer shard. This runtime keeps fp32 gradients:
+    its step adds nothing."""
+    from dataclasses import replace
+
+    plan = megatron(graph, 4, 2, tp=2, zero=1, recompute="full")
+    bf16 = replace(spec, efficiency=replace(spec.efficiency, main_grad_bytes=2))
+    est, ours = nns.simulate(plan, bf16), nns.simulate(plan, spec)
+    shard = est.memory["optimizer"] / 12  # fp32 master weights and two moments per element
+    states = est.memory["params"] + est.memory["grads"] + est.memory["optimizer"] + est.memory["buffers"]
+    assert est.memory["optimizer_step"] == pytest.approx(4 * shard)
+    assert est.max_memory_bytes == pytest.approx(states + 4 * shard)
+    assert est.max_memory_bytes == pytest.approx(sum(est.memory.values()))  # the breakdown adds up
+    assert "optimizer_step" not in ours.memory
+    assert ours.max_memory_bytes == pytest.approx(sum(ours.memory.values()))

@@ -270,6 +270,19 @@ def replay_plan(plan: Plan, cluster: ClusterSpec, graph: Graph, cm: CostModel, k
     return est
 
 
+def optimizer_step_bytes(cluster: ClusterSpec, training: Training, optimizer_state_bytes: float) -> float:
+    """Working memory of the optimizer step beside the model states, for a device whose optimizer
+    states take `optimizer_state_bytes`: a stack that accumulates gradients in bf16
+    (`Efficiency.main_grad_bytes` 2) copies each gradient of its optimizer shard to fp32 for the update
+    (Megatron-Core's distributed optimizer: `shard_main_param.grad = shard_model_grad.float()`), 4 bytes
+    per element of the shard. This runtime's gradients are fp32 already: nothing."""
+    grad_bytes = cluster.efficiency.main_grad_bytes
+    if not 0 < grad_bytes < 4:
+        return 0.0
+    elements = optimizer_state_bytes / max(1, training.master_bytes + training.optimizer_bytes)
+    return elements * 4
+
+
 class Transfers:
     """Time to move the values crossing from one stage to another (one micro-batch), on the links
     the two device groups sit on; with equal groups each sender sends 1/t and the receivers gather
@@ -302,10 +315,13 @@ def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: li
     """Per-device memory and the step's figures as an `Estimate`.
 
     A device holds the model states of every stage it runs (all chunks of an interleaved rank) and,
-    at its worst moment, the activations its rank holds then (`step.act_peak`, per stage of that rank)."""
+    at its worst moment, the activations its rank holds then (`step.act_peak`, per stage of that rank),
+    or, at the optimizer step, when the activations are gone, the step's own working memory
+    (`optimizer_step_bytes`)."""
     static = [{"params": 0.0, "grads": 0.0, "optimizer": 0.0, "buffers": 0.0} for _ in range(plan.unit_size)]
     act = [0.0] * plan.unit_size
     held = [0.0] * plan.unit_size
+    stepping = [0.0] * plan.unit_size
     for k, st in enumerate(stages):
         for d in st.devices:
             for key in ("params", "grads", "optimizer"):
@@ -313,11 +329,16 @@ def estimate_of(plan: Plan, cluster: ClusterSpec, training: Training, stages: li
             static[d]["buffers"] += st.buffers
             if step.act_peak[k] >= act[d]:
                 act[d], held[d] = step.act_peak[k], step.act_held[k]
+            if not plan.offload:  # offloaded, the step runs on the host
+                stepping[d] += optimizer_step_bytes(cluster, training, st.states["optimizer"])
     offload_s, offloaded = apply_offload(plan, cluster, training, static, [max(
         (s.optimizer for s in stages if d in s.devices), default=0.0) for d in range(plan.unit_size)], m)
-    peaks = [sum(static[d].values()) + act[d] for d in range(plan.unit_size)]
+    peaks = [sum(static[d].values()) + max(act[d], stepping[d]) for d in range(plan.unit_size)]
     worst = max(range(plan.unit_size), key=lambda d: peaks[d]) if peaks else 0
-    breakdown = dict(static[worst], activations=held[worst], transient=act[worst] - held[worst]) if peaks else {}
+    if peaks and stepping[worst] > act[worst]:
+        breakdown = dict(static[worst], activations=0.0, transient=0.0, optimizer_step=stepping[worst])
+    else:
+        breakdown = dict(static[worst], activations=held[worst], transient=act[worst] - held[worst]) if peaks else {}
     flops = max((sum(s.flops for s in stages if s.devices == st_.devices) for st_ in stages), default=0.0) * m
     details = {"stage_fwd_s": [s.F for s in stages], "stage_bwd_s": [s.B for s in stages],
                "stage_wgrad_s": [s.W for s in stages], "exposed_grad_sync_s": step.exposed_sync,
