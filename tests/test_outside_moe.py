@@ -248,3 +248,27 @@ def test_data_dependent_sizes_outside_an_experts_module_are_refused_with_the_lin
         capture(Permutes(), (torch.randn(8, 16),))
     text = str(info.value)
     assert "MASKED-SELECT-LINE" in text and "torch._check(t.shape[0] == n)" in text, text
+
+
+def test_a_dense_block_is_not_taken_for_stacked_experts():
+    """Stacked experts are (E, in, out) matrices. An attention block's four square projections share
+    their first dim too, but they are 2-D: not an experts layout, so capture never runs the block on
+    made-up rows to find out (which took seconds a layer at a 7B model's sizes)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+
+    from nnscaler_plugins.capture.experts_probe import experts_layout
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128)
+    with torch.device("meta"):
+        assert experts_layout(LlamaAttention(cfg, 0)) is None
+        assert experts_layout(LlamaMLP(cfg)) is None
+    layout = experts_layout(_Stacked3D())  # the same test still finds stacked (E, in, out) experts
+    assert layout is not None and layout.kind == "stacked" and layout.experts == 4
+
+
+class _Stacked3D(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.randn(4, 8, 16))
+        self.down = torch.nn.Parameter(torch.randn(4, 16, 8))

@@ -8,8 +8,9 @@ from its name or its code: the module's own forward is run on made-up rows and w
 layout, and what it returns is compared.
 
 The layout (`experts_layout`): either every parameter is stacked along one leading dim of `E`
-experts (two or more such parameters: a gate and a down projection at least), or the module holds
-a `ModuleList` of `E` identical expert modules and no parameter of its own.
+experts (two or more of them expert matrices `(E, in, out)`: a gate and a down projection at
+least), or the module holds a `ModuleList` of `E` identical expert modules and no parameter of its
+own.
 
 The sorted calling convention (`sorted_convention`): `module(rows (N, H) sorted by expert, counts
 (E,) [, probability per row])` returning the N output rows, or a tuple holding them (Megatron's
@@ -61,7 +62,10 @@ def experts_layout(module: torch.nn.Module) -> Optional[ExpertsLayout]:
         return None
     shapes = tuple(tuple(p.shape) for _, p in named)
     names = tuple(n for n, _ in named)
-    if all(len(s) >= 2 for s in shapes) and len({s[0] for s in shapes}) == 1 and shapes[0][0] >= 1:
+    # stacked expert matrices are (E, in, out): a module of plain 2-D weights whose first dims happen to
+    # agree (an attention block's square projections) is not one, and is not run to find out
+    matrices = sum(len(s) >= 3 for s in shapes)
+    if all(len(s) >= 2 for s in shapes) and len({s[0] for s in shapes}) == 1 and shapes[0][0] >= 1 and matrices >= 2:
         return ExpertsLayout("stacked", shapes[0][0], names, shapes)
     children = list(module.named_children())
     if len(children) != 1 or not isinstance(children[0][1], torch.nn.ModuleList):
