@@ -204,7 +204,7 @@ class GradReducer:
                     self.shard_grads[id(p)] = mine.clone() if have is None else have.add_(mine)
                     off += s.chunk
             if bucket.rider:
-                self._carried = bucket.buffer[-1:].float()
+                self._carried = bucket.buffer[-1:].float().clone()  # the buffer is the next reduction's too
                 bucket.rider = False
             for p in (bucket.params if bucket.shards is None or self._whole else ()):
                 n = p.numel()
