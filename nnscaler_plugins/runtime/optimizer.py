@@ -13,11 +13,15 @@ holds:
 - bf16/fp16: fp32 copies, written back rounded to the compute dtype after each step.
 
 Offload (the plan's `offload`): "optimizer" keeps every master as an fp32 copy in host memory
-(pinned when a GPU computes), so the optimizer state lives there and the step runs there (give
-the optimizer `fused=True` or `foreach=True` for torch's fast CPU kernels); gradients are copied to
+(pinned when a GPU computes), so the optimizer state lives there and the step runs there (with
+torch's fused CPU kernel, see below); gradients are copied to
 the host in `_prepare` and the updated masters back to the device after the step. "params"
 (ZeRO-3) also keeps the parameter chunks there (runtime/zero_setup.py), so an fp32 chunk is its
 own master and is fetched to the device only when the forward or backward gathers it.
+
+Implementation: torch's Adam, AdamW, SGD and Adagrad are built with `fused=True` where torch has the
+fused kernel for every master's device, unless the caller chose `fused=` or `foreach=` itself
+(runtime/fused_optimizer.py says why and what it changes).
 
 The inner optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...) once state is
 sharded: a chunk's update may not depend on the other chunks.
@@ -48,6 +52,7 @@ from typing import Any, Callable, Collection, Optional
 import torch
 import torch.distributed as dist
 
+from nnscaler_plugins.runtime.fused_optimizer import fused_by_default
 from nnscaler_plugins.runtime.grad_clip import clip_, counts, global_norm
 from nnscaler_plugins.runtime.precision import LossScaler
 from nnscaler_plugins.runtime.zero import FlatShard, all_gather_chunks
@@ -104,6 +109,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 master = host_copy(p.detach().float()) if self.offload else p.detach().float().clone()
             self.entries.append(_Entry(fqn, p, fs, master, mode))
         groups = _grouped(self.entries, param_groups)
+        if fused_by_default(optimizer_cls, [e.master for e in self.entries], kwargs, param_groups or ()):
+            kwargs = {**kwargs, "fused": True}  # torch's one-kernel update: see runtime/fused_optimizer.py
         self.inner = optimizer_cls(groups, **kwargs)
         super().__init__(groups, self.inner.defaults)
         # One list and one state: schedulers that change an lr change what the inner step reads.
