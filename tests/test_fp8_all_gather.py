@@ -81,7 +81,9 @@ def test_float8_all_gather_equals_bf16_gather_for_a_quarter_of_fp32_bytes(worker
             sent_fp8, sent_hp = a["traffic"][name], b["traffic"][name]
             hp_itemsize = getattr(torch, b["dtype"][name].split(".")[1]).itemsize
             gathers = sent_hp // (hp_itemsize * b["padded"][name])
-            assert gathers >= 2 * STEPS + 1  # the forward's gather and the backward's, every step; the eval's
+            # the forward's gather every step and the eval's, and the backward's but for the head, which the
+            # backward starts on while the forward's gather of it is still held
+            assert gathers >= (STEPS + 1 if name == "lm_head.weight" else 2 * STEPS + 1), (name, gathers)
             fp32 = gathers * b["padded"][name] * torch.float32.itemsize
             assert sent_fp8 * 4 == fp32, (name, sent_fp8, fp32)  # float8: a quarter of fp32's bytes
         others = set(a["traffic"]) - set(a["float8"])

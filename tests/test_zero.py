@@ -465,6 +465,54 @@ def test_zero3_reduce_scatters_each_layer_when_its_backward_ends(workers2):
     assert reductions >= units - 1 > 2, (reductions, units)  # the tied embedding's copies may share one
 
 
+def _gathers_each_way(rank: int, world: int) -> dict:
+    """A step's all-gathers in forward and in backward, its reduce-scatters, and what the backward
+    kept of the forward's gathers, for a GPT-2 whose head is its tied embedding, in training mode."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    base, inputs = models.gpt2_small()
+    base.train()
+    batch = slice_batch(inputs, rank, world)
+    pm = nns.parallelize(base, batch, plan="dp", zero=3, cache_dir="/tmp/nns_test_cache")
+    z = pm.zero3
+    out = {}
+    for _ in range(2):  # the second step is counted
+        g0, r0 = z.gathers_launched, z.launched
+        loss = pm(**batch).loss
+        g1 = z.gathers_launched
+        kept = sorted(z.shards[k].fqn for k in z.kept_for_backward)
+        loss.backward()
+        out = {"forward": g1 - g0, "backward": z.gathers_launched - g1, "reductions": z.launched - r0,
+               "units": len(set(z.units().values())), "kept": kept, "left": len(z.kept_for_backward)}
+        for c in z.chunks:
+            c.grad = None
+    return out
+
+
+def test_zero3_backward_starts_on_what_the_forward_gathered_last(workers2):
+    """The forward's last unit (the final norm, and the tied embedding read again as the head) is
+    still gathered when the backward starts and reads it first, as FSDP2 leaves its root gathered:
+    the backward gathers every other unit it needs once and those not at all. Gathering them again
+    was one collective a step more than the forward's units, at the same moment and for the same
+    bytes. They are let go once the backward is done with them."""
+    r = workers2.run(_gathers_each_way)[0]
+    assert r["forward"] == r["units"] + 1, r  # each unit once, and the tied embedding again as the head
+    assert "lm_head.weight" in r["kept"] or "transformer.wte.weight" in r["kept"], r
+    assert "transformer.ln_f.weight" in r["kept"], r
+    # the embedding unit's weights are not read by backward; the head's are held
+    assert r["backward"] == r["units"] - 2, r
+    assert r["left"] == 0, r
+
+
+def test_zero3_a_tied_weights_gradient_is_summed_before_it_travels(workers2):
+    """The tied embedding's two uses (the embedding and the head) give two gradients: summed on the
+    rank first, as autograd sums them in one process, and reduce-scattered once with the embedding's
+    unit: one reduction per unit a step, where each use's reduce-scatter made one more."""
+    r = workers2.run(_gathers_each_way)[0]
+    assert r["reductions"] == r["units"], r
+
+
 def _zero3_gradients_are_views_of_their_reduction(rank: int, world: int) -> list[str]:
     """zero3 in training mode, gradients zeroed in place (`set_to_none=False`) between steps: each
     chunk's gradient is a view of its reduce-scatter's output (one buffer per reduction, no copy per

@@ -16,8 +16,9 @@ first reads one of their parameters (Megatron's overlap-param-gather);
 stage 3 also stores only the owned chunk of each parameter: `Zero3Params` gathers each whole
 parameter just before the forward's first use of it (prefetching the next) and lets it go after
 the last, lets saved-tensor hooks drop them from what autograd keeps for backward (they are gathered again when backward needs them, the next one prefetched while the
-current node computes), and reduce-scatters their gradients
-asynchronously from the backward, overlapped with the rest of it. Under precision="fp8" the weights
+current node computes; the layer the forward gathered last stays gathered for the backward, which
+starts on it), and reduce-scatters their gradients
+asynchronously from the backward, overlapped with the rest of it (a weight read twice, summed first). Under precision="fp8" the weights
 of float8 linears are gathered as float8 (`Zero3Params.gather_in_float8`, torchao's FSDP float8
 all-gather): each replica casts its chunk with the whole weight's tensorwise scale (one all-reduce
 of the chunks' maxima per forward, for all of them), so the gathered values are those of casting
@@ -322,6 +323,14 @@ class Zero3Params:
         self._live: dict[int, int] = {}  # storage pointer of a gathered parameter -> its key
         self._in_forward = False
         self._regathered: dict[int, weakref.ref] = {}
+        # The unit the forward fetched last, its whole parameters held (key -> flat whole) until the
+        # forward ends, and then kept for the backward, whose first node reads them: FSDP2 leaves its root
+        # module gathered for the same reason. Gathering them again right after letting them go would
+        # cost one collective per step and no memory: the backward's first gather needs the same bytes
+        # at the same moment. `_kept` lets each go once the backward is done with it.
+        self._held_unit: Optional[tuple[int, ...]] = None
+        self._held: dict[int, torch.Tensor] = {}
+        self._kept: dict[int, torch.Tensor] = {}
         self._saved_order: list[int] = []  # keys in the order the forward saved them
         self._saved_at: dict[int, int] = {}
         # How many saved references of each key the forward left, and how many the backward has
@@ -333,6 +342,13 @@ class Zero3Params:
         self._done: set[int] = set()
         self._prefetched: dict[int, tuple[Any, torch.Tensor]] = {}
         self._accumulated: dict[int, torch.Tensor] = {}  # whole gradients kept under no_sync
+        # A weight the forward used more than once (a tied embedding, read again as the head): how many
+        # of its uses' gradients the backward is to deliver, and their sum so far. The sum is reduce-
+        # scattered once, when the last arrives (at the latest when the reductions settle), as autograd
+        # sums a tied weight's gradient in one process: one collective and one gradient's bytes on the
+        # wire instead of one per use.
+        self._uses: dict[int, int] = {}
+        self._partial: dict[int, tuple[int, torch.Tensor]] = {}
         self._pending: list[_PendingReduce] = []
         # Gradients waiting to be reduce-scattered together: one collective per gather unit (a layer,
         # see `_unit_complete`) or per BUCKET_BYTES outside units, launched when the unit's last gradient
@@ -407,6 +423,7 @@ class Zero3Params:
         if key not in self._fwd_prefetched:
             self._launch_unit(key, self._fwd_prefetched, self._fetched.__contains__)
         work, buf = self._fwd_prefetched.pop(key)
+        again = key in self._fetched  # a weight used twice (a tied embedding's second use, as the head)
         self._fetched.add(key)
         work.wait()
         if prefetch is not None and prefetch not in self._fwd_prefetched and prefetch not in self._fetched:
@@ -416,11 +433,37 @@ class Zero3Params:
         self._track(buf)
         if self._in_forward:
             self._live[buf.untyped_storage().data_ptr()] = (key, weakref.ref(buf))
+            if torch.is_grad_enabled():  # a float8 weight's float8 values: the backward casts them with the saved scale
+                self._hold(key, whole, again)
+        if torch.is_grad_enabled():
+            self._uses[key] = self._uses.get(key, 0) + 1
         if key in self._float8:
             whole = self._cast.operand(whole.view(s.shape), self._scale(key), self.chunks[key].dtype)
         else:
             whole = whole.view(s.shape)
         return _Gathered.apply(self.chunks[key], _Box(whole), self, key) if torch.is_grad_enabled() else whole
+
+    @property
+    def kept_for_backward(self) -> frozenset:
+        """Keys of the whole parameters the last forward left gathered for the backward (see `_held`)."""
+        return frozenset(self._kept)
+
+    def _hold(self, key: int, whole: torch.Tensor, again: bool) -> None:
+        """Hold `whole` while its unit is the last one the forward fetched (see `_held`). A weight
+        fetched `again` (its unit's first use is behind) joins the unit in use: a tied embedding read
+        again as the head is held with the final norm before it."""
+        unit = self._unit_of.get(key, (key,))
+        if unit != self._held_unit and not again:
+            self._held_unit, self._held = unit, {}
+        self._held[key] = whole
+
+    def _keep_last_unit(self) -> None:
+        """The forward ended: what it holds of its last unit and saved for backward stays, known to
+        `_unpack` as gathered (a parameter the backward does not read is let go now)."""
+        held, self._held, self._held_unit = self._held, {}, None
+        self._kept = {k: w for k, w in held.items() if k in self._saved_at}
+        for k, w in self._kept.items():
+            self._regathered[k] = weakref.ref(w)
 
     def _whole(self, key: int, buf: torch.Tensor) -> torch.Tensor:
         """The flat whole parameter in a gathered buffer (float8 values for a float8 weight)."""
@@ -458,6 +501,8 @@ class Zero3Params:
         self._prefetched.clear()
         self._forget_saved()
         self._fetched.clear()
+        self._kept.clear()  # kept for a backward that never came
+        self._uses.clear()
 
         def pack(t: torch.Tensor) -> Any:
             out = self._pack(t)
@@ -469,10 +514,15 @@ class Zero3Params:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             self._in_forward = True
+            completed = False
             try:
                 yield
+                completed = True
             finally:
                 self._in_forward = False
+                if completed and torch.is_grad_enabled():
+                    self._keep_last_unit()
+                self._held, self._held_unit = {}, None
                 self._live.clear()
                 for work, _ in self._fwd_prefetched.values():  # started for a use that never came
                     work.wait()
@@ -636,6 +686,7 @@ class Zero3Params:
         count = self._unpacks[key] = self._unpacks.get(key, 0) + 1
         if count >= self._saves.get(key, 0):
             self._done.add(key)
+            self._kept.pop(key, None)  # the nodes that read it hold their views
         nxt = self._next_needed(key)
         if nxt is not None and nxt not in self._prefetched and not self._held_in_backward(nxt):
             self._launch_unit(nxt, self._prefetched, self._held_in_backward)
@@ -664,6 +715,24 @@ class Zero3Params:
             self._sync = old
 
     def grad_ready(self, key: int, grad: torch.Tensor) -> None:
+        uses = self._uses.get(key, 1)
+        if uses > 1:  # one use's gradient of a weight used several times: summed here first (`_uses`)
+            arrived, acc = self._partial.pop(key, (0, None))
+            grad = grad.detach() if acc is None else acc + grad
+            if arrived + 1 < uses:
+                self._partial[key] = (arrived + 1, grad)
+                self._settle_at_end()
+                return
+        self._accept(key, grad)
+
+    def _settle_at_end(self) -> None:
+        """Have this backward's end settle its reductions (a pipeline settles them itself)."""
+        if self._sync and not self._queued and not self.in_pipeline:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _accept(self, key: int, grad: torch.Tensor) -> None:
+        """A whole gradient of `key`, every use's summed: reduced now, or kept under no_sync."""
         if not self._sync or (self.in_pipeline and self.shards[key].sum_group is not None):
             acc = self._accumulated.get(key)
             self._accumulated[key] = grad.detach().clone() if acc is None else acc.add_(grad)
@@ -672,9 +741,7 @@ class Zero3Params:
         if acc is not None:
             grad = acc.add_(grad)
         self._reduce(key, grad)
-        if not self._queued and not self.in_pipeline:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self._settle_at_end()
 
     def _reduce(self, key: int, grad: torch.Tensor) -> None:
         s = self.shards[key]
@@ -748,6 +815,7 @@ class Zero3Params:
     def drop_accumulated(self) -> None:
         """Forget the whole gradients kept under no_sync (the module's gradients were zeroed)."""
         self._accumulated.clear()
+        self._partial.clear()
 
     def reduce_across_stages(self) -> None:
         """A pipeline's step end: reduce the gradients summed across stages, kept whole until now."""
@@ -756,6 +824,9 @@ class Zero3Params:
 
     def settle(self) -> None:
         """Wait for the reductions started so far and add each chunk to its gradient."""
+        partial, self._partial = self._partial, {}
+        for key in sorted(partial):  # a use the backward did not reach gave no gradient: the rest are the sum
+            self._accept(key, partial[key][1])
         self.flush()
         pending, self._pending = self._pending, []
         pending.reverse()
@@ -792,6 +863,7 @@ class Zero3Params:
     def finish(self) -> None:
         self.settle()
         self._regathered.clear()
+        self._kept.clear()
         for work, _ in self._prefetched.values():  # gathered for a backward that did not need it
             work.wait()
         self._prefetched.clear()
