@@ -16,6 +16,11 @@ variant once, the order rotating), AdamW for all:
   linear column-wise, the attention output and the MLP's second row-wise; every rank the whole
   batch).
 
+`nns.build_optimizer` builds torch's AdamW with its fused kernel (runtime/fused_optimizer.py); the
+peers run `torch.optim.AdamW` as their users write it, torch's default implementation. `--peers-fused`
+gives the peers the fused kernel too (their rows are then named so), to show how much of a ratio
+that choice is.
+
 The ratio is peer's median step time over ours (> 1: ours is faster); the median of the
 per-iteration ratios (peer and ours timed in the same iteration) is shown beside it. Peak memory is
 each rank's peak resident memory during three training steps above its value just before the model
@@ -111,8 +116,11 @@ def _dp_batch(rank: int) -> dict:
     return {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
 
 
+PEERS_FUSED = False  # set in each worker from --peers-fused
+
+
 def _plain_step(module: torch.nn.Module, batch: dict):
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, **({"fused": True} if PEERS_FUSED else {}))
 
     def step() -> float:
         loss = module(**batch)
@@ -200,8 +208,11 @@ def compiles(step) -> tuple[bool, float]:
 
 
 # -- timing ------------------------------------------------------------------------------------------------
-def bench(rank: int, world: int, iters: int, with_compile: bool) -> dict:
+def bench(rank: int, world: int, iters: int, with_compile: bool, peers_fused: bool = False) -> dict:
     import torch.distributed as dist
+
+    global PEERS_FUSED
+    PEERS_FUSED = peers_fused
 
     names = [n for pair in PAIRS for n in pair if with_compile or "compiled" not in n]
     steps, losses, notes = {}, {}, {}
@@ -266,13 +277,15 @@ def _load_tracing_code() -> None:
     torch.export.export(torch.nn.Linear(2, 2), (torch.randn(1, 2),), strict=False)
 
 
-def bench_memory(rank: int, world: int, name: str) -> list[float]:
+def bench_memory(rank: int, world: int, name: str, peers_fused: bool = False) -> list[float]:
     """This rank's peak resident memory (MiB) above its value before the model is built: during three
     training steps (the figure a device's peak memory stands for) and during set-up (building and,
     for ours, capturing and compiling), gathered to rank 0. Fresh processes per variant; between
     set-up and training, freed heap is returned to the system for every variant alike."""
     import torch.distributed as dist
 
+    global PEERS_FUSED
+    PEERS_FUSED = peers_fused
     import nnscaler_plugins  # noqa: F401  (imported before the baseline: the import is not the model's memory)
     from torch.distributed.fsdp import fully_shard  # noqa: F401
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: F401
@@ -296,14 +309,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20, help="timed iterations (each runs every variant once)")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile pair")
     ap.add_argument("--no-memory", action="store_true", help="time only")
+    ap.add_argument("--peers-fused", action="store_true", help="the peers' AdamW with fused=True, as ours")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
-    r = common.spawn(bench, WORLD, args.iters, not args.no_compile)
+    r = common.spawn(bench, WORLD, args.iters, not args.no_compile, args.peers_fused)
     times, losses, notes = r["times"], r["losses"], r["notes"]
     memory = {}
     if not args.no_memory:
         for name in times:
-            memory[name] = common.spawn(bench_memory, WORLD, name)
+            memory[name] = common.spawn(bench_memory, WORLD, name, args.peers_fused)
     rows = []
     for peer, ours in PAIRS:
         if peer not in times:
@@ -315,14 +329,15 @@ def main() -> None:
                          + f" ({max(m[1] for m in memory[n]):.0f})") if n in memory else "-"
         peak = lambda n: max(m[0] for m in memory[n])  # noqa: E731
         mem_ratio = f"{peak(peer) / peak(mine):.3f}" if peer in memory and mine in memory else "-"
-        rows.append((peer, mine + (" (eager: see note)" if mine != ours else ""),
+        rows.append((peer + (", fused AdamW" if args.peers_fused else ""), mine + (" (eager: see note)" if mine != ours else ""),
                      f"{statistics.median(times[peer]) * 1e3:.0f}", f"{statistics.median(times[mine]) * 1e3:.0f}",
                      f"{ratio:.3f}", f"{paired:.3f}", mem(peer), mem(mine), mem_ratio,
                      f"{losses[peer]:.5f} / {losses[mine]:.5f}"))
         print(rows[-1], flush=True)
     load_after = os.getloadavg()[0]
     note = (f"GPT-2 shape: {LAYERS} layers, {DIM} wide, {HEADS} heads, vocabulary {VOCAB}, sequence {SEQ}, global "
-            f"batch {BATCH} ({BATCH // WORLD} per rank data-parallel; all {BATCH} on every rank under tp); AdamW; "
+            f"batch {BATCH} ({BATCH // WORLD} per rank data-parallel; all {BATCH} on every rank under tp); AdamW (ours "
+            f"fused, the peers' {'fused' if args.peers_fused else 'torch default'}); "
             f"{args.iters} timed iterations, each running every variant once in rotating order, steps fenced by "
             f"barriers; load average {load_before:.1f} before, {r['load']:.1f} during, {load_after:.1f} after "
             f"(2 shared cores). Memory: each rank's peak RSS during three training steps above its RSS before the "
