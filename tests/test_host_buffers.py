@@ -53,3 +53,37 @@ def test_transient_buffers_come_from_the_pool_only_when_large(monkeypatch):
     del big
     again = host_buffers.transient_empty(MiB, LIKE)
     assert pool.mapped == 1 and again.data_ptr() == ptr  # the same pages, no new mapping
+
+
+def _resident_kib(t: torch.Tensor) -> int:
+    """Resident KiB of the mapping holding `t` (its /proc/self/smaps entry)."""
+    addr = t.data_ptr()
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+def test_idle_buffers_hand_their_pages_back_and_stay_for_reuse():
+    """`release_idle` (called by ZeRO-3 when a forward ends, its peak) frees the pages of idle mappings
+    only: the one still lent keeps its pages and values, the idle one keeps its mapping, so its next
+    use is lent the same address without a new mapping."""
+    pool = host_buffers.MappedPool(buffer_bytes=8 * MiB, total_bytes=16 * MiB)
+    lent = torch.frombuffer(pool.take(4 * MiB), dtype=torch.float32)
+    idle = torch.frombuffer(pool.take(4 * MiB), dtype=torch.float32)
+    lent.fill_(2.0)
+    idle.fill_(5.0)
+    idle_ptr = idle.data_ptr()
+    assert _resident_kib(idle) >= 4096
+    del idle
+    assert pool.release_idle() == 4 * MiB
+    again = torch.frombuffer(pool.take(4 * MiB), dtype=torch.float32)
+    assert pool.mapped == 2 and again.data_ptr() == idle_ptr
+    assert _resident_kib(again) == 0  # the pages went back; reading would fault in zero pages
+    assert bool((lent == 2.0).all()) and _resident_kib(lent) >= 4096

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from nnscaler_plugins.kernels.collectives import pack_saved, unpack_saved
 from nnscaler_plugins.kernels.float8 import is_float8
-from nnscaler_plugins.runtime.host_buffers import transient_empty
+from nnscaler_plugins.runtime.host_buffers import POOL, transient_empty
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -522,6 +522,7 @@ class Zero3Params:
                 self._in_forward = False
                 if completed and torch.is_grad_enabled():
                     self._keep_last_unit()
+                    POOL.release_idle()  # the step's peak: idle gather buffers hold no pages through it
                 self._held, self._held_unit = {}, None
                 self._live.clear()
                 for work, _ in self._fwd_prefetched.values():  # started for a use that never came
