@@ -260,3 +260,31 @@ def test_the_first_fit_reaches_four_times_below_and_above_so_a_stream_stops_no_m
     for b, s in ((4, 6), (4, 100), (2, 120), (12, 8), (4, 33)):
         assert run(b, s) < 1e-6, (b, s)
     assert len(made) == fitted, f"captures after the fit at sizes {made[fitted:]}"
+
+
+def refused_under_zero3(rank: int, world: int) -> tuple[str, float]:
+    """ZeRO-3 starts gathering the forward's first layer beside the step's agreement on sizes, on every
+    rank and before any refusal: a replica refusing its batch has launched the same collectives as the
+    other, so the next step pairs them up again (a gather left unmatched would hang it or mix buffers)."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+    from test_forward_locality import gpt2_without_dropout
+
+    torch.manual_seed(0)
+    model, _ = gpt2_without_dropout()  # training mode, every replica's forward the same function
+    pm = nns.parallelize(model, _batch(0, 2, 16), plan="zero3", micro_batches=2, cache_dir="/tmp/nns_test_cache")
+    pm.train_step(_batch(1, 2, 16))
+    try:
+        pm.train_step(_batch(2, 1 if rank == 1 else 2, 16))
+        message = "accepted"
+    except PlanError as e:
+        message = str(e)
+    loss = pm.train_step(_batch(3, 2, 16))  # the same batch on both ranks: the same loss if the weights agree
+    return message, float(loss)
+
+
+def test_a_replica_refusing_under_zero3_leaves_the_collectives_paired(workers2):
+    (first, loss0), (second, loss1) = workers2.run(refused_under_zero3, timeout=120)
+    assert "another data-parallel replica" in first, first
+    assert "cannot be cut into 2 micro-batches" in second, second
+    assert loss0 == loss1

@@ -36,7 +36,7 @@ from nnscaler_plugins.runtime.grad_reducer import GradReducer
 from nnscaler_plugins.runtime.grad_reducer_setup import build_reducer
 from nnscaler_plugins.runtime.materialize import InitError, has_meta_tensors, materialize, move_tensor
 from nnscaler_plugins.runtime.nonfinite import NonFiniteGuard
-from nnscaler_plugins.runtime.params_on_use import params_on_use
+from nnscaler_plugins.runtime.params_on_use import first_gathered, params_on_use
 from nnscaler_plugins.runtime.pipeline_executor import PipelineExecutor, StageRuntime
 from nnscaler_plugins.runtime.plan_groups import UnitGroups, create_groups
 from nnscaler_plugins.runtime.precision import autocast, compute_dtype
@@ -164,6 +164,9 @@ class ParallelModule(torch.nn.Module):
             gathered = [self._zero3_key[f] for f in float8_gathered(program, self.unit_device) if f in self._zero3_key]
             if gathered:  # the weights of float8 linears travel as float8 (plan knob fp8_all_gather)
                 self.zero3.gather_in_float8(gathered, WeightCast(plan.knobs.fp8_recipe, plan.knobs.fp8_emulate))
+        # the parameter a train step's forward reads first, gathered beside the step's agreement on sizes
+        self._first_zero3 = (first_gathered(program, program.ranks[self.unit_device].stages[0].params, self._zero3_key)
+                             if self.zero3 is not None and plan.pipeline is None else None)
         # The base seed a meta-device model was initialized from (None when the model came with weights).
         self.init_seed: Optional[int] = None
         self.init_peak_bytes = 0
@@ -379,7 +382,7 @@ class ParallelModule(torch.nn.Module):
         except PlanError as e:  # told to the other replicas first, as any refused size is
             micro, problem = [], str(e)
         # a forward without collectives runs while the replicas agree on the step's sizes
-        agreed = self._agree_begin(micro, problem, overlap=self._forward_is_local)
+        agreed = self._agree_begin(micro, problem, overlap=self._forward_is_local, meanwhile=self._prefetch_first)
         self._last_forward = ("train_step", micro)
         if self.plan.pipeline is not None:
             self._micro_weights = agreed()
@@ -457,11 +460,14 @@ class ParallelModule(torch.nn.Module):
         averaged over them); sizes this plan cannot take are refused on every rank at once."""
         return self._agree_begin(micro, problem, overlap=False)()
 
-    def _agree_begin(self, micro: list[Any], problem: Optional[str], overlap: bool) -> Callable[[], list[float]]:
+    def _agree_begin(self, micro: list[Any], problem: Optional[str], overlap: bool,
+                     meanwhile: Optional[Callable[[], None]] = None) -> Callable[[], list[float]]:
         """`_agree` in two halves: the all-reduce starts now, and the returned call waits for it and
         gives the weights. With `overlap`, a rank whose own batch fits lets the agreement travel while
         it runs its first forward: allowed only where that forward runs no collective, so a rank that
-        refuses its batch (and runs no forward) cannot leave the others waiting inside one."""
+        refuses its batch (and runs no forward) cannot leave the others waiting inside one.
+        `meanwhile` runs right after the all-reduce starts, on every rank, before any wait or refusal:
+        a collective that does not depend on the batch (ZeRO-3's first gather) travels beside it."""
         counts = []
         for mb in micro:
             args, kwargs = normalize_inputs(mb, None)
@@ -474,6 +480,8 @@ class ParallelModule(torch.nn.Module):
             t = torch.tensor([mine, 1.0 if problem else 0.0], dtype=torch.float64,
                              device=self._device if self._device.type != "meta" else "cpu")
             work = dist.all_reduce(t, async_op=True)
+        if meanwhile is not None:
+            meanwhile()
 
         def weights() -> list[float]:
             nonlocal problem
@@ -496,6 +504,11 @@ class ParallelModule(torch.nn.Module):
             done = weights()
             return lambda: done
         return weights
+
+    def _prefetch_first(self) -> None:
+        """Under ZeRO-3 (no pipeline), start gathering the unit the forward reads first."""
+        if self._first_zero3 is not None:
+            self.zero3.prefetch_forward(self._first_zero3)
 
     def loss_weight(self, batch: Any) -> float:
         """What this replica's mean loss on `batch` is multiplied by before backward so that the

@@ -34,6 +34,16 @@ def params_on_use(program: Program, keys: list[str], local: Callable[[str], torc
     return GatheredOnUse(program, keys, local, precision, zero3, zero3_index or {})
 
 
+def first_gathered(program: Program, keys: list[str], zero3_index: dict[str, int]) -> Optional[int]:
+    """The ZeRO-3 key of the parameter a stage reading `keys` as `_P` reads first (Program order, as
+    `GatheredOnUse` prefetches), or None when it reads none."""
+    for key in keys:
+        s = program.shards[key]
+        if s.kind == "param" and s.fqn in zero3_index:
+            return zero3_index[s.fqn]
+    return None
+
+
 #: The most bytes of whole parameters one gather unit holds (a layer larger than this is cut).
 UNIT_BYTES = 25 * 2**20
 

@@ -465,6 +465,20 @@ class Zero3Params:
         for k, w in self._kept.items():
             self._regathered[k] = weakref.ref(w)
 
+    def prefetch_forward(self, key: int) -> None:
+        """Start gathering the unit of `key`, the parameter the next forward reads first, before that
+        forward (collective: every rank calls it at the same point, whatever its batch, since nothing of
+        the batch travels). `train_step` calls it between starting and waiting for the step's agreement
+        on batch sizes, so the two collectives' latencies overlap. A unit with float8 weights is left to
+        the forward, whose first float8 gather computes this forward's scales."""
+        for work, _ in self._fwd_prefetched.values():  # an earlier one whose forward never came: stale
+            work.wait()
+        self._fwd_prefetched.clear()
+        unit = self._unit_of.get(key, (key,))
+        if self.shards[key].size <= 1 or any(k in self._float8 for k in unit):
+            return
+        self._launch_unit(key, self._fwd_prefetched, lambda k: False)
+
     def _whole(self, key: int, buf: torch.Tensor) -> torch.Tensor:
         """The flat whole parameter in a gathered buffer (float8 values for a float8 weight)."""
         return buf[:self.shards[key].numel]
