@@ -24,7 +24,7 @@ that choice is.
 The ratio is peer's median step time over ours (> 1: ours is faster); the median of the
 per-iteration ratios (peer and ours timed in the same iteration) is shown beside it. Peak memory is
 each rank's peak resident memory during three training steps above its value just before the model
-is built (MiB, ranks 0-3), in a fresh set of processes per variant; freed heap goes back to the system
+is built (MiB, ranks 0-3), in a fresh set of processes per variant, the median of `--memory-runs` (3) such runs; freed heap goes back to the system
 after set-up for every variant alike, so set-up's transient peak (capture and compile, for ours) is
 shown apart, in brackets. On a GPU the device's peak memory stands for the first figure. The machine
 is shared: the load average is written with the rows.
@@ -310,14 +310,23 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile pair")
     ap.add_argument("--no-memory", action="store_true", help="time only")
     ap.add_argument("--peers-fused", action="store_true", help="the peers' AdamW with fused=True, as ours")
+    ap.add_argument("--memory-runs", type=int, default=3,
+                    help="fresh sets of processes per variant for memory; each figure is the median over them")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
     r = common.spawn(bench, WORLD, args.iters, not args.no_compile, args.peers_fused)
     times, losses, notes = r["times"], r["losses"], r["notes"]
-    memory = {}
+    memory, largest = {}, {}
     if not args.no_memory:
-        for name in times:
-            memory[name] = common.spawn(bench_memory, WORLD, name, args.peers_fused)
+        runs: dict[str, list] = {name: [] for name in times}
+        for _ in range(args.memory_runs):  # the variants in turn, so a drift of the host's state reaches all alike
+            for name in times:
+                runs[name].append(common.spawn(bench_memory, WORLD, name, args.peers_fused))
+        # per rank, the median over the runs of its training and set-up peaks; the ratio below is of the
+        # median over the runs of the largest rank's peak (one allocator's timing moves a run by a few MiB)
+        memory = {name: [tuple(statistics.median(run[r][i] for run in rs) for i in range(2)) for r in range(WORLD)]
+                  for name, rs in runs.items()}
+        largest = {name: statistics.median(max(m[0] for m in run) for run in rs) for name, rs in runs.items()}
     rows = []
     for peer, ours in PAIRS:
         if peer not in times:
@@ -327,7 +336,7 @@ def main() -> None:
         paired = statistics.median(a / b for a, b in zip(times[peer], times[mine]))
         mem = lambda n: (" / ".join(f"{m[0]:.0f}" for m in memory[n])  # noqa: E731
                          + f" ({max(m[1] for m in memory[n]):.0f})") if n in memory else "-"
-        peak = lambda n: max(m[0] for m in memory[n])  # noqa: E731
+        peak = largest.__getitem__  # noqa: E731
         mem_ratio = f"{peak(peer) / peak(mine):.3f}" if peer in memory and mine in memory else "-"
         rows.append((peer + (", fused AdamW" if args.peers_fused else ""), mine + (" (eager: see note)" if mine != ours else ""),
                      f"{statistics.median(times[peer]) * 1e3:.0f}", f"{statistics.median(times[mine]) * 1e3:.0f}",
@@ -342,9 +351,9 @@ def main() -> None:
             f"barriers; load average {load_before:.1f} before, {r['load']:.1f} during, {load_after:.1f} after "
             f"(2 shared cores). Memory: each rank's peak RSS during three training steps above its RSS before the "
             f"model is built (MiB, ranks 0 / 1 / 2 / 3; fresh processes per variant; freed heap returned to the "
-            f"system after set-up for every variant alike), and in brackets the largest peak of set-up (building, "
-            f"and for ours capture and compile) above the same base. Ratio of memory: the peer's largest "
-            f"training peak over ours.")
+            f"system after set-up for every variant alike; each figure the median over {args.memory_runs} such runs), "
+            f"and in brackets the largest peak of set-up (building, and for ours capture and compile) above the same "
+            f"base. Ratio of memory: the median over the runs of the peer's largest training peak over ours'.")
     for name, why in notes.items():
         note += f" {name}: {why}."
     print(common.record(f"step_speed.py: ours vs DDP, FSDP2 (eager, compiled) and DTensor tp, {WORLD} gloo processes "
