@@ -5,6 +5,7 @@ import datetime
 import gc
 import os
 import platform
+import queue
 import socket
 import statistics
 import time
@@ -219,7 +220,18 @@ def _spawn(fn, world: int, args: tuple, result_rank: int):
              for r in range(world)]
     for p in procs:
         p.start()
-    out = q.get(timeout=1800)
+    deadline = time.monotonic() + 1800
+    while True:  # a worker that died (its traceback is on stderr) ends the wait, not the 30-minute limit
+        try:
+            out = q.get(timeout=2.0)
+            break
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)}: worker(s) {dead} exited with an error"
+                                   if dead else f"{getattr(fn, '__name__', fn)}: no result within 30 minutes")
     for p in procs:
         p.join()
     return out

@@ -18,8 +18,9 @@ variant once, the order rotating), AdamW for all:
 
 `nns.build_optimizer` builds torch's AdamW with its fused kernel (runtime/fused_optimizer.py); the
 peers run `torch.optim.AdamW` as their users write it, torch's default implementation. `--peers-fused`
-gives the peers the fused kernel too (their rows are then named so), to show how much of a ratio
-that choice is.
+gives the peers the fused kernel too where torch runs it (DDP's plain tensors; not FSDP2's or
+tensor parallelism's DTensors, which `aten._fused_adamw_` refuses on a CPU), their rows then named
+so, to show how much of a ratio that choice is.
 
 The ratio is peer's median step time over ours (> 1: ours is faster); the median of the
 per-iteration ratios (peer and ours timed in the same iteration) is shown beside it. Peak memory is
@@ -119,8 +120,17 @@ def _dp_batch(rank: int) -> dict:
 PEERS_FUSED = False  # set in each worker from --peers-fused
 
 
+def _fused_runs(module: torch.nn.Module) -> bool:
+    """Whether torch's fused AdamW takes the module's parameters: not DTensors (FSDP2's, tensor
+    parallelism's), whose step counter stays a plain tensor that `aten._fused_adamw_` refuses to mix."""
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def _plain_step(module: torch.nn.Module, batch: dict):
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, **({"fused": True} if PEERS_FUSED else {}))
+    fused = PEERS_FUSED and _fused_runs(module)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
 
     def step() -> float:
         loss = module(**batch)
@@ -338,7 +348,8 @@ def main() -> None:
                          + f" ({max(m[1] for m in memory[n]):.0f})") if n in memory else "-"
         peak = largest.__getitem__  # noqa: E731
         mem_ratio = f"{peak(peer) / peak(mine):.3f}" if peer in memory and mine in memory else "-"
-        rows.append((peer + (", fused AdamW" if args.peers_fused else ""), mine + (" (eager: see note)" if mine != ours else ""),
+        fused_peer = args.peers_fused and peer == "DDP"  # see _fused_runs
+        rows.append((peer + (", fused AdamW" if fused_peer else ""), mine + (" (eager: see note)" if mine != ours else ""),
                      f"{statistics.median(times[peer]) * 1e3:.0f}", f"{statistics.median(times[mine]) * 1e3:.0f}",
                      f"{ratio:.3f}", f"{paired:.3f}", mem(peer), mem(mine), mem_ratio,
                      f"{losses[peer]:.5f} / {losses[mine]:.5f}"))
@@ -346,7 +357,7 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     note = (f"GPT-2 shape: {LAYERS} layers, {DIM} wide, {HEADS} heads, vocabulary {VOCAB}, sequence {SEQ}, global "
             f"batch {BATCH} ({BATCH // WORLD} per rank data-parallel; all {BATCH} on every rank under tp); AdamW (ours "
-            f"fused, the peers' {'fused' if args.peers_fused else 'torch default'}); "
+            f"fused, the peers' {'fused for DDP, torch default for the DTensor peers' if args.peers_fused else 'torch default'}); "
             f"{args.iters} timed iterations, each running every variant once in rotating order, steps fenced by "
             f"barriers; load average {load_before:.1f} before, {r['load']:.1f} during, {load_after:.1f} after "
             f"(2 shared cores). Memory: each rank's peak RSS during three training steps above its RSS before the "
