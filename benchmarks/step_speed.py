@@ -346,7 +346,7 @@ def main() -> None:
         paired = statistics.median(a / b for a, b in zip(times[peer], times[mine]))
         mem = lambda n: (" / ".join(f"{m[0]:.0f}" for m in memory[n])  # noqa: E731
                          + f" ({max(m[1] for m in memory[n]):.0f})") if n in memory else "-"
-        peak = largest.__getitem__  # noqa: E731
+        peak = largest.__getitem__
         mem_ratio = f"{peak(peer) / peak(mine):.3f}" if peer in memory and mine in memory else "-"
         fused_peer = args.peers_fused and peer == "DDP"  # see _fused_runs
         rows.append((peer + (", fused AdamW" if fused_peer else ""), mine + (" (eager: see note)" if mine != ours else ""),
