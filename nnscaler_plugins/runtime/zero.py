@@ -349,6 +349,13 @@ class Zero3Params:
         # wire instead of one per use.
         self._uses: dict[int, int] = {}
         self._partial: dict[int, tuple[int, torch.Tensor]] = {}
+        # The same forward reads such a weight again: its gathered buffer is held from the first use to
+        # the last (`_reuse`: key -> the buffer and the uses still to come, as the previous forward
+        # counted them) instead of gathered again for the second. The second use is the head after the
+        # last layer, so the weight would be whole again at the forward's end, its peak, either way;
+        # holding it costs memory only in the middle of the forward, and saves a collective each step.
+        self._last_uses: dict[int, int] = {}
+        self._reuse: dict[int, tuple[torch.Tensor, int]] = {}
         self._pending: list[_PendingReduce] = []
         # Gradients waiting to be reduce-scattered together: one collective per gather unit (a layer,
         # see `_unit_complete`) or per BUCKET_BYTES outside units, launched when the unit's last gradient
@@ -420,17 +427,26 @@ class Zero3Params:
         `_P[i]` there and deletes it after the last use); the next one's gather is started now so
         it overlaps the ops in between. Nothing else keeps it: autograd saves a reference (see
         `_pack`), so the memory returns once the code drops it."""
-        if key not in self._fwd_prefetched:
-            self._launch_unit(key, self._fwd_prefetched, self._fetched.__contains__)
-        work, buf = self._fwd_prefetched.pop(key)
         again = key in self._fetched  # a weight used twice (a tied embedding's second use, as the head)
+        held = self._reuse.pop(key, None)
+        if held is not None:  # gathered at its first use in this forward and held for this one
+            buf, left = held
+            if left > 1:
+                self._reuse[key] = (buf, left - 1)
+        else:
+            if key not in self._fwd_prefetched:
+                self._launch_unit(key, self._fwd_prefetched, self._fetched.__contains__)
+            work, buf = self._fwd_prefetched.pop(key)
+            work.wait()
+            self._track(buf)
+            left = self._last_uses.get(key, 1) - 1
+            if self._in_forward and torch.is_grad_enabled() and not again and left > 0:
+                self._reuse[key] = (buf, left)
         self._fetched.add(key)
-        work.wait()
         if prefetch is not None and prefetch not in self._fwd_prefetched and prefetch not in self._fetched:
             self._launch_unit(prefetch, self._fwd_prefetched, self._fetched.__contains__)
         s = self.shards[key]
         whole = self._whole(key, buf)
-        self._track(buf)
         if self._in_forward:
             self._live[buf.untyped_storage().data_ptr()] = (key, weakref.ref(buf))
             if torch.is_grad_enabled():  # a float8 weight's float8 values: the backward casts them with the saved scale
@@ -516,6 +532,8 @@ class Zero3Params:
         self._forget_saved()
         self._fetched.clear()
         self._kept.clear()  # kept for a backward that never came
+        if self._uses:  # the last forward's count of each weight's uses: this one reads them alike
+            self._last_uses = dict(self._uses)
         self._uses.clear()
 
         def pack(t: torch.Tensor) -> Any:
@@ -538,6 +556,7 @@ class Zero3Params:
                     self._keep_last_unit()
                     POOL.release_idle()  # the step's peak: idle gather buffers hold no pages through it
                 self._held, self._held_unit = {}, None
+                self._reuse.clear()
                 self._live.clear()
                 for work, _ in self._fwd_prefetched.values():  # started for a use that never came
                     work.wait()
