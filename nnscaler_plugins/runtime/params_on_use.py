@@ -34,14 +34,21 @@ def params_on_use(program: Program, keys: list[str], local: Callable[[str], torc
     return GatheredOnUse(program, keys, local, precision, zero3, zero3_index or {})
 
 
+def zero3_items(program: Program, keys: list[str], zero3_index: dict[str, int]) -> dict[int, int]:
+    """Item i of `_P` (the shards `keys`) -> its ZeRO-3 key, for the items that are chunked parameters."""
+    out = {}
+    for i, key in enumerate(keys):
+        s = program.shards[key]
+        if s.kind == "param" and s.fqn in zero3_index:
+            out[i] = zero3_index[s.fqn]
+    return out
+
+
 def first_gathered(program: Program, keys: list[str], zero3_index: dict[str, int]) -> Optional[int]:
     """The ZeRO-3 key of the parameter a stage reading `keys` as `_P` reads first (Program order, as
     `GatheredOnUse` prefetches), or None when it reads none."""
-    for key in keys:
-        s = program.shards[key]
-        if s.kind == "param" and s.fqn in zero3_index:
-            return zero3_index[s.fqn]
-    return None
+    items = zero3_items(program, keys, zero3_index)
+    return items[min(items)] if items else None
 
 
 #: The most bytes of whole parameters one gather unit holds (a layer larger than this is cut).
@@ -88,11 +95,7 @@ class GatheredOnUse:
         self._precision = precision
         self._zero3 = zero3
         zero3.new_forward()  # a new forward: float8 weights are scaled from the weights as they are now
-        self._zkey: dict[int, int] = {}
-        for i, key in enumerate(keys):
-            s = program.shards[key]
-            if s.kind == "param" and s.fqn in zero3_index:
-                self._zkey[i] = zero3_index[s.fqn]
+        self._zkey = zero3_items(program, keys, zero3_index)
         order = sorted(self._zkey)
         self._next = {i: self._zkey[j] for i, j in zip(order, order[1:])}
         fqns = [program.shards[keys[i]].fqn for i in order]
