@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from nnscaler_plugins.kernels.reduce_scatter import start as start_reduce_scatter
 from nnscaler_plugins.layout import cat_dim, chunk_dim
 
 Order = Optional[Sequence[int]]
@@ -62,9 +63,9 @@ def _scatter_sum(x: torch.Tensor, dim: int, group: Any, blocks: int, order: tupl
     n = len(order)
     if group is None:
         return x
-    inputs = [chunk_dim(x, dim, n, order.index(g), blocks).contiguous() for g in range(n)]
-    out = torch.empty_like(inputs[0])
-    dist.reduce_scatter(out, inputs, group=group)
+    inputs = [chunk_dim(x, dim, n, order.index(g), blocks) for g in range(n)]
+    out = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
+    start_reduce_scatter(out, inputs, group).wait()
     return out
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from nnscaler_plugins.kernels import reduce_scatter
 from nnscaler_plugins.layout import cat_dim, chunk_dim
 
 FORMS = ("addmm", "mm", "matmul", "linear")
@@ -229,9 +230,9 @@ def _start_input_grad_reduction(dx: torch.Tensor, grad: str, gather: Optional[tu
     if grad == "reduce-scatter":
         dim, blocks, order = gather
         n = len(order)
-        inputs = [chunk_dim(dx, dim, n, order.index(g), blocks).contiguous() for g in range(n)]
-        out = torch.empty_like(inputs[0])
-        return dist.reduce_scatter(out, inputs, group=group, async_op=True), out, inputs
+        inputs = [chunk_dim(dx, dim, n, order.index(g), blocks) for g in range(n)]
+        out = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
+        return reduce_scatter.start(out, inputs, group), out, inputs
     out = dx.contiguous()
     return dist.all_reduce(out, group=group, async_op=True), out, None
 
@@ -307,9 +308,9 @@ class _ReducedMatmul(Function):
             for g in range(n):
                 piece = chunk_dim(xv, dim, n, order.index(g), blocks)
                 sub = chunk_dim(piece, dim, chunks, k, blocks) if chunks > 1 else piece
-                inputs.append(_apply(form, sub.reshape(-1, k_in), w, b).view(*sub.shape[:-1], n_out).contiguous())
-            out = torch.empty_like(inputs[0])
-            works.append((dist.reduce_scatter(out, inputs, group=group, async_op=True), inputs))
+                inputs.append(_apply(form, sub.reshape(-1, k_in), w, b).view(*sub.shape[:-1], n_out))
+            out = torch.empty_like(inputs[0], memory_format=torch.contiguous_format)
+            works.append((reduce_scatter.start(out, inputs, group), inputs))
             mine.append(out)
         for wk, _ in works:
             wk.wait()

@@ -32,11 +32,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from nnscaler_plugins.runtime.zero import (
-    FlatShard,
-    reduce_scatter_flat,
-    reduce_scatter_layout,
-)
+from nnscaler_plugins.kernels import reduce_scatter
+from nnscaler_plugins.runtime.zero import FlatShard, reduce_scatter_layout
 
 
 @dataclass
@@ -171,7 +168,7 @@ class GradReducer:
         if bucket.shards is not None and not self._whole:
             send = reduce_scatter_layout(bucket.shards, grads, bucket.scale)
             bucket.buffer = send.new_empty(sum(s.chunk for s in bucket.shards))
-            bucket.work = reduce_scatter_flat(bucket.buffer, send, group=bucket.group, async_op=True)
+            bucket.work = reduce_scatter.start(bucket.buffer, send, bucket.group)
             for p in bucket.params:  # the whole gradient is not kept: only the chunk this replica owns
                 p.grad = None
             self.launched += 1

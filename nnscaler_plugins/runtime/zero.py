@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 
 from nnscaler_plugins.kernels.collectives import pack_saved, unpack_saved
+from nnscaler_plugins.kernels import reduce_scatter
 from nnscaler_plugins.kernels.float8 import is_float8
 from nnscaler_plugins.runtime.host_buffers import POOL, transient_empty
 
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+# torch 2.13 renamed the flat-tensor collective; older releases only have the old name.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 BUCKET_BYTES = 25 * 2**20
 MAX_IN_FLIGHT = 2  # gradient reductions started and not yet waited for (see Zero3Params.flush)
 
@@ -830,7 +830,7 @@ class Zero3Params:
             buf, post = reduce_scatter_layout(shards, grads, self.scale, out=send), 1.0
         del grads
         out = buf.new_empty(sum(sh.chunk for sh in shards))
-        work = reduce_scatter_flat(out, buf, group=shards[0].group, async_op=True)
+        work = reduce_scatter.start(out, buf, shards[0].group)
         self._pending.append(_PendingReduce(work, out, None, keys, sent=buf, scale=post))
         self.launched += 1
         # A reduction in flight holds its bucket's whole gradients: at most MAX_IN_FLIGHT at once
