@@ -155,3 +155,26 @@ def test_dead_code_keeps_random_draws_nothing_reads():
 
     g = nns.capture(DrawsAndDiscards(), (torch.randn(2, 4),))
     assert any(op.op_name.startswith("aten.rand") for op in g.ops), [op.op_name for op in g.ops]
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_model_is_freed_as_soon_as_the_caller_drops_it(whole):
+    """torch.export leaves reference cycles that hold the traced model; capture collects them, so a
+    model the caller lets go of (its whole weights, beside a ZeRO-3 rank's shard) is freed then,
+    not whenever Python's cyclic collector next runs. The collector is off here: only capture's
+    own collection can free the cycles."""
+    import gc
+    import weakref
+
+    model, inputs = models.gpt2_small()
+    alive = weakref.ref(model.transformer.wte.weight)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        graph = nns.capture(model, kwargs=inputs, trace_repeated_layers_once=not whole)
+        del model
+        assert alive() is None, "the model outlived its last reference"
+        assert graph.ops  # the graph itself is kept
+    finally:
+        if was:
+            gc.enable()

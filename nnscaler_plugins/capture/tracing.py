@@ -6,6 +6,7 @@ export traces with fake tensors, so a 175B-parameter configuration is captured o
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import inspect
 import io
@@ -67,7 +68,20 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
 
     A stack of identical layers is traced two layers deep and the rest written as copies (see
     repeated_layers.py); `trace_repeated_layers_once=False` traces every layer.
+
+    Once traced, Python's cyclic garbage is collected: torch.export leaves its tracer behind in
+    reference cycles (a module-stack tracer whose proxies and closures reference the traced model),
+    which would keep the model, every weight of it, alive after the caller lets go of it, until the
+    collector happened to run. A ZeRO-3 rank then held the whole model beside its quarter through
+    its first training steps (a GPT-2-shaped model: 14 MiB of 138 at the rank's peak).
     """
+    try:
+        return _capture(model, args, kwargs, trace_repeated_layers_once)
+    finally:
+        gc.collect()
+
+
+def _capture(model: torch.nn.Module, args: Any, kwargs: Optional[dict], trace_repeated_layers_once: bool) -> Graph:
     args, kwargs = _distinct_inputs(*normalize_inputs(args, kwargs))
     pm = get_plugin_manager()
     with contextlib.ExitStack() as stack:
