@@ -1,10 +1,12 @@
-"""Transient host buffers: gathered whole parameters and gradient buckets that live around one use.
+"""Transient host buffers: whole parameters gathered for a forward, which live around one use.
 
-ZeRO-3 on the CPU allocates a few such buffers per layer and step (a unit's gathered weights, the
-bytes it sends, a reduce-scatter's layout). From the C heap, buffers freed between the pieces that
-stay (chunks, gradients, optimizer state) are kept by the process for reuse (glibc keeps freed
-regions below 32 MiB), and what a rank holds grows to the worst interleaving of a step's buffers
-instead of the most it uses at once. Mapped from the OS at every use instead, each buffer's pages
+ZeRO-3 on the CPU gathers a few such buffers per layer in every forward. From the C heap, buffers
+freed between the pieces that stay (activations saved for backward, chunks, optimizer state) are
+kept by the process for reuse (glibc keeps freed regions below 32 MiB) but reused only in part by
+the allocations that follow, and what a rank holds grows to the worst interleaving of a step's
+buffers instead of the most it uses at once. (The backward is the other way round: it frees
+activations and their gradients as it goes, so its gathered weights and gradient buffers come from
+the heap, whose pages they share with those; see `Zero3Params._gather_buffer`.) Mapped from the OS at every use instead, each buffer's pages
 are faulted in and zeroed by the kernel again (about 0.4 ms a MiB, five times a warm copy), a
 cost FSDP2's caching of the same buffers does not pay.
 
@@ -17,11 +19,9 @@ when the pool holds the only reference to it: a tensor made with `torch.frombuff
 the mapping for as long as any view of its storage is alive.
 
 An idle mapping still holds its pages. At the end of a forward, when the activations a backward
-needs are all alive (a step's peak), ZeRO-3's idle buffers are the weights of layers the forward is
-done with and the gradient buffers the backward has not started: `release_idle` hands their pages
-back to the OS and keeps the mappings, so the rank's peak is what it uses, and the backward faults
-in only the pages it touches again (a GPT-2-shaped step on 4 CPU processes: 12 of the pool's 14 MiB
-idle at that point, about 7 % of a rank's peak, for about 1 % of the step's time).
+needs are all alive, ZeRO-3's idle buffers are the weights of layers the forward is done with:
+`release_idle` hands their pages back to the OS and keeps the mappings, so they hold no pages
+through the backward, and the next forward faults in only the pages it touches again.
 """
 from __future__ import annotations
 

@@ -660,18 +660,29 @@ class Zero3Params:
         sends = [(k, self._send_chunk(k, scales.get(k))) for k in keys]
         shard = self.shards[keys[0]]
         sent = torch.cat([self.shards[k].chunk_padded(c) for k, c in sends])
-        buf = transient_empty(shard.size * sent.numel(), sent)
+        buf = self._gather_buffer(shard.size * sent.numel(), sent)
         work = all_gather_flat(buf, sent, group=shard.group, async_op=True)
         self.gathers_launched += 1
         bucket = _UnitGather(work, buf, sent, [])
         out: dict[int, tuple[Any, torch.Tensor]] = {}
         for k, c in sends:
             s = self.shards[k]
-            flat = transient_empty(s.size * s.chunk, c)
+            flat = self._gather_buffer(s.size * s.chunk, c)
             self.gathered_traffic[k] = self.gathered_traffic.get(k, 0) + flat.numel() * flat.element_size()
             bucket.parts.append((s.chunk, flat))
             out[k] = (bucket, flat.view(self._cast.dtype) if k in self._float8 else flat)
         return out
+
+    def _gather_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """Where a gathered weight lands. In the forward, from the pool of mapped host buffers
+        (host_buffers.py): activations only accumulate there, so a freed heap buffer's pages would
+        be reused only in part and the heap would grow by the rest. In the backward, from the heap,
+        as the reduce-scatter's buffers: the backward frees activations and their gradients as it
+        goes, and a heap buffer reuses their pages where a pooled one keeps pages of its own
+        resident (GPT-2 shape on 4 CPU processes: a rank's peak 7 MiB lower, the step no slower)."""
+        if self._in_forward:
+            return transient_empty(numel, like)
+        return like.new_empty(numel)
 
     def _launch_gather(self, key: int, scale: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor]:
         """Start gathering one parameter; the buffer is its flat tensor (padded) once the work is done.
@@ -679,7 +690,7 @@ class Zero3Params:
         forward's), as bytes (float8 is not a dtype every backend takes); the buffer returned is
         their float8 view (the object whose lifetime tells the saved-tensor hooks it is alive)."""
         s, c = self.shards[key], self._send_chunk(key, scale)
-        buf = transient_empty(s.size * s.chunk, c)
+        buf = self._gather_buffer(s.size * s.chunk, c)
         self.gathered_traffic[key] = self.gathered_traffic.get(key, 0) + buf.numel() * buf.element_size()
         work = all_gather_flat(buf, s.chunk_padded(c), group=s.group, async_op=True)
         self.gathers_launched += 1
@@ -826,8 +837,8 @@ class Zero3Params:
             # largest tensor of a step).
             buf, post = grads[0].reshape(-1), self.scale
         else:
-            send = transient_empty(shards[0].size * sum(sh.chunk for sh in shards), grads[0])
-            buf, post = reduce_scatter_layout(shards, grads, self.scale, out=send), 1.0
+            # from the heap, as the backward's gathered weights (see _gather_buffer)
+            buf, post = reduce_scatter_layout(shards, grads, self.scale), 1.0
         del grads
         out = buf.new_empty(sum(sh.chunk for sh in shards))
         work = reduce_scatter.start(out, buf, shards[0].group)
