@@ -2,7 +2,7 @@
 
 Built-in strategies and adapters implement these exactly like a third-party package would (the
 plugin manager registers them by module name; the core's code never imports them). Hooks that only
-adapters call are declared by the adapters (`adapters/hookspecs.py`, `adapters/deepspeed/hookspecs.py`)
+adapters call are declared by the adapters (`adapters/hookspecs.py`, `adapters/deepspeed_hooks.py`)
 through `nnscaler_add_hookspecs`.
 """
 from __future__ import annotations

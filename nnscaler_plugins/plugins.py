@@ -43,7 +43,7 @@ BUILTIN_PLUGINS = (
     ("builtin_strategies", "nnscaler_plugins.strategies"),
     ("builtin_lightning", "nnscaler_plugins.adapters.lightning"),
     ("builtin_hf", "nnscaler_plugins.adapters.hf_hooks"),
-    ("builtin_deepspeed", "nnscaler_plugins.adapters.deepspeed"),
+    ("builtin_deepspeed", "nnscaler_plugins.adapters.deepspeed_hooks"),
 )
 
 

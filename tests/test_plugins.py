@@ -170,3 +170,25 @@ def test_broken_plugin_is_named_and_switches_skip_it(installed):
     assert "toy_dp" not in out["strategies"] and "toybroken" not in out["plugins"]
     assert {"builtin_strategies", "builtin_lightning", "builtin_hf"} <= set(out["plugins"])  # built-ins stay
     assert "tp" in out["strategies"] and "NNSCALER" not in err
+
+
+def test_loading_plugins_imports_no_framework_and_not_the_deepspeed_drop_in():
+    """Every process that makes a plugin manager registers the built-in adapters; their plugin
+    modules are thin, so that costs neither transformers, Lightning, DeepSpeed nor the DeepSpeed
+    drop-in's forty modules (about 2 MiB on each rank when the drop-in was the plugin). The drop-in's
+    hook and built-in translation still answer once it is used."""
+    code = (
+        "import sys\n"
+        "from nnscaler_plugins.plugins import get_plugin_manager\n"
+        "pm = get_plugin_manager()\n"
+        "loaded = [m for m in ('nnscaler_plugins.adapters.deepspeed', 'transformers', 'lightning', 'deepspeed')"
+        " if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "assert pm.has_plugin('builtin_deepspeed') and pm.has_plugin('builtin_hf')\n"
+        "from nnscaler_plugins.adapters import deepspeed\n"
+        "s = deepspeed.settings_of({'train_micro_batch_size_per_gpu': 2, 'zero_optimization': {'stage': 3}})\n"
+        "print(type(s).__name__, s.zero_stage)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["Settings", "3"], proc.stdout

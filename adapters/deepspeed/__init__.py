@@ -15,13 +15,13 @@ DeepSpeed's module paths that scripts import from resolve here too (`deepspeed.c
 `deepspeed.ops.adam`, `deepspeed.utils.zero_to_fp32`, `deepspeed.checkpoint.utils`), each holding
 this engine's objects under DeepSpeed's names.
 
-The built-in config translation is a plugin: it implements the `nnscaler_translate_deepspeed_config`
-hook and is registered through the `nnscaler_plugins` entry point like any third-party plugin.
+The built-in config translation is a plugin: `adapters/deepspeed_hooks.py` implements the
+`nnscaler_translate_deepspeed_config` hook and is registered as `builtin_deepspeed` like any other
+plugin, without importing this package.
 """
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from typing import Any, Callable, Optional, Union
 
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.hookspecs import hookimpl
 from nnscaler_plugins.plugins import get_plugin_manager
 from nnscaler_plugins.session import Session
 
@@ -38,7 +37,7 @@ from .config import (
     Settings,
     load_config,
     resolve_batch,
-    translate,
+    translate,  # noqa: F401 - importable from here as before
 )
 from .checkpoint import DS_VERSION
 from .engine import DeepSpeedEngine
@@ -54,6 +53,7 @@ from .schedulers import (
     build_scheduler,
 )
 from . import accelerator, checkpoint, comm, ops, runtime, utils, zero
+from .. import deepspeed_hooks
 from .accelerator import get_accelerator
 from .zero_optimizer import ZeroOptimizer
 
@@ -61,7 +61,7 @@ __all__ = ["initialize", "settings_of", "plan_session", "parallel_degrees", "add
            "ZeRORuntimeException", "checkpoint", "zero", "utils", "comm", "ops", "runtime", "accelerator",
            "get_accelerator", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
-PLUGIN_NAME = "builtin_deepspeed"
+PLUGIN_NAME = deepspeed_hooks.PLUGIN_NAME
 
 # The DeepSpeed release whose behaviour (config, engine, checkpoint layout) this drop-in follows,
 # under the names DeepSpeed's version attributes have; there is no DeepSpeed source tree behind it.
@@ -71,31 +71,15 @@ __git_hash__ = None
 __git_branch__ = None
 
 
-@hookimpl
-def nnscaler_add_hookspecs(pluginmanager: Any) -> None:
-    from nnscaler_plugins.hookspecs import add_hookspecs_once
-
-    from .hookspecs import DeepSpeedHooks
-
-    add_hookspecs_once(pluginmanager, DeepSpeedHooks)
-
-
-@hookimpl(trylast=True)
-def nnscaler_translate_deepspeed_config(config: dict) -> Optional[dict]:
-    """The built-in translation: every key checked against `keys.py`, DeepSpeed's semantics."""
-    return translate(config).to_dict()
-
-
 def settings_of(config: dict) -> Settings:
     """The engine's settings from a DeepSpeed config dict, translated by the `nnscaler_translate_deepspeed_config`
     hook (the built-in translation unless a plugin answers first). The plan it names is checked by
     `plan_session`."""
     pm = get_plugin_manager()
-    this = sys.modules[__name__]
     # Imported directly while entry points are switched off: the built-in still applies, unless
     # it was blocked by name.
-    if not pm.is_registered(this) and not pm.has_plugin(PLUGIN_NAME) and not pm.is_blocked(PLUGIN_NAME):
-        pm.register(this, name=PLUGIN_NAME)
+    if not pm.is_registered(deepspeed_hooks) and not pm.has_plugin(PLUGIN_NAME) and not pm.is_blocked(PLUGIN_NAME):
+        pm.register(deepspeed_hooks, name=PLUGIN_NAME)
     result = pm.hook.nnscaler_translate_deepspeed_config(config=config)
     if result is None:
         raise DeepSpeedConfigError(f"no plugin translated the DeepSpeed config (the built-in {PLUGIN_NAME!r} is "

@@ -1,19 +1,8 @@
-"""The DeepSpeed drop-in's own hook, declared by the drop-in (the core never calls it)."""
+"""The DeepSpeed drop-in's own hook. It is declared in `adapters/deepspeed_hooks.py`, the drop-in's
+plugin module, so that registering the plugin does not import the drop-in; this name stays for code
+that imported it from here."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from ..deepspeed_hooks import DeepSpeedHooks
 
-from nnscaler_plugins.hookspecs import hookspec
-
-
-class DeepSpeedHooks:
-    @hookspec(firstresult=True)
-    def nnscaler_translate_deepspeed_config(self, config: dict) -> Optional[Any]:
-        """Translate a DeepSpeed JSON config (already loaded into a dict) into this project's settings.
-
-        The DeepSpeed drop-in engine calls this once per `initialize`, so a plugin can support keys
-        the built-in translation refuses (or refuse keys it accepts). Return a dict with the
-        translated settings, or None to leave the config to the next implementation; the first
-        non-None result wins. Keys that cannot be honoured must be refused or warned about by name,
-        never dropped.
-        """
+__all__ = ["DeepSpeedHooks"]
