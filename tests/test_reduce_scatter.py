@@ -53,3 +53,14 @@ def test_each_rank_gets_the_exact_sum_of_its_piece(workers4):
             assert flat_err <= tol and list_err <= tol, (rank, dtype, res[dtype])
         if rank in (1, 3):
             assert res["sub"] <= 1e-5, res
+
+
+def test_the_backend_is_read_per_device_type():
+    """A group made for several device types runs CPU tensors on gloo (summed on the owner) and
+    CUDA tensors on NCCL (its own reduce-scatter)."""
+    from nnscaler_plugins.kernels.reduce_scatter import backend_for
+
+    assert backend_for("gloo", "cpu") == "gloo"
+    assert backend_for("nccl", "cuda") == "nccl"
+    assert backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl"

@@ -59,9 +59,18 @@ class _Done:
         return True
 
 
-def has_own_reduce_scatter(group: Any) -> bool:
-    """Whether `group`'s backend has a reduce-scatter of its own (False on gloo, see the module)."""
-    return dist.get_backend(group) != "gloo"
+def backend_for(backend: str, device_type: str) -> str:
+    """The backend that runs a group's collectives on tensors of `device_type`: a group made for
+    several device types names one backend each ("cpu:gloo,cuda:nccl")."""
+    if ":" not in backend:
+        return backend
+    return dict(part.split(":", 1) for part in backend.split(",")).get(device_type, backend)
+
+
+def has_own_reduce_scatter(group: Any, device: torch.device = torch.device("cpu")) -> bool:
+    """Whether the backend that runs `group`'s collectives on `device` has a reduce-scatter of its
+    own: False for gloo (see the module)."""
+    return backend_for(dist.get_backend(group), device.type) != "gloo"
 
 
 def start(out: torch.Tensor, pieces: Pieces, group: Any) -> Any:
@@ -80,7 +89,7 @@ def start(out: torch.Tensor, pieces: Pieces, group: Any) -> Any:
     if n == 1:
         out.copy_(pieces.view_as(out) if flat else pieces[0])
         return _Done()
-    if has_own_reduce_scatter(group):
+    if has_own_reduce_scatter(group, out.device):
         if flat:
             return _reduce_scatter_flat(out, pieces, group=group, async_op=True)
         return dist.reduce_scatter(out, [p.contiguous() for p in pieces], group=group, async_op=True)
