@@ -171,7 +171,7 @@ def test_ep_4(workers4, name, options, dp):
 
 def _memory_and_collectives(rank, world, ep, etp=1):
     """Expert parameters, gradients and optimizer state held here, and the all-to-alls of one step."""
-    import torch.distributed as dist
+    from collective_counts import all_to_alls
 
     import nnscaler_plugins as nns
 
@@ -180,21 +180,11 @@ def _memory_and_collectives(rank, world, ep, etp=1):
     total = {n: p.numel() for n, p in model.named_parameters() if ".experts." in n}
     pm = nns.parallelize(model, batch, plan="ep", ep=ep, etp=etp, cache_dir="/tmp/nns_test_cache")
     opt = nns.build_optimizer(pm, torch.optim.Adam, lr=1e-3)
-    calls = []
-    original = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dist.all_to_all_single = counting
-    try:
+    with all_to_alls() as calls:
         out = pm(**batch)
-        forward = len(calls)
+        forward = calls["all"]
         out.loss.backward()
-        backward = len(calls) - forward
-    finally:
-        dist.all_to_all_single = original
+        backward = calls["all"] - forward
     opt.step()
     held = {n: p for n, p in pm.named_parameters() if ".experts." in n or "experts" in n}
     params = sum(p.numel() for p in held.values())

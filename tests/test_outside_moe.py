@@ -58,7 +58,7 @@ def test_trains_like_one_process_on_4(workers4, name, strategy, options, dp):
 
 def _memory_and_collectives(rank, world):
     """Expert weights held here and the all-to-alls of one forward and backward under ep=world."""
-    import torch.distributed as dist
+    from collective_counts import all_to_alls
 
     import nnscaler_plugins as nns
 
@@ -68,21 +68,11 @@ def _memory_and_collectives(rank, world):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = nns.parallelize(model, batch, plan="ep", ep=world, cache_dir="/tmp/nns_test_cache")
-    calls = []
-    original = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dist.all_to_all_single = counting
-    try:
+    with all_to_alls() as calls:
         loss = pm(**batch)
-        forward = len(calls)
+        forward = calls["all"]
         loss.backward()
-        backward = len(calls) - forward
-    finally:
-        dist.all_to_all_single = original
+        backward = calls["all"] - forward
     held = sum(p.numel() for n, p in pm.named_parameters() if "experts" in n and "shared" not in n)
     source = [line for line in pm.generated_source().splitlines() if "sorted_expert_all_to_all(" in line]
     return dict(total=total, held=held, forward=forward, backward=backward, source=source)

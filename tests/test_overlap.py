@@ -328,24 +328,12 @@ def shared_expert_run(rank: int, world: int) -> dict:
     """Qwen2-MoE (a shared expert beside the routed ones) under ep 2: SGD against one process, the
     all-to-alls (forward's and backward's) started asynchronously, and the shared expert's matmuls placed between the dispatch's
     start and its wait in the generated code."""
-    import torch.distributed as dist
-
+    from collective_counts import all_to_alls
     from sgd_check import sgd_equivalence
     from test_expert_parallel import qwen2_moe
 
-    calls = {"async": 0, "all": 0}
-    real = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        calls["all"] += 1
-        calls["async"] += bool(kwargs.get("async_op"))
-        return real(*args, **kwargs)
-
-    dist.all_to_all_single = counting
-    try:
+    with all_to_alls() as calls:
         problems = sgd_equivalence(rank, world, qwen2_moe, "ep", {"ep": 2}, 1, what="qwen2_moe ep 2")
-    finally:
-        dist.all_to_all_single = real
     import nnscaler_plugins as nns
 
     compiled = nns.compile(qwen2_moe()[0], qwen2_moe()[1], "ep", world_size=world, ep=2,
