@@ -45,17 +45,11 @@ class _SummedOnArrival:
             self.done = True
         return True
 
-    def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
-
 
 class _Done:
     """The handle of a reduce-scatter over one rank (a copy)."""
 
     def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
         return True
 
 

@@ -223,16 +223,10 @@ def _split_bytes(idx: list[int], shards: list[FlatShard], outs: list[torch.Tenso
     return out
 
 
-def reduce_scatter_layout(shards: list[FlatShard], grads: list[torch.Tensor], scale: float,
-                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The (size, sum of chunks) buffer a reduce-scatter of these shards' gradients sends (written
-    into `out`, flat, when given)."""
+def reduce_scatter_layout(shards: list[FlatShard], grads: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """The (size, sum of chunks) buffer a reduce-scatter of these shards' gradients sends, flat."""
     parts = [shards[i].padded(g) for i, g in enumerate(grads)]
-    if out is not None:
-        torch.cat(parts, dim=1, out=out.view(shards[0].size, -1))
-        buf = out
-    else:
-        buf = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
+    buf = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
     if scale != 1.0:
         buf.mul_(scale)
     return buf.reshape(-1)
