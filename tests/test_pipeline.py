@@ -188,6 +188,27 @@ def test_interlaced_splits_embedding_and_head_over_every_device():
     assert "stage 0: every rank, devices [0, 1, 2, 3]" in plan.explain()
 
 
+def test_stage_of_follows_the_stages_set_last():
+    """A pass that cuts the stages again (a second apply_pp, a seed of the search) is read by every
+    later pass: each op's stage is the one of the newest cut, never the first one looked up."""
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.passes import Parallelization, apply_pp
+    from nnscaler_plugins.passes.parallelization import Stage
+    from nnscaler_plugins.plan.mesh import MeshLayout
+
+    model, inputs = _build("gpt2_small", 4)
+    graph = nns.capture(model, kwargs={k: v[:2] for k, v in inputs.items()})
+    builder = nns.PlanBuilder(graph, unit_size=4)
+    par = Parallelization(builder, MeshLayout(("dp", "pp"), fill=("pp", "dp")), {"pp": 4})
+    first = apply_pp(par)
+    last = builder.ops[-1]
+    assert par.stage_of(last) is first[-1] and first[-1].rank == 3
+    par.stages = [Stage(tuple(builder.ops), 0)]  # one stage on rank 0
+    assert par.stage_of(last).rank == 0 and par.stage_of(builder.ops[0]) is par.stages[0]
+    par.stages = apply_pp(par)[:1]  # only the first of a new cut: the last op is in no stage
+    assert par.stage_of(last) is None and par.stage_of(builder.ops[0]).rank == 0
+
+
 def test_timeline_is_rendered_from_the_executed_task_lists(tmp_path):
     import re
 

@@ -63,6 +63,9 @@ class Parallelization:
         self.views: dict[str, View] = {}
         self.stages: Optional[list[Stage]] = None  # set by the pipeline pass
         self.placed = False
+        # op name -> its stage, built from the stages it was read from (every pass asks per op, and a
+        # scan of every stage's ops for each op grew as ops squared: 20 s for a 126-layer model)
+        self._stage_index: tuple[tuple[Stage, ...], dict[str, Stage]] = ((), {})
 
     # -- the mesh as the passes see it ---------------------------------------------------------------------
     @property
@@ -101,10 +104,15 @@ class Parallelization:
     def stage_of(self, op: OpHandle) -> Optional[Stage]:
         if self.stages is None:
             return None
-        for st in self.stages:
-            if any(o.name == op.name for o in st.ops):
-                return st
-        return None
+        built_from, index = self._stage_index
+        # stages are frozen: the same stage objects hold the same ops (held here, so no id is reused)
+        if len(built_from) != len(self.stages) or any(a is not b for a, b in zip(built_from, self.stages)):
+            index = {}
+            for st in self.stages:
+                for o in st.ops:
+                    index.setdefault(o.name, st)  # the first stage holding an op, as before
+            self._stage_index = (tuple(self.stages), index)
+        return index.get(op.name)
 
     def segments(self) -> list[tuple[list[OpHandle], Optional[int]]]:
         """(ops, pipeline rank) per stage, or every op with rank None without a pipeline."""
