@@ -29,6 +29,57 @@ def extract_loss(output: Any, is_scalar: Optional[Callable[[Any], bool]] = None)
                     "a dict with 'loss', or pass loss_fn=")
 
 
+def _describe(x: Any) -> str:
+    """A value in words for an error message: a tensor (or a graph's TensorMeta) by its shape."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and not callable(shape):
+        return f"a tensor of shape {list(shape)}"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if isinstance(x, (tuple, list)):
+        inner = f" (first element {_describe(x[0])})" if x else ""
+        return f"a {type(x).__name__} of {len(x)}{inner}"
+    return f"a {type(x).__name__}"
+
+
+def _numel(x: Any) -> Optional[int]:
+    n = getattr(x, "numel", None)
+    if n is None:
+        return None
+    return n() if callable(n) else n
+
+
+def non_scalar_loss(loss: Any, output: Any = None, source: str = "forward") -> Optional[str]:
+    """Why `loss` (found in `output`, what `source` returned) cannot be back-propagated as a loss,
+    or None when it can: a one-element floating-point tensor, as `loss.backward()` needs. A
+    forward that returns logits would otherwise fail deep in autograd ("grad can be implicitly
+    created only for scalar outputs"). `loss` and `output` may hold a graph's TensorMeta in place
+    of tensors (the check before a step runs)."""
+    n = _numel(loss)
+    dtype = getattr(loss, "dtype", None)
+    if n == 1 and dtype is not None and (dtype.is_floating_point or dtype.is_complex):
+        return None
+    if isinstance(output, (tuple, list)) and output:
+        what = f"a {type(output).__name__} of {len(output)} with no scalar in it (its first element: {_describe(loss)})"
+    elif output is not None and output is not loss:
+        what = f"{_describe(output)} whose loss is {_describe(loss)}"
+    else:
+        what = _describe(loss)
+    if n == 1:
+        what += f" of dtype {str(dtype).replace('torch.', '')}"
+    fix = "return a scalar loss from it" if source == "loss_fn" else "return the loss, or pass loss_fn="
+    return f"{source} returned {what}, not a scalar loss; {fix}"
+
+
+def require_scalar_loss(loss: Any, output: Any = None, source: str = "forward") -> Any:
+    """`loss` when it can be back-propagated (`non_scalar_loss`); TypeError naming what was found
+    otherwise."""
+    problem = non_scalar_loss(loss, output, source)
+    if problem is not None:
+        raise TypeError(problem)
+    return loss
+
+
 def loss_position(num_outputs: int, out_spec: Any, scalars: Optional[Sequence[bool]] = None) -> Optional[int]:
     """Which of a captured model's flat outputs is its loss (None when none can be told); `scalars`
     says which flat outputs are 0-dim tensors."""
