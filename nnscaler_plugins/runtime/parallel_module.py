@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from nnscaler_plugins.batches import input_at, normalize_inputs, split_batch
-from nnscaler_plugins.compiler.loss_items import samples
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
@@ -31,7 +30,6 @@ from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.outputs import extract_loss, non_scalar_loss, require_scalar_loss
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.runtime.comm import Comm
-from nnscaler_plugins.runtime.eager_executor import EagerExecutor, eager_source
 from nnscaler_plugins.runtime.flight_recorder import OUTSIDE, FlightRecorder
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
@@ -76,12 +74,6 @@ class ParallelModule(torch.nn.Module):
             check_float8(torch.device(device) if device is not None else torch.device("cpu"), plan.knobs.fp8_emulate)
         self.program = program
         self.plan: Plan = plan
-        # The model's own forward runs (runtime/eager_executor.py) instead of generated code: set once the
-        # shards exist, below.
-        self.eager: Optional[EagerExecutor] = None
-        is_eager = plan.knobs.executor == "eager"
-        if is_eager and model is None:
-            raise ValueError("a plan that runs the model's own forward (executor='eager') needs the model")
         self.graph: "Graph" = program.graph
         self.artifact = artifact
         self.rank = rank
@@ -112,13 +104,11 @@ class ParallelModule(torch.nn.Module):
         # computes may run while the replicas agree on the step's sizes (`_agree_begin`).
         self._forward_communicates = program.forward_communicates(self.unit_device) or plan.zero >= 3
         self._forward_is_local = (program.forward_is_local(self.unit_device) and plan.zero < 3
-                                  and plan.precision != "fp8" and plan.pipeline is None and not is_eager)
+                                  and plan.precision != "fp8" and plan.pipeline is None)
         self._loss_items = artifact.loss_items
         self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
         self._micro_weights: list[float] = []
         self._loss_output_checked = False
-        # The loss of this replica's own batch in the last train_step (it returns the global batch's).
-        self.local_loss: Optional[torch.Tensor] = None
 
         # Local shards: parameters become nn.Parameters, buffers and constants plain buffers.
         rp = program.ranks[self.unit_device]
@@ -195,9 +185,6 @@ class ParallelModule(torch.nn.Module):
             loss_scale=lambda: self.loss_scale, boundary_shape=self._boundary_shape,
             micro_weight=lambda mb: self._micro_weights[mb], recorder=self.flight_recorder)) \
             if plan.pipeline is not None else None
-        if is_eager:
-            self.eager = EagerExecutor(self, model)
-            self.train(model.training)
         if world_size > 1:
             self._watch()
 
@@ -266,16 +253,6 @@ class ParallelModule(torch.nn.Module):
         chunk this replica owns) or buffer."""
         self.param_gather.wait_all()
         return self._tensor(key)
-
-    def tensor_of(self, key: str) -> torch.Tensor:
-        """`local_tensor` without waiting for ZeRO-1/2's gathers in flight: the tensor object itself (its
-        values may still be arriving), for code that binds it now and reads it later."""
-        return self._tensor(key)
-
-    @property
-    def zero3_index(self) -> dict[str, int]:
-        """Each ZeRO-3-chunked parameter's key in `zero3`, by fqn (empty without ZeRO-3)."""
-        return dict(self._zero3_key)
 
     def _tensor(self, key: str) -> torch.Tensor:
         """`local_tensor` without waiting for gathers in flight (the forward waits per parameter)."""
@@ -359,11 +336,6 @@ class ParallelModule(torch.nn.Module):
             vals.append(x)
         return vals
 
-    def _run_eager(self, args: tuple, kwargs: dict) -> Any:
-        """The user's forward (the eager executor), under the plan's precision."""
-        with autocast(self.plan.precision, self._device):
-            return self.eager.run(args, kwargs)
-
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
         inputs = self._flat_inputs(args, kwargs)
         run = self.shape_programs.program_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, first
@@ -392,18 +364,13 @@ class ParallelModule(torch.nn.Module):
         rec = self._begin_step()
         if torch.is_grad_enabled():
             self._last_forward = ("forward", (args, kwargs))
-        if self.eager is not None:
-            out = self._run_eager(args, kwargs)
-            rec.end_step()
-            return out
         flat = self._run(args, kwargs)
         rec.end_step()  # the backward that follows is the caller's; its collectives still record
         return pytree.tree_unflatten(flat, self.graph.out_spec) if self.graph.out_spec is not None else flat[0]
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward on one batch, cut into the plan's micro-batches; returns the
-        (detached) loss of the global batch, every data-parallel replica's together, the same on
-        every rank (`local_loss` then holds this replica's). The optimizer step is the caller's.
+        (detached) loss of the batch. The optimizer step is the caller's.
 
         Batches may differ in size and length from the example (see compiler/shapes.py). Each
         micro-batch's loss weighs its share of the step's items (targets not ignored, else samples)
@@ -421,9 +388,8 @@ class ParallelModule(torch.nn.Module):
         self._last_forward = ("train_step", micro)
         if self.plan.pipeline is not None:
             self._micro_weights = agreed()
-            loss = self._pipeline_step(micro)
-            return self._end_step(loss, self._micro_weights, self._global_loss_begin(loss))
-        total, weights, global_loss = None, None, None
+            return self._end_step(self._pipeline_step(micro))
+        total, weights = None, None
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
@@ -433,38 +399,12 @@ class ParallelModule(torch.nn.Module):
                 w = weights[i]
                 part = loss.detach() * w
                 total = part if total is None else total + part
-                if last:  # the step's loss is known: its non-finite flag and its sum travel while backward runs
+                if last:  # the step's loss is known: its non-finite flag travels while backward runs
                     self.nonfinite.loss_ready(total)
-                    global_loss = self._global_loss_begin(total)
                 scale = self.loss_scale * w
                 rec.at("backward", 0, i)
                 (loss * scale if scale != 1.0 else loss).backward()
-        return self._end_step(total, weights, global_loss)
-
-    def _global_loss_begin(self, weighted: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Start summing this replica's weighted loss over every rank (collective); the returned call
-        waits and gives the global batch's loss. The micro-batch weights are items over the step's
-        items times the replicas, and every device of a replica holds the same loss, so the sum
-        over the world divided by the world size is the loss of one device on the whole batch."""
-        if self.dp_size == 1 or weighted.device.type == "meta":
-            return lambda: weighted
-        t = weighted.detach().to(torch.float64).reshape(1)
-        work = dist.all_reduce(t, async_op=True)
-
-        def wait() -> torch.Tensor:
-            self.flight_recorder.enter(OUTSIDE, "the all-reduce of the step's loss over every rank")
-            work.wait()
-            self.flight_recorder.leave()
-            return (t[0] / self.plan.world_size).to(weighted.dtype)
-        return wait
-
-    def train(self, mode: bool = True) -> "ParallelModule":
-        """As `nn.Module.train`; an eagerly run model (not a submodule: its parameters are these shards)
-        switches with it, so dropout and batch norm follow."""
-        super().train(mode)
-        if getattr(self, "eager", None) is not None:
-            self.eager.model.train(mode)
-        return self
+        return self._end_step(total)
 
     # -- faults ---------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -480,16 +420,10 @@ class ParallelModule(torch.nn.Module):
             self._watch()
         return rec
 
-    def _end_step(self, loss: torch.Tensor, weights: list[float],
-                  global_loss: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The global batch's loss (what `train_step` returns), once `global_loss` gave it; this
-        replica's (`loss`, its micro-batches weighted by `weights`) kept as `local_loss` and for the
-        non-finite check. Without an optimizer from `nns.build_optimizer` (which checks before it
-        steps) the check runs here, and a step to skip drops the gradients (a torch optimizer then
-        changes nothing)."""
-        whole = global_loss()
-        share = sum(weights)  # this replica's items over the mean replica's: 1 when the replicas hold alike
-        self.local_loss = loss / share
+    def _end_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss kept for the non-finite check; without an optimizer from
+        `nns.build_optimizer` (which checks before it steps) the check runs here, and a step to
+        skip drops the gradients (a torch optimizer then changes nothing)."""
         self.nonfinite.last_loss = loss
         if not self.sharded_optimizer and self.plan.knobs.on_nonfinite != "ignore":
             self.flight_recorder.at("non-finite check")
@@ -498,14 +432,14 @@ class ParallelModule(torch.nn.Module):
             if self.nonfinite.check(grads, "train_step"):
                 self.zero_grad(set_to_none=True)
         self.flight_recorder.end_step()
-        return whole
+        return loss
 
     def replay_last_forward(self, run: Callable[[Callable[[], Any]], Any]) -> bool:
         """Run the last step's forward again, without gradients, each forward call through
         `run(fn)` (a tracer looking at every statement's output); the flight recorder says which
         micro-batch and stage runs. Collective like the step itself: every rank calls it. False when
         there is nothing to run again."""
-        if self._last_forward is None or self.eager is not None:  # no statements to look at: the model's own code
+        if self._last_forward is None:
             return False
         kind, what = self._last_forward
         rec = self.flight_recorder
@@ -538,9 +472,6 @@ class ParallelModule(torch.nn.Module):
         a collective that does not depend on the batch (ZeRO-3's first gather) travels beside it."""
         counts = []
         for mb in micro:
-            if self.eager is not None:  # the model's own code takes any size; replicas weigh their samples
-                counts.append(samples(pytree.tree_leaves(mb)))
-                continue
             args, kwargs = normalize_inputs(mb, None)
             flat = self._flat_inputs(args, kwargs, on_device=False)
             problem = problem or self.shape_programs.check(flat, args, kwargs)
@@ -578,11 +509,6 @@ class ParallelModule(torch.nn.Module):
 
     def _prefetch_first(self) -> None:
         """Under ZeRO-3 (no pipeline), start gathering the unit the forward reads first."""
-        if self.eager is not None:  # the one the last forward read first
-            first = self.eager.first_key() if self.zero3 is not None else None
-            if first is not None:
-                self.zero3.prefetch_forward(first)
-            return
         if self._first_zero3 is not None:
             self.zero3.prefetch_forward(self._first_zero3)
 
@@ -600,9 +526,6 @@ class ParallelModule(torch.nn.Module):
         other (gradient accumulation counted over its whole window)."""
         total = 0
         for mb in split_batch(batch, self.plan.num_micro_batches):
-            if self.eager is not None:
-                total += samples(pytree.tree_leaves(mb))
-                continue
             args, kwargs = normalize_inputs(mb, None)
             total += self._loss_items.count(self._flat_inputs(args, kwargs, on_device=False))
         return total
@@ -617,9 +540,6 @@ class ParallelModule(torch.nn.Module):
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
         args, kwargs = normalize_inputs(batch, None)
-        if self.eager is not None:
-            out = self._run_eager(args, kwargs)
-            return self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
         if self.loss_fn is None and self.program.loss_index is not None:
             return self._run(args, kwargs, loss_only=True)[self.program.loss_index]
         flat = self._run(args, kwargs)
@@ -718,9 +638,6 @@ class ParallelModule(torch.nn.Module):
         set_stream_state(self._comm, state)
 
     def generated_source(self) -> str:
-        """The code this rank runs (for an eagerly run plan: a note saying the model's own forward runs)."""
-        if self.eager is not None:
-            return eager_source(self.plan.knobs.eager_reason or "executor='eager' was asked for", self.eager.model)
         with open(self.source_path) as f:
             return f.read()
 
