@@ -109,6 +109,8 @@ class ParallelModule(torch.nn.Module):
         self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
         self._micro_weights: list[float] = []
         self._loss_output_checked = False
+        # The loss of this replica's own batch in the last train_step (it returns the global batch's).
+        self.local_loss: Optional[torch.Tensor] = None
 
         # Local shards: parameters become nn.Parameters, buffers and constants plain buffers.
         rp = program.ranks[self.unit_device]
@@ -370,7 +372,8 @@ class ParallelModule(torch.nn.Module):
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward on one batch, cut into the plan's micro-batches; returns the
-        (detached) loss of the batch. The optimizer step is the caller's.
+        (detached) loss of the global batch, every data-parallel replica's together, the same on
+        every rank (`local_loss` then holds this replica's). The optimizer step is the caller's.
 
         Batches may differ in size and length from the example (see compiler/shapes.py). Each
         micro-batch's loss weighs its share of the step's items (targets not ignored, else samples)
@@ -388,8 +391,9 @@ class ParallelModule(torch.nn.Module):
         self._last_forward = ("train_step", micro)
         if self.plan.pipeline is not None:
             self._micro_weights = agreed()
-            return self._end_step(self._pipeline_step(micro))
-        total, weights = None, None
+            loss = self._pipeline_step(micro)
+            return self._end_step(loss, self._micro_weights, self._global_loss_begin(loss))
+        total, weights, global_loss = None, None, None
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
@@ -399,12 +403,30 @@ class ParallelModule(torch.nn.Module):
                 w = weights[i]
                 part = loss.detach() * w
                 total = part if total is None else total + part
-                if last:  # the step's loss is known: its non-finite flag travels while backward runs
+                if last:  # the step's loss is known: its non-finite flag and its sum travel while backward runs
                     self.nonfinite.loss_ready(total)
+                    global_loss = self._global_loss_begin(total)
                 scale = self.loss_scale * w
                 rec.at("backward", 0, i)
                 (loss * scale if scale != 1.0 else loss).backward()
-        return self._end_step(total)
+        return self._end_step(total, weights, global_loss)
+
+    def _global_loss_begin(self, weighted: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing this replica's weighted loss over every rank (collective); the returned call
+        waits and gives the global batch's loss. The micro-batch weights are items over the step's
+        items times the replicas, and every device of a replica holds the same loss, so the sum
+        over the world divided by the world size is the loss of one device on the whole batch."""
+        if self.dp_size == 1 or weighted.device.type == "meta":
+            return lambda: weighted
+        t = weighted.detach().to(torch.float64).reshape(1)
+        work = dist.all_reduce(t, async_op=True)
+
+        def wait() -> torch.Tensor:
+            self.flight_recorder.enter(OUTSIDE, "the all-reduce of the step's loss over every rank")
+            work.wait()
+            self.flight_recorder.leave()
+            return (t[0] / self.plan.world_size).to(weighted.dtype)
+        return wait
 
     # -- faults ---------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -420,10 +442,16 @@ class ParallelModule(torch.nn.Module):
             self._watch()
         return rec
 
-    def _end_step(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's loss kept for the non-finite check; without an optimizer from
-        `nns.build_optimizer` (which checks before it steps) the check runs here, and a step to
-        skip drops the gradients (a torch optimizer then changes nothing)."""
+    def _end_step(self, loss: torch.Tensor, weights: list[float],
+                  global_loss: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The global batch's loss (what `train_step` returns), once `global_loss` gave it; this
+        replica's (`loss`, its micro-batches weighted by `weights`) kept as `local_loss` and for the
+        non-finite check. Without an optimizer from `nns.build_optimizer` (which checks before it
+        steps) the check runs here, and a step to skip drops the gradients (a torch optimizer then
+        changes nothing)."""
+        whole = global_loss()
+        share = sum(weights)  # this replica's items over the mean replica's: 1 when the replicas hold alike
+        self.local_loss = loss / share
         self.nonfinite.last_loss = loss
         if not self.sharded_optimizer and self.plan.knobs.on_nonfinite != "ignore":
             self.flight_recorder.at("non-finite check")
@@ -432,7 +460,7 @@ class ParallelModule(torch.nn.Module):
             if self.nonfinite.check(grads, "train_step"):
                 self.zero_grad(set_to_none=True)
         self.flight_recorder.end_step()
-        return loss
+        return whole
 
     def replay_last_forward(self, run: Callable[[Callable[[], Any]], Any]) -> bool:
         """Run the last step's forward again, without gradients, each forward call through
