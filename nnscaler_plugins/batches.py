@@ -104,3 +104,66 @@ def split_batch(batch: Any, micro_batches: int) -> list[Any]:
         return pytree.tree_map(lambda x: cut(x, i), batch, is_leaf=lambda x: isinstance(x, BlockMaskInput))
 
     return [piece(i) for i in range(micro_batches)]
+
+
+class ForwardArguments:
+    """What a model's forward takes, read once from its signature, so that a batch key the
+    captured program never reads is not dropped without a word: eager PyTorch raises on a keyword
+    the forward does not take, and uses one it does take. `named` is None when the signature
+    cannot be read (a model built from C code, or no model given)."""
+
+    def __init__(self, model: Any):
+        import inspect
+
+        self.owner = type(model).__name__ if model is not None else "the model"
+        self.named: Optional[set[str]] = None
+        self.var_keyword = False
+        self.var_positional = False
+        self._warned: set[str] = set()
+        try:
+            params = inspect.signature(model.forward).parameters.values()
+        except (AttributeError, TypeError, ValueError):
+            return
+        self.named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        self.var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+        self.var_positional = any(p.kind is p.VAR_POSITIONAL for p in params)
+
+    def check(self, args: tuple, kwargs: dict, captured_kwargs: set, captured_args: int) -> None:
+        """Refuse (TypeError, naming the key) a batch entry holding tensors that the captured
+        program does not read: one the forward does not take (eager raises too), or one it takes
+        that the example inputs did not have as a tensor (the program was traced without it, eager
+        would use it). A keyword the forward would only collect in `**kwargs` is passed through as
+        eager passes it, with a warning once that the captured program does not read it."""
+        for key, value in kwargs.items():
+            if key in captured_kwargs or not _holds_tensor(value):
+                continue
+            if self.named is not None and key not in self.named:
+                if self.var_keyword:
+                    if key not in self._warned:
+                        self._warned.add(key)
+                        import warnings
+
+                        warnings.warn(f"batch key {key!r} is not in the captured program (the example inputs had "
+                                      f"no {key!r}); {self.owner}.forward takes **kwargs, so it is passed as eager "
+                                      f"would, and the program reads nothing of it: give the example inputs a "
+                                      f"{key!r} if the model uses it", stacklevel=4)
+                    continue
+                takes = ", ".join(sorted(self.named)) or "no keyword arguments"
+                raise TypeError(f"batch key {key!r} is not an argument of {self.owner}.forward (it takes: {takes}); "
+                                f"eager PyTorch refuses it too: drop it from the batch")
+            raise TypeError(f"batch key {key!r} was not in the example inputs, so the captured program does not "
+                            f"read it (eager PyTorch would use it); capture with an example that has {key!r}, or "
+                            f"drop it from the batch (captured inputs: {', '.join(sorted(captured_kwargs)) or 'none'})")
+        extra = [i for i in range(captured_args, len(args)) if _holds_tensor(args[i])]
+        if extra:
+            raise TypeError(f"the batch has {len(args)} positional inputs, the example had {captured_args}; the "
+                            f"captured program does not read input {extra[0]}: capture with an example that has it, "
+                            "or drop it from the batch")
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, BlockMaskInput)):
+        return True
+    if isinstance(value, (dict, list, tuple)):
+        return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(value))
+    return False

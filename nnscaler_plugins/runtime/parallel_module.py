@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from nnscaler_plugins.batches import input_at, normalize_inputs, split_batch
+from nnscaler_plugins.batches import ForwardArguments, input_at, normalize_inputs, split_batch
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
@@ -109,6 +109,10 @@ class ParallelModule(torch.nn.Module):
         self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
         self._micro_weights: list[float] = []
         self._loss_output_checked = False
+        # A batch entry the captured program does not read is refused or warned about, never dropped silently.
+        self._forward_arguments = ForwardArguments(model)
+        self._captured_kwargs = {s.path[1] for s in program.graph.inputs if s.path[0] == "kwargs"}
+        self._captured_args = 1 + max((s.path[1] for s in program.graph.inputs if s.path[0] == "args"), default=-1)
         # The loss of this replica's own batch in the last train_step (it returns the global batch's).
         self.local_loss: Optional[torch.Tensor] = None
 
@@ -323,6 +327,7 @@ class ParallelModule(torch.nn.Module):
     def _flat_inputs(self, args: tuple, kwargs: dict, on_device: bool = True) -> list[Any]:
         """The graph inputs from a call, on this module's device (`on_device=False`: where the call
         has them, for counting and checks that need no copy)."""
+        self._forward_arguments.check(args, kwargs, self._captured_kwargs, self._captured_args)
         vals = []
         for spec in self.graph.inputs:
             try:
