@@ -26,8 +26,12 @@ from nnscaler_plugins.batches import normalize_inputs, resolve_micro_batches, sp
 from nnscaler_plugins.capture import tracing
 from nnscaler_plugins.capture.experts import experts_as_one_op, wants_experts_as_one_op
 from nnscaler_plugins.capture.graph import Graph
+from nnscaler_plugins.capture.parameters import parameter_graph
+from nnscaler_plugins.compiler.artifact import Artifact
+from nnscaler_plugins.compiler.eager import eager_artifact
 from nnscaler_plugins.compiler import DEFAULT_CACHE_DIR, Compiled, compile_program
 from nnscaler_plugins.errors import PlanError
+from nnscaler_plugins.lower.eager import runs_eagerly
 from nnscaler_plugins.lower.lowering import Program, lower
 from nnscaler_plugins.passes.batch_statistics import with_batch_statistics
 from nnscaler_plugins.plan.knobs import KNOB_OPTIONS, Knobs
@@ -136,8 +140,7 @@ class Session:
             if rank == 0 or world_size == 1:
                 raise
             time.sleep(QUIET_RANK_WAIT_S)
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            said = " ".join(lines[:2]) if lines else type(e).__name__  # what failed, and the reason's first line
+            said = first_lines(e)  # what failed, and the reason's first line
             raise tracing.CaptureError(f"rank {rank}: {said} (rank 0 reports the whole error)") from None
         if world_size > 1 and not isinstance(model, Graph) and dist.is_available() and dist.is_initialized():
             graph = self._agree_on_capture(model, example_inputs, rank, world_size)
@@ -214,8 +217,19 @@ class Session:
 
     def plan_for(self, model: Any, example_inputs: Any, world_size: int, lower_now: Optional[bool] = None,
                  extra: Optional[Mapping[str, Any]] = None) -> Plan:
-        """Capture (once) and plan; lowered here when the unit is small enough to check at once."""
-        graph = self.capture(model, example_inputs)
+        """Capture (once) and plan; lowered here when the unit is small enough to check at once. A model
+        capture cannot take gets the plan that runs its own forward where the plan allows (see
+        `capture_or_eager`), else the capture's error naming the plans that do run it."""
+        if self.executor == "eager":
+            return self.eager_plan(model, example_inputs, world_size, self._eager_reason_asked(world_size))
+        try:
+            graph = self.capture(model, example_inputs)
+        except tracing.CaptureError as e:
+            if self.executor == "captured" or isinstance(model, Graph):
+                raise
+            if not self.can_run_eagerly(world_size):
+                raise self.with_eager_plans(e) from e
+            return self.eager_plan(model, example_inputs, world_size, f"capture failed ({first_lines(e)})")
         micro = self.micro_batches(None if isinstance(model, Graph) else example_inputs)
         plan = self.make_plan(graph, world_size, micro, lower_now=False, extra=extra)
         if lower_now if lower_now is not None else plan.unit_size <= LOWER_CHECK_MAX_UNIT:
@@ -229,6 +243,9 @@ class Session:
         each rank runs."""
         if self.plan is None or self.program is None or self.plan.world_size != world_size:
             self.plan_for(model, example_inputs, world_size, lower_now=True)
+        if self.plan.knobs.executor == "eager":
+            raise PlanError(f"the model's plan runs its own forward eagerly ({self.plan.knobs.eager_reason}): "
+                            "there is no generated code to compile; nns.parallelize(model, batch, plan=...) runs it")
         assert self.graph is not None and self.plan is not None and self.program is not None
         self.compiled = compile_program(self.graph, self.plan, model=None if isinstance(model, Graph) else model,
                                         program=self.program, cache_dir=cache_dir)
@@ -248,12 +265,113 @@ class Session:
         if world_size != ws:
             raise PlanError(f"world_size={world_size} but the process group has {ws} processes")
         self.micro_batches(example_inputs)  # the batch must cut into the plan's micro-batches, before capture
-        self.capture_on_every_rank(model, example_inputs, rank, world_size)
-        self.plan_for(model, example_inputs, world_size, lower_now=True)
-        compiled = self.compile(model, example_inputs, world_size, cache_dir)
+        eager_reason = self.capture_or_eager(model, example_inputs, rank, world_size)
+        if eager_reason is not None:
+            artifact = self.eager_artifact(model, example_inputs, world_size, eager_reason)
+        else:
+            self.plan_for(model, example_inputs, world_size, lower_now=True)
+            artifact = self.compile(model, example_inputs, world_size, cache_dir).artifact_for_rank(rank)
         seed = agreed_init_seed(init_seed, dev, world_size) if has_meta_tensors(model) else None
-        return ParallelModule(compiled.artifact_for_rank(rank), model, rank=rank, world_size=world_size, device=dev,
+        return ParallelModule(artifact, model, rank=rank, world_size=world_size, device=dev,
                               loss_fn=loss_fn, init_seed=seed)
+
+    # -- the eager executor: the model's own forward where capture cannot take it ---------------------------
+    @property
+    def executor(self) -> str:
+        """"auto", "captured" or "eager" (the `executor=` option, else a ready plan's knob)."""
+        if "executor" in self.options:
+            return str(self.options["executor"])
+        return self.source.plan.knobs.executor if self.source.plan is not None else "auto"
+
+    def can_run_eagerly(self, world_size: int) -> bool:
+        """Whether this plan keeps whole layers on each device (one per replica, no pipeline), so the
+        model's own forward can run on every replica: dp, zero1-3, offload."""
+        if self.source.plan is not None:
+            return runs_eagerly(self.source.plan)
+        if self.source.fn is None:
+            return False
+        try:
+            mesh = self.source.mesh(world_size, self.options)
+        except (PlanError, TypeError, ValueError):
+            return False
+        return mesh.unit_size == 1
+
+    def capture_or_eager(self, model: Any, example_inputs: Any, rank: int, world_size: int) -> Optional[str]:
+        """Capture on every rank (`capture_on_every_rank`) and return None; or, where the plan can run
+        the model's own forward and capture fails on some rank (or `executor="eager"`), return why the
+        eager executor runs instead, the same on every rank. A plan that must split ops re-raises the
+        capture's error, with the plans that do run the model named."""
+        executor = self.executor
+        if executor == "eager":
+            return self._eager_reason_asked(world_size)
+        if executor == "captured" or not self.can_run_eagerly(world_size) or isinstance(model, Graph):
+            try:
+                self.capture_on_every_rank(model, example_inputs, rank, world_size)
+            except tracing.CaptureError as e:
+                if executor == "captured" or rank != 0 and world_size > 1:
+                    raise
+                raise self.with_eager_plans(e) from e
+            return None
+        failed: Optional[str] = None
+        try:
+            self.capture(model, example_inputs)
+        except tracing.CaptureError as e:
+            failed = first_lines(e)
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            said: list[Any] = [None] * world_size
+            dist.all_gather_object(said, failed)
+            first = next((r for r, f in enumerate(said) if f is not None), None)
+            if first is None:
+                self._agree_on_capture(model, example_inputs, rank, world_size)
+                return None
+            failed = said[first] if world_size == 1 or first == 0 else f"on rank {first}: {said[first]}"
+        if failed is None:
+            return None
+        self.graph = None
+        return f"capture failed ({failed})"
+
+    def _eager_reason_asked(self, world_size: int) -> str:
+        if not self.can_run_eagerly(world_size):
+            raise PlanError(f"executor='eager' runs the model's own forward on every replica, but "
+                            f"{self.source.label} splits the model across devices; use a plan with one device "
+                            "per replica (dp, zero1, zero2, zero3), or executor='auto'")
+        return "executor='eager' was asked for"
+
+    @staticmethod
+    def with_eager_plans(e: tracing.CaptureError) -> tracing.CaptureError:
+        """The capture's error, saying which plans run the model without capturing it."""
+        return type(e)(f"{e}\n  Plans that keep whole layers on each device run this model as it is, with its "
+                       "own forward (the eager executor): plan='dp', 'zero1', 'zero2' or 'zero3'.")
+
+    def eager_plan(self, model: torch.nn.Module, example_inputs: Any, world_size: int, reason: str) -> Plan:
+        """The plan over the model's parameters alone (`capture/parameters.py`), marked to run eagerly."""
+        graph = parameter_graph(model)
+        ready = self.source.plan
+        if ready is not None:
+            p = dataclasses.replace(ready, ops={}, graph_fingerprint=graph.fingerprint(),
+                                    structure_fingerprint=graph.structure_fingerprint(), model_class=graph.model_class,
+                                    input_shapes={})
+        else:
+            p = self.make_plan(graph, world_size, self.micro_batches(example_inputs), lower_now=False)
+        p = dataclasses.replace(p, knobs=p.knobs.replace(executor="eager", eager_reason=reason), graph=graph)
+        self.graph, self.plan, self.program = graph, p, None
+        return p
+
+    def eager_artifact(self, model: torch.nn.Module, example_inputs: Any, world_size: int, reason: str) -> Artifact:
+        """This rank's artifact of the eager plan (every rank runs device 0 of a one-device unit)."""
+        plan = self.eager_plan(model, example_inputs, world_size, reason)
+        if plan.num_micro_batches < 1 or not runs_eagerly(plan):
+            raise PlanError(f"{self.source.label}: the plan made for the eager executor splits the model "
+                            f"({plan.mesh.describe()}); use dp, zero1, zero2 or zero3")
+        artifact = eager_artifact(self.graph, plan)
+        self.program = artifact.program
+        return artifact
+
+
+def first_lines(e: BaseException) -> str:
+    """An error's first two lines, joined: what failed and why, for a plan's reason or another rank."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(e).__name__
 
 
 def _shapes_of(example: Any) -> Any:

@@ -23,6 +23,10 @@ ON_NONFINITE = ("raise", "skip", "ignore")
 BATCH_STATISTICS = ("global", "local")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile's backends the runtime is tested with
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float8 training recipes
+# How a plan's forward runs: "auto" captures it and runs generated code where it can, the model's own
+# forward eagerly where capture fails and the plan keeps whole layers on each device; "captured" refuses
+# a model capture cannot take; "eager" never captures (runtime/eager_executor.py).
+EXECUTORS = ("auto", "captured", "eager")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class Knobs:
     collective_timeout_s: Optional[float] = None  # a hung collective is reported after this (None: the backend's)
     report_dir: Optional[str] = None  # where hang reports are written as JSON (None: ./nnscaler_reports)
     on_nonfinite: str = "raise"  # a non-finite loss or gradient: raise NonFiniteError, skip the step, or ignore
+    executor: str = "auto"  # see EXECUTORS; a plan that runs eagerly says "eager" and why in eager_reason
+    eager_reason: str = ""  # why the model's own forward runs (capture's error, or executor="eager" asked)
     # -- provenance ---------------------------------------------------------------------------------------
     cluster: Optional[str] = None  # the cluster preset a searched plan was found for
 
@@ -103,7 +109,7 @@ KNOB_NAMES = tuple(f.name for f in dataclasses.fields(Knobs))
 #: Options every strategy takes (besides its own) that set a knob directly.
 KNOB_OPTIONS = frozenset({"tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p", "compile",
                           "compile_backend", "fp8_recipe", "fp8_emulate", "fp8_linears", "fp8_skip", "fp8_all_gather",
-                          "collective_timeout_s", "on_nonfinite", "report_dir"})
+                          "collective_timeout_s", "on_nonfinite", "report_dir", "executor"})
 
 
 def refuse_unknown_knobs(names: Mapping[str, Any], where: str = "") -> None:
@@ -117,6 +123,11 @@ def check(k: Knobs) -> None:
     if k.on_nonfinite not in ON_NONFINITE:
         raise PlanError(f"on_nonfinite={k.on_nonfinite!r}: use 'raise' (stop with NonFiniteError before any weight "
                         "changes), 'skip' (skip the step on every rank) or 'ignore'")
+    if k.executor not in EXECUTORS:
+        raise PlanError(f"executor={k.executor!r}: use 'auto' (captured where capture works, else the model's own "
+                        "forward eagerly), 'captured' (refuse what capture cannot take) or 'eager' (never capture)")
+    if not isinstance(k.eager_reason, str):
+        raise PlanError(f"eager_reason={k.eager_reason!r} must be a string")
     if k.batch_statistics not in BATCH_STATISTICS:
         raise PlanError(f"batch_statistics={k.batch_statistics!r}; use 'global' or 'local'")
     if k.compile_backend not in COMPILE_BACKENDS:

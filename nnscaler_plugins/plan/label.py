@@ -63,4 +63,6 @@ def plan_label(plan: Any) -> str:
         words.append(str(plan.precision))
     if knobs.compile:
         words.append("compiled")
+    if knobs.executor == "eager":
+        words.append("eager")
     return ", ".join(words)

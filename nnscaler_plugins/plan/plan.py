@@ -415,6 +415,12 @@ class Plan:
         if self.zero or self.precision != "fp32" or self.offload:
             lines.append(f"  training: ZeRO stage {self.zero}, precision {self.precision}"
                          + (f", {self.offload} offloaded to host memory" if self.offload else ""))
+        if self.knobs.executor == "eager":
+            lines.append("  runs: the model's own forward, eagerly on every replica (gradients reduced from module "
+                         "hooks" + (", each module's parameters gathered on use" if self.zero >= 3 else "") + "), "
+                         f"because {self.knobs.eager_reason or 'executor=eager was asked for'}")
+        elif self.ops:
+            lines.append("  runs: the code generated from the captured graph (one file per device)")
         groups = {p.recompute for p in self.ops.values() if p.recompute is not None}
         if groups:
             n = sum(1 for p in self.ops.values() if p.recompute is not None)

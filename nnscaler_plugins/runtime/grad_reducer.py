@@ -19,6 +19,11 @@ otherwise it is all-reduced whole into `.grad`, as at stage 1, and any optimizer
 With `overlap=False` (a plan's `overlap_grad_reduce=False`, see search/overlap.py) no bucket starts
 during backward: all of them are reduced, in the same order, when it ends.
 
+With `in_order=True` (the eager executor, which runs the user's own forward) a bucket starts only once
+every bucket before it has, as DDP's do: generated code makes the gradients ready in the same order on
+every rank, but the user's code may take another branch on another rank (a data-dependent head, an
+unused layer), and collectives started in different orders would pair different buckets.
+
 A flag the ranks must agree on at the end of the backward (the non-finite guard's loss flag) can ride
 on the reduction (`carry`): one more element at the end of the first bucket's buffer, summed with it,
 instead of a collective of its own.
@@ -59,9 +64,11 @@ class GradReducer:
     def __init__(self, entries: list[tuple[torch.nn.Parameter, object, float]], bucket_bytes: int = 25 * 2**20,
                  first_bucket_bytes: Optional[int] = None, shards: Optional[dict[int, FlatShard]] = None,
                  chunk_after: Optional[dict[int, FlatShard]] = None, scatter: Callable[[], bool] = lambda: True,
-                 overlap: bool = True):
+                 overlap: bool = True, in_order: bool = False):
         self.buckets: list[_Bucket] = []
         self.overlap = overlap  # False: every bucket starts when the backward ends
+        self.in_order = in_order  # True: bucket i starts only after buckets 0..i-1 (see the module doc)
+        self._next_launch = 0  # in_order: the first bucket not started in this reduction
         self._where: dict[int, tuple[int, int]] = {}
         self._sync = True
         self._queued = False
@@ -158,8 +165,18 @@ class GradReducer:
         b, i = self._where[id(p)]
         bucket = self.buckets[b]
         bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params) and self.overlap:
-            self._launch(bucket)
+        if not self.overlap:
+            return
+        if not self.in_order:
+            if len(bucket.ready) == len(bucket.params):
+                self._launch(bucket)
+            return
+        while self._next_launch < len(self.buckets):
+            nxt = self.buckets[self._next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt)
+            self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
@@ -197,6 +214,7 @@ class GradReducer:
         self.launched += 1
 
     def _finish(self) -> None:
+        self._next_launch = 0
         for bucket in self.buckets:
             if bucket.work is None:  # parameters unused in this backward: reduce their (zero) grads
                 self._launch(bucket)

@@ -44,4 +44,5 @@ def build_reducer(program: Program, trainable: list[str], parameter: Callable[[s
     scale = 1.0 / plan.dp
     return GradReducer([(p, groups.get(r), scale) for p, r in entries], shards=zero2,
                        chunk_after=zero2_whole, scatter=scatter,
-                       overlap=plan.knobs.overlap_grad_reduce is not False)
+                       overlap=plan.knobs.overlap_grad_reduce is not False,
+                       in_order=plan.knobs.executor == "eager")

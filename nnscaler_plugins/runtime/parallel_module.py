@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from nnscaler_plugins.batches import ForwardArguments, input_at, normalize_inputs, split_batch
+from nnscaler_plugins.compiler.loss_items import samples
 from nnscaler_plugins.errors import PlanError
 from nnscaler_plugins.kernels.collectives import saved_tensor_hooks
 from nnscaler_plugins.kernels.coshard import active_meter
@@ -30,6 +31,7 @@ from nnscaler_plugins.layout import Layout
 from nnscaler_plugins.outputs import extract_loss, non_scalar_loss, require_scalar_loss
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.runtime.comm import Comm
+from nnscaler_plugins.runtime.eager_executor import EagerExecutor, eager_source
 from nnscaler_plugins.runtime.flight_recorder import OUTSIDE, FlightRecorder
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
@@ -74,6 +76,12 @@ class ParallelModule(torch.nn.Module):
             check_float8(torch.device(device) if device is not None else torch.device("cpu"), plan.knobs.fp8_emulate)
         self.program = program
         self.plan: Plan = plan
+        # The model's own forward runs (runtime/eager_executor.py) instead of generated code: set once the
+        # shards exist, below.
+        self.eager: Optional[EagerExecutor] = None
+        is_eager = plan.knobs.executor == "eager"
+        if is_eager and model is None:
+            raise ValueError("a plan that runs the model's own forward (executor='eager') needs the model")
         self.graph: "Graph" = program.graph
         self.artifact = artifact
         self.rank = rank
@@ -104,7 +112,7 @@ class ParallelModule(torch.nn.Module):
         # computes may run while the replicas agree on the step's sizes (`_agree_begin`).
         self._forward_communicates = program.forward_communicates(self.unit_device) or plan.zero >= 3
         self._forward_is_local = (program.forward_is_local(self.unit_device) and plan.zero < 3
-                                  and plan.precision != "fp8" and plan.pipeline is None)
+                                  and plan.precision != "fp8" and plan.pipeline is None and not is_eager)
         self._loss_items = artifact.loss_items
         self._step: Optional[list[tuple[tuple, dict, list]]] = None  # the pipeline step's micro-batches
         self._micro_weights: list[float] = []
@@ -191,6 +199,9 @@ class ParallelModule(torch.nn.Module):
             loss_scale=lambda: self.loss_scale, boundary_shape=self._boundary_shape,
             micro_weight=lambda mb: self._micro_weights[mb], recorder=self.flight_recorder)) \
             if plan.pipeline is not None else None
+        if is_eager:
+            self.eager = EagerExecutor(self, model)
+            self.train(model.training)
         if world_size > 1:
             self._watch()
 
@@ -259,6 +270,16 @@ class ParallelModule(torch.nn.Module):
         chunk this replica owns) or buffer."""
         self.param_gather.wait_all()
         return self._tensor(key)
+
+    def tensor_of(self, key: str) -> torch.Tensor:
+        """`local_tensor` without waiting for ZeRO-1/2's gathers in flight: the tensor object itself (its
+        values may still be arriving), for code that binds it now and reads it later."""
+        return self._tensor(key)
+
+    @property
+    def zero3_index(self) -> dict[str, int]:
+        """Each ZeRO-3-chunked parameter's key in `zero3`, by fqn (empty without ZeRO-3)."""
+        return dict(self._zero3_key)
 
     def _tensor(self, key: str) -> torch.Tensor:
         """`local_tensor` without waiting for gathers in flight (the forward waits per parameter)."""
@@ -343,6 +364,11 @@ class ParallelModule(torch.nn.Module):
             vals.append(x)
         return vals
 
+    def _run_eager(self, args: tuple, kwargs: dict) -> Any:
+        """The user's forward (the eager executor), under the plan's precision."""
+        with autocast(self.plan.precision, self._device):
+            return self.eager.run(args, kwargs)
+
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
         inputs = self._flat_inputs(args, kwargs)
         run = self.shape_programs.program_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, first
@@ -371,6 +397,10 @@ class ParallelModule(torch.nn.Module):
         rec = self._begin_step()
         if torch.is_grad_enabled():
             self._last_forward = ("forward", (args, kwargs))
+        if self.eager is not None:
+            out = self._run_eager(args, kwargs)
+            rec.end_step()
+            return out
         flat = self._run(args, kwargs)
         rec.end_step()  # the backward that follows is the caller's; its collectives still record
         return pytree.tree_unflatten(flat, self.graph.out_spec) if self.graph.out_spec is not None else flat[0]
@@ -433,6 +463,14 @@ class ParallelModule(torch.nn.Module):
             return (t[0] / self.plan.world_size).to(weighted.dtype)
         return wait
 
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """As `nn.Module.train`; an eagerly run model (not a submodule: its parameters are these shards)
+        switches with it, so dropout and batch norm follow."""
+        super().train(mode)
+        if getattr(self, "eager", None) is not None:
+            self.eager.model.train(mode)
+        return self
+
     # -- faults ---------------------------------------------------------------------------------
     def _watch(self) -> None:
         """Have the process's watchdog watch this module's flight recorder (runtime/watchdog.py)."""
@@ -472,7 +510,7 @@ class ParallelModule(torch.nn.Module):
         `run(fn)` (a tracer looking at every statement's output); the flight recorder says which
         micro-batch and stage runs. Collective like the step itself: every rank calls it. False when
         there is nothing to run again."""
-        if self._last_forward is None:
+        if self._last_forward is None or self.eager is not None:  # no statements to look at: the model's own code
             return False
         kind, what = self._last_forward
         rec = self.flight_recorder
@@ -505,6 +543,9 @@ class ParallelModule(torch.nn.Module):
         a collective that does not depend on the batch (ZeRO-3's first gather) travels beside it."""
         counts = []
         for mb in micro:
+            if self.eager is not None:  # the model's own code takes any size; replicas weigh their samples
+                counts.append(samples(pytree.tree_leaves(mb)))
+                continue
             args, kwargs = normalize_inputs(mb, None)
             flat = self._flat_inputs(args, kwargs, on_device=False)
             problem = problem or self.shape_programs.check(flat, args, kwargs)
@@ -542,6 +583,11 @@ class ParallelModule(torch.nn.Module):
 
     def _prefetch_first(self) -> None:
         """Under ZeRO-3 (no pipeline), start gathering the unit the forward reads first."""
+        if self.eager is not None:  # the one the last forward read first
+            first = self.eager.first_key() if self.zero3 is not None else None
+            if first is not None:
+                self.zero3.prefetch_forward(first)
+            return
         if self._first_zero3 is not None:
             self.zero3.prefetch_forward(self._first_zero3)
 
@@ -559,6 +605,9 @@ class ParallelModule(torch.nn.Module):
         other (gradient accumulation counted over its whole window)."""
         total = 0
         for mb in split_batch(batch, self.plan.num_micro_batches):
+            if self.eager is not None:
+                total += samples(pytree.tree_leaves(mb))
+                continue
             args, kwargs = normalize_inputs(mb, None)
             total += self._loss_items.count(self._flat_inputs(args, kwargs, on_device=False))
         return total
@@ -573,6 +622,9 @@ class ParallelModule(torch.nn.Module):
 
     def _loss_of(self, batch: Any) -> torch.Tensor:
         args, kwargs = normalize_inputs(batch, None)
+        if self.eager is not None:
+            out = self._run_eager(args, kwargs)
+            return self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
         if self.loss_fn is None and self.program.loss_index is not None:
             return self._run(args, kwargs, loss_only=True)[self.program.loss_index]
         flat = self._run(args, kwargs)
@@ -671,6 +723,9 @@ class ParallelModule(torch.nn.Module):
         set_stream_state(self._comm, state)
 
     def generated_source(self) -> str:
+        """The code this rank runs (for an eagerly run plan: a note saying the model's own forward runs)."""
+        if self.eager is not None:
+            return eager_source(self.plan.knobs.eager_reason or "executor='eager' was asked for", self.eager.model)
         with open(self.source_path) as f:
             return f.read()
 

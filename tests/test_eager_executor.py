@@ -1,0 +1,177 @@
+"""The eager executor: models capture cannot take run under dp and ZeRO 1-3 exactly like one process.
+
+Each model of tests/eager_models.py reads data-dependent sizes or values in Python (a masked-LM head
+selecting tokens with `nonzero`, `.item()`-driven control flow, boolean indexing of detection anchors
+beside batch norm). Capture refuses them; under a plan that keeps whole layers on each device the
+module runs them as they are, in training mode (batch norm with the whole global batch's statistics):
+after SGD steps every parameter and buffer equals one process on the global batch. A checkpoint saved
+under either executor loads into the other and training goes on the same; plans that split ops refuse
+such a model by name, naming the plans that run it; `executor="captured"` refuses it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from conftest import ALL_PLANS
+from eager_models import BUILDERS
+from sgd_check import replica_batch, sgd_equivalence
+
+CACHE = "/tmp/nns_test_cache"
+STRATEGIES = ["dp", "zero1", "zero2", "zero3"]
+
+
+def _equivalence(rank: int, world: int, name: str, strategy: str, options: dict) -> tuple[list[str], str, str]:
+    import nnscaler_plugins as nns  # noqa: F401 - registers the strategies in the worker
+
+    problems = sgd_equivalence(rank, world, BUILDERS[name], strategy, options, dp=world, steps=3, training=True,
+                               what=f"{name} {strategy}")
+    torch.manual_seed(0)
+    model, batch = BUILDERS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = nns.parallelize(model.train(), replica_batch(batch, rank, world), plan=strategy, cache_dir=CACHE,
+                             **options)
+    return problems, pm.plan.explain(), pm.generated_source()
+
+
+CASES = [(n, s) for n in BUILDERS for s in STRATEGIES] if ALL_PLANS else \
+    [("masked_lm", "dp"), ("masked_lm", "zero3"), ("item", "zero1"), ("item", "zero2"), ("detection", "dp"),
+     ("detection", "zero3")]
+
+
+@pytest.mark.parametrize("name,strategy", CASES)
+def test_models_capture_cannot_take_train_like_one_process(workers2, name, strategy):
+    out = workers2.run(_equivalence, name, strategy, {})
+    problems, explain, source = out[0]
+    assert problems == [] and out[1][0] == [], problems or out[1][0]
+    assert "eager" in explain and "capture failed" in explain, explain
+    assert "No code was generated" in source and "capture failed" in source
+
+
+def _bn_local_differs(rank: int, world: int) -> list[str]:
+    """With batch_statistics='local' each replica normalizes with its own rows: the run must then
+    differ from one process (the test above can fail)."""
+    return sgd_equivalence(rank, world, BUILDERS["detection"], "dp", {"batch_statistics": "local"}, dp=world,
+                           steps=2, training=True)
+
+
+def test_batch_norm_statistics_are_the_global_batchs(workers2):
+    problems = workers2.run(_bn_local_differs)[0]
+    assert any("bn.running_mean" in p or "conv.weight" in p for p in problems), problems
+
+
+def _captured_model() -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    return model, {"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)}
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def _cross_load(rank: int, world: int, save_executor: str, load_executor: str, strategy: str, path: str) -> list:
+    import nnscaler_plugins as nns
+
+    net, batch = _captured_model()
+    local = replica_batch(batch, rank, world)
+
+    def build(executor: str):
+        torch.manual_seed(0)
+        m = _WithLoss(_captured_model()[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = nns.parallelize(m, local, plan=strategy, cache_dir=CACHE, executor=executor)
+        return pm, nns.build_optimizer(pm, torch.optim.AdamW, lr=0.01)
+
+    a, opt_a = build(save_executor)
+    for _ in range(2):
+        a.train_step(local)
+        opt_a.step()
+        opt_a.zero_grad()
+    nns.checkpoint.save(path, a, opt_a)
+    b, opt_b = build(load_executor)
+    nns.checkpoint.load(path, b, opt_b)
+    losses = []
+    for pm, opt in ((a, opt_a), (b, opt_b)):
+        loss = pm.train_step(local)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    return [a.plan.knobs.executor, b.plan.knobs.executor, losses,
+            max((sa[k] - sb[k]).abs().max().item() for k in sa)]
+
+
+@pytest.mark.parametrize("save,load,strategy", [("eager", "auto", "zero3"), ("auto", "eager", "zero1")])
+def test_a_checkpoint_of_either_executor_loads_into_the_other(workers2, tmp_path, save, load, strategy):
+    out = workers2.run(_cross_load, save, load, strategy, str(tmp_path / "ckpt"))
+    ex_a, ex_b, losses, diff = out[0]
+    assert (ex_a, ex_b) == ({"eager": "eager", "auto": "auto"}[save], {"eager": "eager", "auto": "auto"}[load])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and diff < 1e-6, (losses, diff)
+
+
+def test_plans_that_split_ops_refuse_by_name_and_name_the_plans_that_run():
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.capture.tracing import CaptureError
+
+    model, batch = BUILDERS["masked_lm"]()
+    with pytest.raises(CaptureError, match="nonzero") as e:
+        nns.plan(model, strategy="tp", world_size=2, example_inputs=batch)
+    assert "plan='dp', 'zero1', 'zero2' or 'zero3'" in str(e.value)
+    plan = nns.plan(model, strategy="zero3", world_size=4, example_inputs=batch)
+    assert plan.knobs.executor == "eager" and "nonzero" in plan.knobs.eager_reason and plan.zero == 3
+    assert "eager" in plan.explain() and "ZeRO-3" in plan.explain()
+    with pytest.raises(CaptureError, match="nonzero"):
+        nns.parallelize(model, batch, plan="dp", executor="captured", cache_dir=CACHE)
+    with pytest.raises(nns.PlanError, match="executor="):
+        nns.parallelize(model, batch, plan="dp", executor="eagre", cache_dir=CACHE)
+
+
+def test_one_process_eager_equals_the_model_in_training_mode():
+    """World 1, dropout on: the eager executor draws from the process's generator as the model does."""
+    import nnscaler_plugins as nns
+
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 32), torch.nn.Linear(32, 1)
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = self.drop(torch.relu(self.a(x)))
+            return self.b(h[h.sum(-1) > 0]).mean()  # a data-dependent row count
+
+    torch.manual_seed(0)
+    ref = Drop()
+    model = Drop()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(16, 8)
+    pm = nns.parallelize(model, (x,), plan="dp", cache_dir=CACHE)
+    assert pm.plan.knobs.executor == "eager"
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        torch.manual_seed(11)
+        loss = pm.train_step((x,))
+        torch.manual_seed(11)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        assert float(loss) == pytest.approx(ref_loss.item(), rel=1e-6)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = pm.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(full[k], v, rtol=1e-6, atol=1e-7), k
+    pm.eval()
+    assert not model.training and not model.drop.training
