@@ -447,7 +447,9 @@ class NNScalerTrainerMixin:
         share = shares.pop(0) if shares else 1.0 / k
         pm = self.nns_module
         params = [p for p in pm.parameters() if p.requires_grad]
-        before = [p.grad for p in params] if k > 1 else None
+        # Copies: a data-parallel reduction leaves `.grad` as views of its bucket, which the next
+        # reduction overwrites (runtime/grad_reducer.py), so the window's sum is kept apart from it.
+        before = [None if p.grad is None else p.grad.clone() for p in params] if k > 1 else None
         if k > 1:
             for p in params:
                 p.grad = None
