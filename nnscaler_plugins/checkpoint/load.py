@@ -31,6 +31,7 @@ from nnscaler_plugins.checkpoint.format import (
 from nnscaler_plugins.checkpoint.model_state import expected_model_tensors
 from nnscaler_plugins.checkpoint.optimizer_state import (
     check_optimizer_matches,
+    optimizer_algorithm,
     read_optimizer_state,
 )
 from nnscaler_plugins.checkpoint.pieces import (
@@ -134,8 +135,34 @@ def _read_optimizer(module: Any, optimizer: Any, meta: dict[str, Any], reader: T
                          lambda name: reader.get(name, entries[name]), groups, optim_key)
 
 
+def saved_by_another_kind(meta: dict[str, Any], module: Any, optimizer: Any,
+                          allow_precision_change: bool = False) -> list[str]:
+    """What a checkpoint was saved by that differs from what would load it, as problems to refuse
+    before anything changes: another optimizer class (its state has other entries: SGD's into AdamW
+    would step on a missing `exp_avg`), another precision (the weights would be converted, the
+    fp16 loss scaler's state dropped). The model itself is compared by names and shapes
+    (`model_mismatch`)."""
+    problems = []
+    saved_algo = meta.get("optimizer_algorithm")
+    if optimizer is not None and saved_algo is not None and meta.get("optimizer") is not None:
+        mine = optimizer_algorithm(optimizer)
+        if mine != saved_algo:
+            problems.append(f"the checkpoint's optimizer state is {saved_algo.rsplit('.', 1)[-1]}'s ({saved_algo}), this "
+                            f"optimizer is {mine.rsplit('.', 1)[-1]} ({mine}); load it into a {saved_algo} optimizer, "
+                            "or load the weights alone (optimizer=None) and start the new optimizer afresh")
+    saved_precision = (meta.get("plan") or {}).get("precision")
+    plan = getattr(module, "plan", None)
+    mine_precision = getattr(plan, "precision", None)
+    if (saved_precision is not None and mine_precision is not None and saved_precision != mine_precision
+            and not allow_precision_change):
+        problems.append(f"the checkpoint was saved under precision {saved_precision!r}, this module's plan has "
+                        f"{mine_precision!r}; make the plan with precision={saved_precision!r} to resume, or pass "
+                        "allow_precision_change=True to load the weights converted")
+    return problems
+
+
 def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None, *, strict: bool = True,
-         rng: bool = True) -> dict[str, Any]:
+         rng: bool = True, allow_precision_change: bool = False) -> dict[str, Any]:
     """Load a checkpoint into `module` (and `optimizer`), under whatever plan and world size they
     have now; returns the `extra` values given to save. Call on every rank.
 
@@ -148,6 +175,9 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     `strict=False` ignores tensors the module does not have. `rng`: restore each rank's random
     number generators as they were at the save, when the checkpoint was saved by the same plan on
     the same world size (so a resumed job draws the same dropout masks as one never stopped).
+    A checkpoint saved with another optimizer class, or under another precision, is refused
+    before anything changes; `allow_precision_change=True` loads one of another precision, its
+    weights converted (said in a warning).
     """
     wait_for_saves()  # a background save in flight ends first (it may be the one asked for)
     from nnscaler_plugins.checkpoint.dcp import is_dcp_dir
@@ -179,10 +209,13 @@ def load(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
                             "load it without optimizer= or save one that has it")
         else:
             problems += check_optimizer_matches(module, optimizer, [{"params": g} for g in meta["optimizer"]["groups"]])
+    problems += saved_by_another_kind(meta, module, optimizer, allow_precision_change)
     _check(source, module, strict, problems)
     verify_files(directory, meta, _files_read(module, optimizer, meta, reader))
     extra = read_extra(directory, meta)
-    load_model_pieces(module, source)
+    notes = load_model_pieces(module, source)
+    if allow_precision_change:
+        _state_conversions(notes, source)
     if optimizer is not None:
         _read_optimizer(module, optimizer, meta, reader)
     if rng:

@@ -180,6 +180,23 @@ def _gather(module: Any, state: dict, groups: list[dict], world: int, keep: Opti
     return {"state": out, "param_groups": merge_groups([g for _, g in everyone])}
 
 
+def optimizer_algorithm(optimizer: Any) -> str:
+    """The class of the optimizer that does the math, under the wrappers that hand it its state
+    (nns.build_optimizer's ParallelOptimizer, accelerate's AcceleratedOptimizer): what a checkpoint
+    records, so that one saved with SGD is not loaded into AdamW (whose step would find no
+    `exp_avg`)."""
+    seen = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = next((x for x in (getattr(optimizer, n, None) for n in ("inner", "optimizer", "_optimizer"))
+                      if x is not None), None)
+        if inner is None or not hasattr(inner, "param_groups"):
+            break
+        optimizer = inner
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def check_optimizer_matches(module: torch.nn.Module, optimizer: Any, saved_groups: list[dict]) -> list[str]:
     """Problems loading `saved_groups` into this optimizer would hit, found before anything changes."""
     if knows_plan(optimizer):

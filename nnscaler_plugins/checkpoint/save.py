@@ -51,7 +51,7 @@ from nnscaler_plugins.checkpoint.format import (
     stored_tensor_entry,
     write_metadata,
 )
-from nnscaler_plugins.checkpoint.optimizer_state import group_names, merge_groups
+from nnscaler_plugins.checkpoint.optimizer_state import group_names, merge_groups, optimizer_algorithm
 from nnscaler_plugins.checkpoint.pieces import (
     aliases,
     is_piece_tensor,
@@ -71,7 +71,7 @@ def plan_summary(module: Any) -> dict[str, Any]:
     if plan is None:
         return {"strategy": None, "model_class": type(module).__name__}
     return {"strategy": plan.strategy, "graph_fingerprint": plan.graph_fingerprint, "model_class": plan.model_class,
-            "world_size": plan.world_size, "unit_size": plan.unit_size, "dp": plan.dp,
+            "world_size": plan.world_size, "unit_size": plan.unit_size, "dp": plan.dp, "precision": plan.precision,
             "pipeline_stages": None if plan.pipeline is None else plan.pipeline.num_stages,
             "options": {k: v for k, v in plan.options.items() if isinstance(v, (int, float, str, bool))}}
 
@@ -195,6 +195,7 @@ def save(path: str | os.PathLike, module: torch.nn.Module, optimizer: Any = None
     job = _Job(final, temp_dir(final, token), token, round_no, rank, world_size, sync_timeout_s)
     job.plan = plan_summary(module)
     job.optimizer_class = None if optimizer is None else type(optimizer).__qualname__
+    job.optimizer_algorithm = None if optimizer is None else optimizer_algorithm(optimizer)
     job.extra_keys = sorted(extra)
     try:
         os.makedirs(job.tmp, exist_ok=True)
@@ -248,6 +249,7 @@ class _Job:
         self.aliases: dict[str, str] = {}
         self.plan: dict[str, Any] = {}
         self.optimizer_class: Optional[str] = None
+        self.optimizer_algorithm: Optional[str] = None
         self.extra_keys: list[str] = []
         self.extra: Optional[bytes] = None
         self.rng: bytes = b""
@@ -322,6 +324,7 @@ class _Job:
         files[EXTRA_FILE] = file_digest(os.path.join(tmp, EXTRA_FILE))
         write_metadata(tmp, {"format": FORMAT, "version": VERSION, "world_size": self.world_size, "plan": self.plan,
                              "model": meta_model, "optimizer": meta_optim, "optimizer_class": self.optimizer_class,
+                             "optimizer_algorithm": self.optimizer_algorithm,
                              "files": files, "extra_keys": self.extra_keys, "saved_at": time.time(),
                              "peak_piece_bytes": [w["peak_piece_bytes"] for w in reports]})
         fsync_dir(tmp)
