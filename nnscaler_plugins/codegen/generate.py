@@ -31,7 +31,7 @@ from nnscaler_plugins.lower.lowering import Program, RankProgram, StageProgram, 
 from nnscaler_plugins.lower.resharding import Step
 from nnscaler_plugins.plan.float8 import float8_linears
 
-GENERATOR_VERSION = "4"  # bump whenever the generated text changes
+GENERATOR_VERSION = "5"  # bump whenever the generated text changes
 
 
 def library_version() -> str:
@@ -648,7 +648,7 @@ def write_and_load(program: Program, device: int, cache_dir: str, regions: Optio
     d = os.path.join(cache_dir, cache_key(program))
     suffix = variant(program, regions)
     path = os.path.join(d, f"rank{device}{suffix}.py")
-    if not os.path.exists(path):
+    if not _intact(path):
         _write(d, path, generate(program, device, regions))
     return _import(program, path, f"nnscaler_gen_{cache_key(program)}_rank{device}{suffix}"), path
 
@@ -660,16 +660,54 @@ def load_source(program: Program, device: int, cache_dir: str, source: str, tag:
     tag = "".join(c if c.isalnum() else "_" for c in tag)
     d = os.path.join(cache_dir, key)
     path = os.path.join(d, f"rank{device}_{tag}.py")
-    if not os.path.exists(path):
+    if not _intact(path):
         _write(d, path, source)
     return _import(program, path, f"nnscaler_gen_{key}_rank{device}_{tag}")
 
 
+_SEAL = "# nnscaler-sha256: "
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _intact(path: str) -> bool:
+    """Whether the cached file at `path` is whole: its last line holds the SHA-256 of everything
+    before it (`_write` seals every file). A file cut short by a full disk or a killed process, or
+    edited, is not imported as it is: a warning names it, and the caller writes it again."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    body, _, last = text.rstrip("\n").rpartition("\n")
+    if last.startswith(_SEAL) and last[len(_SEAL):].strip() == _digest(body + "\n"):
+        return True
+    import warnings
+
+    warnings.warn(f"generated-code cache file {path} is damaged (its SHA-256 does not match the one it was "
+                  "written with); generating it again", stacklevel=3)
+    return False
+
+
+def read_source(path: str) -> str:
+    """The generated source of a cached file as `generate` made it (without its SHA-256 seal)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    body, _, last = text.rstrip("\n").rpartition("\n")
+    return body + "\n" if last.startswith(_SEAL) else text
+
+
 def _write(d: str, path: str, src: str) -> None:
+    """Write `src` sealed with its SHA-256 (checked by `_intact` before each import), atomically."""
     os.makedirs(d, exist_ok=True)
+    body = src if src.endswith("\n") else src + "\n"
     fd, tmp = tempfile.mkstemp(prefix=".gen-", dir=d, suffix=".py")
-    with os.fdopen(fd, "w") as f:
-        f.write(src)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(body + _SEAL + _digest(body) + "\n")
     os.replace(tmp, path)
 
 

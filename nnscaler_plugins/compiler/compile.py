@@ -18,7 +18,7 @@ import torch
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.capture.skeleton import meta_skeleton
-from nnscaler_plugins.codegen.generate import write_and_load
+from nnscaler_plugins.codegen.generate import read_source, write_and_load
 from nnscaler_plugins.compiler.artifact import Artifact
 from nnscaler_plugins.compiler.loss_items import LossItems
 from nnscaler_plugins.compiler.regions import RegionLog, compile_regions
@@ -68,8 +68,7 @@ class Compiled:
             start = time.perf_counter()
             regions = backend is not None
             module, path = write_and_load(self.program, unit_device, self.cache_dir, regions)
-            with open(path) as f:
-                source = f.read()
+            source = read_source(path)
             log = RegionLog()
             label = f"{self.graph.model_class} (device {unit_device})"
 
