@@ -47,6 +47,7 @@ import contextlib
 import functools
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -220,6 +221,7 @@ class NNScalerTrainerMixin:
         self.nns_module: Any = None  # the ParallelModule, once training starts
         self._nns_wrapped: Optional[_PlannedModel] = None
         self._nns_shares: Optional[list[float]] = None  # each accumulated batch's share of the window's loss
+        self._nns_count_use: Any = None  # how the model's loss uses num_items_in_batch (hf_loss_count.CountUse)
         super().__init__(*args, **kwargs)
 
     # -- planning ---------------------------------------------------------------------------------------
@@ -229,7 +231,9 @@ class NNScalerTrainerMixin:
         from .hookspecs import example_inputs, on_parallelized
 
         model = self.model
-        example = example_inputs(model, self._nns_first_batch())
+        first = self._nns_first_batch()
+        self._nns_count_use = self._nns_read_count_use(first)
+        example = example_inputs(model, first)
         model.train()
         self.nns_module = self.nns_session.parallelize(
             model, example, device=self.args.device, cache_dir=os.path.join(self.args.output_dir, ".nnscaler_cache"))
@@ -240,6 +244,24 @@ class NNScalerTrainerMixin:
             self._nns_refuse_whole_step_evaluation()  # before training, not at the first evaluation
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
         on_parallelized(self.nns_module, self.nns_module.plan, "hf")
+
+    def _nns_passes_count(self, batch: Any) -> bool:
+        """Whether the Trainer passes `num_items_in_batch` to the model's forward for such batches
+        (`Trainer._get_num_items_in_batch` and `compute_loss`: a forward taking **kwargs, labels)."""
+        return bool(self.model_accepts_loss_kwargs and self.compute_loss_func is None
+                    and isinstance(batch, Mapping) and "labels" in batch)
+
+    def _nns_read_count_use(self, batch: Any) -> Any:
+        """How the model's loss uses the count the Trainer would pass it (adapters/hf_loss_count.py),
+        None when it passes none; warns once when the loss ignores it."""
+        from .hf_loss_count import CountUse, count_use, warn_ignored
+
+        if not self._nns_passes_count(batch):
+            return None
+        found = count_use(self.model, batch)
+        if found is CountUse.IGNORES:
+            warn_ignored(self.model, self.args.gradient_accumulation_steps)
+        return found
 
     def _nns_first_batch(self) -> Any:
         """One per-device batch, read in order (no sampler, no random numbers): only its shapes matter."""
@@ -411,16 +433,26 @@ class NNScalerTrainerMixin:
         return batches, num_items_in_batch
 
     def _nns_window_shares(self, batches: list, num_items_in_batch: Any) -> list[float]:
-        """A plain Trainer divides each batch's summed loss by its own count of the window's label
-        tokens (`num_items_in_batch`) when the model takes it. `train_step` gives each batch's mean
-        over the targets of every replica; times (the batch's targets / the Trainer's count) it is
-        the plain Trainer's loss, whatever that count includes (a model without a `loss_type`
-        counts each row's first label too). Collective: one all-reduce over every rank."""
+        """Each batch's share of the window's update, as transformers' `compute_loss` and
+        `training_step` weigh it. `train_step` gives each batch's mean over the targets of every
+        replica. A model that divides its summed loss by the Trainer's count (`num_items_in_batch`)
+        gives (the batch's targets / that count) times it, whatever the count includes (a model
+        without a `loss_type` counts each row's first label too); one that ignores the count gives
+        its mean, counted whole. The Trainer then divides by the window's batches unless it counts
+        the loss as already scaled (`loss_is_scaled_for_ga`, by default: a count was passed).
+        Collective when the count weighs the batches: one all-reduce over every rank."""
+        from .hf_loss_count import CountUse
         from .hookspecs import example_inputs
 
         k = len(batches)
-        if not ((self.model_accepts_loss_kwargs or self.compute_loss_func is not None) and num_items_in_batch is not None):
-            return [1.0 / k] * k
+        accepts = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        per = 1.0 if scaled else 1.0 / k
+        if not (accepts and num_items_in_batch is not None) or self._nns_count_use is CountUse.IGNORES:
+            return [per] * k
         pm = self.nns_module
         # The Trainer's count is already summed over processes when it averages tokens across them.
         summed = bool(self.args.average_tokens_across_devices and self.args.world_size > 1)
@@ -431,8 +463,8 @@ class NNScalerTrainerMixin:
         counts /= pm.plan.unit_size  # every device of a replica read the same batches
         trainer_count = float(num_items_in_batch) / pm.plan.unit_size if summed else float(counts[-1])
         if trainer_count <= 0:
-            return [1.0 / k] * k
-        return [float(c) / trainer_count for c in counts[:-1]]
+            return [per] * k
+        return [float(c) / trainer_count * per for c in counts[:-1]]
 
     def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         """The plan's whole step; returns the loss times this batch's share of the accumulation

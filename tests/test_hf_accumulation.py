@@ -1,0 +1,183 @@
+"""Gradient accumulation under `NNScalerTrainer` gives the plain Trainer's update whatever the plan.
+
+Two kinds of model, 2 batches accumulated, 3 SGD steps (no clipping), on 2 gloo processes, each
+against a plain single-process `transformers.Trainer` on the same global batches:
+
+- `count`: a GPT-2 LM whose loss divides its summed token losses by the Trainer's
+  `num_items_in_batch`: the update is the window's mean, so it also equals one step on the window's
+  rows without accumulation.
+- `mean`: a BERT sequence classifier, whose head takes `**kwargs` but returns the batch's plain
+  mean: the plain Trainer then steps with the sum of the window's means (transformers counts the
+  loss as already scaled for accumulation), and so must the planned one, with one warning naming
+  the model class.
+
+Weights after the steps, the logged losses and gradient norms are compared. By default dp and tp,
+the LM at per-device batch 2 and the classifier at 1; NNS_TEST_ALL_PLANS=1 runs both kinds at both
+sizes and adds hybrid, zero1-3 and a pipeline.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import models
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from test_adapters_any_shape import launched, tokenizer  # noqa: E402  (the launcher's environment, the vocabulary)
+
+CLASSES = 3
+STEPS, ACCUMULATE = 3, 2
+DEFAULT_PLANS = [("dp", {}), ("tp", {})]
+LONG_PLANS = [("hybrid", {"tp": 2, "dp": 1}), ("zero1", {}), ("zero2", {}), ("zero3", {}),
+              ("1f1b", {"pp": 2, "micro_batches": 2})]
+IGNORES_COUNT = "ignores num_items_in_batch"
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """The module's own: accelerate keeps process-wide state the session's shared workers must not inherit."""
+    from harness import Workers
+
+    with Workers(2) as w:
+        yield w
+
+
+class Rows(torch.utils.data.Dataset):
+    """Token lists of 4 to 12 tokens (never the pad id), each with a class label for `mean`."""
+
+    def __init__(self, n: int, kind: str):
+        g = torch.Generator().manual_seed(3)
+        self.kind = kind
+        self.rows = [torch.randint(1, models.VOCAB, (int(torch.randint(4, 13, (), generator=g)),), generator=g).tolist()
+                     for _ in range(n)]
+        self.labels = torch.randint(0, CLASSES, (n,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        if self.kind == "mean":
+            return {"input_ids": self.rows[i], "labels": self.labels[i]}
+        return {"input_ids": self.rows[i]}
+
+
+def collator(kind: str):
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
+
+    return DataCollatorWithPadding(tokenizer()) if kind == "mean" else DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+
+
+def model_of(kind: str) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "mean":
+        cfg = transformers.BertConfig(vocab_size=models.VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                      num_labels=CLASSES, pad_token_id=0)
+        return transformers.BertForSequenceClassification(cfg)
+    cfg = models.gpt2_small()[0].config
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def arguments(out: str, batch: int, accumulate: int, plan=None, options=None):
+    common = dict(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
+                  max_steps=STEPS, logging_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
+                  max_grad_norm=1e9, use_cpu=True, report_to=[], seed=0, dataloader_drop_last=True,
+                  disable_tqdm=True, save_strategy="no")
+    if plan is None:
+        from transformers import TrainingArguments
+
+        return TrainingArguments(**common)
+    from nnscaler_plugins.adapters.hf import NNScalerTrainingArguments
+
+    return NNScalerTrainingArguments(**common, ddp_backend="gloo", plan=plan, plan_options=options or {})
+
+
+def rows_for(batch: int, dp: int) -> int:
+    return batch * dp * ACCUMULATE * STEPS
+
+
+def logged(trainer) -> dict:
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in history], "grad_norm": [float(h["grad_norm"]) for h in history]}
+
+
+def planned_runs(rank: int, world: int, kind: str, batch: int, plans: list, out: str) -> dict:
+    from nnscaler_plugins.adapters.hf import NNScalerTrainer
+
+    found = {}
+    for plan, options in plans:
+        with launched(rank, world), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dp = 1 if plan in ("tp", "1f1b") or options.get("dp") == 1 else world
+            trainer = NNScalerTrainer(model=model_of(kind), args=arguments(os.path.join(out, plan), batch, ACCUMULATE,
+                                                                           plan, options),
+                                      train_dataset=Rows(rows_for(batch, dp), kind), data_collator=collator(kind))
+            trainer.train()
+            weights = trainer.nns_module.full_state_dict()
+            found[plan] = {"dp": trainer.nns_module.dp_size, **logged(trainer),
+                           "weights": weights if rank == 0 else None,
+                           "warnings": [str(w.message) for w in caught if IGNORES_COUNT in str(w.message)]}
+    return found
+
+
+def plain_run(kind: str, batch: int, dp: int, accumulate: int, out: str) -> dict:
+    from transformers import Trainer
+
+    per_device = batch * dp * ACCUMULATE // accumulate
+    trainer = Trainer(model=model_of(kind), args=arguments(out, per_device, accumulate),
+                      train_dataset=Rows(rows_for(batch, dp), kind), data_collator=collator(kind))
+    trainer.train()
+    return {**logged(trainer), "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
+
+
+def differences(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
+    bad = []
+    for key in ("loss", "grad_norm"):
+        if len(got[key]) != len(want[key]) or any(abs(a - b) > rtol * abs(b) + atol
+                                                   for a, b in zip(got[key], want[key])):
+            bad.append(f"{key}: {got[key]} vs {want[key]}")
+    shared = set(got["weights"]) & set(want["weights"])
+    assert len(shared) >= len(want["weights"]) - 2, sorted(set(want["weights"]) - shared)
+    for name in sorted(shared):
+        a, b = got["weights"][name].float(), want["weights"][name].float()
+        if not torch.allclose(a, b, rtol=rtol, atol=atol):
+            bad.append(f"{name}: max difference {(a - b).abs().max().item():.3g}")
+    return bad
+
+
+ALL_PLANS = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
+_LONG = pytest.mark.skipif(not ALL_PLANS, reason="the other batch size of each kind runs by default; "
+                                                  "NNS_TEST_ALL_PLANS=1 runs it")
+
+
+@pytest.mark.parametrize("kind, batch", [("count", 2), ("mean", 1), pytest.param("count", 1, marks=_LONG),
+                                         pytest.param("mean", 2, marks=_LONG)])
+def test_accumulation_equals_the_plain_trainer_under_every_plan(workers, tmp_path, kind, batch):
+    plans = DEFAULT_PLANS + (LONG_PLANS if ALL_PLANS else [])
+    runs = workers.run(planned_runs, kind, batch, plans, str(tmp_path), timeout=900)
+    refs = {dp: plain_run(kind, batch, dp, ACCUMULATE, str(tmp_path / f"ref{dp}"))
+            for dp in {r["dp"] for r in runs[0].values()}}
+    problems = {plan: differences(r, refs[r["dp"]])[:6] for plan, r in runs[0].items()}
+    assert not any(problems.values()), problems
+    for plan in runs[0]:  # one warning per run and rank for the model that ignores the count, none else
+        for rank_runs in runs:
+            told = rank_runs[plan]["warnings"]
+            if kind == "mean":
+                assert len(told) == 1 and "BertForSequenceClassification" in told[0], (plan, told)
+            else:
+                assert not told, (plan, told)
+    if kind == "count":  # the model divides by the window's count: accumulating is one step on the window's rows
+        for dp, ref in refs.items():
+            whole = plain_run(kind, batch, dp, 1, str(tmp_path / f"whole{dp}"))
+            assert not differences(ref, whole, rtol=1e-4, atol=1e-5), (dp, differences(ref, whole, 1e-4, 1e-5))
