@@ -175,3 +175,92 @@ def test_one_process_eager_equals_the_model_in_training_mode():
         assert torch.allclose(full[k], v, rtol=1e-6, atol=1e-7), k
     pm.eval()
     assert not model.training and not model.drop.training
+
+
+def _eager_vs_captured(rank: int, world: int, model_name: str, strategy: str, options: dict) -> dict:
+    """The same plan, captured and eager, on the same replica batches: SGD steps in training mode."""
+    import models
+    import nnscaler_plugins as nns
+
+    out = {}
+    for executor in ("auto", "eager"):
+        torch.manual_seed(0)
+        model, batch = models.ALL[model_name]()
+        for m in model.modules():  # the executors draw dropout masks differently: compare without
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        model.train()
+        local = replica_batch(batch, rank, world)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = nns.parallelize(model, local, plan=strategy, cache_dir=CACHE, executor=executor, **options)
+        opt = nns.build_optimizer(pm, torch.optim.SGD, lr=0.1)  # SGD: the exact check (Adam amplifies rounding)
+        losses = []
+        for _ in range(3):
+            losses.append(float(pm.train_step(local)))
+            opt.step()
+            opt.zero_grad()
+        out[executor] = (pm.plan.knobs.executor, losses, {k: v.float() for k, v in pm.full_state_dict().items()})
+    return out
+
+
+EAGER_VS_CAPTURED = [("gpt2_small", "zero3", {}), ("llama_small", "dp", {"zero": 2, "offload": "optimizer"}),
+                     ("gpt2_small", "zero3", {"offload": "params", "precision": "bf16"})]
+if ALL_PLANS:
+    EAGER_VS_CAPTURED += [("llama_small", "zero1", {}), ("gpt2_small", "dp", {"precision": "bf16"}),
+                          ("bert_small", "zero3", {"offload": "optimizer"})]
+
+
+@pytest.mark.parametrize("model_name,strategy,options", EAGER_VS_CAPTURED)
+def test_eager_trains_as_the_captured_path_does(workers2, model_name, strategy, options):
+    """Where capture works, executor='eager' computes what the generated code computes (dropout is 0 in
+    these configs: the two executors draw masks differently)."""
+    out = workers2.run(_eager_vs_captured, model_name, strategy, options)[0]
+    (ex_c, loss_c, w_c), (ex_e, loss_e, w_e) = out["auto"], out["eager"]
+    assert (ex_c, ex_e) == ("auto", "eager")
+    tol = 2e-2 if options.get("precision") == "bf16" else 1e-5
+    assert loss_e == pytest.approx(loss_c, rel=tol), (loss_c, loss_e)
+    worst = max(((w_c[k] - w_e[k]).abs().max().item() / (w_c[k].abs().max().item() + 1e-12), k) for k in w_c)
+    assert worst[0] < (5e-2 if tol > 1e-5 else 1e-5), worst
+
+
+def _nonfinite_eager(rank: int, world: int, strategy: str) -> dict:
+    """One good step, then a weight of rank 1 set to NaN: under dp its copy of the final norm's weight
+    (the norm's output is the first non-finite one, on rank 1 only), under ZeRO-3 its chunk of the
+    embedding (gathered whole, every rank's embedding output is non-finite)."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    model, batch = BUILDERS["masked_lm"]()
+    local = replica_batch(batch, rank, world)
+    pm = nns.parallelize(model, local, plan=strategy, cache_dir=CACHE)
+    opt = nns.build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    pm.train_step(local)
+    opt.step()
+    opt.zero_grad()
+    if rank == 1:
+        with torch.no_grad():
+            pm.parameter("norm.weight" if strategy == "dp" else "embed.weight").fill_(float("nan"))
+    pm.train_step(local)
+    before = pm.full_state_dict()
+    try:
+        opt.step()
+    except nns.NonFiniteError as e:
+        after = pm.full_state_dict()
+        return {"error": str(e), "op": e.op, "rank": e.rank,
+                "unchanged": all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num()) for k in before)}
+    return {}
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_nonfinite_is_named_by_module_before_any_weight_changes(workers2, strategy):
+    results = workers2.run(_nonfinite_eager, strategy)
+    for r in results:
+        assert r and r["unchanged"], r
+    assert len({r["error"] for r in results}) == 1  # the same error on every rank
+    r = results[0]
+    if strategy == "dp":
+        assert r["rank"] == 1 and r["op"].startswith("norm (LayerNorm)"), r
+    else:
+        assert r["op"].startswith("embed (Embedding)"), r
+    assert " at " in r["op"] and ".py:" in r["op"], r  # where the module's forward is written

@@ -32,7 +32,6 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from nnscaler_plugins.kernels import batch_norm_statistics
@@ -281,6 +280,3 @@ def eager_source(reason: str, model: torch.nn.Module) -> str:
             f"{type(model).__qualname__}.forward itself (the eager executor, runtime/eager_executor.py),\n"
             f"# because {reason}.\n")
 
-
-def world_group_of(pm: "ParallelModule") -> Any:  # pragma: no cover - kept for symmetry with plan groups
-    return pm.groups.get(tuple(range(pm.plan.world_size))) if dist.is_initialized() else None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -181,6 +182,54 @@ class StatementTracer:
             sys.settrace(old)
 
 
+class ModuleTracer:
+    """`StatementTracer` for a model whose own forward runs (the eager executor): looks at every
+    module's output as it returns while `run()` runs under it, and keeps the first non-finite one, named
+    by the module's path, its class and where its forward is defined."""
+
+    def __init__(self, model: torch.nn.Module, position: Callable[[], tuple[int, int]], rank: int):
+        self._model = model
+        self._position = position
+        self._rank = rank
+        self._returned = 0  # modules returned so far in this run: the order of their outputs
+        self.found: Optional[Found] = None
+
+    def _hook(self, path: str) -> Callable[..., None]:
+        def look(module: torch.nn.Module, args: Any, out: Any) -> None:
+            self._returned += 1
+            if self.found is not None:
+                return
+            for t in (x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)):
+                what = _kind(t)
+                if what is not None:
+                    mb, stage = self._position()
+                    self.found = Found(mb, stage, self._returned, f"the output of {path or 'the model'}", what,
+                                       f"{path or '<the model>'} ({type(module).__name__}) at {_defined_at(module)}",
+                                       "", self._rank)
+                    return
+        return look
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        self._returned = 0
+        hooks = [m.register_forward_hook(self._hook(path)) for path, m in self._model.named_modules()]
+        try:
+            return fn()
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+def _defined_at(module: torch.nn.Module) -> str:
+    """Where a module's forward is written ("file.py:12"), for messages."""
+    import inspect
+
+    try:
+        fn = type(module).forward
+        return f"{os.path.basename(inspect.getsourcefile(fn) or '?')}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        return type(module).__module__
+
+
 def statement_index(program: Any, unit_device: int) -> Callable[[str, int], Optional[tuple[int, str, str]]]:
     """(generated variable, stage) -> (statement index, the op in words, its source code) for this
     device's program."""
@@ -327,7 +376,9 @@ class NonFiniteGuard:
             return True
         found, searched = None, False
         rec = module.flight_recorder
-        tracer = StatementTracer(statement_index(module.program, module.unit_device),
+        eager = getattr(module, "eager", None)
+        tracer = ModuleTracer(eager.model, lambda: (rec.micro_batch, rec.stage), module.rank) if eager is not None \
+            else StatementTracer(statement_index(module.program, module.unit_device),
                                  lambda: (rec.micro_batch, rec.stage), module.rank)
         searched = module.replay_last_forward(tracer.run)
         found = first_nonfinite(tracer.found)

@@ -510,8 +510,10 @@ class ParallelModule(torch.nn.Module):
         `run(fn)` (a tracer looking at every statement's output); the flight recorder says which
         micro-batch and stage runs. Collective like the step itself: every rank calls it. False when
         there is nothing to run again."""
-        if self._last_forward is None or self.eager is not None:  # no statements to look at: the model's own code
+        if self._last_forward is None:
             return False
+        if self.eager is not None:
+            return self._replay_eagerly(run)
         kind, what = self._last_forward
         rec = self.flight_recorder
         with torch.no_grad():
@@ -526,6 +528,23 @@ class ParallelModule(torch.nn.Module):
                 for i, mb in enumerate(what):
                     rec.at("re-run", 0, i)
                     run(lambda mb=mb: self._loss_of(mb))
+        return True
+
+    def _replay_eagerly(self, run: Callable[[Callable[[], Any]], Any]) -> bool:
+        """`replay_last_forward` for the model's own forward: run again as in the step (batch norm's
+        whole-batch statistics are collectives too), its buffers (running statistics) and the random
+        generators given back their state afterwards, so the re-run changes nothing."""
+        kind, what = self._last_forward
+        calls = [what] if kind == "forward" else [normalize_inputs(mb, None) for mb in what]
+        buffers = {n: b.detach().clone() for n, b in self.named_buffers()}
+        devices = [self._device] if self._device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for i, (args, kwargs) in enumerate(calls):
+                self.flight_recorder.at("re-run", 0, i)
+                run(lambda a=args, k=kwargs: self._run_eager(a, k))
+        with torch.no_grad():
+            for n, b in self.named_buffers():
+                b.copy_(buffers[n])
         return True
 
     def _agree(self, micro: list[Any], problem: Optional[str]) -> list[float]:
