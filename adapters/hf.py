@@ -23,9 +23,11 @@ What changes against a plain Trainer, and why:
   derived from it, and the input tokens seen.
 - A training step runs the plan's `train_step` (forward and backward, micro-batches and pipeline
   schedules included), which weighs replicas by the loss's targets; each batch of an accumulation
-  window then weighs its targets over the Trainer's `num_items_in_batch` when the Trainer would pass
-  that count (else 1/k, as the Trainer does), so losses and gradients are a plain single-process
-  Trainer's on the same global batches.
+  window is then weighed as transformers weighs it: its targets over the Trainer's
+  `num_items_in_batch` for a model whose loss divides by that count, whole for one whose loss
+  ignores it (found by running the model once, adapters/hf_loss_count.py, with a warning), 1/k
+  when the Trainer passes no count. Losses and gradients are then a plain single-process Trainer's
+  on the same global batches, its arithmetic included.
 - Norm clipping uses the norm of the whole model, not of this rank's shards.
 - `evaluate` and `predict` read batches by replica too and keep each replica's outputs once; the loss
   is each batch's mean, as one process reports it. A plan that runs whole training steps (a pipeline,

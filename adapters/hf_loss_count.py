@@ -37,7 +37,7 @@ def count_use(model: torch.nn.Module, batch: Mapping[str, Any]) -> CountUse:
     with the random streams restored afterwards, and read how the loss depends on `c`: not at all
     (IGNORES), as `S / c` (DIVIDES: d loss / d c = -loss / c), or otherwise (refused with
     `LossCountError`, naming the model class). `batch` holds the labels, as the Trainer passes it."""
-    name = type(model).__name__
+    name = model_name(model)
     labels = batch.get("labels")
     items = float(labels.ne(-100).sum()) if isinstance(labels, torch.Tensor) else 1.0
     device = _device_of(model)
@@ -74,7 +74,7 @@ def count_use(model: torch.nn.Module, batch: Mapping[str, Any]) -> CountUse:
 def warn_ignored(model: torch.nn.Module, accumulation: int) -> None:
     """The once-per-trainer warning for a model whose loss ignores the count the Trainer passes it."""
     warnings.warn(
-        f"{type(model).__name__}'s loss ignores num_items_in_batch, which the Trainer passes it (its forward takes "
+        f"{model_name(model)}'s loss ignores num_items_in_batch, which the Trainer passes it (its forward takes "
         "**kwargs) and then counts as already scaled for gradient accumulation: as with a plain Trainer, each "
         f"batch's mean loss counts whole, so with gradient_accumulation_steps={accumulation} the step's gradient and "
         "logged loss are the sum of the window's batch means, not their mean (a plain Trainer over several "
@@ -82,6 +82,12 @@ def warn_ignored(model: torch.nn.Module, accumulation: int) -> None:
         "same global batch). Set model.accepts_loss_kwargs = False before building the trainer for the mean of the "
         "means, or have the loss divide its sum by num_items_in_batch for the window's mean",
         UserWarning, stacklevel=3)
+
+
+def model_name(model: torch.nn.Module) -> str:
+    """The model's class name, a PEFT model's base model's (whose head computes the loss)."""
+    base = getattr(model, "get_base_model", None)
+    return type(base() if callable(base) else model).__name__
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -33,8 +33,14 @@ from test_adapters_any_shape import launched, tokenizer  # noqa: E402  (the laun
 CLASSES = 3
 STEPS, ACCUMULATE = 3, 2
 DEFAULT_PLANS = [("dp", {}), ("tp", {})]
-LONG_PLANS = [("hybrid", {"tp": 2, "dp": 1}), ("zero1", {}), ("zero2", {}), ("zero3", {}),
-              ("1f1b", {"pp": 2, "micro_batches": 2})]
+
+
+def long_plans(batch: int) -> list:
+    """The plans NNS_TEST_ALL_PLANS=1 adds (a pipeline's micro-batches are at most the batch's rows)."""
+    return [("hybrid", {"tp": 1, "dp": 2}), ("zero1", {}), ("zero2", {}), ("zero3", {}),
+            ("1f1b", {"pp": 2, "micro_batches": min(batch, 2)})]
+
+
 IGNORES_COUNT = "ignores num_items_in_batch"
 
 
@@ -164,10 +170,11 @@ _LONG = pytest.mark.skipif(not ALL_PLANS, reason="the other batch size of each k
 @pytest.mark.parametrize("kind, batch", [("count", 2), ("mean", 1), pytest.param("count", 1, marks=_LONG),
                                          pytest.param("mean", 2, marks=_LONG)])
 def test_accumulation_equals_the_plain_trainer_under_every_plan(workers, tmp_path, kind, batch):
-    plans = DEFAULT_PLANS + (LONG_PLANS if ALL_PLANS else [])
+    plans = DEFAULT_PLANS + (long_plans(batch) if ALL_PLANS else [])
     runs = workers.run(planned_runs, kind, batch, plans, str(tmp_path), timeout=900)
     refs = {dp: plain_run(kind, batch, dp, ACCUMULATE, str(tmp_path / f"ref{dp}"))
             for dp in {r["dp"] for r in runs[0].values()}}
+    assert list(runs[0]) == [plan for plan, _ in plans]
     problems = {plan: differences(r, refs[r["dp"]])[:6] for plan, r in runs[0].items()}
     assert not any(problems.values()), problems
     for plan in runs[0]:  # one warning per run and rank for the model that ignores the count, none else
@@ -181,3 +188,36 @@ def test_accumulation_equals_the_plain_trainer_under_every_plan(workers, tmp_pat
         for dp, ref in refs.items():
             whole = plain_run(kind, batch, dp, 1, str(tmp_path / f"whole{dp}"))
             assert not differences(ref, whole, rtol=1e-4, atol=1e-5), (dp, differences(ref, whole, 1e-4, 1e-5))
+
+
+class _Head(torch.nn.Module):
+    """A regression head whose loss uses the count as `use` says; it draws dropout in training mode."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use, self.proj, self.drop = use, torch.nn.Linear(4, 1), torch.nn.Dropout(0.5)
+
+    def forward(self, x, labels=None, **kwargs):
+        err = (self.proj(self.drop(x)).squeeze(-1) - labels) ** 2
+        count = kwargs.get("num_items_in_batch")
+        if self.use == "divides":
+            return {"loss": err.sum() / count}
+        if self.use == "squares":
+            return {"loss": err.sum() / count ** 2}
+        return {"loss": err.mean()}
+
+
+def test_how_the_loss_uses_the_count_is_read_without_moving_a_random_stream_or_the_model():
+    from nnscaler_plugins.adapters.hf_loss_count import CountUse, LossCountError, count_use
+
+    batch = {"x": torch.randn(3, 4), "labels": torch.randn(3)}
+    for use, found in (("divides", CountUse.DIVIDES), ("ignores", CountUse.IGNORES)):
+        model = _Head(use).train()
+        model.proj.bias.requires_grad_(False)
+        state = torch.get_rng_state()
+        assert count_use(model, batch) is found, use
+        assert torch.equal(state, torch.get_rng_state()), f"{use}: the probe moved the global random stream"
+        assert model.training and model.proj.weight.requires_grad and not model.proj.bias.requires_grad
+        assert model.proj.weight.grad is None
+    with pytest.raises(LossCountError, match=r"_Head: its loss depends on num_items_in_batch other than as a sum"):
+        count_use(_Head("squares"), batch)
