@@ -123,6 +123,9 @@ class Graph:
     # (two traced, the rest copied), or "whole: <why two layers were not enough>". Not in the fingerprints:
     # both ways give the same program, under other op names (see Session.capture's agreement).
     traced: str = field(default="", compare=False)
+    # The value reads capture answered on tensors made from sizes alone (capture/shape_values.py), in
+    # the order the model made them: the model's line and the answer, for messages and explain.
+    folded: tuple = field(default=(), compare=False)
     _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

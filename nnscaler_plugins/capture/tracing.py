@@ -44,6 +44,7 @@ from nnscaler_plugins.capture.graph import (
     Value,
 )
 from nnscaler_plugins.capture.repeated_layers import Stack, find_stack, replicate
+from nnscaler_plugins.capture.shape_values import FoldedRead, ShapeValues
 from nnscaler_plugins.plugins import get_plugin_manager
 from nnscaler_plugins.progress import phase
 
@@ -109,18 +110,21 @@ def _capture(model: torch.nn.Module, args: Any, kwargs: Optional[dict], trace_re
         if layers is not None:
             graph, why = _capture_two_layers(model, args, kwargs, layers)
             if graph is not None:
+                folded = graph.folded
                 graph = split_fused_sections(slices_for_constant_index(graph))
                 graph.traced = "two layers"
+                graph.folded = folded
                 return graph
             traced = f"whole: {why}"
             _log.info("%s: traced all %d layers of %s (%s)", type(model).__name__, len(layers.modules),
                       layers.path, why)
-        ep = _export(model, args, kwargs)
+        ep, folded = _export(model, args, kwargs)
         fold_causal_masks(ep)  # traced HF models build their causal mask as a tensor; give sdpa is_causal back
         drop_dead_code(ep)  # what only export's assertions read (the folded mask's chain)
         # one matmul per unequal section of a fused projection, constant index runs read as slices
         graph = split_fused_sections(slices_for_constant_index(_to_graph(ep, model, args, kwargs)))
         graph.traced = traced
+        graph.folded = folded
         return graph
 
 
@@ -165,16 +169,19 @@ def _recorded_contiguous() -> Iterator[None]:
         torch.Tensor.contiguous = original
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """torch.export, quietly: on failure it prints the partial graph to stderr and logs warnings,
-    hundreds of lines per rank. The user gets one short CaptureError naming their line; torch's
-    full report stays in `CaptureError.details`."""
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.export.ExportedProgram,
+                                                                       tuple[FoldedRead, ...]]:
+    """torch.export, and the value reads answered while it traced (shape_values.py), quietly: on
+    failure it prints the partial graph to stderr and logs warnings, hundreds of lines per rank. The
+    user gets one short CaptureError naming their line; torch's full report stays in
+    `CaptureError.details`."""
     noise = io.StringIO()
     torch_log = logging.getLogger("torch")
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)
+    known = ShapeValues()  # value reads on tensors made from sizes alone are answered, not refused
     try:
-        with contextlib.redirect_stderr(noise):
+        with contextlib.redirect_stderr(noise), known:
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:  # torch.export raises many types; say what it means for the user
         raise _capture_error(model, e, noise.getvalue()) from None
@@ -182,7 +189,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
         torch_log.setLevel(level)
     if noise.getvalue():
         sys.stderr.write(noise.getvalue())  # what the model itself printed or warned while traced
-    return ep
+    return ep, tuple(known.reads)
 
 
 _CALL_RE = re.compile(r'The following call raised this error:\n\s*File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
@@ -216,7 +223,9 @@ def _capture_error(model: torch.nn.Module, e: BaseException, printed: str) -> "C
         text = f"cannot capture {name}{at}:{code}\n{cause}"
     elif "DataDependent" in kind or "data-dependent" in str(e):
         text = (f"cannot capture {name}: its forward reads a tensor's value to decide what to run{at}:{code}\n"
-                "Capture traces with symbolic values. Compute the condition from shapes or the config, use "
+                "Capture traces with symbolic values; only tensors made from sizes and constants alone have a "
+                "value then (this one depends on an input, a parameter, a buffer or a random draw). "
+                "Compute the condition from shapes or the config, use "
                 "torch.where for value-dependent choices, or move the check out of forward. Split sizes of a "
                 "mixture-of-experts layer (`counts.tolist()`) belong inside an experts module called as "
                 "experts(rows sorted by expert, counts per expert), with stacked (experts, ...) weights or a "
@@ -236,7 +245,7 @@ def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict,
     (the model minds its layer count, or its two layers are not one program): it is traced whole."""
     try:
         with layers.truncated(2):
-            ep = _export(model, args, kwargs)
+            ep, folded = _export(model, args, kwargs)
             fold_causal_masks(ep)
             drop_dead_code(ep)
             short = _to_graph(ep, model, args, kwargs)
@@ -244,6 +253,8 @@ def _capture_two_layers(model: torch.nn.Module, args: tuple, kwargs: dict,
         said = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # CaptureError: where, then why
         return None, f"tracing two layers failed: {type(e).__name__}: {said[:300]}"
     graph = replicate(short, layers.path, len(layers.modules))
+    if graph is not None:
+        graph.folded = folded
     return graph, "" if graph is not None else "its first two layers do not trace as one program"
 
 
