@@ -8,6 +8,7 @@ import torch
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.compiler import DEFAULT_CACHE_DIR, Compiled
+from nnscaler_plugins.plan import fields
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.plan.source import PlanLike
 from nnscaler_plugins.plugins import strategies as registered_strategies
@@ -26,6 +27,7 @@ def plan(model_or_graph: Any, *, strategy: PlanLike = "tp", world_size: int, exa
     dim and the plan is made for one of them. `cluster` and `constraints` are for strategies that
     plan for a cluster ("auto" searches on it).
     """
+    fields.world_size(world_size, required=True)
     session = Session(strategy, **options)
     extra: dict[str, Any] = {}
     if cluster is not None:
@@ -46,6 +48,7 @@ def compile(model: Any, example_inputs: Any = None, plan: PlanLike = "tp", *, wo
         compiled = nns.compile(model, batch, "tp", world_size=4)
         print(compiled.artifact(0).source())   # the code device 0 runs
     """
+    fields.world_size(world_size)
     session = Session(plan, **options)
     if world_size is None:
         world_size = session.source.plan.world_size if session.source.plan is not None else 1
@@ -69,6 +72,7 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, *, plan: PlanLike =
     plan and equal `nns.init_weights(model, init_seed)` in one process. `init_seed` defaults to
     rank 0's `torch.initial_seed()`.
     """
+    fields.world_size(world_size)
     session = Session(plan, **options)  # before the process group, the capture or the cache is touched
     return session.parallelize(model, example_inputs, world_size=world_size, device=device, cache_dir=cache_dir,
                                loss_fn=loss_fn, init_seed=init_seed)

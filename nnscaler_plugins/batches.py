@@ -59,6 +59,9 @@ def resolve_micro_batches(batch: Any, micro_batches: Optional[int] = None,
     """The number of micro-batches from either spelling, checked against the batch."""
     if micro_batches is None and micro_batch_size is None:
         return 1
+    for name, v in (("micro_batches", micro_batches), ("micro_batch_size", micro_batch_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise PlanError(f"{name}={v!r}: must be a positive integer, not a {type(v).__name__}")
     size = batch_size(batch) if batch is not None else None
     if micro_batch_size is not None:
         if size is None:

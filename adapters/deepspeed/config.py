@@ -127,28 +127,45 @@ def translate(config: dict) -> Settings:
     s.scheduler = _scheduler_section(config.get("scheduler"))
     s.precision, s.loss_scale = _precision(config)
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
-    s.skip_nonfinite_steps = s.precision == "bf16" and bool(bf16.get("check_grad_overflow", True))
+    s.skip_nonfinite_steps = s.precision == "bf16" and _flag(bf16, "check_grad_overflow", True, "bf16.")
     _check_grad_accum_dtype(config.get("data_types") or {}, s.precision)
     s.zero_stage = _zero_stage(config.get("zero_optimization") or {})
     s.offload = _offload(config.get("zero_optimization") or {}, s.zero_stage)
     zero = config.get("zero_optimization") or {}
     optimizer_offloaded = _offload_device(zero, "offload_optimizer") == "cpu" or bool(zero.get("cpu_offload"))
     s.client_optimizer_refused = (s.zero_stage > 0 and optimizer_offloaded
-                                  and bool(config.get("zero_force_ds_cpu_optimizer", True)))
+                                  and _flag(config, "zero_force_ds_cpu_optimizer", True))
     s.gradient_clipping = _number(config, "gradient_clipping", 1.0,
                                   auto_hint="the HF Trainer fills it from max_grad_norm; give a number (0 = off)")
     s.steps_per_print = int(_number(config, "steps_per_print", 10, auto_hint="give a number"))
-    s.wall_clock_breakdown = bool(config.get("wall_clock_breakdown", False))
-    s.dataloader_drop_last = bool(config.get("dataloader_drop_last", False))
-    s.managed_gradient_accumulation = bool(config.get("managed_gradient_accumulation", True))
+    s.wall_clock_breakdown = _flag(config, "wall_clock_breakdown", False)
+    s.dataloader_drop_last = _flag(config, "dataloader_drop_last", False)
+    s.managed_gradient_accumulation = _flag(config, "managed_gradient_accumulation", True)
     s.tag_validation = _tag_validation(config.get("checkpoint") or {})
     s.load_universal = _load_universal(config.get("checkpoint") or {})
     s.allgather_bucket_size = int((config.get("zero_optimization") or {}).get("allgather_bucket_size", 5e8))
     _check_reduction_keys(config)
     s.plan, s.plan_options = _nnscaler_section(config.get("nnscaler"))
-    if bool((config.get("compile") or {}).get("deepcompile", False)):
+    if _flag(config.get("compile") or {}, "deepcompile", False, "compile."):
         s.plan_options.setdefault("compile", True)  # the per-rank program under torch.compile
     return s
+
+
+def _flag(section: dict, key: str, default: bool, prefix: str = "") -> bool:
+    """A true/false key: a string such as "false" is refused, not read by its truth (it would be true)."""
+    v = section.get(key, default)
+    if not isinstance(v, bool):
+        raise DeepSpeedConfigError(f"{prefix}{key}={v!r}: must be true or false, not a {type(v).__name__}")
+    return v
+
+
+def _section(value: Any, where: str) -> dict:
+    """A nested object of the config (an empty one when absent)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DeepSpeedConfigError(f"{where} must be an object, got {value!r}")
+    return value
 
 
 def _check_keys(config: dict) -> None:
@@ -239,7 +256,7 @@ def _optimizer_section(section: Any) -> Optional[dict]:
     if extra:
         raise DeepSpeedConfigError(f"unknown key(s) {['optimizer.' + k for k in extra]}; an optimizer section holds "
                                    "'type' and 'params'")
-    params = dict(section.get("params") or {})
+    params = dict(_section(section.get("params"), "optimizer.params"))
     for k, v in list(params.items()):
         if v == AUTO:
             if k not in _AUTO_OPTIMIZER_PARAMS:
@@ -260,7 +277,7 @@ def _scheduler_section(section: Any) -> Optional[dict]:
     if extra:
         raise DeepSpeedConfigError(f"unknown key(s) {['scheduler.' + k for k in extra]}; a scheduler section holds "
                                    "'type' and 'params'")
-    params = dict(section.get("params") or {})
+    params = dict(_section(section.get("params"), "scheduler.params"))
     for k, v in list(params.items()):
         if v != AUTO:
             continue
@@ -281,7 +298,7 @@ def _enabled(config: dict, name: str) -> bool:
     v = section.get("enabled", False)
     if v == AUTO:
         raise DeepSpeedConfigError(f"{name}.enabled: 'auto' cannot be resolved outside a trainer; give true or false")
-    return bool(v)
+    return _flag(section, "enabled", False, f"{name}.")
 
 
 def _precision(config: dict) -> tuple[str, dict]:
@@ -303,7 +320,7 @@ def _precision(config: dict) -> tuple[str, dict]:
                  "initial_scale_power": int(section.get("initial_scale_power", 16)),
                  "loss_scale_window": int(section.get("loss_scale_window", 1000)),
                  "hysteresis": int(section.get("hysteresis", 2)),
-                 "consecutive_hysteresis": bool(section.get("consecutive_hysteresis", False)),
+                 "consecutive_hysteresis": _flag(section, "consecutive_hysteresis", False, "fp16."),
                  "min_loss_scale": float(section.get("min_loss_scale", 1.0))}
     return ("fp16" if fp16 else "bf16" if bf16 else "fp32"), scale
 
@@ -354,7 +371,7 @@ def _zero_stage(section: dict) -> int:
     stage = section.get("stage", 0)
     if stage == AUTO:  # DeepSpeed drops "auto" zero values and keeps the default
         stage = 0
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise DeepSpeedConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
         if section.get(key):
@@ -445,7 +462,7 @@ def _offload(section: dict, stage: int) -> Optional[str]:
 
 
 def _check_reduction_keys(config: dict) -> None:
-    if config.get("prescale_gradients"):
+    if _flag(config, "prescale_gradients", False):
         raise DeepSpeedConfigError("prescale_gradients=true is not supported; set it to false")
     if config.get("gradient_predivide_factor", 1.0) != 1.0:
         raise DeepSpeedConfigError("gradient_predivide_factor other than 1.0 is not supported")

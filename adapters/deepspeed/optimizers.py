@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import DeepSpeedConfigError
+from .param_types import check_param_types
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam", "amsgrad",
               "fp32_optimizer_states", "foreach"}
@@ -31,6 +32,10 @@ def check_optimizer_section(name: Any, params: dict) -> None:
         raise DeepSpeedConfigError("optimizer.params.max_grad_norm is not supported (DeepSpeed refuses it too); use "
                                    "the top-level 'gradient_clipping'")
     low = name.lower()
+    torch_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad}.get(
+        low, getattr(torch.optim, name, None))
+    if isinstance(torch_class, type):
+        check_param_types(torch_class, params, "optimizer.params")
     if low in _UNSUPPORTED:
         raise DeepSpeedConfigError(f"optimizer.type {name!r} is not supported ({_UNSUPPORTED[low]}); use Adam, AdamW, "
                                    "Adagrad or any torch.optim class name such as SGD")

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from .errors import DeepSpeedConfigError
+from .param_types import check_param_types
 
 LOG, LINEAR = "log", "linear"
 
@@ -303,6 +304,9 @@ SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosine
 def check_scheduler_section(name: Any, params: dict) -> None:
     if not isinstance(name, str):
         raise DeepSpeedConfigError(f"scheduler.type must be a name, got {name!r}")
+    cls = SCHEDULES.get(name) or getattr(torch.optim.lr_scheduler, name, None)
+    if callable(cls):
+        check_param_types(cls, params, "scheduler.params")
     if name in SCHEDULES:
         import inspect
 

@@ -239,9 +239,15 @@ class Mesh:
         if unknown:
             raise PlanError(f"the plan's mesh has unknown key(s) {sorted(unknown)}; valid: axes, replica_axes, "
                             "folded, devices_per_node")
+        from nnscaler_plugins.plan import fields
+
         axes = d["axes"]
-        return cls(tuple(axes), tuple(int(v) for v in axes.values()), int(d.get("replica_axes", 1)),
-                   tuple((k, int(v)) for k, v in (d.get("folded") or {}).items()), d.get("devices_per_node"))
+        folded = fields.mapping(d.get("folded"), "mesh.folded", optional=True)
+        return cls(tuple(fields.text(k, "mesh.axes (an axis name)") for k in axes),
+                   tuple(fields.integer(v, f"mesh.axes[{k!r}]", 1) for k, v in axes.items()),
+                   fields.integer(d.get("replica_axes", 1), "mesh.replica_axes", 0),
+                   tuple((k, fields.integer(v, f"mesh.folded[{k!r}]", 1)) for k, v in folded.items()),
+                   fields.optional_integer(d.get("devices_per_node"), "mesh.devices_per_node", 1))
 
     def __repr__(self) -> str:
         extra = f", replica_axes={self.replica_axes}" if self.replica_axes != 1 else ""

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from nnscaler_plugins.capture.graph import Graph
 from nnscaler_plugins.errors import PlanError, PlanFormatWarning, refuse_unknown
+from nnscaler_plugins.plan import fields
 from nnscaler_plugins.plan.float8 import all_gather_in_float8
 from nnscaler_plugins.plan.knobs import Knobs, from_v1_options
 from nnscaler_plugins.plan.mesh import Mesh, unit_mesh
@@ -124,10 +125,22 @@ class OpPlacement:
     @classmethod
     def from_json(cls, d: dict, name: str = "op") -> "OpPlacement":
         check_keys(d, _OP_KEYS, f"plan entry for op {name!r}")
-        stage, group = d.get("stage"), d.get("recompute")
-        return cls([(str(l), int(n)) for l, n in d.get("splits", [])], int(d.get("replicate", 1)),
-                   list(d.get("devices", [None])), {str(l): int(b) for l, b in d.get("blocks", {}).items()},
-                   None if stage is None else int(stage), None if group is None else int(group))
+        at = f"ops[{name!r}]"
+
+        def split(x: Any, field: str) -> tuple[str, int]:
+            label, num = fields.sequence(x, field, length=2)
+            return fields.text(label, f"{field}[0] (the dim label)"), fields.integer(num, f"{field}[1] (pieces)", 1)
+
+        def device(x: Any, field: str) -> Optional[int]:
+            return fields.optional_integer(x, field, 0)
+
+        blocks = fields.mapping(d.get("blocks"), f"{at}.blocks", optional=True)
+        return cls(fields.sequence(d.get("splits", []), f"{at}.splits", split),
+                   fields.integer(d.get("replicate", 1), f"{at}.replicate", 1),
+                   fields.sequence(d.get("devices", [None]), f"{at}.devices", device),
+                   {l: fields.integer(b, f"{at}.blocks[{l!r}]") for l, b in blocks.items()},
+                   fields.optional_integer(d.get("stage"), f"{at}.stage", 0),
+                   fields.optional_integer(d.get("recompute"), f"{at}.recompute", 0))
 
 
 @dataclass
@@ -197,11 +210,35 @@ class PipelineSpec:
     def from_json(cls, d: dict) -> "PipelineSpec":
         from nnscaler_plugins.plan.schedules import Task
         check_keys(d, _PIPELINE_KEYS, "the plan's pipeline")
+        missing = [k for k in ("stage_devices", "micro_batches") if k not in d]
+        if missing:
+            raise PlanError(f"the plan's pipeline lacks {', '.join(missing)}")
+        at = "pipeline"
+
+        def devices(x: Any, field: str) -> list[int]:
+            return fields.sequence(x, field, lambda v, f: fields.integer(v, f, 0))
+
+        def task(x: Any, field: str) -> Any:
+            t = fields.sequence(x, field)
+            if not 3 <= len(t) <= 5:
+                raise PlanError(f"{field} = {x!r}: must be [kind, stage, micro-batch] (and optionally grad, round)")
+            fields.text(t[0], f"{field}[0] (the task's kind)")
+            for i, what in ((1, "stage"), (2, "micro-batch"), *(((4, "round"),) if len(t) > 4 else ())):
+                fields.integer(t[i], f"{field}[{i}] (the {what})", 0)
+            if len(t) > 3:
+                fields.boolean(t[3], f"{field}[3] (grad)")
+            return Task.from_json(t)
+
         tasks = d.get("tasks")
-        return cls([list(map(int, g)) for g in d["stage_devices"]], int(d["micro_batches"]),
-                   str(d.get("schedule", "1f1b")), [int(r) for r in d.get("stage_rank", [])],
-                   bool(d.get("split_backward", False)), dict(d.get("options", {})),
-                   None if tasks is None else [[Task.from_json(t) for t in ts] for ts in tasks])
+        return cls(fields.sequence(d["stage_devices"], f"{at}.stage_devices", devices),
+                   fields.integer(d["micro_batches"], f"{at}.micro_batches", 1),
+                   fields.text(d.get("schedule", "1f1b"), f"{at}.schedule"),
+                   fields.sequence(d.get("stage_rank", []), f"{at}.stage_rank",
+                                   lambda v, f: fields.integer(v, f, -1)),
+                   fields.boolean(d.get("split_backward", False), f"{at}.split_backward"),
+                   dict(fields.mapping(d.get("options"), f"{at}.options", optional=True)),
+                   None if tasks is None else fields.sequence(
+                       tasks, f"{at}.tasks", lambda ts, f: fields.sequence(ts, f, task)))
 
 
 @dataclass
@@ -333,9 +370,12 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan file holds one JSON object (with 'format': 'nnscaler-plan'), not a "
+                            f"{type(d).__name__}")
         if d.get("format") != "nnscaler-plan":
             raise PlanError("not an nnscaler plan file (missing 'format': 'nnscaler-plan')")
-        v = int(d.get("version", 0))
+        v = fields.integer(d.get("version", 0), "version", 0)
         if v > PLAN_FORMAT_VERSION:
             raise PlanError(f"plan format version {v} is newer than this library understands "
                             f"({PLAN_FORMAT_VERSION}); upgrade nnscaler-plugins")
@@ -345,12 +385,18 @@ class Plan:
             raise PlanError(f"plan file lacks {', '.join(missing)}: it was not written by Plan.save")
         if not isinstance(d["ops"], dict):
             raise PlanError("the plan's 'ops' must map op names to placements")
-        unit, dp = int(d["unit_size"]), int(d.get("dp", 1))
-        if "world_size" in d and int(d["world_size"]) != unit * dp:
+        unit, dp = fields.integer(d["unit_size"], "unit_size", 1), fields.integer(d.get("dp", 1), "dp", 1)
+        if "world_size" in d and fields.integer(d["world_size"], "world_size", 1) != unit * dp:
             raise PlanError(f"plan file says world_size {d['world_size']} but unit_size {unit} x dp {dp} = "
                             f"{unit * dp}; the file was edited inconsistently")
-        options = dict(d.get("options") or {})
+        options = dict(fields.mapping(d.get("options"), "options", optional=True))
         pipeline = None if d.get("pipeline") is None else PipelineSpec.from_json(d["pipeline"])
+        zero = d["zero"] if "zero" in d else options.get("zero", 0) or 0
+        offload = d.get("offload")
+        estimate = d.get("estimate")
+        if estimate is not None:
+            fields.mapping(estimate, "estimate")
+        shapes = fields.mapping(d.get("input_shapes"), "input_shapes", optional=True)
         if v < 2:
             knobs, options, moved = from_v1_options(options)
             mesh = migrated_mesh(unit, dp, pipeline, options, str(d.get("strategy", "")))
@@ -361,19 +407,22 @@ class Plan:
         else:
             mesh = Mesh.from_json(d["mesh"]) if d.get("mesh") is not None else None
             knobs = Knobs.from_json(d.get("knobs") or {})
-        return cls(graph_fingerprint=d["graph_fingerprint"], model_class=d.get("model_class", ""),
+        return cls(graph_fingerprint=fields.text(d["graph_fingerprint"], "graph_fingerprint"),
+                   model_class=fields.text(d.get("model_class", ""), "model_class"),
                    unit_size=unit, dp=dp,
                    ops={k: OpPlacement.from_json(p, k) for k, p in d["ops"].items()},
-                   strategy=d.get("strategy", "custom"), options=options,
-                   estimate=d.get("estimate"), version=PLAN_FORMAT_VERSION, mesh=mesh, knobs=knobs,
+                   strategy=fields.text(d.get("strategy", "custom"), "strategy"), options=options,
+                   estimate=estimate, version=PLAN_FORMAT_VERSION, mesh=mesh, knobs=knobs,
                    pipeline=pipeline,
-                   micro_batches=int(d.get("micro_batches", 1)),
+                   micro_batches=fields.integer(d.get("micro_batches", 1), "micro_batches", 1),
                    # files written before `zero` was a field (the search's) carry it in options
-                   zero=int(d["zero"] if "zero" in d else (d.get("options") or {}).get("zero", 0) or 0),
-                   precision=str(d.get("precision", "fp32")),
-                   offload=d.get("offload"),
-                   input_shapes={k: list(v) for k, v in d.get("input_shapes", {}).items()},
-                   structure_fingerprint=str(d.get("structure_fingerprint", "")))
+                   zero=fields.integer(zero, "zero", 0),
+                   precision=fields.text(d.get("precision", "fp32"), "precision"),
+                   offload=None if offload is None else fields.text(offload, "offload"),
+                   input_shapes={k: fields.sequence(v, f"input_shapes[{k!r}]",
+                                                    lambda x, f: fields.integer(x, f, 0))
+                                 for k, v in shapes.items()},
+                   structure_fingerprint=fields.text(d.get("structure_fingerprint", ""), "structure_fingerprint"))
 
     @classmethod
     def load(cls, path: str | os.PathLike, graph: Optional[Graph] = None,

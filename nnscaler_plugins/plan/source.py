@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from nnscaler_plugins.errors import PlanError
-from nnscaler_plugins.plan.knobs import KNOB_OPTIONS
-from nnscaler_plugins.plan.mesh import Mesh, MeshLayout, resolve_mesh, unit_mesh
-from nnscaler_plugins.plan.plan import Plan
+from nnscaler_plugins.plan.knobs import KNOB_OPTIONS, Knobs
+from nnscaler_plugins.plan.mesh import AXIS_WORDS, Mesh, MeshLayout, resolve_mesh, unit_mesh
+from nnscaler_plugins.plan.plan import OFFLOADS, PRECISIONS, Plan
 from nnscaler_plugins.plugins import get_strategy, strategies
 
 PlanLike = Union[str, os.PathLike, Callable, Plan]
@@ -52,13 +52,14 @@ class PlanSource:
         return frozenset() if self.plan is not None else strategy_options(self.fn)
 
     def check_options(self, options: Mapping[str, Any], where: str = "") -> None:
-        """Refuse option names it does not take, each with the closest valid name."""
+        """Refuse option names it does not take, each with the closest valid name, and values of the
+        options every strategy takes that no plan could have (`check_option_values`)."""
         own = self.options()
-        if own is None:
-            return
-        unknown = [k for k in options if k not in own and k not in COMMON_OPTIONS]
-        if unknown:
-            raise PlanError(unknown_options_message(self.label, unknown, own, where))
+        if own is not None:
+            unknown = [k for k in options if k not in own and k not in COMMON_OPTIONS]
+            if unknown:
+                raise PlanError(unknown_options_message(self.label, unknown, own, where))
+        check_option_values(options, where)
 
     def mesh(self, world_size: int, options: Mapping[str, Any]) -> Mesh:
         """The plan's mesh on `world_size` devices from the degree options (`mesh.resolve_mesh`, the one
@@ -121,6 +122,37 @@ def resolve(value: PlanLike, where: str = "") -> PlanSource:
         return PlanSource(f"strategy {name!r}", str(name), fn=value)
     raise TypeError(f"{prefix}a plan is a strategy name, a function, a Plan or a plan file; "
                     f"got {type(value).__name__}")
+
+
+def check_option_values(options: Mapping[str, Any], where: str = "") -> None:
+    """Refuse, where the user wrote them (before a world size, a model or a process group exists),
+    values no plan could take: the knobs (each checked as the plan checks it), the ZeRO stage,
+    precision, offload, micro-batch counts, and degrees (dp=, tp=, pp=, ...) that are not positive
+    integers. PlanError names the option, the value and what is allowed."""
+    at = f"{where}: " if where else ""
+    options = {k: v for k, v in options.items() if v is not None}  # None: the default
+    knobs = {k: v for k, v in options.items() if k in KNOB_OPTIONS}
+    if knobs:
+        try:
+            Knobs(**knobs)
+        except PlanError as e:
+            raise PlanError(f"{at}{e}") from None
+    if "zero" in options and (isinstance(options["zero"], bool) or options["zero"] not in (0, 1, 2, 3)
+                              or not isinstance(options["zero"], int)):
+        raise PlanError(f"{at}zero={options['zero']!r}: the ZeRO stage must be 0 (off), 1 (optimizer state sharded), "
+                        "2 (+ gradients) or 3 (+ parameters)")
+    if "precision" in options and options["precision"] not in PRECISIONS:
+        raise PlanError(f"{at}precision={options['precision']!r}: choose one of {', '.join(PRECISIONS)}")
+    if "offload" in options and options["offload"] not in OFFLOADS and options["offload"] != "nvme":
+        raise PlanError(f"{at}offload={options['offload']!r}: choose None, 'optimizer' or 'params'")
+    for name in ("micro_batches", "micro_batch_size", *AXIS_WORDS):
+        v = options.get(name)
+        if v is None:
+            continue
+        whole = isinstance(v, int) or (name in AXIS_WORDS and isinstance(v, float) and v.is_integer())
+        if isinstance(v, bool) or not whole or v < 1:
+            what = f"the {AXIS_WORDS[name]} degree" if name in AXIS_WORDS else "a count"
+            raise PlanError(f"{at}{name}={v!r}: must be a positive integer ({what})")
 
 
 def check_options(value: PlanLike, options: Mapping[str, Any], where: str = "") -> None:
