@@ -175,7 +175,7 @@ class ShapeValues(TorchFunctionMode):
     # -- the mode -------------------------------------------------------------------------------------
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves = _leaves((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if func in _VALUE_READS and tensors and all(self.value_of(t) is not None for t in tensors):
             try:
@@ -228,6 +228,21 @@ class ShapeValues(TorchFunctionMode):
         for t, v in zip(tensors, versions):
             if t._version != v and t in self.known:
                 self._forget_storage(self.known[t][0])
+
+
+def _leaves(x: Any) -> list:
+    """The leaves of nested tuples, lists and dicts (pytree's, without its cost on every call)."""
+    out: list = []
+    stack = [x]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, (tuple, list)) and not isinstance(y, torch.Size):
+            stack.extend(reversed(y))
+        elif isinstance(y, dict):
+            stack.extend(reversed(list(y.values())))
+        else:
+            out.append(y)
+    return out
 
 
 def _storage(t: torch.Tensor) -> int:
