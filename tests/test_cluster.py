@@ -82,6 +82,19 @@ def test_local_cpu_measures_and_caches(tmp_path):
     assert again == spec  # read back, not measured again: every rank sees the same numbers
 
 
+def test_local_cpu_falls_back_to_preset_gloo_figures_when_measuring_takes_too_long(tmp_path):
+    """A busy machine that cannot finish the gloo measurement in time gets the preset figures, said in
+    a warning and in the cluster's notes, instead of a failed plan (the two processes are killed)."""
+    from nnscaler_plugins.search.calibrate import DEFAULTS, measurements
+
+    with pytest.warns(UserWarning, match="took longer than 0.01 s.*preset gloo figures"):
+        m = measurements(cache_dir=str(tmp_path), gloo_timeout_s=0.01)
+    assert (m["gloo_bandwidth"], m["gloo_latency"]) == (DEFAULTS["gloo_bandwidth"], DEFAULTS["gloo_latency"])
+    assert m["measured"] and m["matmul_flops"] > 1e8  # what was measured in time is kept
+    spec = nns.cluster("local-cpu", devices=2, cache_dir=str(tmp_path))  # the cached figures, nothing waits
+    assert "gloo figures preset" in spec.notes and spec.intra_node.bandwidth == DEFAULTS["gloo_bandwidth"]
+
+
 def test_alpha_beta_on_the_link_hierarchy():
     spec = nns.cluster("a100-dgx", nodes=4)
     net = Network(spec)

@@ -181,8 +181,18 @@ def _gloo_child(rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def measure_gloo(timeout: float = 120.0) -> dict:
-    """Fit t = 2 alpha + M / beta to two-process gloo all-reduces."""
+# How long the two gloo processes may take (about 10 s on a quiet 2-core machine); past it the preset
+# figures are used (`measurements`), never a failed plan.
+GLOO_TIMEOUT_S = 120.0
+
+
+class MeasurementFailed(RuntimeError):
+    """Measuring the machine did not finish (it took longer than allowed, or a child process failed)."""
+
+
+def measure_gloo(timeout: float = GLOO_TIMEOUT_S) -> dict:
+    """Fit t = 2 alpha + M / beta to two-process gloo all-reduces. MeasurementFailed when the two
+    processes take longer than `timeout` seconds together (they are killed) or fail."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -192,9 +202,18 @@ def measure_gloo(timeout: float = 120.0) -> dict:
     cmd = [sys.executable, "-m", "nnscaler_plugins.search.calibrate", "gloo"]
     procs = [subprocess.Popen(cmd + [str(r), str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                               text=True) for r in range(2)]
-    outs = [p.communicate(timeout=timeout) for p in procs]
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.communicate()
+        raise MeasurementFailed(f"measuring gloo between 2 local processes took longer than {timeout:g} s "
+                                "(a busy machine)") from None
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"measuring gloo failed: {outs[0][1][-2000:]} {outs[1][1][-2000:]}")
+        raise MeasurementFailed(f"measuring gloo failed: {outs[0][1][-2000:]} {outs[1][1][-2000:]}")
     rows = json.loads(outs[0][0].strip().splitlines()[-1])
     # Two cores shared by two busy processes make single samples noisy: latency comes from the
     # smallest messages, bandwidth from the median over the largest ones once latency is taken off.
@@ -211,8 +230,12 @@ def _physical_memory() -> float:
         return float(DEFAULTS["memory_bytes"])
 
 
-def measurements(measure: bool = True, cache_dir: Optional[str] = None) -> dict:
-    """This machine's numbers: from the cache file, or measured now (under a file lock) and cached."""
+def measurements(measure: bool = True, cache_dir: Optional[str] = None,
+                 gloo_timeout_s: float = GLOO_TIMEOUT_S) -> dict:
+    """This machine's numbers: from the cache file, or measured now (under a file lock) and cached.
+    Measuring gloo that takes longer than `gloo_timeout_s` (a busy machine) or fails does not fail:
+    the preset gloo figures are used and cached, with a warning that says so and how to measure
+    again (`gloo_preset` in the file holds why)."""
     if not measure:
         return dict(DEFAULTS, cores=os.cpu_count() or 1, memory_bytes=_physical_memory(), measured=False)
     path = cache_path(cache_dir)
@@ -229,7 +252,16 @@ def measurements(measure: bool = True, cache_dir: Optional[str] = None) -> dict:
             data = measure_compute()
             bar.step()
             bar.set("gloo all-reduces between 2 local processes")
-            data.update(measure_gloo())
+            try:
+                data.update(measure_gloo(gloo_timeout_s))
+            except MeasurementFailed as e:
+                data.update(gloo_bandwidth=DEFAULTS["gloo_bandwidth"], gloo_latency=DEFAULTS["gloo_latency"],
+                            gloo_preset=str(e))
+                import warnings
+
+                warnings.warn(f"{e}; the local-cpu cluster uses the preset gloo figures instead (bandwidth "
+                              f"{DEFAULTS['gloo_bandwidth'] / 1e9:g} GB/s, latency {DEFAULTS['gloo_latency'] * 1e6:g} "
+                              f"us), cached in {path}: delete that file to measure again", stacklevel=2)
             bar.step()
             bar.close(f"cached in {path}")
             data.update(cores=os.cpu_count() or 1, memory_bytes=_physical_memory(), measured=True,
@@ -302,7 +334,8 @@ def local_cpu(devices: Optional[int] = None, measure: bool = True, cache_dir: Op
                                             op_overhead_s=_per_op(m, "train_op_overhead_s", m["op_overhead_s"]),
                                             view_overhead_s=_per_op(m, "view_overhead_s", 0.0),
                                             overlap_slowdown=1.0, fused_elementwise=False, comm_overlap=False),
-        notes=("measured on " + str(m.get("host", "this machine")) + " " + str(m.get("date", "")))
+        notes=("measured on " + str(m.get("host", "this machine")) + " " + str(m.get("date", ""))
+               + (f"; gloo figures preset ({m['gloo_preset']})" if m.get("gloo_preset") else ""))
         if m.get("measured") else "defaults, not measured (measure=False)",
         kernels=fit_table(m) if m.get("measured") else None)
 
