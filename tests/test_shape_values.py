@@ -3,8 +3,8 @@ value reads on data are still refused by name.
 
 Lightning's demo Transformer (torch.nn.Transformer, its masks from its own
 `generate_square_subsequent_mask`) and an encoder on nn.TransformerEncoder under nn.Transformer's
-causal mask (torch's `_detect_is_causal_mask` reads it) are captured and trained under dp and tp on
-two gloo processes in training mode with dropout on, equal to one process: the one-process reference
+causal mask (torch's `_detect_is_causal_mask` reads it) are captured and trained under dp and tp (the
+encoder also under zero3) on two gloo processes in training mode with dropout on, equal to one process: the one-process reference
 draws each dropout under the seed the plan's replica and op draw it with (`piece_rng`; under tp only
 the dropouts tensor parallelism keeps whole are on, see `shape_only_models.whole_dropouts_only`).
 A model whose read answer changes with the length trains at a second length like eager does.
@@ -209,8 +209,9 @@ def _train_with_dropout(rank, world, builder, strategy, dp, steps=2):
 
 @pytest.mark.parametrize("builder,strategy,dp", [
     ("build_lightning_demo", "dp", 2), ("build_lightning_demo_tp", "tp", 1),
-    ("build_causal_encoder", "dp", 2), ("build_causal_encoder_tp", "tp", 1)],
-    ids=["lightning-demo-dp", "lightning-demo-tp", "nn-transformer-encoder-dp", "nn-transformer-encoder-tp"])
+    ("build_causal_encoder", "dp", 2), ("build_causal_encoder_tp", "tp", 1), ("build_causal_encoder", "zero3", 2)],
+    ids=["lightning-demo-dp", "lightning-demo-tp", "nn-transformer-encoder-dp", "nn-transformer-encoder-tp",
+         "nn-transformer-encoder-zero3"])
 def test_trains_like_one_process_with_dropout(workers2, builder, strategy, dp):
     problems = workers2.run(_train_with_dropout, builder, strategy, dp)
     assert not any(problems), "\n".join(p for ps in problems for p in ps)
