@@ -124,7 +124,8 @@ class Graph:
     # both ways give the same program, under other op names (see Session.capture's agreement).
     traced: str = field(default="", compare=False)
     # The value reads capture answered on tensors made from sizes alone (capture/shape_values.py), in
-    # the order the model made them: the model's line and the answer, for messages and explain.
+    # the order the model made them: the model's line and the answer, for messages and explain (those
+    # of the two layers traced when a stack of layers was traced two deep).
     folded: tuple = field(default=(), compare=False)
     _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
 

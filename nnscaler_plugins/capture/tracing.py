@@ -67,6 +67,10 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
     `parallelize` receives example inputs. Plugins may adapt the model first (the Hugging Face
     plugin turns off the KV cache) through the `nnscaler_adapt_model_for_capture` hook.
 
+    A value read (`bool(t)`, `t.item()`) on a tensor made from sizes and constants alone, such as
+    nn.Transformer's check that its mask is causal, is answered while tracing (shape_values.py;
+    `Graph.folded` lists the answers); one on data is refused with a CaptureError naming the line.
+
     A stack of identical layers is traced two layers deep and the rest written as copies (see
     repeated_layers.py); `trace_repeated_layers_once=False` traces every layer.
 
