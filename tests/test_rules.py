@@ -778,6 +778,34 @@ def test_a_rule_that_fails_leaves_its_op_whole_and_says_which():
         refresh()
 
 
+class _ReluWholePlugin:
+    @hookimpl
+    def nnscaler_register_op_rules(self):
+        return {"aten.relu.default": lambda call: None}  # declines: relu runs whole
+
+
+def test_signature_for_follows_the_rule_table_on_a_graph_asked_before():
+    """signature_for keeps each op's signature beside its graph; after a rule is registered or
+    removed, or `refresh()` (rules changed in place), the next question on the same graph asks the
+    rule table again."""
+    from nnscaler_plugins.rules import signature_for
+
+    graph = nns.capture(torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU()), (torch.randn(4, 6),))
+    (op,) = graph.find(target="aten.relu.default")
+    builtin = signature_for(graph, op)
+    assert builtin.note != "replicate-only" and signature_for(graph, op) is builtin
+    plugin = _ReluWholePlugin()
+    plugins.register(plugin)
+    try:
+        assert signature_for(graph, op).note == "replicate-only"
+    finally:
+        plugins.unregister(plugin)
+    again = signature_for(graph, op)
+    assert again == builtin and again is not builtin  # asked the table again
+    refresh()  # rules changed in place: asked again too
+    assert signature_for(graph, op) is not again
+
+
 @pytest.mark.parametrize("order", [0, 1])
 def test_two_labels_merged_into_one_dim_are_not_split_together(order):
     """A view of (8,) as (2, 2, 2) puts two output labels inside the input's one dim; one block

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 from nnscaler_plugins.capture.graph import Graph, OpNode, TensorMeta
@@ -63,10 +64,14 @@ def _table() -> dict[str, RuleFn]:
     return _table_for(plugins_generation())
 
 
+_refreshes = [0]  # how many times `refresh` ran: the graphs' signature memos are per table
+
+
 def refresh() -> None:
     """Forget cached rules. Registering a plugin through `nnscaler_plugins.plugins.register` is seen
     without it; this is for rules changed in place."""
     _table_for.cache_clear()
+    _refreshes[0] += 1
 
 
 def _rule_for(key: str) -> Optional[RuleFn]:
@@ -132,10 +137,29 @@ def op_call(graph: Graph, op: OpNode) -> OpCall:
 
 
 def signature_for(graph: Graph, op: OpNode) -> Signature:
+    """The signature of `op` in `graph`, computed once per graph and rule table.
+
+    The plan builder, the validation, the cost model and the lowering each ask for every op of a
+    graph (three times 7,751 rule calls for a 126-layer Llama); a graph is plain data made once per
+    capture, so the answer is kept beside it (for as long as the graph lives), keyed by the op object,
+    and asked again when the rule table changes (a plugin registered or unregistered, `refresh()`)."""
+    table = (plugins_generation(), _refreshes[0])
+    memo = _SIGNATURES.get(id(graph))
+    if memo is None or memo[0]() is not graph:
+        memo = _SIGNATURES[id(graph)] = (weakref.ref(graph), {})
+        weakref.finalize(graph, _SIGNATURES.pop, id(graph), None)
+    known = memo[1].get(op.name)
+    if known is not None and known[0] is op and known[1] == table:
+        return known[2]
     call = op_call(graph, op)
-    if _mutation_read_elsewhere(graph, op):
-        return replicate_only(call)
-    return signature_of(call, op.where())
+    sig = replicate_only(call) if _mutation_read_elsewhere(graph, op) else signature_of(call, op.where())
+    memo[1][op.name] = (op, table, sig)
+    return sig
+
+
+# graph id -> (a weak reference to the graph, {op name: (op, rule table, signature)}); kept beside the
+# graph rather than on it, so a graph sent to another process carries no rule functions
+_SIGNATURES: dict[int, tuple[Any, dict[str, tuple[OpNode, tuple[int, int], Signature]]]] = {}
 
 
 def _mutation_read_elsewhere(graph: Graph, op: OpNode) -> bool:
