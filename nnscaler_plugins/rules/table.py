@@ -144,10 +144,7 @@ def signature_for(graph: Graph, op: OpNode) -> Signature:
     capture, so the answer is kept beside it (for as long as the graph lives), keyed by the op object,
     and asked again when the rule table changes (a plugin registered or unregistered, `refresh()`)."""
     table = (plugins_generation(), _refreshes[0])
-    memo = _SIGNATURES.get(id(graph))
-    if memo is None or memo[0]() is not graph:
-        memo = _SIGNATURES[id(graph)] = (weakref.ref(graph), {})
-        weakref.finalize(graph, _SIGNATURES.pop, id(graph), None)
+    memo = _graph_memo(graph)
     known = memo[1].get(op.name)
     if known is not None and known[0] is op and known[1] == table:
         return known[2]
@@ -157,9 +154,17 @@ def signature_for(graph: Graph, op: OpNode) -> Signature:
     return sig
 
 
-# graph id -> (a weak reference to the graph, {op name: (op, rule table, signature)}); kept beside the
-# graph rather than on it, so a graph sent to another process carries no rule functions
-_SIGNATURES: dict[int, tuple[Any, dict[str, tuple[OpNode, tuple[int, int], Signature]]]] = {}
+# graph id -> [a weak reference to the graph, {op name: (op, rule table, signature)}, its reads or None];
+# kept beside the graph rather than on it, so a graph sent to another process carries no rule functions
+_MEMOS: dict[int, list] = {}
+
+
+def _graph_memo(graph: Graph) -> list:
+    memo = _MEMOS.get(id(graph))
+    if memo is None or memo[0]() is not graph:
+        memo = _MEMOS[id(graph)] = [weakref.ref(graph), {}, None]
+        weakref.finalize(graph, _MEMOS.pop, id(graph), None)
+    return memo
 
 
 def _mutation_read_elsewhere(graph: Graph, op: OpNode) -> bool:
@@ -179,14 +184,24 @@ def _mutation_read_elsewhere(graph: Graph, op: OpNode) -> bool:
         return True
     if target in graph.outputs:
         return True
-    seen = False
-    for other in graph.ops:
-        if other is op:
-            seen = True
-            continue
-        if seen and target in other.inputs:
-            return True
-    return False
+    position, last_read = _reads(graph)
+    at = position.get(op.name)
+    return at is not None and last_read.get(target, -1) > at  # an op after this one reads it
+
+
+def _reads(graph: Graph) -> tuple[dict[str, int], dict[str, int]]:
+    """Each op's position in the graph and each value's last reader's position, made once per graph
+    (asked for every in-place op: a scan of the ops after each one grew as ops squared)."""
+    memo = _graph_memo(graph)
+    if memo[2] is None:
+        position: dict[str, int] = {}
+        last_read: dict[str, int] = {}
+        for i, other in enumerate(graph.ops):
+            position[other.name] = i
+            for v in other.inputs:
+                last_read[v] = i
+        memo[2] = (position, last_read)
+    return memo[2]
 
 
 def unruled_ops(graph: Graph) -> list[OpNode]:
