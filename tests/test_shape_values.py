@@ -80,6 +80,20 @@ def test_a_value_read_on_data_is_refused_by_name():
     assert "if (x.sum() > 0).item():" in text
 
 
+def test_a_shape_tensor_too_large_to_compute_is_refused_saying_so():
+    class Huge(torch.nn.Module):
+        def forward(self, x):
+            grid = torch.zeros(x.shape[1] * 1024, 4096, device=x.device)  # 16.8M elements from sizes alone
+            if bool((grid != 0).any()):
+                return x * 2
+            return x
+
+    with pytest.raises(CaptureError) as e:
+        capture(Huge(), (torch.randn(2, 5),))
+    text = str(e.value)
+    assert "made from sizes alone" in text and "20,971,520 elements" in text and "test_shape_values.py" in text
+
+
 class _Poisoned(torch.nn.Module):
     """A tensor made from sizes, then written in place with data (directly, through a view, or
     through `.data`, which counts its versions apart), then read: its value is the data's."""

@@ -17,7 +17,8 @@ is left to torch.export, which refuses it by name as before. What decides a tens
   memory uninitialized (`empty*`) gives no known value;
 - a tensor changed in place by an op with an unknown input loses its value (its version counter moved
   outside an op computed here), and so does every tensor sharing its storage;
-- a value larger than `MAX_ELEMENTS` is not computed (a read on it is refused as a data read).
+- a value larger than `MAX_ELEMENTS` is not computed: a read on it, or on what is made from it, is
+  refused, the message saying so.
 
 Each read answered is recorded (`FoldedRead`: the model's line and the answer), kept on the Graph as
 `Graph.folded`. Capture is at fixed sizes, so an answer is to the sizes what a Python branch on
@@ -113,6 +114,10 @@ class ShapeValues(TorchFunctionMode):
         super().__init__()
         self.known = WeakIdKeyDictionary()  # fake tensor -> (real CPU value, fake's version when set)
         self.reads: list[FoldedRead] = []
+        # tensors made from sizes alone whose value was too large to compute -> their element count,
+        # and the read that met one (where, elements): the refusal then says so
+        self.large = WeakIdKeyDictionary()
+        self.large_read: Optional[tuple[str, int]] = None
 
     # -- what a tensor's value is -------------------------------------------------------------------------
     def value_of(self, t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -177,7 +182,10 @@ class ShapeValues(TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = _leaves((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if func in _VALUE_READS and tensors and all(self.value_of(t) is not None for t in tensors):
+        if func in _VALUE_READS and tensors and all(self.value_of(t) is not None or t in self.large for t in tensors):
+            if any(t in self.large for t in tensors):
+                self.large_read = (_caller()[0], max(self.large.get(t, 0) for t in tensors))
+                return func(*args, **kwargs)
             try:
                 answer = self._compute(func, args, kwargs)
             except _Unknown:
@@ -192,6 +200,10 @@ class ShapeValues(TorchFunctionMode):
         versions = [t._version for t in known]
         out = func(*args, **kwargs)
         if not knowable:
+            ids = {id(t) for t in known}
+            if len(known) < len(tensors) and all(id(t) in ids or t in self.large for t in tensors) \
+                    and not _uninitialized(_name(func)):
+                self._mark_large(out, max(self.large.get(t, 0) for t in tensors))
             # what it wrote in place is unknown, and so is every tensor on that storage (`.data`, a
             # `detach()`ed alias and their base count their versions apart)
             self._after_unknown_write(known, versions)
@@ -200,8 +212,12 @@ class ShapeValues(TorchFunctionMode):
         wrote = any(t._version != v for t, v in zip(tensors, versions))
         if not fakes and not wrote:  # a size, a dtype, a device: nothing to keep
             return out
-        if any(not _concrete(f) or f.numel() > MAX_ELEMENTS for f in fakes):
+        if any(not _concrete(f) for f in fakes):
             self._after_unknown_write(tensors, versions)
+            return out
+        if any(f.numel() > MAX_ELEMENTS for f in fakes):
+            self._after_unknown_write(tensors, versions)
+            self._mark_large(out, max(f.numel() for f in fakes))
             return out
         try:
             real_out = self._compute(func, args, kwargs)
@@ -222,6 +238,21 @@ class ShapeValues(TorchFunctionMode):
         for f, r in zip(fakes, reals):
             self.known[f] = (r, f._version)
         return out
+
+    def _mark_large(self, out: Any, elements: int) -> None:
+        for f in pytree.tree_leaves(out):
+            if isinstance(f, torch.Tensor) and _concrete(f):
+                self.large[f] = max(elements, f.numel())
+
+    def too_large_hint(self) -> str:
+        """For a refusal: the read that met a tensor made from sizes alone but too large to compute."""
+        if self.large_read is None:
+            return ""
+        where, elements = self.large_read
+        return (f"The value read at {where} is of a tensor made from sizes alone, but one of {elements:,} elements, "
+                f"more than capture computes beside the trace ({MAX_ELEMENTS:,}): pass the decision the read makes "
+                "yourself (nn.Transformer's tgt_is_causal=True / src_is_causal=True, nn.TransformerEncoder's "
+                "is_causal=True with the causal mask), or capture at a shorter length.")
 
     def _after_unknown_write(self, tensors: list, versions: list) -> None:
         """An op on known tensors that was not computed here: whatever it wrote in place is unknown."""

@@ -188,7 +188,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.ex
         with contextlib.redirect_stderr(noise), known:
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:  # torch.export raises many types; say what it means for the user
-        raise _capture_error(model, e, noise.getvalue()) from None
+        raise _capture_error(model, e, noise.getvalue(), known.too_large_hint()) from None
     finally:
         torch_log.setLevel(level)
     if noise.getvalue():
@@ -214,7 +214,7 @@ def _user_frame(e: BaseException) -> Optional[tuple[str, int, str, str]]:
     return None
 
 
-def _capture_error(model: torch.nn.Module, e: BaseException, printed: str) -> "CaptureError":
+def _capture_error(model: torch.nn.Module, e: BaseException, printed: str, hint: str = "") -> "CaptureError":
     name = type(model).__name__
     frame = _user_frame(e)
     at = f" at {os.path.basename(frame[0])}:{frame[1]} (in {frame[2]})" if frame else ""
@@ -234,6 +234,8 @@ def _capture_error(model: torch.nn.Module, e: BaseException, printed: str) -> "C
                 "mixture-of-experts layer (`counts.tolist()`) belong inside an experts module called as "
                 "experts(rows sorted by expert, counts per expert), with stacked (experts, ...) weights or a "
                 "ModuleList of experts: capture keeps it as one op and reads the sizes at run time.")
+        if hint:  # the tensor read was made from sizes alone, but too large to compute at capture
+            text = f"cannot capture {name}{at}:{code}\n{hint}"
     else:
         first = next((line for line in str(e).splitlines() if line.strip()), "")[:300]
         text = (f"cannot capture {name}{at}:{code}\ntorch.export: {kind}: {first}\n"
