@@ -168,12 +168,19 @@ class NNScalerStrategyMixin:
                 return
             inner, example = found
             graph = self.session.capture(inner, example)
-        except CaptureError:
-            raise
+        except CaptureError as e:
+            if self.session.executor != "captured" and self.session.can_run_eagerly(self._world_size_to_launch()):
+                return  # the ranks run the model's own forward (the eager executor) and the plan says why
+            if self.session.executor == "captured":
+                raise
+            raise self.session.with_eager_plans(e) from None
         except Exception:  # noqa: BLE001 - the ranks meet it again and report it as they always did
             return
         del graph
         gc.collect()
+
+    def _world_size_to_launch(self) -> int:
+        return max(1, len(self.parallel_devices or ())) * max(1, int(getattr(self, "num_nodes", 1) or 1))
 
     def _example_before_launch(self, model: Any, loaders: Any, datamodule: Any) -> Optional[tuple[Any, Any]]:
         attr = self.module_attr or _find_inner_module(model)

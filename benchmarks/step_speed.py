@@ -1,6 +1,6 @@
 """Training-step speed and peak memory per rank against PyTorch's own parallelism, 4 gloo processes.
 
-    python benchmarks/step_speed.py [--iters 20] [--no-compile]
+    python benchmarks/step_speed.py [--iters 20] [--no-compile] [--only eager]
 
 One GPT-2-shaped model (pre-norm blocks, learned positions, tied embedding and LM head; written with
 nn.Linear so DTensor's ColwiseParallel / RowwiseParallel take its layers) and one global batch, run
@@ -12,6 +12,8 @@ variant once, the order rotating), AdamW for all:
 - the same with torch.compile: FSDP2 over blocks compiled one by one (as torchtitan does) vs the
   `zero3` plan with `compile=True` when the plan knob compiles (torch._dynamo sees our step), else
   that row says so and compares with our eager step;
+- the eager executor (`executor="eager"`: the model's own forward on module hooks, what runs a model
+  capture cannot take) under `dp` vs DDP and under `zero3` vs FSDP2;
 - `megatron` tp 4 vs DTensor tensor parallelism (`parallelize_module`: q/k/v and the MLP's first
   linear column-wise, the attention output and the MLP's second row-wise; every rank the whole
   batch).
@@ -196,6 +198,10 @@ def build(name: str, rank: int):
         return _ours("zero3", _dp_batch(rank))
     if name == "ours zero3 compiled":
         return _ours("zero3", _dp_batch(rank), compile=True)
+    if name == "ours dp eager":
+        return _ours("dp", _dp_batch(rank), executor="eager")
+    if name == "ours zero3 eager":
+        return _ours("zero3", _dp_batch(rank), executor="eager")
     if name == "DTensor tp":
         return _dtensor_tp()
     if name == "ours tp":
@@ -204,7 +210,7 @@ def build(name: str, rank: int):
 
 
 PAIRS = [("DDP", "ours dp"), ("FSDP2", "ours zero3"), ("FSDP2 compiled", "ours zero3 compiled"),
-         ("DTensor tp", "ours tp")]
+         ("DDP", "ours dp eager"), ("FSDP2", "ours zero3 eager"), ("DTensor tp", "ours tp")]
 
 
 def compiles(step) -> tuple[bool, float]:
@@ -218,13 +224,18 @@ def compiles(step) -> tuple[bool, float]:
 
 
 # -- timing ------------------------------------------------------------------------------------------------
-def bench(rank: int, world: int, iters: int, with_compile: bool, peers_fused: bool = False) -> dict:
+def pairs(only: str = "") -> list[tuple[str, str]]:
+    """The pairs to run: all, or those whose "ours" side's name contains `only`."""
+    return [p for p in PAIRS if only in p[1]]
+
+
+def bench(rank: int, world: int, iters: int, with_compile: bool, peers_fused: bool = False, only: str = "") -> dict:
     import torch.distributed as dist
 
     global PEERS_FUSED
     PEERS_FUSED = peers_fused
 
-    names = [n for pair in PAIRS for n in pair if with_compile or "compiled" not in n]
+    names = list(dict.fromkeys(n for pair in pairs(only) for n in pair if with_compile or "compiled" not in n))
     steps, losses, notes = {}, {}, {}
     if "ours zero3 compiled" in names:
         step = build("ours zero3 compiled", rank)
@@ -320,11 +331,12 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile pair")
     ap.add_argument("--no-memory", action="store_true", help="time only")
     ap.add_argument("--peers-fused", action="store_true", help="the peers' AdamW with fused=True, as ours")
+    ap.add_argument("--only", default="", help="only the pairs whose side of ours names this (e.g. eager)")
     ap.add_argument("--memory-runs", type=int, default=3,
                     help="fresh sets of processes per variant for memory; each figure is the median over them")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
-    r = common.spawn(bench, WORLD, args.iters, not args.no_compile, args.peers_fused)
+    r = common.spawn(bench, WORLD, args.iters, not args.no_compile, args.peers_fused, args.only)
     times, losses, notes = r["times"], r["losses"], r["notes"]
     memory, largest = {}, {}
     if not args.no_memory:
@@ -338,7 +350,7 @@ def main() -> None:
                   for name, rs in runs.items()}
         largest = {name: statistics.median(max(m[0] for m in run) for run in rs) for name, rs in runs.items()}
     rows = []
-    for peer, ours in PAIRS:
+    for peer, ours in pairs(args.only):
         if peer not in times:
             continue
         mine = ours if ours in times else ours.replace(" compiled", "")

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from conftest import ALL_PLANS
+
 pytest.importorskip("lightning")
 pytest.importorskip("pytorch_lightning")
 
@@ -91,30 +93,68 @@ class Module(pl.LightningModule):
         self.net = Net()
 
     def training_step(self, batch, i):
-        return self.net(batch)
+        loss = self.net(batch)
+        self.log("loss", loss)
+        with open(f"steps{self.global_rank}.txt", "a") as f:
+            f.write(f"STEP {self.global_rank} {self.global_step} {loss.item():.7f}\\n")
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-pl.Trainer(strategy=NNScalerStrategy(plan="dp"), accelerator="cpu", devices=2, max_steps=1, logger=False,
+torch.manual_seed(0)
+module, data = Module(), torch.randn(16, 8)
+pl.seed_everything(0)
+pl.Trainer(strategy=STRATEGY, accelerator="cpu", devices=2, max_steps=MAX_STEPS, logger=False,
            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
-    Module(), torch.utils.data.DataLoader(torch.randn(16, 8), batch_size=4))
+    module, torch.utils.data.DataLoader(data, batch_size=4))
 """
 
 
-def test_capture_error_is_one_message_before_any_process_starts(tmp_path):
-    """The launching process captures the model first: the error names the model's line once, and no
-    other process is started (before, every rank printed torch.export's report after launch)."""
+def _capture_fails_script(tmp_path, strategy: str, max_steps: int = 1):
     script = tmp_path / "capture_fails.py"
-    script.write_text(CAPTURE_FAILS)
+    script.write_text(CAPTURE_FAILS.replace("STRATEGY", strategy).replace("MAX_STEPS", str(max_steps)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
-    out = proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr
+
+
+def test_capture_error_is_one_message_before_any_process_starts(tmp_path):
+    """Under a plan that splits ops, the launching process captures the model first: the error names
+    the model's line once, and the plans that do run it, and no other process is started."""
+    proc, out = _capture_fails_script(tmp_path, 'NNScalerStrategy(plan="tp")')
     assert proc.returncode != 0
     assert out.count("CaptureError:") == 1 and "capture_fails.py:12" in out and "if h.sum() > 0" in out, out[-3000:]
+    assert "plan='dp', 'zero1', 'zero2' or 'zero3'" in out, out[-3000:]
     assert "Initializing distributed" not in out and "GLOBAL_RANK" not in out and "[rank1]" not in out, out[-3000:]
     assert len(out.splitlines()) < 60, out
+
+
+def _steps(folder) -> dict:
+    """(rank, batch index) -> loss, from the files the script's ranks wrote (then removed)."""
+    out = {}
+    for path in sorted(folder.glob("steps*.txt")):
+        for line in path.read_text().splitlines():
+            r, i, v = line.split()[1:4]
+            out[(int(r), int(i))] = float(v)
+        path.unlink()
+    return out
+
+
+@pytest.mark.parametrize("plan", ["dp", "zero3"] if ALL_PLANS else ["zero3"])
+def test_a_model_capture_cannot_take_trains_as_under_ddp(tmp_path, plan):
+    """Under plans that keep whole layers on each device the same model trains, its own forward run by
+    the eager executor, with `self.log` in training_step: the losses of every rank and step are DDP's."""
+    proc, out = _capture_fails_script(tmp_path, f'NNScalerStrategy(plan="{plan}")', max_steps=3)
+    assert proc.returncode == 0, out[-3000:]
+    ours = _steps(tmp_path)
+    ref_proc, ref = _capture_fails_script(tmp_path, '"ddp"', max_steps=3)
+    assert ref_proc.returncode == 0, ref[-3000:]
+    theirs = _steps(tmp_path)
+    assert len(theirs) == 6 and ours.keys() == theirs.keys(), (ours, theirs)
+    for k, v in theirs.items():
+        assert ours[k] == pytest.approx(v, rel=1e-6), (k, ours, theirs)
 
 
 def test_two_processes_all_plans_with_accumulation_clipping_and_resume(tmp_path):
