@@ -93,6 +93,21 @@ def test_a_mutated_plan_file_is_a_valid_plan_or_a_named_error(graph, plan_files,
         assert whole or _names_the_field(str(e), path), (path, str(e))
 
 
+@SETTINGS
+@given(data=st.data())
+def test_every_knob_of_a_plan_file_is_a_knob_or_a_named_error(data):
+    from nnscaler_plugins.errors import PlanError
+    from nnscaler_plugins.plan.knobs import KNOB_NAMES, Knobs
+
+    name = data.draw(st.sampled_from(KNOB_NAMES), label="knob")
+    value = data.draw(st.one_of(VALUES, st.dictionaries(st.sampled_from(["op", "x"]), VALUES, max_size=2)),
+                      label="value")
+    try:
+        Knobs.from_json({name: value})
+    except PlanError as e:
+        assert name in str(e), (name, value, str(e))
+
+
 def test_a_plan_file_of_the_wrong_shape_is_named():
     from nnscaler_plugins.errors import PlanError
     from nnscaler_plugins.plan.plan import Plan

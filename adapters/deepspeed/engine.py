@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 import nnscaler_plugins as nns
 from nnscaler_plugins.runtime.grad_clip import clip_by_norm_, grad_norm
-from nnscaler_plugins.outputs import extract_loss
+from nnscaler_plugins.outputs import extract_loss, require_scalar_loss
 from nnscaler_plugins.runtime.zero import all_gather_chunks
 from nnscaler_plugins.session import Session
 
@@ -671,7 +671,7 @@ class DeepSpeedEngine(torch.nn.Module):
             total = None
             for mb in micro:
                 out = self(mb) if not isinstance(mb, dict) else self(**mb)
-                raw = extract_loss(out)
+                raw = require_scalar_loss(extract_loss(out), out)
                 self.backward(raw)
                 self.step()
                 total = raw.detach() if total is None else total + raw.detach()

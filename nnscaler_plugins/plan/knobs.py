@@ -99,9 +99,17 @@ class Knobs:
         if not isinstance(d, Mapping):
             raise PlanError(f"{where} must be an object, not {type(d).__name__}")
         refuse_unknown_knobs(d, where)
+        from nnscaler_plugins.plan import fields
+
         values = dict(d)
         if "batch_statistic_ops" in values:
-            values["batch_statistic_ops"] = {k: tuple(v) for k, v in values["batch_statistic_ops"].items()}
+            at = f"{where}: batch_statistic_ops"
+
+            def entry(v: Any, field: str) -> tuple:
+                kind, n = fields.sequence(v, field, length=2)
+                return fields.text(kind, f"{field}[0]"), fields.integer(n, f"{field}[1]")
+            values["batch_statistic_ops"] = {k: tuple(entry(v, f"{at}[{k!r}]"))
+                                             for k, v in fields.mapping(values["batch_statistic_ops"], at).items()}
         return cls(**values)
 
 
