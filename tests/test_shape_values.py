@@ -72,6 +72,35 @@ def test_a_mask_that_is_not_causal_is_read_as_such():
     assert not _is_causal(op) and len(op.inputs) == 4  # the window mask is applied
 
 
+class _LikeScores(torch.nn.Module):
+    """A mask made `like` the attention scores (their size, never their values), then compared with
+    nn.Transformer's causal mask; `scaled=True` multiplies it by the scores first (their values)."""
+
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.proj = torch.nn.Linear(M.WIDTH, M.WIDTH)
+        self.scaled = scaled
+
+    def forward(self, x):
+        h = self.proj(x)
+        scores = h @ h.transpose(-1, -2)
+        mask = torch.full_like(scores, float("-inf")).triu(1)
+        if self.scaled:
+            mask = mask * scores
+        if torch.equal(mask[0], torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)):
+            scores = scores + mask
+        return scores.softmax(-1).sum()
+
+
+def test_a_mask_made_like_the_scores_is_made_from_sizes():
+    x = torch.randn(2, 5, M.WIDTH)
+    g = capture(_LikeScores(False), (x,))
+    assert [(r.call, r.value) for r in g.folded] == [("torch.equal", "True")]
+    assert any(op.op_name == "aten.triu.default" for op in g.ops)  # the graph computes the mask as eager does
+    with pytest.raises(CaptureError, match="reads a tensor's value"):
+        capture(_LikeScores(True), (x,))  # its values are the scores'
+
+
 def test_a_value_read_on_data_is_refused_by_name():
     with pytest.raises(CaptureError) as e:
         capture(M.ReadsData(), (torch.randn(2, 4, M.WIDTH),))

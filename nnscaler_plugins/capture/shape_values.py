@@ -9,12 +9,13 @@ Eagerly those reads always give the same answer for the same sizes.
 
 While a model is traced, `ShapeValues` (a torch function mode) keeps beside each fake tensor that
 was made only from Python numbers, sizes (concrete at capture) and other such tensors its real value,
-computed on the CPU; no input, parameter, buffer or tensor that existed before the trace is ever one
-of them. A value read on such a tensor returns that value instead of a symbol; the graph keeps every
-op that made the tensor, so the program computes it as eager does. A value read on anything else (data)
+computed on the CPU (ops that read only their argument's size, `torch.ones_like(scores)`, count as
+made from sizes); no input, parameter, buffer or tensor that existed before the trace is ever one of
+them. A value read on such a tensor returns that value instead of a symbol; the graph keeps every op
+that made the tensor, so the program computes it as eager does. A value read on anything else (data)
 is left to torch.export, which refuses it by name as before. What decides a tensor is kept:
 - an op that draws random numbers (it moves the CPU generator; the generator is put back) or leaves
-  memory uninitialized (`empty*`) gives no known value;
+  memory uninitialized (`empty*`, `resize_`) gives no known value;
 - a tensor changed in place by an op with an unknown input loses its value (its version counter moved
   outside an op computed here), and so does every tensor sharing its storage;
 - a value larger than `MAX_ELEMENTS` is not computed: a read on it, or on what is made from it, is
@@ -49,6 +50,12 @@ _VALUE_READS: frozenset = frozenset({
     torch.Tensor.__contains__, torch.Tensor.numpy,
 })
 _DEVICE_KEYS = ("device",)
+#: Ops that read only the size, dtype and device of their first argument, never its values: made from
+#: an input (`torch.ones_like(scores)`), their result is still made from sizes alone.
+_METADATA_ONLY: frozenset = frozenset({
+    torch.ones_like, torch.zeros_like, torch.full_like, torch.Tensor.new_ones, torch.Tensor.new_zeros,
+    torch.Tensor.new_full,
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +81,16 @@ def _name(func: Callable) -> str:
     owner = getattr(func, "__objclass__", None)
     if owner is torch.Tensor or qual.startswith("TensorBase.") or qual.startswith("Tensor."):
         return "Tensor." + qual.split(".")[-1]
+    if qual.startswith("_VariableFunctionsClass."):  # torch.equal, torch.ones: torch's C functions
+        return "torch." + qual.split(".")[-1]
     module = getattr(func, "__module__", None) or ""
     return f"{module}.{qual}" if module and not qual.startswith(module) else qual
 
 
 def _uninitialized(name: str) -> bool:
-    return "empty" in name.rsplit(".", 1)[-1]
+    """Ops whose result holds memory nobody wrote (`empty*`, a `resize_` that grows)."""
+    short = name.rsplit(".", 1)[-1]
+    return "empty" in short or "resize" in short
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -136,8 +147,10 @@ class ShapeValues(TorchFunctionMode):
             if other is real or (ptr and _storage(other) == ptr):
                 self.known.pop(key, None)
 
-    def _real_args(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _real_args(self, args: tuple, kwargs: dict, template: Optional[torch.Tensor] = None) -> tuple[tuple, dict]:
         def real(x: Any) -> Any:
+            if template is not None and x is template:  # only its size and dtype are read
+                return torch.zeros(tuple(x.shape), dtype=x.dtype)
             if isinstance(x, torch.Tensor):
                 v = self.value_of(x)
                 if v is None:
@@ -159,11 +172,11 @@ class ShapeValues(TorchFunctionMode):
         kwargs.pop("pin_memory", None)
         return args, kwargs
 
-    def _compute(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+    def _compute(self, func: Callable, args: tuple, kwargs: dict, template: Optional[torch.Tensor] = None) -> Any:
         """`func` on the real values, with tracing and every mode off; _Unknown when it cannot run
         here or draws random numbers (the CPU generator is put back where it was)."""
-        rargs, rkwargs = self._real_args(args, kwargs)
         with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+            rargs, rkwargs = self._real_args(args, kwargs, template)  # a template's stand-in made here, real
             state = torch.random.get_rng_state()
             try:
                 out = func(*rargs, **rkwargs)
@@ -180,6 +193,8 @@ class ShapeValues(TorchFunctionMode):
     # -- the mode -------------------------------------------------------------------------------------
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():  # torch.compile inside the trace (FlexAttention's own) traces
+            return func(*args, **kwargs)          # through modes: nothing here for it to follow
         leaves = _leaves((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if func in _VALUE_READS and tensors and all(self.value_of(t) is not None or t in self.large for t in tensors):
@@ -194,6 +209,11 @@ class ShapeValues(TorchFunctionMode):
             text = repr(answer)
             self.reads.append(FoldedRead(_name(func), where, code, text if len(text) <= 80 else text[:77] + "..."))
             return answer
+        template = None
+        if func in _METADATA_ONLY and args and isinstance(args[0], torch.Tensor) and _concrete(args[0]) \
+                and self.value_of(args[0]) is None:
+            template = args[0]  # its values are not read: the result is made from its size alone
+            tensors = [t for t in tensors if t is not template]
         known = [t for t in tensors if self.value_of(t) is not None]
         knowable = (len(known) == len(tensors) and not _uninitialized(_name(func))
                     and not any(isinstance(x, torch.Generator) for x in leaves))
@@ -220,12 +240,14 @@ class ShapeValues(TorchFunctionMode):
             self._mark_large(out, max(f.numel() for f in fakes))
             return out
         try:
-            real_out = self._compute(func, args, kwargs)
+            real_out = self._compute(func, args, kwargs, template)
         except _Unknown:
             self._after_unknown_write(tensors, versions)
             return out
         reals = [x for x in pytree.tree_leaves(real_out) if isinstance(x, torch.Tensor)]
-        if len(reals) != len(fakes) or any(r.shape != f.shape or r.dtype != f.dtype for r, f in zip(reals, fakes)):
+        # a plain CPU tensor of the traced one's size and dtype, or nothing is kept (never a fake one)
+        if len(reals) != len(fakes) or any(type(r) is not torch.Tensor or r.shape != f.shape or r.dtype != f.dtype
+                                           for r, f in zip(reals, fakes)):
             self._after_unknown_write(tensors, versions)
             return out
         # the inputs written in place were written on their real values too: their views' and their
