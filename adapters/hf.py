@@ -256,13 +256,15 @@ class NNScalerTrainerMixin:
     def _nns_read_count_use(self, batch: Any) -> Any:
         """How the model's loss uses the count the Trainer would pass it (adapters/hf_loss_count.py),
         None when it passes none; warns once when the loss ignores it."""
-        from .hf_loss_count import CountUse, count_use, warn_ignored
+        from .hf_loss_count import CountUse, count_use, warn_ignored, warn_unknown
 
         if not self._nns_passes_count(batch):
             return None
         found = count_use(self.model, batch)
         if found is CountUse.IGNORES:
             warn_ignored(self.model, self.args.gradient_accumulation_steps)
+        elif found is CountUse.UNKNOWN and self.args.gradient_accumulation_steps > 1:
+            warn_unknown(self.model, self.args.gradient_accumulation_steps)
         return found
 
     def _nns_first_batch(self) -> Any:

@@ -25,7 +25,9 @@ class CountUse(Enum):
     """What a model's loss does with `num_items_in_batch`."""
     DIVIDES = "divides"    # loss = (summed losses) / num_items_in_batch
     IGNORES = "ignores"    # the loss is the same whatever the count
-    UNKNOWN = "unknown"    # on the meta device (no values): read as DIVIDES, transformers' own losses' way
+    READS = "reads"        # on the meta device (no values) the count reaches the loss: read as DIVIDES,
+                           # the way of transformers' own losses
+    UNKNOWN = "unknown"    # the model did not run on the meta device, or returned no loss: read as DIVIDES
 
 
 class LossCountError(ValueError):
@@ -36,7 +38,9 @@ def count_use(model: torch.nn.Module, batch: Mapping[str, Any]) -> CountUse:
     """Run `model(**batch, num_items_in_batch=c)` once, in eval mode, without weight gradients and
     with the random streams restored afterwards, and read how the loss depends on `c`: not at all
     (IGNORES), as `S / c` (DIVIDES: d loss / d c = -loss / c), or otherwise (refused with
-    `LossCountError`, naming the model class). `batch` holds the labels, as the Trainer passes it."""
+    `LossCountError`, naming the model class). `batch` holds the labels, as the Trainer passes it.
+    A model on the meta device runs on a meta copy of the batch: whether the count reaches the loss
+    is known (IGNORES or READS), not how; one that does not run there gives UNKNOWN."""
     name = model_name(model)
     labels = batch.get("labels")
     items = float(labels.ne(-100).sum()) if isinstance(labels, torch.Tensor) else 1.0
@@ -44,6 +48,8 @@ def count_use(model: torch.nn.Module, batch: Mapping[str, Any]) -> CountUse:
     on_meta = device.type == "meta"
     count = torch.tensor(max(items, 1.0), dtype=torch.float32, device="cpu" if on_meta else device,
                          requires_grad=True)
+    if on_meta:  # shapes only: the batch goes to the meta device with the weights
+        batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     with _probing(model, device):
         try:
             loss = extract_loss(model(**batch, num_items_in_batch=count))
@@ -56,7 +62,7 @@ def count_use(model: torch.nn.Module, batch: Mapping[str, Any]) -> CountUse:
         if not loss.requires_grad:  # nothing that needs a gradient reached the loss: the count did not
             return CountUse.IGNORES
         if on_meta or loss.device.type == "meta":
-            return CountUse.UNKNOWN
+            return CountUse.READS
         (grad,) = torch.autograd.grad(loss, count, allow_unused=True)
     if grad is None:
         return CountUse.IGNORES
@@ -81,6 +87,19 @@ def warn_ignored(model: torch.nn.Module, accumulation: int) -> None:
         "processes also multiplies them by the process count; this trainer computes what one process does on the "
         "same global batch). Set model.accepts_loss_kwargs = False before building the trainer for the mean of the "
         "means, or have the loss divide its sum by num_items_in_batch for the window's mean",
+        UserWarning, stacklevel=3)
+
+
+def warn_unknown(model: torch.nn.Module, accumulation: int,
+                 why: str = "running it could not tell: on the meta device its forward needs values, or it "
+                            "returned no loss") -> None:
+    """The warning for a model whose use of the count could not be read, under accumulation."""
+    warnings.warn(
+        f"cannot tell whether {model_name(model)}'s loss divides by num_items_in_batch ({why}); with "
+        f"gradient_accumulation_steps={accumulation} the step is weighed as for a loss that does (the window's "
+        "mean, as transformers' own causal LM losses give). If its loss ignores the count, a plain Trainer steps "
+        "with the sum of the window's batch means instead: set model.accepts_loss_kwargs = False before building "
+        "the trainer (both then take the mean of the means), or build the model on a real device",
         UserWarning, stacklevel=3)
 
 

@@ -223,3 +223,6 @@ def test_how_the_loss_uses_the_count_is_read_without_moving_a_random_stream_or_t
         assert model.proj.weight.grad is None
     with pytest.raises(LossCountError, match=r"_Head: its loss depends on num_items_in_batch other than as a sum"):
         count_use(_Head("squares"), batch)
+    with torch.device("meta"):  # no values: whether the count reaches the loss, not how
+        assert count_use(_Head("ignores"), batch) is CountUse.IGNORES
+        assert count_use(_Head("divides"), batch) is CountUse.READS
