@@ -396,3 +396,69 @@ def test_plans_from_the_nnscaler_section(workers2) -> None:
         for plan in ("tp", "1f1b"):
             assert r[plan]["losses"] == pytest.approx(r[plan]["ref_losses"], rel=1e-5), plan
             assert r[plan]["params_equal"] and r[plan]["steps"] == 2, plan
+
+
+# -- models capture cannot take, and a loader of [inputs, labels] -----------------------------------------
+class _CifarNet(torch.nn.Module):
+    """cifar10_deepspeed.py's shape: forward(x) gives logits, the script takes the loss of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def _drop_in_eager(rank: int, world: int, kind: str, stage: int) -> dict:
+    import eager_models
+    from sgd_check import replica_batch
+
+    torch.manual_seed(0)
+    if kind == "cifar":
+        model, g = _CifarNet(), torch.Generator().manual_seed(3)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 3, 4, 4, generator=g), torch.randint(0, 10, (16,), generator=g))
+    else:
+        model, batch = eager_models.build_masked_lm()
+    ref = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    kwargs = {"training_data": data} if kind == "cifar" else {}
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, **kwargs)
+    assert engine.parallel_module is None  # not parallelized on a guess from the loader
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses, ref_losses = [], []
+    steps = iter(loader) if kind == "cifar" else None
+    for _ in range(2):
+        if kind == "cifar":
+            images, labels = next(steps)
+            loss = torch.nn.functional.cross_entropy(engine(images), labels)
+            everyone = [None] * world
+            torch.distributed.all_gather_object(everyone, (images, labels))
+            ref_loss = torch.nn.functional.cross_entropy(ref(torch.cat([e[0] for e in everyone])),
+                                                         torch.cat([e[1] for e in everyone]))
+        else:
+            loss = engine(**replica_batch(batch, rank, world))
+            ref_loss = ref(**batch)
+        engine.backward(loss)
+        engine.step()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(float(loss))
+        ref_losses.append(float(ref_loss))
+    whole = engine.parallel_module.full_state_dict()
+    diff = max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return {"executor": engine.parallel_module.plan.knobs.executor, "diff": diff, "ref": ref_losses}
+
+
+@pytest.mark.parametrize("kind,stage", [("cifar", 1), ("masked_lm", 3), ("masked_lm", 1)])
+def test_scripts_of_deepspeed_examples_shapes_train_like_one_process(workers2, kind, stage):
+    """cifar's loop (a loader of [images, labels], forward(x), the loss taken by the script) parallelizes
+    at the first engine(images), not on a guess from the loader; a BERT-style head selecting tokens with
+    nonzero (HelloDeepSpeed's) runs eagerly under ZeRO-1 and ZeRO-3; both equal one process after SGD."""
+    out = workers2.run(_drop_in_eager, kind, stage)
+    for r in out:
+        assert r["diff"] < 1e-5, r
+        assert r["executor"] == ("auto" if kind == "cifar" else "eager"), r

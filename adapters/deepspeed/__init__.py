@@ -134,8 +134,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     checked whole before the process group is touched.
 
     `example_inputs` (this engine's addition: what one forward takes, per the project's convention)
-    or `training_data` (its loader's first micro-batch) let the model be parallelized here; without
-    either it is parallelized at the first forward, and every engine method works before that.
+    lets the model be parallelized here; without it the model is parallelized at the script's first
+    `engine(...)`, on what that call passes (nothing guesses the inputs from `training_data`, which
+    gives the loader only, as in DeepSpeed), and every engine method works before that.
     """
     assert model is not None, "deepspeed.initialize requires a model"
     raw = load_config(config, config_params, args)
@@ -187,8 +188,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                              world_size=world, unit_size=unit, dp_size=dp)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
-    if example_inputs is None and engine.training_dataloader is not None:
-        example_inputs = _first_batch(engine.training_dataloader)
+    # `training_data` gives the loader only, as in DeepSpeed: what the model takes is what the script's
+    # first `engine(...)` passes it (a batch from the loader may be [images, labels] for a forward(x)).
     if example_inputs is not None:
         engine.parallelize(example_inputs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -227,13 +228,6 @@ def _without_empty_groups(params: list) -> list:
                 continue
         out.append(p)
     return out
-
-
-def _first_batch(loader: Any) -> Any:
-    """The loader's first micro-batch as example inputs: a list (what a TensorDataset yields) is the
-    forward's positional arguments."""
-    batch = next(iter(loader), None)
-    return tuple(batch) if isinstance(batch, list) else batch
 
 
 def _make_optimizer(given: Any, settings: Settings, params: list) -> Any:
