@@ -50,6 +50,40 @@ def test_lightning_demo_transformer_captures():
     assert model.model.pos_encoder.pe is None  # what forward assigned while traced is not left behind
 
 
+class _CausalLayer(torch.nn.Module):
+    """A layer that makes its own causal mask and asks torch whether it is causal, as nn.Transformer does."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(M.WIDTH, 3 * M.WIDTH)
+
+    def forward(self, h):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(h.shape[1], device=h.device)
+        causal = torch.nn.modules.transformer._detect_is_causal_mask(mask)
+        q, k, v = self.qkv(h).view(h.shape[0], h.shape[1], 3, 2, M.WIDTH // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True) if causal else \
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return h + a.transpose(1, 2).reshape(h.shape)
+
+
+class _CausalStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_CausalLayer() for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_reads_inside_repeated_layers_keep_the_two_layer_trace():
+    g = capture(_CausalStack(), (torch.randn(2, 8, M.WIDTH),))
+    assert g.traced == "two layers" and [r.value for r in g.folded] == ["True", "True"]
+    calls = _sdpa(g)
+    assert len(calls) == 4 and all(_is_causal(op) for op in calls)
+
+
 def test_a_mask_that_is_not_causal_is_read_as_such():
     class Windowed(torch.nn.Module):
         def __init__(self):
