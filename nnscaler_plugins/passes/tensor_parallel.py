@@ -186,6 +186,8 @@ class TensorParallelPropagation:
         self._matmul: dict[str, Optional[MatmulAnchor]] = {}
         self._vocab: dict[str, Optional[VocabAnchor]] = {}
         self._calls = {op.name: op_call(self.graph, op.node) for op in self.ops}
+        self._required: dict[tuple[str, Choice], tuple[list[TPLayout], list[Optional[TPLayout]]]] = {}
+        self._divides: dict[tuple[str, Choice], bool] = {}
         self._last_use: dict[str, int] = {}
         self._consumers: dict[str, list[OpHandle]] = {}
         for i, op in enumerate(self.ops):
@@ -216,6 +218,12 @@ class TensorParallelPropagation:
     def divides(self, op: OpHandle, choice: Choice) -> bool:
         if choice.label is None:
             return True
+        key = (op.name, choice)
+        if key not in self._divides:
+            self._divides[key] = self._divides_now(op, choice)
+        return self._divides[key]
+
+    def _divides_now(self, op: OpHandle, choice: Choice) -> bool:
         sig, call = op.signature, self._calls[op.name]
         if sig.is_frozen(choice.label):
             return False
@@ -224,7 +232,15 @@ class TensorParallelPropagation:
         return sig.divides(choice.label, self.n, call, choice.block)
 
     def required(self, op: OpHandle, choice: Choice) -> tuple[list[TPLayout], list[Optional[TPLayout]]]:
-        """The layouts the op's pieces read and write under `choice` (the lowering's reading of a plan)."""
+        """The layouts the op's pieces read and write under `choice` (the lowering's reading of a plan).
+        A function of the op and the choice alone: answered once each (the walk and its look-aheads
+        ask again for every op they pass)."""
+        key = (op.name, choice)
+        if key not in self._required:
+            self._required[key] = self._required_now(op, choice)
+        return self._required[key]
+
+    def _required_now(self, op: OpHandle, choice: Choice) -> tuple[list[TPLayout], list[Optional[TPLayout]]]:
         sig, node = op.signature, op.node
         if choice.label is None:
             return ([REPLICATED] * len(node.inputs),
