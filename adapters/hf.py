@@ -232,6 +232,7 @@ class NNScalerTrainerMixin:
 
         from .hookspecs import example_inputs, on_parallelized
 
+        self._nns_refuse_trainer_losses()
         model = self.model
         first = self._nns_first_batch()
         self._nns_count_use = self._nns_read_count_use(first)
@@ -246,6 +247,22 @@ class NNScalerTrainerMixin:
             self._nns_refuse_whole_step_evaluation()  # before training, not at the first evaluation
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
         on_parallelized(self.nns_module, self.nns_module.plan, "hf")
+
+    def _nns_refuse_trainer_losses(self) -> None:
+        """The planned step back-propagates the loss the model returns, as it was captured: a loss the
+        Trainer would compute itself instead (label smoothing, `compute_loss_func`) is refused by name
+        before training, not left out of the update."""
+        found = []
+        if getattr(self, "label_smoother", None) is not None:
+            found.append(f"label_smoothing_factor={self.args.label_smoothing_factor}")
+        if getattr(self, "compute_loss_func", None) is not None:
+            found.append(f"compute_loss_func={getattr(self.compute_loss_func, '__name__', self.compute_loss_func)!r}")
+        if found:
+            raise NotImplementedError(
+                f"{type(self).__name__}: {' and '.join(found)} make the Trainer compute the training loss itself, "
+                "which the planned step does not do (it back-propagates the loss the model returns, as captured); "
+                "train without them (label_smoothing_factor=0, no compute_loss_func), or compute that loss in the "
+                "model's forward")
 
     def _nns_passes_count(self, batch: Any) -> bool:
         """Whether the Trainer passes `num_items_in_batch` to the model's forward for such batches

@@ -14,6 +14,9 @@ against a plain single-process `transformers.Trainer` on the same global batches
 Weights after the steps, the logged losses and gradient norms are compared. By default dp and tp,
 the LM at per-device batch 2 and the classifier at 1; NNS_TEST_ALL_PLANS=1 runs both kinds at both
 sizes and adds hybrid, zero1-3 and a pipeline.
+
+In one process: how the count is read off a model (without moving a random stream, the model's
+mode or its weights' requires_grad), and the refusal of losses the Trainer would compute itself.
 """
 from __future__ import annotations
 
@@ -226,3 +229,23 @@ def test_how_the_loss_uses_the_count_is_read_without_moving_a_random_stream_or_t
     with torch.device("meta"):  # no values: whether the count reaches the loss, not how
         assert count_use(_Head("ignores"), batch) is CountUse.IGNORES
         assert count_use(_Head("divides"), batch) is CountUse.READS
+
+
+@pytest.mark.parametrize("extra", ["label_smoothing_factor", "compute_loss_func"])
+def test_a_loss_the_trainer_would_compute_itself_is_refused_by_name(tmp_path, extra):
+    """The planned step back-propagates the model's own loss: label smoothing or a compute_loss_func
+    would be left out of the update, so training is refused before anything runs."""
+    from nnscaler_plugins.adapters.hf import NNScalerTrainer, NNScalerTrainingArguments
+
+    def my_loss(outputs, labels, num_items_in_batch=None):
+        return outputs.loss
+
+    smoothing = 0.1 if extra == "label_smoothing_factor" else 0.0
+    args = NNScalerTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], plan="dp", max_steps=1,
+                                     per_device_train_batch_size=2, label_smoothing_factor=smoothing)
+    kwargs = {"compute_loss_func": my_loss} if extra == "compute_loss_func" else {}
+    trainer = NNScalerTrainer(model=model_of("mean"), args=args, train_dataset=Rows(8, "mean"),
+                              data_collator=collator("mean"), **kwargs)
+    match = "label_smoothing_factor=0.1" if smoothing else "compute_loss_func='my_loss'"
+    with pytest.raises(NotImplementedError, match=match + ".* the planned step does not do"):
+        trainer.train()
