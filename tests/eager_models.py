@@ -87,3 +87,20 @@ def build_detection() -> tuple[torch.nn.Module, dict]:
 
 
 BUILDERS = {"masked_lm": build_masked_lm, "item": build_item, "detection": build_detection}
+
+
+class WeightPenalty(ItemControlFlow):
+    """`.item()` control flow plus an L2 penalty over `self.parameters()` inside the forward: under
+    ZeRO-3 the penalty must see whole weights, not this replica's chunks."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        penalty = sum((p ** 2).sum() for p in self.parameters())
+        return super().forward(x, y) + 1e-2 * penalty
+
+
+def build_penalty() -> tuple[torch.nn.Module, dict]:
+    g = torch.Generator().manual_seed(8)
+    return WeightPenalty(), {"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)}
+
+
+BUILDERS["penalty"] = build_penalty

@@ -40,7 +40,7 @@ def _equivalence(rank: int, world: int, name: str, strategy: str, options: dict)
 
 CASES = [(n, s) for n in BUILDERS for s in STRATEGIES] if ALL_PLANS else \
     [("masked_lm", "dp"), ("masked_lm", "zero3"), ("item", "zero1"), ("item", "zero2"), ("detection", "dp"),
-     ("detection", "zero3")]
+     ("detection", "zero3"), ("penalty", "zero3")]
 
 
 @pytest.mark.parametrize("name,strategy", CASES)

@@ -61,6 +61,16 @@ class _ParametersOnUse(dict):
             return value
         return self._eager.whole(key)
 
+    def items(self) -> Any:  # `named_parameters()` inside a forward (a penalty on the weights) sees them whole
+        if not self._eager.in_forward:
+            return super().items()
+        return [(name, self[name]) for name in dict.keys(self)]
+
+    def values(self) -> Any:
+        if not self._eager.in_forward:
+            return super().values()
+        return [self[name] for name in dict.keys(self)]
+
     def __reduce__(self) -> Any:  # pickled (a deep copy of the model): a plain dict of the chunks
         return (dict, (dict(self.items()),))
 
