@@ -7,6 +7,16 @@ kernel tables and overlap). The progress bar is off so that only the search is t
 
     python benchmarks/search_time.py                               # a100-dgx, h100-dgx, h200; appended to RESULTS.md
     python benchmarks/search_time.py --clusters h100-dgx --only 175B
+
+Pricing one published configuration (issue 49): `--published` captures, plans (`nns.plan` with the
+configuration's strategy and options) and simulates each of the largest published runs in PUBLISHED,
+target at most 10 s each, capture included; then, on the Llama-3-405B graph captured once, how the
+planning and the pricing grow with pipeline stages, micro-batches and data-parallel replicas (CPU
+seconds, which the other processes on a shared machine do not inflate as they do wall clock).
+Medians of `--repeats` runs.
+
+    python benchmarks/search_time.py --published                   # appended to RESULTS.md
+    python benchmarks/search_time.py --published --only 405B --repeats 1 --no-scaling
 """
 from __future__ import annotations
 
@@ -69,14 +79,174 @@ def _part_c():
     return plan_quality
 
 
+def llama3_405b(seq: int = 8192):
+    """Llama 3 405B's shape (126 layers, 16,384 wide, 128 heads, 8 key/value heads, FFN 53,248,
+    vocabulary 128,256) as transformers' Llama, one sequence of `seq` tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=126, hidden_size=16384, num_attention_heads=128, num_key_value_heads=8,
+                      intermediate_size=53248, vocab_size=128256, max_position_embeddings=seq, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def llama3_405b_long(seq: int = 131072):
+    """The same shape written out with causal SDPA (transformers' Llama captured on the meta device
+    carries a materialized mask tensor, which keeps the sequence whole under cp)."""
+    with torch.device("meta"):
+        model = _part_c().Decoder(vocab=128256, d=16384, heads=128, kv_heads=8, ffn=53248, layers=126)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def deepseek_v3(seq: int = 4096):
+    """DeepSeek-V3's shape (transformers' default DeepseekV3Config: 61 layers, the first 3 dense, 256 routed
+    experts top-8 and one shared expert, multi-head latent attention, 671B parameters)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(use_cache=False, max_position_embeddings=seq)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+LLAMA3 = "Llama 3 paper (Dubey et al., arXiv 2407.21783), Table 4"
+DEEPSEEK_V3 = "DeepSeek-V3 technical report (arXiv 2412.19437), section 3.2"
+PUBLISHED = [
+    # (name, source, builder, strategy, world, options, experts as one op); one micro-batch of one sequence
+    ("Llama 3 405B, seq 8192: tp 8, pp 16 interleaved, dp 64, 32 micro-batches, SP", LLAMA3, llama3_405b,
+     "megatron", 8192, dict(tp=8, pp=16, virtual_stages=2, micro_batches=32, sequence_parallel=True), False),
+    ("Llama 3 405B, seq 8192: tp 8, pp 16 interleaved, dp 128, 16 micro-batches, SP", LLAMA3, llama3_405b,
+     "megatron", 16384, dict(tp=8, pp=16, virtual_stages=2, micro_batches=16, sequence_parallel=True), False),
+    ("Llama 3 405B, seq 131072: tp 8, cp 16 (ring), pp 16 interleaved, dp 8, 16 micro-batches", LLAMA3,
+     llama3_405b_long, "cp", 16384, dict(tp=8, cp=16, pp=16, schedule="interleaved", virtual_stages=2,
+                                          micro_batches=16), False),
+    # DeepSeek ran the dense part data-parallel inside each stage (DualPipe, ZeRO-1); with pp > 1 the `ep`
+    # strategy lays the dense part out its own way (strategies/expert_parallel.py): the nearest it writes
+    ("DeepSeek-V3 671B, seq 4096: ep 64, pp 16 (1F1B), dp 2, 16 micro-batches, ZeRO-1", DEEPSEEK_V3, deepseek_v3,
+     "ep", 2048, dict(ep=64, pp=16, micro_batches=16, zero=1), True),
+]
+
+
+def _timed(fn):
+    """(result, wall s, CPU s of this process)."""
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def published(args) -> None:
+    import statistics
+
+    rows = []
+    for name, source, build, strategy, world, options, whole in PUBLISHED:
+        if args.only and args.only not in name:
+            continue
+        runs = []
+        for _ in range(args.repeats):
+            model, inputs = build()
+            with experts_as_one_op(model) if whole else contextlib.nullcontext():
+                graph, cw, cc = _timed(lambda: nns.capture(model, kwargs=inputs))
+            plan, pw, pc = _timed(lambda: nns.plan(graph, strategy=strategy, world_size=world, **options))
+            est, sw, sc = _timed(lambda: nns.simulate(plan, nns.cluster("h100-dgx", nodes=world // 8)))
+            runs.append((cw, pw, sw, cc, pc, sc))
+            ops = len(graph.ops)
+            del model, graph
+        med = [statistics.median(r[i] for r in runs) for i in range(6)]
+        total = statistics.median(r[0] + r[1] + r[2] for r in runs)
+        rows.append((name, source, f"{world}", f"{ops}",
+                     f"{med[0]:.1f}", f"{med[1]:.1f}", f"{med[2]:.1f}", f"**{total:.1f}**",
+                     f"{med[3]:.1f} / {med[4]:.1f} / {med[5]:.1f}", "<= 10", "yes" if total <= 10 else "NO",
+                     f"{est.step_time_s:.3g} s, {est.peak_memory_gib:.0f} GiB"))
+        print(" | ".join(rows[-1]), flush=True)
+    if rows and not args.no_record:
+        record("search_time.py --published: one published configuration captured, planned and priced", rows,
+               ("configuration", "source", "GPUs", "ops", "capture s", "plan s", "price s", "total s",
+                "CPU s (capture / plan / price)", "target", "met", "estimate (h100-dgx)"),
+               f"Wall clock on 2 CPU cores shared with other work (medians of {args.repeats} runs, each from a "
+               "fresh meta-device model), progress off: `nns.capture`, `nns.plan(graph, strategy=..., "
+               "world_size=..., **options)` (a unit of more than 64 devices is not lowered by nns.plan), "
+               "`nns.simulate` on the h100-dgx preset. The estimate's step time and peak memory are "
+               "what the simulator says today, not a fidelity claim. Load average "
+               f"{os.getloadavg()[0]:.1f} when written.", keep_previous=True)
+    if not args.no_scaling:
+        scaling(args)
+
+
+def _price_cpu(graph, world: int, pp: int, micro: int, chunks: int) -> tuple[float, float]:
+    """CPU seconds to plan (strategy + validation, not lowered) and to simulate one megatron configuration."""
+    from nnscaler_plugins.plan.primitives import PlanBuilder
+    from nnscaler_plugins.plugins import get_strategy
+
+    strategy = get_strategy("megatron")
+    opts = dict(tp=8, pp=pp, virtual_stages=chunks, sequence_parallel=True)
+
+    def make():
+        unit, dp = strategy.degrees(world, **opts)
+        builder = PlanBuilder(graph, unit, dp, strategy="megatron", options=opts, micro_batches=micro)
+        strategy(builder, **opts)
+        return builder.finish()
+
+    plan, _, pc = _timed(make)
+    _, _, sc = _timed(lambda: nns.simulate(plan, nns.cluster("h100-dgx", nodes=world // 8)))
+    return pc, sc
+
+
+SCALING = [
+    # (what varies, world, pp, micro-batches, chunks per rank)
+    ("replicas", 1024, 16, 16, 2), ("replicas", 8192, 16, 16, 2), ("replicas", 16384, 16, 16, 2),
+    ("replicas", 131072, 16, 16, 2),
+    ("micro-batches", 8192, 16, 16, 2), ("micro-batches", 8192, 16, 64, 2), ("micro-batches", 8192, 16, 256, 2),
+    ("micro-batches", 8192, 16, 1024, 2),
+    ("stages", 4096, 8, 64, 2), ("stages", 8192, 16, 64, 2), ("stages", 16384, 32, 64, 2),
+    ("stages", 16128, 63, 63, 2),
+]
+
+
+def scaling(args) -> None:
+    import statistics
+
+    model, inputs = llama3_405b()
+    graph = nns.capture(model, kwargs=inputs)
+    _price_cpu(graph, 8192, 16, 16, 2)  # the graph's per-op cost table, made once per graph, out of the rows
+    rows = []
+    for what, world, pp, micro, chunks in SCALING:
+        runs = [_price_cpu(graph, world, pp, micro, chunks) for _ in range(args.repeats)]
+        p, s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        rows.append((what, f"{world}", f"{world // (8 * pp)}", f"{pp} x {chunks}", f"{micro}",
+                     f"{pp * chunks * micro * 2}", f"{p:.2f}", f"{s:.2f}"))
+        print(" | ".join(rows[-1]), flush=True)
+    if not args.no_record:
+        record("search_time.py --published: how planning and pricing grow (Llama 3 405B, tp 8, SP)", rows,
+               ("varied", "GPUs", "dp", "pp x chunks", "micro-batches", "pipeline tasks", "plan CPU s",
+                "price CPU s"),
+               f"CPU seconds of this process (medians of {args.repeats}), the 126-layer graph captured once and its "
+               "per-op cost table made before the rows: planning is the megatron strategy on a PlanBuilder "
+               "plus validation (no lowering, as nns.plan for units over 64 devices), pricing is nns.simulate. "
+               "Replicas enter only the collectives' cost formulas; micro-batches and stages enter through "
+               "the schedule's task lists (2 x pp x chunks x micro-batches tasks), replayed in linear time.",
+               keep_previous=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--only", help="substring of a case name")
     ap.add_argument("--clusters", default="a100-dgx,h100-dgx,h200", help="comma-separated presets")
+    ap.add_argument("--published", action="store_true", help="price the largest published configurations")
+    ap.add_argument("--repeats", type=int, default=3, help="--published: runs per row (medians)")
+    ap.add_argument("--no-scaling", action="store_true", help="--published: without the growth rows")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.published:
+        published(args)
+        return
     rows = []
     for name, build, world, batch, target in CASES:
         if args.only and args.only not in name:
