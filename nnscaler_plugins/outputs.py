@@ -25,8 +25,8 @@ def extract_loss(output: Any, is_scalar: Optional[Callable[[Any], bool]] = None)
         return output[0]
     if isinstance(output, (int,)) or getattr(output, "ndim", None) == 0:
         return output
-    raise TypeError(f"cannot find the loss in a {type(output).__name__}; return a scalar, an object with .loss, "
-                    "a dict with 'loss', or pass loss_fn=")
+    raise TypeError(non_scalar_loss(output) or f"forward returned {_describe(output)}, not a 0-dim loss (a scalar, "
+                    "an object with .loss or a dict with 'loss'); return the loss, or pass loss_fn=")
 
 
 def _describe(x: Any) -> str:

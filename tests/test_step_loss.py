@@ -42,6 +42,17 @@ def test_a_forward_that_returns_logits_is_named():
         assert all(p.grad is None for p in module.parameters())  # refused before anything ran
 
 
+def test_the_eager_executor_names_a_forward_that_returns_logits_too():
+    import nnscaler_plugins as nns
+
+    batch = {"x": torch.randn(2, 4)}
+    for model, what in ((_Logits(), r"a tensor of shape \[2, 3\]"), (_TwoLogits(), "a tuple of 2")):
+        module = nns.parallelize(model, batch, plan="dp", world_size=1, executor="eager")
+        assert module.eager is not None
+        with pytest.raises(TypeError, match=f"forward returned {what}.*not a scalar loss"):
+            module.train_step(batch)
+
+
 def test_a_loss_fn_that_returns_a_vector_is_named():
     import nnscaler_plugins as nns
 

@@ -643,7 +643,9 @@ class ParallelModule(torch.nn.Module):
         args, kwargs = normalize_inputs(batch, None)
         if self.eager is not None:
             out = self._run_eager(args, kwargs)
-            return self.loss_fn(out, batch) if self.loss_fn is not None else extract_loss(out)
+            if self.loss_fn is not None:
+                return require_scalar_loss(self.loss_fn(out, batch), source="loss_fn")
+            return require_scalar_loss(extract_loss(out), out)
         if self.loss_fn is None and self.program.loss_index is not None:
             return self._run(args, kwargs, loss_only=True)[self.program.loss_index]
         flat = self._run(args, kwargs)
