@@ -15,7 +15,8 @@ Weights after the steps, the logged losses and gradient norms are compared. By d
 the LM at per-device batch 2 and the classifier at 1; NNS_TEST_ALL_PLANS=1 runs both kinds at both
 sizes and adds hybrid, zero1-3 and a pipeline.
 
-In one process: how the count is read off a model (without moving a random stream, the model's
+In one process: the mean of the means when the Trainer subclass (`loss_is_scaled_for_ga = False`) or
+the model (`accepts_loss_kwargs = False`) says so, how the count is read off a model (without moving a random stream, the model's
 mode or its weights' requires_grad), and the refusal of losses the Trainer would compute itself.
 """
 from __future__ import annotations
@@ -249,3 +250,40 @@ def test_a_loss_the_trainer_would_compute_itself_is_refused_by_name(tmp_path, ex
     match = "label_smoothing_factor=0.1" if smoothing else "compute_loss_func='my_loss'"
     with pytest.raises(NotImplementedError, match=match + ".* the planned step does not do"):
         trainer.train()
+
+
+@pytest.mark.parametrize("how", ["loss_is_scaled_for_ga", "accepts_loss_kwargs"])
+def test_the_mean_of_the_means_when_the_trainer_or_the_model_says_so(tmp_path, how):
+    """A Trainer subclass with `loss_is_scaled_for_ga = False`, or a model with `accepts_loss_kwargs =
+    False` (what the warning advises), makes transformers divide each batch's mean by the window's
+    batches: one process, against the plain Trainer with the same setting, weights compared."""
+    from transformers import Trainer, TrainingArguments
+
+    from nnscaler_plugins.adapters.hf import NNScalerTrainer, NNScalerTrainingArguments
+
+    class Plain(Trainer):
+        loss_is_scaled_for_ga = False if how == "loss_is_scaled_for_ga" else None
+
+    class Planned(NNScalerTrainer):
+        loss_is_scaled_for_ga = Plain.loss_is_scaled_for_ga
+
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATE, max_steps=2,
+                  logging_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=1e9,
+                  use_cpu=True, report_to=[], seed=0, disable_tqdm=True, save_strategy="no")
+    runs = {}
+    for name, cls, args in (("plain", Plain, TrainingArguments(output_dir=str(tmp_path / "plain"), **common)),
+                            ("planned", Planned, NNScalerTrainingArguments(output_dir=str(tmp_path / "planned"),
+                                                                           plan="dp", **common))):
+        model = model_of("mean")
+        if how == "accepts_loss_kwargs":
+            model.accepts_loss_kwargs = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = cls(model=model, args=args, train_dataset=Rows(8, "mean"), data_collator=collator("mean"))
+            trainer.train()
+        weights = trainer.nns_module.full_state_dict() if name == "planned" else trainer.model.state_dict()
+        runs[name] = {**logged(trainer), "weights": {k: v.detach().clone() for k, v in weights.items()},
+                      "told": [str(w.message) for w in caught if IGNORES_COUNT in str(w.message)]}
+    assert not differences(runs["planned"], runs["plain"]), differences(runs["planned"], runs["plain"])
+    # the count still reaches the model when only the Trainer's scaling is changed: it is said
+    assert len(runs["planned"]["told"]) == (1 if how == "loss_is_scaled_for_ga" else 0), runs["planned"]["told"]
