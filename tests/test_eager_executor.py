@@ -99,7 +99,9 @@ def _cross_load(rank: int, world: int, save_executor: str, load_executor: str, s
         a.train_step(local)
         opt_a.step()
         opt_a.zero_grad()
-    nns.checkpoint.save(path, a, opt_a)
+    handle = nns.checkpoint.save(path, a, opt_a, background=save_executor == "eager")
+    if not isinstance(handle, str):  # written in the background while training could go on
+        handle.wait()
     b, opt_b = build(load_executor)
     nns.checkpoint.load(path, b, opt_b)
     losses = []
@@ -126,9 +128,10 @@ def test_plans_that_split_ops_refuse_by_name_and_name_the_plans_that_run():
     from nnscaler_plugins.capture.tracing import CaptureError
 
     model, batch = BUILDERS["masked_lm"]()
-    with pytest.raises(CaptureError, match="nonzero") as e:
-        nns.plan(model, strategy="tp", world_size=2, example_inputs=batch)
-    assert "plan='dp', 'zero1', 'zero2' or 'zero3'" in str(e.value)
+    for strategy, options in (("tp", {}), ("1f1b", {"pp": 2, "micro_batches": 2})):
+        with pytest.raises(CaptureError, match="nonzero") as e:
+            nns.plan(model, strategy=strategy, world_size=2, example_inputs=batch, **options)
+        assert "plan='dp', 'zero1', 'zero2' or 'zero3'" in str(e.value)
     plan = nns.plan(model, strategy="zero3", world_size=4, example_inputs=batch)
     assert plan.knobs.executor == "eager" and "nonzero" in plan.knobs.eager_reason and plan.zero == 3
     assert "eager" in plan.explain() and "ZeRO-3" in plan.explain()
