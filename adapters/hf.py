@@ -489,8 +489,8 @@ class NNScalerTrainerMixin:
 
     def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         """The plan's whole step; returns the loss times this batch's share of the accumulation
-        window (its share of the window's targets when the Trainer counts them, else 1/k), which is
-        what the Trainer adds up for its logs."""
+        window (as `_nns_window_shares` weighs it, transformers' way), which is what the Trainer adds
+        up for its logs."""
         from .hookspecs import example_inputs
 
         self._nns_wrapped.train()
