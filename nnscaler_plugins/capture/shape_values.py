@@ -24,8 +24,8 @@ is left to torch.export, which refuses it by name as before. What decides a tens
 Each read answered is recorded (`FoldedRead`: the model's line and the answer), kept on the Graph as
 `Graph.folded`. Capture is at fixed sizes, so an answer is to the sizes what a Python branch on
 `x.size(1)` is: the shape programs (compiler/shapes.py) make the programs of other sizes from captures
-at other sizes, where the read is answered again, and an answer that changes with the length gives
-another program there (then each length gets its own), never the example's.
+at other sizes, where the read is answered again; an answer that changes only a number is fitted as a
+size is, one that changes the ops is refused at that size, never run with the example's program.
 """
 from __future__ import annotations
 
