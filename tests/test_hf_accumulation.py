@@ -15,9 +15,10 @@ Weights after the steps, the logged losses and gradient norms are compared. By d
 the LM at per-device batch 2 and the classifier at 1; NNS_TEST_ALL_PLANS=1 runs both kinds at both
 sizes and adds hybrid, zero1-3 and a pipeline.
 
-In one process: the mean of the means when the Trainer subclass (`loss_is_scaled_for_ga = False`) or
-the model (`accepts_loss_kwargs = False`) says so, how the count is read off a model (without moving a random stream, the model's
-mode or its weights' requires_grad), and the refusal of losses the Trainer would compute itself.
+In one process: the mean of the means when the Trainer subclass (`loss_is_scaled_for_ga = False`)
+or the model (`accepts_loss_kwargs = False`) says so; how the count is read off a model (without
+moving a random stream, the model's mode or its weights' requires_grad); the refusal of losses the
+Trainer would compute itself.
 """
 from __future__ import annotations
 
@@ -79,7 +80,9 @@ class Rows(torch.utils.data.Dataset):
 def collator(kind: str):
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
-    return DataCollatorWithPadding(tokenizer()) if kind == "mean" else DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    if kind == "mean":
+        return DataCollatorWithPadding(tokenizer())
+    return DataCollatorForLanguageModeling(tokenizer(), mlm=False)
 
 
 def model_of(kind: str) -> torch.nn.Module:
