@@ -275,6 +275,16 @@ class NNScalerStrategyMixin:
         with self.pmodule.no_sync() if skip else contextlib.nullcontext():
             yield None
 
+    def teardown(self) -> None:
+        """Lightning's teardown (end of fit, validate, test, predict): the watchdog thread watching this
+        strategy's module ends too, so no thread outlives the Trainer (the next step that needs it
+        starts it again)."""
+        super().teardown()
+        from nnscaler_plugins.runtime.watchdog import WATCHDOG
+
+        if self.pmodule is not None and WATCHDOG.recorder() is self.pmodule.flight_recorder:
+            WATCHDOG.stop()
+
     # -- the model ----------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
         self._trainer = trainer

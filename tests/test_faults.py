@@ -442,3 +442,38 @@ def test_nonfinite_flag_sees_nan_and_both_infinities_in_any_tensor():
             t[where][-1] = bad
             assert nonfinite_flag(t, cpu).item() == 1.0, (bad, where)
     assert nonfinite_flag([], cpu).item() == 0.0
+
+
+def test_the_watchdog_thread_ends_when_its_module_is_gone_and_when_stopped():
+    """No thread outlives what it watches (Lightning's fixtures fail a test that leaves one; a notebook
+    would gather them): the thread ends once the watched recorder is gone, and at `stop` (a strategy's
+    teardown); watching again starts it again."""
+    import gc
+    import threading
+    import time
+
+    from nnscaler_plugins.runtime.flight_recorder import FlightRecorder
+    from nnscaler_plugins.runtime.watchdog import Watchdog
+
+    def alive() -> bool:
+        return any(t.name == "nnscaler-watchdog" and t.is_alive() for t in threading.enumerate())
+
+    def ends_within(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not alive()
+
+    assert ends_within(5.0)  # none left from earlier tests in this process
+    dog = Watchdog()
+    program = type("P", (), {"ranks": [], "plan": None})()
+    rec = FlightRecorder.__new__(FlightRecorder)  # only its identity is watched here
+    dog.watch(rec, 1.0, "nnscaler_reports", torch.device("cpu"))
+    assert alive()
+    dog.stop()
+    assert ends_within(5.0)
+    dog.watch(rec, 1.0, "nnscaler_reports", torch.device("cpu"))
+    assert alive()
+    del rec, program
+    gc.collect()
+    assert ends_within(5.0)

@@ -155,9 +155,11 @@ class Watchdog:
                 atexit.register(self.stop)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """End the thread and wait for it (at interpreter exit). A daemon thread still inside a store
+        """End the thread and wait for it (at interpreter exit, and when a framework's strategy tears
+        down: the next step that needs watching starts it again). A daemon thread still inside a store
         call when the interpreter finalizes is torn down in C++ code, which aborts the process
-        ("terminate called without an active exception") after the job's work is done."""
+        ("terminate called without an active exception") after the job's work is done. The thread also
+        ends by itself once the module it watches is gone."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
@@ -177,7 +179,13 @@ class Watchdog:
             if self._stop.wait(min(1.0, max(self.timeout_s / 10, 0.05))):
                 return
             rec = self.recorder()
-            if rec is None or not (dist.is_available() and dist.is_initialized()):
+            if rec is None:
+                with self._lock:  # nothing left to watch (the module is gone): the thread ends; `watch` starts anew
+                    if self.recorder() is None:
+                        self._thread = None
+                        return
+                continue
+            if not (dist.is_available() and dist.is_initialized()):
                 continue
             now = time.monotonic()
             if rec.seq != last_seq:
