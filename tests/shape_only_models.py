@@ -77,13 +77,13 @@ class ReadsData(torch.nn.Module):
         return h.square().mean()
 
 
-def _tokens(batch: int = 4, length: int = 8) -> dict:
+def _tokens(batch: int = 4, length: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, VOCAB, (batch, length), generator=g), torch.randint(0, VOCAB, (batch, length), generator=g)
 
 
-def build_lightning_demo(dropout: float = 0.1) -> tuple[torch.nn.Module, dict]:
-    inputs, target = _tokens()
+def build_lightning_demo(dropout: float = 0.1, length: int = 8) -> tuple[torch.nn.Module, dict]:
+    inputs, target = _tokens(length=length)
     return LightningDemoLM(dropout), {"inputs": inputs, "target": target}
 
 

@@ -303,6 +303,20 @@ def _lengths(rank, world, scale, lengths):
                                what=f"lengths {lengths}")
 
 
+def _demo_lengths(rank, world):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sgd_equivalence(rank, world, lambda: M.build_lightning_demo(0.0), "dp", {"executor": "captured"}, 2,
+                               steps=3, training=True, what="Lightning demo at lengths 8, 12, 20",
+                               batch_of_step=lambda step: M.build_lightning_demo(0.0, (8, 12, 20)[step])[1])
+
+
+def test_lightning_demo_at_other_lengths_is_answered_again(workers2):
+    """The demo's decoder mask is read at each length the programs for other lengths are captured at."""
+    problems = workers2.run(_demo_lengths)
+    assert not any(problems), "\n".join(p for ps in problems for p in ps)
+
+
 def test_an_answer_in_the_program_follows_the_length(workers2):
     """`h * int(t.item())`: the factor is 2 at the example's length 6, 3 at 9 and 5 at 15; the
     programs for those lengths are made from captures at other lengths, equal to eager at each."""
