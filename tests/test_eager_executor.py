@@ -293,3 +293,29 @@ def test_the_hf_trainer_trains_a_model_capture_cannot_take_as_the_plain_trainer(
     plain, ours = _hf_job(tmp_path, "plain"), _hf_job(tmp_path, "zero3")
     assert ours["executor"] == "eager" and len(plain["losses"]) == 3, (plain, ours)
     assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5), (plain, ours)
+
+
+def _optimizer_made_before(rank: int, world: int) -> list:
+    """DDP's contract: an optimizer over model.parameters() made before wrapping steps the model."""
+    import nnscaler_plugins as nns
+
+    torch.manual_seed(0)
+    ref, batch = BUILDERS["item"]()
+    torch.manual_seed(0)
+    model, _ = BUILDERS["item"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pm = nns.parallelize(model, replica_batch(batch, rank, world), plan="dp", cache_dir=CACHE)
+    for _ in range(2):
+        pm.train_step(replica_batch(batch, rank, world))
+        opt.step()
+        opt.zero_grad()
+        ref(**batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    return [k for k, v in ref.state_dict().items() if not torch.allclose(full[k], v, rtol=1e-5, atol=1e-6)]
+
+
+def test_an_optimizer_made_before_parallelizing_steps_the_trained_weights(workers2):
+    assert workers2.run(_optimizer_made_before) == [[], []]

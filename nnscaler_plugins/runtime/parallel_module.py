@@ -137,6 +137,15 @@ class ParallelModule(torch.nn.Module):
             s = program.shards[v]
             full = state.get(s.fqn) if s.kind != "constant" else self.graph.constants.get(s.fqn)
             lay = s.layout
+            if is_eager and _keeps_as_is(full, s.kind, self._device, dtype, chunked and s.kind == "param"
+                                         and self.graph.meta(s.value).requires_grad):
+                # the model's own tensor, whole on this device already: this shard is it (as under DDP),
+                # so an optimizer built over model.parameters() before parallelizing steps the trained one
+                if s.kind == "param":
+                    self.shards[_safe(s.fqn)] = full
+                else:
+                    self.register_buffer(_safe(s.fqn), full, persistent=s.in_state_dict)
+                continue
             if on_meta and full is not None and full.is_meta:
                 local = torch.empty(lay.local_shape(), dtype=self.graph.meta(s.value).dtype, device="meta")
             elif full is None or full.is_meta:
@@ -817,6 +826,18 @@ class ParallelModule(torch.nn.Module):
                 if self.zero3 is not None and s.fqn in self._zero3_key:
                     local = self.zero_shards[s.fqn].owned(local.reshape(-1))
                 self.local_tensor(v).copy_(local)
+
+
+def _keeps_as_is(full: Optional[torch.Tensor], kind: str, device: torch.device, dtype: torch.dtype,
+                 chunked: bool) -> bool:
+    """Whether the eager executor's shard of `full` (a whole parameter or buffer of the model) is the
+    model's own tensor: not cut into a ZeRO-3 chunk, real, on this device, and (a floating-point
+    parameter) in the dtype the plan computes in."""
+    if full is None or full.is_meta or chunked or kind not in ("param", "buffer") or full.device != device:
+        return False
+    if kind == "param":
+        return isinstance(full, torch.nn.Parameter) and (not full.is_floating_point() or full.dtype == dtype)
+    return True
 
 
 def _full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
