@@ -7,7 +7,8 @@ model's own forward, with the same shards, reducer, ZeRO state, optimizer, check
 non-finite checks as generated code, because the plan's Program describes the same storage
 (`lower/eager.py`). What this module adds is how the user's module reaches that storage:
 
-- Its parameters and buffers are replaced by this rank's shards (the same tensor objects), so the
+- Its parameters and buffers are replaced by this rank's shards (the same tensor objects; where a
+  parameter is already whole on the device, the model's own), so the
   forward reads them and the backward accumulates into them; the gradient reducer's hooks on them
   reduce gradients in buckets during backward, launched in bucket order (as DDP does), so ranks whose
   forwards took different branches still issue the same collectives in the same order.
