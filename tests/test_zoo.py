@@ -121,7 +121,8 @@ def _bn_dp_against_ddp(rank, world):
     ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     problems = []
     for step in range(3):
-        loss = pm.train_step(local).detach()
+        pm.train_step(local)
+        loss = pm.local_loss.detach()  # this replica's own loss, as DDP's step gives it (train_step: the global batch's)
         ref_loss = ddp(**local)["loss"]
         ref_loss.backward()
         if not torch.allclose(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6):
