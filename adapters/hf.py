@@ -285,7 +285,15 @@ class NNScalerTrainerMixin:
         return found
 
     def _nns_first_batch(self) -> Any:
-        """One per-device batch, read in order (no sampler, no random numbers): only its shapes matter."""
+        """One per-device batch, read in order (no sampler): only its shapes matter. Whatever the
+        collator draws (a masking collator's random tokens) is given back, so the training loop's
+        first batch is masked as in the plain Trainer."""
+        from nnscaler_plugins.capture.tracing import unmoved_random_streams
+
+        with unmoved_random_streams():
+            return self._nns_read_first_batch()
+
+    def _nns_read_first_batch(self) -> Any:
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")

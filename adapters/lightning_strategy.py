@@ -189,11 +189,10 @@ class NNScalerStrategyMixin:
             return inner, self.example_inputs
         if datamodule is not None or not isinstance(loaders, torch.utils.data.DataLoader):
             return None  # a datamodule's or the model's own loader may need setup() first
-        state = torch.random.get_rng_state()
-        try:
+        from nnscaler_plugins.capture.tracing import unmoved_random_streams
+
+        with unmoved_random_streams():  # a sampler's or collator's draws: the real run must not notice
             batch = next(iter(loaders))
-        finally:
-            torch.random.set_rng_state(state)
         device = next((p.device for p in inner.parameters()), torch.device("cpu"))
         batch = self._imp("fabric.utilities.apply_func").move_data_to_device(batch, device)
         from .hookspecs import example_inputs
@@ -335,10 +334,13 @@ class NNScalerStrategyMixin:
         """Run `training_step` on the first training batch up to the call of the inner model, and keep
         what it was called with: exactly the example inputs the plan must be made for."""
         batch = self._first_train_batch() if batch is None else batch
+        from nnscaler_plugins.capture.tracing import unmoved_random_streams
+
         original = getattr(model, attr)
         setattr(model, attr, Recorder())
         try:
-            model.training_step(batch, 0)
+            with unmoved_random_streams():  # what training_step draws before the call, drawn again in the real step
+                model.training_step(batch, 0)
         except Recorded as r:
             args, kwargs = r.args, r.kwargs
         else:
@@ -360,12 +362,11 @@ class NNScalerStrategyMixin:
                                "validate, test or predict without fitting")
         source = trainer.fit_loop._data_source
         loader = source.dataloader()
-        # Drawing a batch consumes random numbers (sampler seeds); the real run must not notice.
-        state = torch.random.get_rng_state()
-        try:
+        # Drawing a batch consumes random numbers (sampler seeds, a collator's); the real run must not notice.
+        from nnscaler_plugins.capture.tracing import unmoved_random_streams
+
+        with unmoved_random_streams():
             batch = next(iter(loader))
-        finally:
-            torch.random.set_rng_state(state)
         return self.batch_to_device(batch, self.root_device)
 
     def setup_optimizers(self, trainer: Any) -> None:

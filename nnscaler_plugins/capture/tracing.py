@@ -59,6 +59,30 @@ class CaptureError(RuntimeError):
     details: str = ""
 
 
+@contextlib.contextmanager
+def unmoved_random_streams() -> Iterator[None]:
+    """The process's random streams as they were on entry, whatever ran inside: torch's CPU generator
+    and the current GPU's, Python's `random` and NumPy's global one. Capture draws nothing the user's
+    loop would see (torch.export itself advances torch's generator while tracing, even for a model with
+    no random op), so the first real step draws what it would without us."""
+    import random
+
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np = None
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    py_state = random.getstate()
+    np_state = np.random.get_state() if np is not None else None
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            if np is not None:
+                np.random.set_state(np_state)
+
+
 def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = None, *,
             trace_repeated_layers_once: bool = True) -> Graph:
     """Capture `model(*args, **kwargs)` as a `Graph`.
@@ -87,7 +111,8 @@ def capture(model: torch.nn.Module, args: Any = (), kwargs: Optional[dict] = Non
     if freeze:
         gc.freeze()
     try:
-        return _capture(model, args, kwargs, trace_repeated_layers_once)
+        with unmoved_random_streams():
+            return _capture(model, args, kwargs, trace_repeated_layers_once)
     finally:
         gc.collect()
         if freeze:
