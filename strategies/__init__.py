@@ -23,7 +23,7 @@ function with `.mesh` or `.degrees` and `.options` attributes works too; see
                  pipelines of pp stages (x tp, x dp) with that schedule
     pipeline     the same with schedule= any built-in name or a function of your own
     interlaced   layers pipelined, embedding and LM head tensor-parallel over all devices
-    megatron     tp x pp x dp with Megatron's options
+    megatron     tp x cp x pp x dp with Megatron's options
     zero1, zero2, zero3
                  dp with that ZeRO stage (every strategy also takes zero= and precision=)
 """
@@ -113,8 +113,9 @@ INTERLACED = Strategy("interlaced", pipeline.interlaced_pipeline, pipeline.MESH,
                       "tensor-parallel over every device, interlaced into the 1F1B order; options pp, tp, dp, "
                       "micro_batches", _UNIT)
 MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.MEGATRON_MESH,
-                    "a Megatron-LM configuration: tp, pp, dp, micro_batch_size or micro_batches, schedule, "
-                    "virtual_stages, sequence_parallel, recompute", _PIPELINE + ("schedule",))
+                    "a Megatron-LM configuration: tp, cp, pp, dp, micro_batch_size or micro_batches, schedule, "
+                    "virtual_stages, sequence_parallel, recompute, cp_comm (p2p, a2a, allgather), balance",
+                    _PIPELINE + ("schedule", "cp_comm", "balance"))
 AUTO = Strategy("auto", auto_search.auto, auto_search.MESH,
                 "the fastest plan the search finds for the cluster (default: this machine) within its memory",
                 ("memory_limit", "batch_statistics", "choose_compile", "choose_fp8"))

@@ -15,6 +15,7 @@ from nnscaler_plugins.passes import (
     DEFAULT_SCHEDULE,
     Parallelization,
     apply_batch_statistics,
+    apply_cp,
     apply_pp,
     apply_recompute,
     apply_sp,
@@ -26,8 +27,11 @@ from nnscaler_plugins.plan.primitives import PlanBuilder
 
 #: pp stages of tp devices (tp default 1); pp takes the world unless dp= says otherwise.
 MESH = MeshLayout(("dp", "pp", "tp"), fill=("pp", "dp"))
-#: As Megatron's arguments: pp and tp default to 1, dp is what is left.
-MEGATRON_MESH = MeshLayout(("dp", "pp", "tp"), fill=("dp", "pp"))
+#: As Megatron's arguments: pp, cp and tp default to 1, dp is what is left; tp innermost, then cp
+#: (Megatron's rank order tp-cp-dp-pp: a tensor-parallel group's devices are neighbours, in one node).
+MEGATRON_MESH = MeshLayout(("dp", "pp", "cp", "tp"), fill=("dp", "pp"))
+#: Megatron-LM's names for the context-parallel attention (--cp-comm-type) and ours.
+CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "allgather", "ring": "ring", "ulysses": "ulysses"}
 
 
 def pipeline(builder: PlanBuilder, *, schedule: Union[str, Callable[..., Any]] = DEFAULT_SCHEDULE,
@@ -85,16 +89,23 @@ def named(schedule: str) -> Callable[..., None]:
 
 def megatron(builder: PlanBuilder, *, schedule: Optional[str] = None, virtual_stages: int = 1,
              sequence_parallel: bool = False, recompute: Optional[str] = None,
-             batch_statistics: Optional[str] = None, **options: Any) -> None:
-    """A Megatron-LM configuration written down: tp x pp x dp, the schedule (1F1B, or interleaved
-    with `virtual_stages` > 1), micro-batches (`micro_batches` or `micro_batch_size`, resolved by
-    `nns.plan`), `sequence_parallel` (the layer norms, dropouts and residual adds split along the
-    sequence dim, `passes.apply_sp`) and `recompute` ("full" | "selective"); recorded in the plan's
-    knobs for the cost model."""
+             batch_statistics: Optional[str] = None, cp_comm: str = "p2p", balance: Optional[bool] = None,
+             **options: Any) -> None:
+    """A Megatron-LM configuration written down: tp x cp x pp x dp, the schedule (1F1B, or
+    interleaved with `virtual_stages` > 1), micro-batches (`micro_batches` or `micro_batch_size`,
+    resolved by `nns.plan`), `sequence_parallel` (the layer norms, dropouts and residual adds split
+    along the sequence dim, `passes.apply_sp`), `recompute` ("full" | "selective"), and with cp > 1
+    the sequence split over cp devices (`passes.apply_cp`) with `cp_comm` as Megatron's
+    --cp-comm-type names it ("p2p": ring, "a2a": all-to-all / Ulysses, "allgather") and causal load
+    balancing unless `balance=False`; recorded in the plan's knobs for the cost model."""
     if recompute not in (None, "none", "full", "selective"):
         raise PlanError(f"megatron: recompute must be 'full', 'selective' or None (got {recompute!r})")
     schedule = schedule or ("interleaved" if int(virtual_stages) > 1 else DEFAULT_SCHEDULE)
     par = Parallelization(builder, MEGATRON_MESH, options)
+    if par.degree("cp") > 1:
+        _megatron_cp(par, schedule, int(virtual_stages), sequence_parallel, recompute, batch_statistics,
+                     cp_comm, balance)
+        return
     if par.pp > 1:
         pipeline(builder, schedule=schedule, virtual_stages=virtual_stages, recompute=recompute,
                  sequence_parallel=sequence_parallel, batch_statistics=batch_statistics)
@@ -104,4 +115,28 @@ def megatron(builder: PlanBuilder, *, schedule: Optional[str] = None, virtual_st
     tensor_parallel(par, sequence_parallel)
     par.place()
     apply_recompute(builder, recompute)
+    apply_batch_statistics(builder, batch_statistics)
+
+
+def _megatron_cp(par: Parallelization, schedule: str, virtual_stages: int, sequence_parallel: bool,
+                 recompute: Optional[str], batch_statistics: Optional[str], cp_comm: str,
+                 balance: Optional[bool]) -> None:
+    """megatron with cp > 1: the passes of the `cp` strategy on Megatron's rank order (each stage's
+    tensor parallelism inside its sequence chunk's group, then the sequence split over cp)."""
+    if str(cp_comm) not in CP_COMM:
+        raise PlanError(f"megatron: cp_comm={cp_comm!r}: use one of {', '.join(CP_COMM)} (Megatron's "
+                        "--cp-comm-type p2p, a2a or allgather)")
+    if sequence_parallel:
+        raise PlanError(f"megatron: sequence_parallel=True with cp={par.degree('cp')} is not supported yet (both "
+                        "split the sequence dim and their composition is not checked); use "
+                        "sequence_parallel=False with cp, or cp=1")
+    builder = par.builder
+    if par.pp == 1 and virtual_stages > 1:
+        raise PlanError("megatron: virtual_stages needs pp > 1")
+    apply_pp(par, schedule, virtual_stages)
+    tp = apply_tp(par, check="each" if par.pp == 1 else "any")
+    apply_cp(par, CP_COMM[str(cp_comm)], balance, tp)
+    par.place()
+    apply_recompute(builder, recompute)
+    order(par, schedule)
     apply_batch_statistics(builder, batch_statistics)

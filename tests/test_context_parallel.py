@@ -254,6 +254,41 @@ def test_cp_x_tp_trains_like_one_process(workers4, model, options, dp):
     assert not any(problems), problems
 
 
+def _megatron_equivalence(rank, world, model, options, dp):
+    return sgd_equivalence(rank, world, BUILDERS[model], "megatron", options, dp, cache_dir="/tmp/nns_test_cache_cp")
+
+
+MEGATRON_CP = [("llama", {"cp_comm": "p2p", "cp": 2, "tp": 2}, 1)]
+MEGATRON_CP_ALL = [("causal", {"cp_comm": "a2a", "cp": 2, "pp": 2}, 1), ("causal", {"cp": 2, "dp": 2}, 2)]
+
+
+@pytest.mark.parametrize("model,options,dp", MEGATRON_CP + (MEGATRON_CP_ALL if ALL else []))
+def test_megatron_cp_trains_like_one_process(workers4, model, options, dp):
+    """The megatron strategy's cp= (Megatron's rank order: tp innermost, then cp) trains exactly
+    like one process."""
+    problems = workers4.run(_megatron_equivalence, model, options, dp)
+    assert not any(problems), problems
+
+
+def test_megatron_cp_keeps_tensor_parallel_groups_neighbours_and_refuses_what_it_cannot_run():
+    import nnscaler_plugins as nns
+    from nnscaler_plugins.errors import PlanError
+
+    graph = _graph24()
+    plan = nns.plan(graph, strategy="megatron", world_size=8, tp=2, cp=2, cp_comm="allgather")
+    assert plan.mesh["cp"] == 2 and plan.mesh["tp"] == 2 and plan.dp == 2 and plan.knobs.cp_comm == "allgather"
+    # Megatron's rank order: device c * tp + t, a tensor-parallel group on neighbouring devices
+    assert plan.mesh.group(0, ["tp"]) == (0, 1) and plan.mesh.group(0, ["cp"]) == (0, 2)
+    q = next(op for op in graph.ops if op.op_name.startswith("aten.linear"))
+    assert len(plan.ops[q.name].label_counts()) == 2  # split over both: the sequence and the features
+    with pytest.raises(PlanError, match="cp_comm='ulysses' over cp=2 devices with the heads split tp=2"):
+        nns.plan(graph, strategy="megatron", world_size=4, tp=2, cp=2, cp_comm="a2a")  # Megatron's all-to-all
+    with pytest.raises(PlanError, match="sequence_parallel=True with cp=2"):
+        nns.plan(graph, strategy="megatron", world_size=4, tp=2, cp=2, sequence_parallel=True)
+    with pytest.raises(PlanError, match="cp_comm='ringg'"):
+        nns.plan(graph, strategy="megatron", world_size=4, cp=2, cp_comm="ringg")
+
+
 CP_PP = [("causal", {"cp_comm": "ring", "cp": 2, "pp": 2}, 1)]
 CP_PP_ALL = [("llama", {"cp_comm": "ring", "cp": 2, "pp": 2, "micro_batches": 2}, 1),
              ("causal", {"cp_comm": "allgather", "cp": 2, "pp": 2, "schedule": "gpipe", "micro_batches": 2}, 1),
