@@ -402,7 +402,7 @@ def test_expert_tensor_parallel_refused_before_launch():
     model, batch = mixtral()
     with pytest.raises(PlanError, match=r"etp=5 does not divide each expert's intermediate width \(48\)"):
         nns.plan(model, strategy="ep", world_size=5, ep=1, etp=5, example_inputs=batch)
-    with pytest.raises(PlanError, match="etp='2' must be a positive integer"):
+    with pytest.raises(PlanError, match="etp='2': must be a positive integer"):
         nns.plan(model, strategy="ep", world_size=2, ep=1, etp="2", example_inputs=batch)
     with pytest.raises(PlanError, match="tp=4 must divide ep x etp = 2"):
         nns.plan(model, strategy="ep", world_size=4, ep=1, etp=2, tp=4, example_inputs=batch)

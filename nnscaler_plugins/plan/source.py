@@ -151,7 +151,7 @@ def check_option_values(options: Mapping[str, Any], where: str = "") -> None:
             continue
         whole = isinstance(v, int) or (name in AXIS_WORDS and isinstance(v, float) and v.is_integer())
         if isinstance(v, bool) or not whole or v < 1:
-            what = f"the {AXIS_WORDS[name]} degree" if name in AXIS_WORDS else "a count"
+            what = f"a degree: {AXIS_WORDS[name]}" if name in AXIS_WORDS else "a count"
             raise PlanError(f"{at}{name}={v!r}: must be a positive integer ({what})")
 
 
