@@ -269,28 +269,12 @@ def test_nonfinite_is_named_by_module_before_any_weight_changes(workers2, strate
     assert " at " in r["op"] and ".py:" in r["op"], r  # where the module's forward is written
 
 
-def _hf_job(tmp_path, plan: str) -> dict:
-    import json
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / f"{plan}.json"
-    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_eager_job.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(port), job, str(out), plan],
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(out.read_text())
-
-
 def test_the_hf_trainer_trains_a_model_capture_cannot_take_as_the_plain_trainer(tmp_path):
     """NNScalerTrainer under zero3 on 2 processes: the head selecting tokens with nonzero runs eagerly,
     its logged losses the plain Trainer's (DDP) on the same data and seed."""
-    plain, ours = _hf_job(tmp_path, "plain"), _hf_job(tmp_path, "zero3")
+    from torchrun_jobs import run_job
+
+    plain, ours = run_job(tmp_path, "hf_eager_job.py", "plain"), run_job(tmp_path, "hf_eager_job.py", "zero3")
     assert ours["executor"] == "eager" and len(plain["losses"]) == 3, (plain, ours)
     assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5), (plain, ours)
 

@@ -78,32 +78,15 @@ def test_the_hf_adapters_example_batch_is_read_without_moving_a_stream(tmp_path)
     assert _same(before, _states())
 
 
-def _torchrun(tmp_path, job: str, plan: str, nproc: int = 2) -> dict:
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / f"{plan}.json"
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), job)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-                           "127.0.0.1", "--master_port", str(port), path, str(out), plan],
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(out.read_text())
-
-
 def test_run_mlm_masks_the_tokens_the_plain_trainer_masks_from_step_one(tmp_path):
     """run_mlm.py's collator under tp on 2 processes (one replica: both ranks take the same batches): the
     losses of every step are the plain Trainer's on one process with that batch (before, reading the
     example through the collator moved torch's generator, and step 1 masked other tokens)."""
     import pytest
 
-    plain = _torchrun(tmp_path, "hf_mlm_job.py", "plain", nproc=1)
-    ours = _torchrun(tmp_path, "hf_mlm_job.py", "tp")
+    from torchrun_jobs import run_job
+
+    plain = run_job(tmp_path, "hf_mlm_job.py", "plain", nproc=1)
+    ours = run_job(tmp_path, "hf_mlm_job.py", "tp")
     assert len(plain["losses"]) == 3
     assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-4), (plain, ours)
