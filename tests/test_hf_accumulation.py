@@ -33,7 +33,7 @@ import models
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from test_adapters_any_shape import launched, tokenizer  # noqa: E402  (the launcher's environment, the vocabulary)
+from test_adapters_any_shape import collator as any_shape_collator, launched  # noqa: E402  (the launcher's environment)
 
 CLASSES = 3
 STEPS, ACCUMULATE = 3, 2
@@ -78,11 +78,8 @@ class Rows(torch.utils.data.Dataset):
 
 
 def collator(kind: str):
-    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
-
-    if kind == "mean":
-        return DataCollatorWithPadding(tokenizer())
-    return DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    """The padding collator for the classifier ("mean"), the causal-LM one otherwise."""
+    return any_shape_collator("padding" if kind == "mean" else "lm")
 
 
 def model_of(kind: str) -> torch.nn.Module:
