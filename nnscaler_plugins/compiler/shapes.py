@@ -100,6 +100,7 @@ class ShapePrograms:
         self.symbols: Optional[list[list[Position]]] = None
         self.fitted: dict[tuple, Optional[_Fitted]] = {}
         self.per_shape: dict[Shapes, ShapeProgram] = {}
+        self.refused: dict[Shapes, str] = {}  # sizes no program could be made for, and why
         self.per_shape_boundary: dict[Shapes, dict[str, tuple[int, ...]]] = {}
         self.fit_failure = ""
         self.rebuild_seconds: list[float] = []
@@ -108,10 +109,11 @@ class ShapePrograms:
     def shapes_of(self, flat: Sequence[Any]) -> Shapes:
         return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
 
-    def program_for(self, flat: Sequence[Any], args: tuple, kwargs: dict) -> ShapeProgram:
+    def program_for(self, flat: Sequence[Any], args: tuple, kwargs: dict, alone: bool = True) -> ShapeProgram:
         """The program to run these inputs with (its module's `_S` filled in); raises PlanError for
         sizes the plan cannot take. `args`/`kwargs` (the call's own structure) are what a new capture
-        takes."""
+        takes. With `alone=False`, sizes no shape template serves are refused rather than given a
+        program of their own (a capture per new shape): the caller runs the model's own forward then."""
         shapes = self.shapes_of(flat)
         if shapes == self.example and self.symbols is None:
             return ShapeProgram(self.live, self.program)
@@ -131,14 +133,14 @@ class ShapePrograms:
         fitted = self.fitted.get(key)
         if fitted is None:
             return ShapeProgram(self.live, self.program) if shapes == self.example else \
-                self._per_shape(shapes, args, kwargs)
+                self._per_shape(shapes, args, kwargs, alone)
         values = [shapes[g[0][0]][g[0][1]] for g in self.symbols]
         if shapes != self.example:
             self._check_divisible(fitted, values)
             if shapes in self.per_shape:
                 return self.per_shape[shapes]
             if not fitted.covers(values) and not self._holds_at(fitted, values, args, kwargs):
-                return self._per_shape(shapes, args, kwargs)
+                return self._per_shape(shapes, args, kwargs, alone)
         fitted.module._S[:] = values
         return ShapeProgram(fitted.module, self.program)
 
@@ -161,10 +163,11 @@ class ShapePrograms:
                 return False
         return True
 
-    def check(self, flat: Sequence[Any], args: tuple, kwargs: dict) -> Optional[str]:
-        """Why these inputs cannot run (None when they can), without running them."""
+    def check(self, flat: Sequence[Any], args: tuple, kwargs: dict, alone: bool = True) -> Optional[str]:
+        """Why these inputs cannot run (None when they can), without running them (`alone` as in
+        `program_for`)."""
         try:
-            self.program_for(flat, args, kwargs)
+            self.program_for(flat, args, kwargs, alone)
         except PlanError as e:
             return str(e)
         return None
@@ -421,14 +424,20 @@ class ShapePrograms:
         return load_source(self.program, self.unit_device, self.cache_dir, source,
                            tag + variant(self.program, self.regions))
 
-    def _per_shape(self, shapes: Shapes, args: tuple, kwargs: dict) -> ShapeProgram:
+    def _per_shape(self, shapes: Shapes, args: tuple, kwargs: dict, alone: bool = True) -> ShapeProgram:
         if shapes in self.per_shape:
             return self.per_shape[shapes]
+        if shapes in self.refused:  # told once why: a refused size is not captured again at every batch
+            raise PlanError(self.refused[shapes])
+        if not alone:
+            raise PlanError(f"inputs of shapes {[s for s in shapes if s is not None]} need a program of their own "
+                            f"({self.fit_failure or 'no shape template serves them'})")
         start = time.perf_counter()
         made = self._generate([], (), args, kwargs, exact=shapes)
         if isinstance(made, str):
-            raise PlanError(f"inputs of shapes {[s for s in shapes if s is not None]} cannot run under this plan: "
-                            f"{self._which_sizes(shapes, made)}{made}")
+            self.refused[shapes] = (f"inputs of shapes {[s for s in shapes if s is not None]} cannot run under this "
+                                    f"plan: {self._which_sizes(shapes, made)}{made}")
+            raise PlanError(self.refused[shapes])
         module = self._load(made[0], "shape_" + "_".join("x".join(map(str, s)) for s in shapes if s is not None))
         if self.compile_module is not None:
             self.compile_module(module, False)

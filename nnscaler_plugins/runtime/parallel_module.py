@@ -32,6 +32,7 @@ from nnscaler_plugins.outputs import extract_loss, non_scalar_loss, require_scal
 from nnscaler_plugins.plan.plan import Plan
 from nnscaler_plugins.runtime.comm import Comm
 from nnscaler_plugins.runtime.eager_executor import EagerExecutor, eager_source
+from nnscaler_plugins.runtime.eager_fallback import fallback_problem
 from nnscaler_plugins.runtime.flight_recorder import OUTSIDE, FlightRecorder
 from nnscaler_plugins.runtime.grad_clip import counts_in_norm
 from nnscaler_plugins.runtime.grad_reducer import GradReducer
@@ -80,6 +81,7 @@ class ParallelModule(torch.nn.Module):
         # shards exist, below.
         self.eager: Optional[EagerExecutor] = None
         is_eager = plan.knobs.executor == "eager"
+        self.eager_only = is_eager  # every forward runs the model's own code (else: only those `_eager_for` says)
         if is_eager and model is None:
             raise ValueError("a plan that runs the model's own forward (executor='eager') needs the model")
         self.graph: "Graph" = program.graph
@@ -99,7 +101,8 @@ class ParallelModule(torch.nn.Module):
         # check of each step's loss and gradients (runtime/flight_recorder.py, watchdog.py, nonfinite.py).
         self.flight_recorder = FlightRecorder(program, self.unit_device, self.dp_rank * plan.unit_size)
         self.nonfinite = NonFiniteGuard(self)
-        self._last_forward: Optional[tuple[str, Any]] = None  # what replay_last_forward runs again
+        # what replay_last_forward runs again: (kind, inputs, whether the model's own forward ran them)
+        self._last_forward: Optional[tuple[str, Any, bool]] = None
         self._comm = Comm(program, self.unit_device, UnitGroups(self.groups, self.dp_rank * plan.unit_size),
                           self.flight_recorder)
         if program.draws:  # random ops seeded per piece (kernels/piece_rng.py): one base seed on every rank
@@ -201,6 +204,11 @@ class ParallelModule(torch.nn.Module):
         self._reducer = None if self.zero3 is not None else build_reducer(
             program, trainable, self.parameter, self.unit_device, self.groups, self.zero_shards,
             self._scatter_gradients)
+        if self.zero3 is not None:  # a hang in a gather or a reduce-scatter names it and its parameters
+            self.zero3.recorder = self.flight_recorder
+        if self._reducer is not None:  # a hang in a bucket's reduction names the bucket and its parameters
+            self._reducer.recorder = self.flight_recorder
+            self._reducer.names = {id(self.parameter(program.shards[v].fqn)): program.shards[v].fqn for v in trainable}
         self._executor = PipelineExecutor(StageRuntime(
             program=program, unit_device=self.unit_device, global_rank=self._comm.groups.global_rank,
             generated=self._micro_batch_program, comm=self._comm, device=self._device,
@@ -211,6 +219,18 @@ class ParallelModule(torch.nn.Module):
         if is_eager:
             self.eager = EagerExecutor(self, model)
             self.train(model.training)
+        # A captured plan that keeps whole layers on each device runs the model's own forward for sizes
+        # its captured program cannot take (the executor is bound at the first such batch): None when
+        # it cannot, `no_fallback` then says why.
+        self._fallback_model, self.no_fallback = None, "the plan runs the model's own forward already"
+        if not is_eager:
+            self.no_fallback = fallback_problem(plan, model, program)
+            if self.no_fallback is None:
+                self._fallback_model = model
+                if self._reducer is not None:  # either executor's backward may run on a replica: DDP's order
+                    self._reducer.in_order = True
+        # Which executor the forwards of the batch the replicas last agreed on run (`_agree_begin`).
+        self._agreed_eager: Optional[bool] = None
         if world_size > 1:
             self._watch()
 
@@ -375,8 +395,35 @@ class ParallelModule(torch.nn.Module):
 
     def _run_eager(self, args: tuple, kwargs: dict) -> Any:
         """The user's forward (the eager executor), under the plan's precision."""
+        if self.eager is None:  # a captured plan's first batch of sizes its program cannot take
+            self.eager = EagerExecutor(self, self._fallback_model)
+            self.eager.model.train(self.training)
         with autocast(self.plan.precision, self._device):
             return self.eager.run(args, kwargs)
+
+    def _eager_for(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this forward runs the model's own code: always under an eager plan; under a captured
+        one that can fall back, when the replicas agreed so for this batch (`_agree_begin`), or else when
+        the captured program cannot take its sizes -- decided by every replica together where the forward
+        communicates (ZeRO-3's gathers, whole-batch statistics), so that all run the same collectives."""
+        if self.eager_only:
+            return True
+        if self._fallback_model is None:
+            return False
+        agreed, self._agreed_eager = self._agreed_eager, None
+        if agreed is not None:
+            return agreed
+        flat = self._flat_inputs(args, kwargs, on_device=False)
+        refused = self.shape_programs.check(flat, args, kwargs, alone=False) is not None
+        if self.dp_size > 1 and self._forward_communicates:
+            t = torch.tensor([1.0 if refused else 0.0], dtype=torch.float64,
+                             device=self._device if self._device.type != "meta" else "cpu")
+            self.flight_recorder.enter(OUTSIDE, "the replicas' agreement on which executor runs this forward "
+                                                "(all-reduce over every rank)")
+            dist.all_reduce(t)
+            self.flight_recorder.leave()
+            refused = t.item() > 0
+        return refused
 
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
         inputs = self._flat_inputs(args, kwargs)
@@ -404,9 +451,10 @@ class ParallelModule(torch.nn.Module):
         args, kwargs = normalize_inputs(args, kwargs) if len(args) == 1 and isinstance(args[0], dict) else \
             normalize_inputs(tuple(args), kwargs)
         rec = self._begin_step()
+        eager = self._eager_for(args, kwargs)
         if torch.is_grad_enabled():
-            self._last_forward = ("forward", (args, kwargs))
-        if self.eager is not None:
+            self._last_forward = ("forward", (args, kwargs), eager)
+        if eager:
             out = self._run_eager(args, kwargs)
             rec.end_step()
             return out
@@ -432,18 +480,27 @@ class ParallelModule(torch.nn.Module):
             micro, problem = [], str(e)
         # a forward without collectives runs while the replicas agree on the step's sizes
         agreed = self._agree_begin(micro, problem, overlap=self._forward_is_local, meanwhile=self._prefetch_first)
-        self._last_forward = ("train_step", micro)
         if self.plan.pipeline is not None:
+            self._last_forward = ("train_step", micro, False)
             self._micro_weights = agreed()
             loss = self._pipeline_step(micro)
             return self._end_step(loss, self._micro_weights, self._global_loss_begin(loss))
         total, weights, global_loss = None, None, None
+        # which executor runs: this replica's own view until the agreement is in, then every replica's
+        eager = self.eager_only or bool(self._agreed_eager)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 rec.at("forward", 0, i)
-                loss = self._loss_of(mb)
-                weights = weights or agreed()
+                loss = self._loss_of(mb, eager)
+                if weights is None:
+                    weights = agreed()
+                    now = self.eager_only or bool(self._agreed_eager)
+                    if now != eager:
+                        # another replica's batch needs the model's own forward: this replica's first one
+                        # (captured, collective-free) runs again that way, before any backward
+                        eager = now
+                        loss = self._loss_of(mb, eager)
                 w = weights[i]
                 part = loss.detach() * w
                 total = part if total is None else total + part
@@ -453,6 +510,7 @@ class ParallelModule(torch.nn.Module):
                 scale = self.loss_scale * w
                 rec.at("backward", 0, i)
                 (loss * scale if scale != 1.0 else loss).backward()
+        self._last_forward, self._agreed_eager = ("train_step", micro, eager), None
         return self._end_step(total, weights, global_loss)
 
     def _global_loss_begin(self, weighted: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -521,9 +579,9 @@ class ParallelModule(torch.nn.Module):
         there is nothing to run again."""
         if self._last_forward is None:
             return False
-        if self.eager is not None:
+        kind, what, eager = self._last_forward
+        if eager:
             return self._replay_eagerly(run)
-        kind, what = self._last_forward
         rec = self.flight_recorder
         with torch.no_grad():
             if kind == "forward":
@@ -536,14 +594,14 @@ class ParallelModule(torch.nn.Module):
             else:
                 for i, mb in enumerate(what):
                     rec.at("re-run", 0, i)
-                    run(lambda mb=mb: self._loss_of(mb))
+                    run(lambda mb=mb: self._loss_of(mb, False))
         return True
 
     def _replay_eagerly(self, run: Callable[[Callable[[], Any]], Any]) -> bool:
         """`replay_last_forward` for the model's own forward: run again as in the step (batch norm's
         whole-batch statistics are collectives too), its buffers (running statistics) and the random
         generators given back their state afterwards, so the re-run changes nothing."""
-        kind, what = self._last_forward
+        kind, what, _ = self._last_forward
         calls = [what] if kind == "forward" else [normalize_inputs(mb, None) for mb in what]
         buffers = {n: b.detach().clone() for n, b in self.named_buffers()}
         devices = [self._device] if self._device.type == "cuda" else []
@@ -569,19 +627,26 @@ class ParallelModule(torch.nn.Module):
         refuses its batch (and runs no forward) cannot leave the others waiting inside one.
         `meanwhile` runs right after the all-reduce starts, on every rank, before any wait or refusal:
         a collective that does not depend on the batch (ZeRO-3's first gather) travels beside it."""
-        counts = []
+        counts, needs_eager = [], False
+        falls_back = self._fallback_model is not None
         for mb in micro:
-            if self.eager is not None:  # the model's own code takes any size; replicas weigh their samples
+            if self.eager_only:  # the model's own code takes any size; replicas weigh their samples
                 counts.append(samples(pytree.tree_leaves(mb)))
                 continue
             args, kwargs = normalize_inputs(mb, None)
             flat = self._flat_inputs(args, kwargs, on_device=False)
-            problem = problem or self.shape_programs.check(flat, args, kwargs)
+            why = self.shape_programs.check(flat, args, kwargs, alone=not falls_back)
+            if why is not None and falls_back:  # the model's own forward takes it: no refusal
+                needs_eager = True
+            elif why is not None:  # said with why the model's own forward does not take it instead
+                problem = problem or f"{why} (the model's own forward cannot run it here: {self.no_fallback})"
             counts.append(self._loss_items.count(flat))
         mine = float(sum(counts))
+        self._agreed_eager = needs_eager  # this replica's view; every replica's once the agreement is in
+        overlap = overlap and not needs_eager
         t, work = None, None
         if self.dp_size > 1:
-            t = torch.tensor([mine, 1.0 if problem else 0.0], dtype=torch.float64,
+            t = torch.tensor([mine, 1.0 if problem else 0.0, 1.0 if needs_eager else 0.0], dtype=torch.float64,
                              device=self._device if self._device.type != "meta" else "cpu")
             work = dist.all_reduce(t, async_op=True)
         if meanwhile is not None:
@@ -595,6 +660,7 @@ class ParallelModule(torch.nn.Module):
                 work.wait()
                 self.flight_recorder.leave()
                 total = t[0].item() / self.plan.unit_size  # every device of a replica counted the same items
+                self._agreed_eager = t[2].item() > 0
                 if t[1].item() > 0 and problem is None:
                     problem = ("another data-parallel replica's batch has sizes this plan cannot take "
                                "(its rank says which)")
@@ -611,7 +677,7 @@ class ParallelModule(torch.nn.Module):
 
     def _prefetch_first(self) -> None:
         """Under ZeRO-3 (no pipeline), start gathering the unit the forward reads first."""
-        if self.eager is not None:  # the one the last forward read first
+        if self.eager_only:  # the one the last forward read first
             first = self.eager.first_key() if self.zero3 is not None else None
             if first is not None:
                 self.zero3.prefetch_forward(first)
@@ -633,7 +699,7 @@ class ParallelModule(torch.nn.Module):
         other (gradient accumulation counted over its whole window)."""
         total = 0
         for mb in split_batch(batch, self.plan.num_micro_batches):
-            if self.eager is not None:
+            if self.eager_only:
                 total += samples(pytree.tree_leaves(mb))
                 continue
             args, kwargs = normalize_inputs(mb, None)
@@ -648,9 +714,9 @@ class ParallelModule(torch.nn.Module):
     def _boundary_shape(self, value: str, mb: int) -> tuple[int, ...]:
         return self.shape_programs.boundary_shape(value, self._step[mb][2])
 
-    def _loss_of(self, batch: Any) -> torch.Tensor:
+    def _loss_of(self, batch: Any, eager: bool) -> torch.Tensor:
         args, kwargs = normalize_inputs(batch, None)
-        if self.eager is not None:
+        if eager:
             out = self._run_eager(args, kwargs)
             if self.loss_fn is not None:
                 return require_scalar_loss(self.loss_fn(out, batch), source="loss_fn")
@@ -754,7 +820,7 @@ class ParallelModule(torch.nn.Module):
 
     def generated_source(self) -> str:
         """The code this rank runs (for an eagerly run plan: a note saying the model's own forward runs)."""
-        if self.eager is not None:
+        if self.eager_only:
             return eager_source(self.plan.knobs.eager_reason or "executor='eager' was asked for", self.eager.model)
         with open(self.source_path) as f:
             return f.read()
