@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from nnscaler_plugins.kernels import reduce_scatter
+from nnscaler_plugins.runtime.flight_recorder import OUTSIDE
 from nnscaler_plugins.runtime.zero import FlatShard, reduce_scatter_layout
 
 
@@ -82,6 +83,10 @@ class GradReducer:
         # ZeRO-2: id(parameter) -> its reduced chunk (summed over the backward passes since zero_grad).
         self.shard_grads: dict[int, torch.Tensor] = {}
         self._rider: Optional[torch.Tensor] = None  # the flag the next reduction carries (`carry`)
+        # Where a wait for a bucket is told (runtime/flight_recorder.py), and each parameter's name by
+        # id: a hang inside a bucket's reduction is named by the bucket and the parameters it holds.
+        self.recorder: Optional[Any] = None
+        self.names: dict[int, str] = {}
         self._carried: Optional[torch.Tensor] = None  # its sum over the ranks, once that reduction ended
         # Reverse order approximates the order gradients become ready in backward.
         by_group: dict[tuple[int, float], list[torch.nn.Parameter]] = {}
@@ -213,13 +218,27 @@ class GradReducer:
         bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
         self.launched += 1
 
+    def describe(self, i: int) -> tuple[str, str]:
+        """Bucket `i`'s reduction in words, and the parameters whose gradients it holds (the op a
+        hang report names)."""
+        b = self.buckets[i]
+        how = "reduce-scatter" if b.shards is not None and not self._whole else "all-reduce"
+        names = [self.names.get(id(p), f"parameter of shape {list(p.shape)}") for p in b.params]
+        held = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+        return (f"{how} of gradient bucket {i + 1} of {len(self.buckets)} ({len(names)} parameters)",
+                f"the gradients of {held}")
+
     def _finish(self) -> None:
         self._next_launch = 0
         for bucket in self.buckets:
             if bucket.work is None:  # parameters unused in this backward: reduce their (zero) grads
                 self._launch(bucket)
-        for bucket in self.buckets:
+        for i, bucket in enumerate(self.buckets):
+            if self.recorder is not None:
+                self.recorder.enter(OUTSIDE, self.describe(i))
             bucket.work.wait()
+            if self.recorder is not None:
+                self.recorder.leave()
             off = 0
             if bucket.shards is not None and not self._whole:
                 for p, s in zip(bucket.params, bucket.shards):

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from nnscaler_plugins.kernels.collectives import pack_saved, unpack_saved
 from nnscaler_plugins.kernels import reduce_scatter
 from nnscaler_plugins.kernels.float8 import is_float8
+from nnscaler_plugins.runtime.flight_recorder import OUTSIDE
 from nnscaler_plugins.runtime.host_buffers import POOL, transient_empty
 
 # torch 2.13 renamed the flat-tensor collective; older releases only have the old name.
@@ -288,11 +289,18 @@ class _UnitGather:
     buf: Optional[torch.Tensor]
     sent: Optional[torch.Tensor]
     parts: list[tuple[int, torch.Tensor]]  # (chunk elements, flat out), end to end in each rank's row
+    # what a hang in its wait is named by (the flight recorder's OUTSIDE key), and the recorder told
+    what: Any = None
+    recorder: Any = None
 
     def wait(self) -> None:
         if self.work is None:
             return
+        if self.recorder is not None:
+            self.recorder.enter(OUTSIDE, self.what)
         self.work.wait()
+        if self.recorder is not None:
+            self.recorder.leave()
         rows = self.buf.view(-1, sum(c for c, _ in self.parts))  # one row per rank
         # The parts lie end to end in a row: one fused copy out (as FSDP2's split_with_sizes_copy),
         # not a slice and a copy per parameter.
@@ -313,6 +321,7 @@ class Zero3Params:
         # chunks' own device.
         self.device = None if device is None or device.type == "meta" else torch.device(device)
         self.scale = 1.0 / dp
+        self.recorder: Any = None  # the flight recorder each wait for a gather or reduction is told to
         self._sync = True
         self._live: dict[int, int] = {}  # storage pointer of a gathered parameter -> its key
         self._in_forward = False
@@ -647,6 +656,14 @@ class Zero3Params:
                 c = self._cast.cast(c, self._scale(key) if scale is None else scale).view(torch.uint8)
         return c
 
+    def words(self, how: str, keys: Any) -> tuple[str, str]:
+        """A gather's or a reduction's name for hang reports, and the parameters it serves."""
+        names = [self.shards[k].fqn for k in keys]
+        held = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+        what = "parameters" if how == "all-gather" else "gradients"
+        n = len(names)
+        return f"ZeRO-3 {how} of {n} {what if n > 1 else what[:-1]}", f"the {what} of {held}"
+
     def _launch_bucket(self, keys: list[int], scales: dict[int, Optional[torch.Tensor]]) -> dict[int, tuple[Any, torch.Tensor]]:
         """One all-gather for several parameters of one group: each rank sends its padded chunks end
         to end; once done, every parameter's whole flat tensor is copied out into its own buffer
@@ -657,7 +674,7 @@ class Zero3Params:
         buf = self._gather_buffer(shard.size * sent.numel(), sent)
         work = all_gather_flat(buf, sent, group=shard.group, async_op=True)
         self.gathers_launched += 1
-        bucket = _UnitGather(work, buf, sent, [])
+        bucket = _UnitGather(work, buf, sent, [], self.words("all-gather", keys), self.recorder)
         out: dict[int, tuple[Any, torch.Tensor]] = {}
         for k, c in sends:
             s = self.shards[k]
@@ -875,7 +892,11 @@ class Zero3Params:
         while pending:
             p = pending.pop()
             if p.work is not None:
+                if self.recorder is not None:
+                    self.recorder.enter(OUTSIDE, self.words("reduce-scatter", [p.key] if p.key is not None else p.keys))
                 p.work.wait()
+                if self.recorder is not None:
+                    self.recorder.leave()
             p.sent = None
             if p.scale != 1.0:
                 p.out.mul_(p.scale)
