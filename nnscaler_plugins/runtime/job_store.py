@@ -12,6 +12,7 @@ gives every attempt a store of its own; `launcher_advice` says so when a job run
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
@@ -25,8 +26,19 @@ def job_store() -> Any:
 
 
 def key(*parts: Any) -> str:
-    """A store key of this library: `nnscaler_plugins/<parts joined by />`."""
-    return "/".join([PREFIX, *(str(p) for p in parts)])
+    """A store key of this library: `nnscaler_plugins/attempt<N>/<parts joined by />`, N the
+    launcher's restart count (`TORCHELASTIC_RESTART_COUNT`, 0 outside torchrun). Where a restarted
+    job still shares the killed attempt's store, its ranks never read a key the killed ones wrote: a
+    watchdog position, a save's agreement, a heartbeat."""
+    return "/".join([PREFIX, f"attempt{attempt()}", *(str(p) for p in parts)])
+
+
+def attempt() -> int:
+    """This process's restart attempt under torchrun (0 for the first, and outside torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
 
 
 def launcher_advice(environ: Mapping[str, str]) -> Optional[str]:
