@@ -127,7 +127,7 @@ class Session:
         args, kwargs = normalize_inputs(first, None)
         if has_meta_tensors(model):  # inputs beside meta weights: an op mixing devices would refuse to trace
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-        whole_experts = wants_experts_as_one_op(self.source.fn or self.source.plan)
+        whole_experts = wants_experts_as_one_op(self.source.fn or self.source.plan, self.options)
         with experts_as_one_op(model) if whole_experts else contextlib.nullcontext():
             return capture(model, args, kwargs, trace_repeated_layers_once=two_layers)
 

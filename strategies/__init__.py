@@ -114,8 +114,9 @@ INTERLACED = Strategy("interlaced", pipeline.interlaced_pipeline, pipeline.MESH,
                       "micro_batches", _UNIT)
 MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.MEGATRON_MESH,
                     "a Megatron-LM configuration: tp, cp, pp, dp, micro_batch_size or micro_batches, schedule, "
-                    "virtual_stages, sequence_parallel, recompute, cp_comm (p2p, a2a, allgather), balance",
-                    _PIPELINE + ("schedule", "cp_comm", "balance"))
+                    "virtual_stages, sequence_parallel, recompute, cp_comm (p2p, a2a, allgather), balance; "
+                    "ep, etp and capacity_factor for mixture-of-experts models",
+                    _PIPELINE + ("schedule", "cp_comm", "balance", "capacity_factor"))
 AUTO = Strategy("auto", auto_search.auto, auto_search.MESH,
                 "the fastest plan the search finds for the cluster (default: this machine) within its memory",
                 ("memory_limit", "batch_statistics", "choose_compile", "choose_fp8"))

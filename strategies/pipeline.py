@@ -25,11 +25,16 @@ from nnscaler_plugins.passes import (
 from nnscaler_plugins.plan.mesh import MeshLayout
 from nnscaler_plugins.plan.primitives import PlanBuilder
 
+from .expert_parallel import MESH as EP_MESH
+from .expert_parallel import expert_parallel
+
 #: pp stages of tp devices (tp default 1); pp takes the world unless dp= says otherwise.
 MESH = MeshLayout(("dp", "pp", "tp"), fill=("pp", "dp"))
 #: As Megatron's arguments: pp, cp and tp default to 1, dp is what is left; tp innermost, then cp
 #: (Megatron's rank order tp-cp-dp-pp: a tensor-parallel group's devices are neighbours, in one node).
-MEGATRON_MESH = MeshLayout(("dp", "pp", "cp", "tp"), fill=("dp", "pp"))
+#: With ep= / etp= (a mixture-of-experts model), the experts' layout of strategies/expert_parallel.py:
+#: dp x pp x ep x etp, the dense part's tp laid over the ep x etp devices (Megatron's parallel folding).
+MEGATRON_MESH = MeshLayout(("dp", "pp", "cp", "tp"), fill=("dp", "pp"), variant=(("ep", "etp"), EP_MESH))
 #: Megatron-LM's names for the context-parallel attention (--cp-comm-type) and ours.
 CP_COMM = {"p2p": "ring", "a2a": "ulysses", "allgather": "allgather", "ring": "ring", "ulysses": "ulysses"}
 
@@ -97,9 +102,16 @@ def megatron(builder: PlanBuilder, *, schedule: Optional[str] = None, virtual_st
     along the sequence dim, `passes.apply_sp`), `recompute` ("full" | "selective"), and with cp > 1
     the sequence split over cp devices (`passes.apply_cp`) with `cp_comm` as Megatron's
     --cp-comm-type names it ("p2p": ring, "a2a": all-to-all / Ulysses, "allgather") and causal load
-    balancing unless `balance=False`; recorded in the plan's knobs for the cost model."""
+    balancing unless `balance=False`; recorded in the plan's knobs for the cost model. With `ep=` /
+    `etp=` (Megatron's --expert-model-parallel-size / --expert-tensor-parallel-size) the experts are
+    split as strategy "ep" splits them, `capacity_factor` as Megatron's --moe-expert-capacity-factor."""
     if recompute not in (None, "none", "full", "selective"):
         raise PlanError(f"megatron: recompute must be 'full', 'selective' or None (got {recompute!r})")
+    if megatron_experts(options):
+        _megatron_experts(builder, schedule, int(virtual_stages), sequence_parallel, recompute, batch_statistics,
+                          options)
+        return
+    options.pop("capacity_factor", None)
     schedule = schedule or ("interleaved" if int(virtual_stages) > 1 else DEFAULT_SCHEDULE)
     par = Parallelization(builder, MEGATRON_MESH, options)
     if par.degree("cp") > 1:
@@ -116,6 +128,29 @@ def megatron(builder: PlanBuilder, *, schedule: Optional[str] = None, virtual_st
     par.place()
     apply_recompute(builder, recompute)
     apply_batch_statistics(builder, batch_statistics)
+
+
+def megatron_experts(options: Any) -> bool:
+    """Whether megatron's options split experts (ep= or etp= above 1): the experts' layout then."""
+    return any(isinstance(options.get(n), int) and options.get(n) > 1 for n in ("ep", "etp"))
+
+
+def _megatron_experts(builder: PlanBuilder, schedule: Optional[str], virtual_stages: int, sequence_parallel: bool,
+                      recompute: Optional[str], batch_statistics: Optional[str], options: dict) -> None:
+    """megatron with ep= / etp=: the passes of strategy "ep" (experts over ep x etp, the dense part
+    tensor-parallel over tp of those devices, pp stages, dp replicas that are expert-data-parallel)."""
+    if virtual_stages > 1 or schedule == "interleaved":
+        raise PlanError("megatron: the interleaved schedule (virtual_stages > 1) with ep= / etp= is not supported yet; "
+                        "use the 1F1B schedule (virtual_stages=1) with experts, or strategy 'interleaved' without them")
+    if sequence_parallel:
+        raise PlanError("megatron: sequence_parallel=True with ep= / etp= is not supported yet; use "
+                        "sequence_parallel=False with experts")
+    expert_parallel(builder, schedule=schedule, recompute=recompute, batch_statistics=batch_statistics, **options)
+
+
+# Read by the entry points before capture (capture/experts.py: wants_experts_as_one_op): the experts
+# are one op only where the options split them.
+megatron.experts_as_one_op = megatron_experts  # type: ignore[attr-defined]
 
 
 def _megatron_cp(par: Parallelization, schedule: str, virtual_stages: int, sequence_parallel: bool,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -142,10 +142,14 @@ def experts_as_one_op(model: torch.nn.Module, routed: bool = True) -> Iterator[l
             del module.forward
 
 
-def wants_experts_as_one_op(strategy_or_plan: Any) -> bool:
-    """Whether a strategy (attribute `experts_as_one_op`) or a plan it made (its knob
+def wants_experts_as_one_op(strategy_or_plan: Any, options: Optional[Mapping[str, Any]] = None) -> bool:
+    """Whether a strategy (attribute `experts_as_one_op`: True, or a function of the strategy's
+    options, as megatron's, which splits experts only with ep= / etp=) or a plan it made (its knob
     `experts_as_one_op`) needs the experts captured as one op."""
-    if getattr(strategy_or_plan, "experts_as_one_op", False) or \
-            getattr(getattr(strategy_or_plan, "apply", None), "experts_as_one_op", False):
-        return True
+    for holder in (strategy_or_plan, getattr(strategy_or_plan, "apply", None)):
+        wants = getattr(holder, "experts_as_one_op", False)
+        if callable(wants):
+            wants = wants(dict(options or {}))
+        if wants is True:
+            return True
     return bool(getattr(getattr(strategy_or_plan, "knobs", None), "experts_as_one_op", False))

@@ -277,10 +277,36 @@ class MeshLayout:
     folded: tuple[str, ...] = ()  # degree options laid over the unit instead of multiplying it (ep's dense tp)
     replica_axes: int = 1
     extra: tuple[str, ...] = ()  # degree options taken only for `check` to judge (dp's tp=1)
+    # Another layout the strategy lays its degrees out by when one of these degree options is given
+    # above 1: megatron with ep= / etp= takes the experts' axes ((("ep", "etp"), the ep layout)).
+    variant: Optional[tuple[tuple[str, ...], "MeshLayout"]] = None
 
     @property
     def degree_options(self) -> tuple[str, ...]:
-        return tuple(self.names) + tuple(self.folded) + tuple(self.extra)
+        own = tuple(self.names) + tuple(self.folded) + tuple(self.extra)
+        if self.variant is not None:
+            own += tuple(n for n in self.variant[1].degree_options if n not in own)
+        return own
+
+    def for_options(self, options: Mapping[str, Any], strategy: str = "") -> "MeshLayout":
+        """The layout these options are laid out by: the variant's when one of its trigger options is
+        given above 1 (refusing a degree of this layout the variant has no axis for), else this one."""
+        if self.variant is None:
+            return self
+        triggers, other = self.variant
+        if not any(_above_one(options.get(n)) for n in triggers):
+            return self
+        lost = [n for n in self.degree_options if n not in other.degree_options and _above_one(options.get(n))]
+        if lost:
+            who = f"strategy {strategy!r}" if strategy else "the plan"
+            raise PlanError(f"{who}: {', '.join(f'{n}={options[n]}' for n in lost)} with "
+                            f"{' / '.join(f'{n}=' for n in triggers)} is not supported (the experts' layout has no "
+                            f"{'/'.join(lost)} axis); drop {'/'.join(lost)} or the experts' degrees")
+        return other
+
+
+def _above_one(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1
 
 
 def resolve_mesh(layout: MeshLayout, world_size: int, options: Mapping[str, Any], strategy: str = "") -> Mesh:
@@ -289,6 +315,7 @@ def resolve_mesh(layout: MeshLayout, world_size: int, options: Mapping[str, Any]
     the others take their defaults, and the product must be the world size; errors name the strategy,
     the degrees and what to choose instead."""
     who = f"strategy {strategy!r}" if strategy else "the plan"
+    layout = layout.for_options(options, strategy)
     given: dict[str, int] = {}
     for name in layout.degree_options:
         v = options.get(name)
