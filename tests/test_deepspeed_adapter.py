@@ -70,10 +70,10 @@ def test_keys_are_accepted_warned_or_refused_by_name() -> None:
             translate(cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        s = translate(dict(base, wandb={"enabled": True}, zero_optimization={"stage": 2, "overlap_comm": True,
+        s = translate(dict(base, memory_breakdown=True, zero_optimization={"stage": 2, "overlap_comm": True,
                                                                                "reduce_bucket_size": "auto"}))
     text = " ".join(str(w.message) for w in caught)
-    assert "wandb" in text and "zero_optimization.overlap_comm" in text and "zero_optimization.reduce_bucket_size" in text
+    assert "memory_breakdown" in text and "zero_optimization.overlap_comm" in text and "zero_optimization.reduce_bucket_size" in text
     assert s.zero_stage == 2 and s.gradient_clipping == 1.0  # DeepSpeed's default clipping
 
 

@@ -192,10 +192,36 @@ def _check_table(section: dict, table: dict, prefix: str) -> None:
     if refused:
         raise DeepSpeedConfigError("unsupported DeepSpeed config key(s): "
                                    + "; ".join(f"{k} ({why})" for k, why in refused))
+    switched_on = [(prefix + k, table[k][1]) for k in section if table[k][0] == K.OFF_ONLY
+                   and _switched_on(section[k], prefix + k)]
+    if switched_on:
+        raise DeepSpeedConfigError("DeepSpeed feature(s) enabled that this engine does not run (set enabled to false "
+                                   "or remove the section): "
+                                   + "; ".join(f"{k} ({why})" for k, why in switched_on))
     warned = [(prefix + k, table[k][1]) for k in section if table[k][0] == K.WARN]
     if warned:
         warnings.warn("DeepSpeed config key(s) accepted without effect in this engine: "
                       + "; ".join(f"{k} ({why})" for k, why in warned), stacklevel=4)
+
+
+def _switched_on(value: Any, where: str) -> bool:
+    """Whether a feature section (keys.OFF_ONLY) asks for its feature: an `enabled` true anywhere in
+    it (compression_training switches each technique on in its own `shared_parameters`). Absent
+    `enabled` is false, DeepSpeed's default for every such section."""
+    if not isinstance(value, dict):
+        raise DeepSpeedConfigError(f"config key {where!r} must be an object, got {value!r}")
+    for key, v in value.items():
+        if key == "enabled":
+            if v == AUTO:
+                raise DeepSpeedConfigError(f"{where}.enabled: 'auto' cannot be resolved outside a trainer; give true "
+                                           "or false")
+            if not isinstance(v, bool):
+                raise DeepSpeedConfigError(f"{where}.enabled={v!r}: must be true or false, not a {type(v).__name__}")
+            if v:
+                return True
+        elif isinstance(v, dict) and _switched_on(v, f"{where}.{key}"):
+            return True
+    return False
 
 
 def _batch_value(config: dict, key: str) -> Optional[int]:

@@ -5,10 +5,15 @@ DeepSpeed itself runs -- buckets, monitors, profilers -- and has no effect on wh
 the warning names it), or REFUSE-d (it would change the results or needs a feature this engine does
 not have: running on would be a silent wrong answer). A key in none of the tables is refused as
 unknown, so a misspelt key never passes unnoticed.
+
+A section that only switches on a DeepSpeed feature (a monitor, a profiler, the hybrid engine) is
+OFF_ONLY: scripts write it with `"enabled": false` (DeepSpeed-Chat writes `hybrid_engine` and
+`tensorboard` that way), and then it asks for nothing, so it is accepted silently; enabled, it is
+refused, since the feature does not run here, and the reason says what to use instead.
 """
 from __future__ import annotations
 
-ACCEPT, WARN, REFUSE = "accept", "warn", "refuse"
+ACCEPT, WARN, REFUSE, OFF_ONLY = "accept", "warn", "refuse", "off-only"
 
 # Top-level keys. The reason is what the user reads in the warning or error.
 TOP_LEVEL: dict[str, tuple[str, str]] = {
@@ -37,16 +42,20 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "memory_breakdown": (WARN, "DeepSpeed's memory logging is not reproduced"),
     "dump_state": (WARN, "DeepSpeed's state dump is not reproduced"),
     "log_level": (WARN, "use Python logging for 'nnscaler_plugins'"),
-    "flops_profiler": (WARN, "no flops profiler here; see nnscaler-plan simulate"),
-    "tensorboard": (WARN, "monitors are not reproduced; log from your script"),
-    "wandb": (WARN, "monitors are not reproduced; log from your script"),
-    "csv_monitor": (WARN, "monitors are not reproduced; log from your script"),
-    "comet": (WARN, "monitors are not reproduced; log from your script"),
-    "comms_logger": (WARN, "communication logging is not reproduced"),
+    "flops_profiler": (OFF_ONLY, "no flops profiler here; price a plan with nnscaler-plan simulate, or profile "
+                                  "with torch.profiler"),
+    "tensorboard": (OFF_ONLY, "monitors are not reproduced; log the loss engine(...) returns and engine.get_lr() "
+                               "from your script (torch.utils.tensorboard.SummaryWriter)"),
+    "wandb": (OFF_ONLY, "monitors are not reproduced; log the loss and engine.get_lr() from your script (wandb.log)"),
+    "csv_monitor": (OFF_ONLY, "monitors are not reproduced; write the loss and engine.get_lr() from your script"),
+    "comet": (OFF_ONLY, "monitors are not reproduced; log the loss and engine.get_lr() from your script"),
+    "comms_logger": (OFF_ONLY, "communication logging is not reproduced; nnscaler-plan simulate lists a plan's "
+                                "collectives, torch.profiler times them"),
     "timers": (WARN, "DeepSpeed's timers are not reproduced (wall_clock_breakdown works)"),
     "compile": (ACCEPT, "deepcompile: true runs the per-rank program under torch.compile (the plan's compile knob), "
                         "as engine.compile() does"),
-    "autotuning": (WARN, "DeepSpeed's autotuner is not run; use 'nnscaler': {'plan': 'auto'}"),
+    "autotuning": (OFF_ONLY, "DeepSpeed's autotuner is not run; use 'nnscaler': {'plan': 'auto'}, which searches "
+                              "the plan"),
     "aio": (WARN, "no NVMe offload here (host-memory offload needs no aio settings)"),
     "checkpoint": (ACCEPT, "tag_validation; load_universal (a ds_to_universal folder)"),
     "activation_checkpointing": (WARN, "deepspeed.checkpointing is not reproduced; use the plan's recompute= option"),
@@ -55,7 +64,8 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "seq_parallel_communication_data_type": (WARN, "no DeepSpeed sequence parallelism here"),
     "torch_autocast": (REFUSE, "autocast changes the numerics; use bf16 or fp16"),
     "data_types": (ACCEPT, "grad_accum_dtype: unset or the model's own dtype (gradients accumulate in it here)"),
-    "hybrid_engine": (REFUSE, "the RLHF hybrid engine is not reproduced"),
+    "hybrid_engine": (OFF_ONLY, "the RLHF hybrid engine is not reproduced; generate with the model itself "
+                                 "(engine.eval(), then engine.module or the model's own generate)"),
     "tensor_parallel": (REFUSE, "AutoTP is not reproduced; use 'nnscaler': {'plan': 'tp'}"),
     "expert_parallel": (REFUSE, "expert parallelism is not supported"),
     "sequence_parallel_size": (REFUSE, "DeepSpeed-Ulysses is not supported"),
@@ -63,10 +73,15 @@ TOP_LEVEL: dict[str, tuple[str, str]] = {
     "weight_quantization": (REFUSE, "weight quantization is not supported"),
     "data_efficiency": (REFUSE, "data efficiency (curriculum, random-LTD) is not supported"),
     "zenflow": (REFUSE, "ZenFlow is not supported"),
+    # Removed from DeepSpeed in 0.19 (DeepSpeed refuses the block even switched off); a block whose
+    # techniques are all off asks for nothing, so it is accepted here.
+    "compression_training": (OFF_ONLY, "DeepSpeed's compression library (quantization, pruning, layer reduction) "
+                                       "was removed in DeepSpeed 0.19 and is not reproduced; train the model as it "
+                                       "is, or quantize/prune it with torch.ao before or after training"),
 }
 
 # Removed from DeepSpeed in 0.19; DeepSpeed itself refuses them (DeepSpeedConfigError).
-REMOVED_TOP_LEVEL = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients",
+REMOVED_TOP_LEVEL = ("nebula", "amp", "quantize_training", "sparse_gradients",
                      "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning",
                      "progressive_layer_drop")
 
