@@ -1,6 +1,6 @@
 """How long the search takes on this machine: capture plus search, wall clock.
 
-Targets (issue 4): GPT-3 175B (an HF GPT-2 configuration with 96 layers, hidden 12288, built on the
+Targets: GPT-3 175B (an HF GPT-2 configuration with 96 layers, hidden 12288, built on the
 meta device, sequence 2048, global batch 1536) on 1,024 GPUs in at most 60 s; 64-GPU cases in at most
 10 s; on each preset given (the A100 preset prices with the 2021 stack, H100 and H200 with today's:
 kernel tables and overlap). The progress bar is off so that only the search is timed.
@@ -8,7 +8,7 @@ kernel tables and overlap). The progress bar is off so that only the search is t
     python benchmarks/search_time.py                               # a100-dgx, h100-dgx, h200; appended to RESULTS.md
     python benchmarks/search_time.py --clusters h100-dgx --only 175B
 
-Pricing one published configuration (issue 49): `--published` captures, plans (`nns.plan` with the
+Pricing one published configuration: `--published` captures, plans (`nns.plan` with the
 configuration's strategy and options) and simulates each of the largest published runs in PUBLISHED,
 target at most 10 s each, capture included; then, on the Llama-3-405B graph captured once, how the
 planning and the pricing grow with pipeline stages, micro-batches and data-parallel replicas (CPU
@@ -128,10 +128,10 @@ PUBLISHED = [
     ("Llama 3 405B, seq 131072: tp 8, cp 16 (ring), pp 16 interleaved, dp 8, 16 micro-batches", LLAMA3,
      llama3_405b_long, "megatron", 16384, dict(tp=8, cp=16, pp=16, virtual_stages=2, micro_batches=16,
                                                 cp_comm="p2p"), False),
-    # DeepSeek ran the dense part data-parallel inside each stage (DualPipe, ZeRO-1); with pp > 1 the `ep`
-    # strategy lays the dense part out its own way (strategies/expert_parallel.py): the nearest it writes
+    # DeepSeek ran the dense part data-parallel inside each stage (DualPipe, ZeRO-1); with pp > 1 megatron's
+    # ep= lays the dense part out as strategy "ep" does (strategies/expert_parallel.py): the nearest it writes
     ("DeepSeek-V3 671B, seq 4096: ep 64, pp 16 (1F1B), dp 2, 16 micro-batches, ZeRO-1", DEEPSEEK_V3, deepseek_v3,
-     "ep", 2048, dict(ep=64, pp=16, micro_batches=16, zero=1), True),
+     "megatron", 2048, dict(ep=64, pp=16, micro_batches=16, zero=1), True),
 ]
 
 
