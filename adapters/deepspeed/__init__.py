@@ -12,7 +12,8 @@ otherwise. Importing this module never imports DeepSpeed itself.
 
 DeepSpeed's module paths that scripts import from resolve here too (`deepspeed.comm`,
 `deepspeed.accelerator`, `deepspeed.runtime.lr_schedules`, `deepspeed.runtime.zero`,
-`deepspeed.ops.adam`, `deepspeed.utils.zero_to_fp32`, `deepspeed.checkpoint.utils`), each holding
+`deepspeed.ops.adam`, `deepspeed.utils.zero_to_fp32`, `deepspeed.checkpoint.utils`, `deepspeed.pipe`,
+`deepspeed.moe.layer`, `deepspeed.moe.utils`, `deepspeed.compression.helper`), each holding
 this engine's objects under DeepSpeed's names.
 
 The built-in config translation is a plugin: `adapters/deepspeed_hooks.py` implements the
@@ -44,6 +45,7 @@ from .engine import DeepSpeedEngine
 from .errors import ZeRORuntimeException
 from .launch import add_config_arguments, init_distributed
 from .optimizers import build_optimizer
+from .pipeline_module import PipelineModule, pipeline_plan
 from .schedulers import (
     LRRangeTest,
     OneCycle,
@@ -52,13 +54,14 @@ from .schedulers import (
     WarmupLR,
     build_scheduler,
 )
-from . import accelerator, checkpoint, comm, ops, runtime, utils, zero
+from . import accelerator, checkpoint, comm, compression, moe, ops, pipe, runtime, utils, zero
 from .. import deepspeed_hooks
 from .accelerator import get_accelerator
 from .zero_optimizer import ZeroOptimizer
 
 __all__ = ["initialize", "settings_of", "plan_session", "parallel_degrees", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "DeepSpeedConfigError",
-           "ZeRORuntimeException", "checkpoint", "zero", "utils", "comm", "ops", "runtime", "accelerator",
+           "ZeRORuntimeException", "checkpoint", "zero", "utils", "comm", "ops", "runtime", "accelerator", "moe",
+           "pipe", "compression",
            "get_accelerator", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
 
 PLUGIN_NAME = deepspeed_hooks.PLUGIN_NAME
@@ -141,6 +144,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     assert model is not None, "deepspeed.initialize requires a model"
     raw = load_config(config, config_params, args)
     settings = settings_of(raw)
+    if isinstance(model, PipelineModule):  # DeepSpeed's pipeline model: its stages become a pipeline plan
+        settings.plan, settings.plan_options = pipeline_plan(model, settings.plan, settings.plan_options,
+                                                             named="nnscaler" in raw)
     session = plan_session(settings)
     if not isinstance(model, torch.nn.Module):
         raise DeepSpeedConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")

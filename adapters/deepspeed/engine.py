@@ -35,6 +35,7 @@ from . import checkpoint as ckpt
 from .checkpoint import universal
 from .config import DeepSpeedConfigError, Settings
 from .held_params import HeldParameters, register_in_place_of
+from .pipeline_module import PipelineModule, pipeline_call
 from .zero_optimizer import ZeroOptimizer
 
 log = logging.getLogger("nnscaler_plugins.deepspeed")
@@ -655,9 +656,14 @@ class DeepSpeedEngine(torch.nn.Module):
                 self._data_iter = _repeat(self.training_dataloader)
             data_iter = self._data_iter
         acc = self.gradient_accumulation_steps()
-        micro = [next(data_iter) for _ in range(acc)]
+        micro = [self._micro_batch(next(data_iter)) for _ in range(acc)]
         if self._pmodule is None:
-            self._build(_concat(micro), micro_batches=acc)
+            if isinstance(self._model, PipelineModule) and self._model.num_stages == 1:
+                # one stage: DeepSpeed's loop of forward, backward and step per micro-batch, so that
+                # eval_batch's plain forwards run on the same plan
+                self._build(micro[0])
+            else:
+                self._build(_concat(micro), micro_batches=acc)
         pm = self._pmodule
         if pm.plan.num_micro_batches == acc and (acc > 1 or pm.plan.pipeline is not None):
             loss = pm.train_step(_concat(micro))
@@ -670,7 +676,7 @@ class DeepSpeedEngine(torch.nn.Module):
         else:
             total = None
             for mb in micro:
-                out = self(mb) if not isinstance(mb, dict) else self(**mb)
+                out = self._call(mb)
                 raw = require_scalar_loss(extract_loss(out), out)
                 self.backward(raw)
                 self.step()
@@ -681,6 +687,61 @@ class DeepSpeedEngine(torch.nn.Module):
             dist.all_reduce(loss)
             loss /= self.world_size
         return loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
+                   num_micro_batches: Optional[int] = None) -> Any:
+        """DeepSpeed's PipelineEngine.eval_batch: the model in eval mode, without gradients, on
+        `num_micro_batches` (default gradient_accumulation_steps) micro-batches from `data_iter`; the
+        mean loss over them and the data-parallel ranks (`reduce_output="avg"`), or the list of
+        per-micro-batch losses (None). With `return_logits`, (loss, the last micro-batch's outputs).
+        The train/eval mode is put back as it was."""
+        if self._pmodule is not None and self._pmodule.plan.pipeline is not None:
+            raise RuntimeError("eval_batch under a pipeline plan is not supported: the plan's pipeline runs training "
+                               "steps only; evaluate under a non-pipeline plan (e.g. 'nnscaler': {'plan': 'dp'}) or "
+                               "run the model's own forward on whole weights (engine.module_state_dict())")
+        if not compute_loss and not return_logits:
+            raise ValueError("eval_batch with compute_loss=False returns the outputs: pass return_logits=True")
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"reduce_output={reduce_output!r}: DeepSpeed takes 'avg' or None")
+        n = num_micro_batches if num_micro_batches is not None else self.gradient_accumulation_steps()
+        was_training = self._model.training
+        self.eval()
+        losses, logits = [], None
+        try:
+            with torch.no_grad():
+                for _ in range(n):
+                    mb = next(data_iter)
+                    if compute_loss:
+                        out = self._call(self._micro_batch(mb))
+                        losses.append(require_scalar_loss(extract_loss(out), out).detach().clone())
+                    if return_logits:
+                        inputs = mb[0] if isinstance(self._model, PipelineModule) else mb
+                        logits = self._call(inputs if isinstance(inputs, (dict, tuple)) else (inputs,))
+        finally:
+            self.train(was_training)
+        loss = None
+        if compute_loss:
+            if reduce_output == "avg":
+                loss = torch.stack(losses).mean()
+                if dist.is_initialized() and self.world_size > 1:
+                    dist.all_reduce(loss)
+                    loss /= self.world_size
+            else:
+                loss = losses
+        return (loss, logits) if return_logits else loss
+
+    def _micro_batch(self, batch: Any) -> Any:
+        """A batch from a data iterator as what one call of the model takes: a PipelineModule's
+        `(inputs, labels)` become its two arguments."""
+        return pipeline_call(batch) if isinstance(self._model, PipelineModule) else batch
+
+    def _call(self, mb: Any) -> Any:
+        if isinstance(mb, dict):
+            return self(**mb)
+        if isinstance(self._model, PipelineModule) and isinstance(mb, tuple):
+            return self(*mb)
+        return self(mb)
 
     # -- what scripts read --------------------------------------------------------------------------
     def get_lr(self) -> list:

@@ -1,7 +1,7 @@
 """What scripts use of `deepspeed.utils`: the accessors of whole tensors behind a parameter,
 `safe_get_full_grad`, `safe_set_full_grad` and `safe_get_full_fp32_param`, `RepeatingLoader`,
 `logger` / `log_dist`, and the submodules `zero_to_fp32` (whole fp32 weights from a checkpoint)
-and `torch` (`required_torch_version`).
+and `torch` (`required_torch_version`), `module_utils` (`recursive_getattr` / `recursive_setattr`).
 
 DeepSpeed scripts pass the parameters they took from the engine or the model; each is traced to
 the engine training it. Under ZeRO DeepSpeed gathers the pieces; so do these where a piece is not
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..zero import engine_of
+from . import module_utils  # noqa: F401 - deepspeed.utils.module_utils
 
 logger = logging.getLogger("nnscaler_plugins.deepspeed")
 
