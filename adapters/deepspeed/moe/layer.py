@@ -22,5 +22,5 @@ class MoE(nn.Module):
         raise errors.DeepSpeedNotImplemented(
             f"deepspeed.moe.layer.MoE (num_experts={num_experts}, k={k}, ep_size={ep_size}): DeepSpeed's TopKGate "
             "(capacity, token dropping, random token selection) is not reproduced, so its outputs and l_aux would "
-            "differ; write the experts layer in plain PyTorch (a router and a ModuleList of experts, as "
-            "tests/outside_moe.py does) and pick the expert-parallel plan with 'nnscaler': {'plan': 'ep', 'ep': N}")
+            "differ; write the experts layer in plain PyTorch (a router and a ModuleList of experts) and pick the "
+            "expert-parallel plan with 'nnscaler': {'plan': 'ep', 'ep': N}")
