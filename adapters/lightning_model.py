@@ -6,9 +6,40 @@ once, before planning, to learn what `training_step` passes it.
 """
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Optional
 
 import torch
+
+#: torch modules that compute differently in training and in evaluation.
+_MODE_DEPENDENT = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._NormBase, torch.nn.RNNBase,
+                   torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+
+
+def mode_dependent_modules(model: torch.nn.Module) -> list[str]:
+    """The submodules whose forward differs between `train()` and `eval()`: torch's own (dropout with
+    p > 0, batch/instance norm with running statistics, ...) and any whose class's forward reads
+    `self.training`. A program captured in training mode runs their training behaviour, so an
+    evaluation forward of such a model cannot run it."""
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, _MODE_DEPENDENT):
+            p = getattr(m, "p", getattr(m, "dropout", 1.0))
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase):
+                if m.track_running_stats:
+                    found.append(name or type(m).__name__)
+            elif not isinstance(p, (int, float)) or p > 0:
+                found.append(name or type(m).__name__)
+            continue
+        if type(m).__module__.startswith("torch.nn."):
+            continue
+        try:
+            source = inspect.getsource(type(m).forward)
+        except (OSError, TypeError):
+            continue
+        if "training" in source:
+            found.append(name or type(m).__name__)
+    return found
 
 
 class Recorded(Exception):
@@ -77,12 +108,52 @@ class _DeferredGradients(torch.autograd.Function):
 
 
 class PlannedModel(torch.nn.Module):
-    def __init__(self, pmodule: torch.nn.Module, *, whole_steps: bool):
+    """`skeleton`: the planned model's structure on the meta device (`capture.skeleton.meta_skeleton`),
+    `buffers`: its non-persistent buffers (not in any state dict); together with the whole weights
+    they make the plain model a pickle of this one becomes (see `__reduce__`)."""
+
+    def __init__(self, pmodule: torch.nn.Module, *, whole_steps: bool, skeleton: Optional[torch.nn.Module] = None,
+                 buffers: Optional[dict[str, torch.Tensor]] = None, eval_refusal: str = ""):
         super().__init__()
         self.pmodule = pmodule
         self.whole_steps = whole_steps
+        self.eval_refusal = eval_refusal  # why an evaluation forward cannot run ("" when it can)
+        # plain attributes, not submodules: the skeleton's meta tensors are no part of this module's state
+        self.__dict__["_skeleton"] = skeleton
+        self.__dict__["_plain_buffers"] = dict(buffers or {})
+
+    def plain_model(self) -> torch.nn.Module:
+        """The planned model as an ordinary module on the CPU with whole weights: what it pickles to.
+        Collective where the weights are split (tensor-parallel pieces, ZeRO-3 chunks): call it, or
+        pickle the LightningModule, on every rank, as Lightning's checkpointing does."""
+        skeleton = self.__dict__.get("_skeleton")
+        if skeleton is None:
+            raise TypeError("this planned model cannot be pickled: its structure could not be copied when it was "
+                            "planned (an attribute refuses deepcopy); save trainer.save_checkpoint(...) or "
+                            "trainer.lightning_module.state_dict() instead")
+        import copy
+
+        model = copy.deepcopy(skeleton).to_empty(device="cpu")
+        whole = self.pmodule.full_state_dict()
+        missing, unexpected = model.load_state_dict(whole, strict=False)
+        for name, value in self.__dict__["_plain_buffers"].items():  # not in any state dict: kept as planned
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, value.clone(), persistent=False)
+        if missing or unexpected:
+            raise RuntimeError(f"the planned model's whole weights do not fill its structure (missing {missing[:8]}, "
+                               f"unexpected {unexpected[:8]})")
+        model.train(self.training)
+        return model
+
+    def __reduce__(self) -> Any:
+        """A pickle (`pickle.dumps(trainer.lightning_module)`, `torch.save(module)`) holds the plain model
+        with whole weights, no process group, thread or generated code: loading it gives a module that
+        runs eagerly in one process, as a DDP-trained LightningModule does."""
+        return _plain, (self.plain_model(),)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.eval_refusal and not self.training:
+            raise RuntimeError(self.eval_refusal)
         if not self.whole_steps:
             if self.training and torch.is_grad_enabled():  # Lightning runs backward on this loss itself
                 from .loss_weight import weighed_output
@@ -111,3 +182,8 @@ class PlannedModel(torch.nn.Module):
             p.grad = old
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
         return _DeferredGradients.apply(anchor, loss, pending)
+
+
+def _plain(model: torch.nn.Module) -> torch.nn.Module:
+    """What a pickled `PlannedModel` loads as: the plain model itself."""
+    return model

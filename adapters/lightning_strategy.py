@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .lightning_model import PlannedModel, Recorded, Recorder
+from .lightning_model import PlannedModel, Recorded, Recorder, mode_dependent_modules
 from .plan_choice import PlanLike, check_plan, check_training_state, session_for
 
 
@@ -42,6 +42,21 @@ def _check_own_keywords(plan_options: dict) -> None:
         close = difflib.get_close_matches(key, own, n=1, cutoff=0.8)
         if close:
             raise TypeError(f"NNScalerStrategy got an unexpected keyword {key!r} (did you mean {close[0]!r}?)")
+
+
+#: The environment variable naming the generated-code cache when `cache_dir=` is not given.
+CACHE_ENV = "NNS_CACHE_DIR"
+
+
+def generated_code_dir(cache_dir: Optional[str], default_root_dir: Optional[str]) -> str:
+    """Where the generated code of a plan is cached: `cache_dir=`, else $NNS_CACHE_DIR, else
+    `.nnscaler_cache` under the Trainer's `default_root_dir` -- beside Lightning's own logs and
+    checkpoints, never in whatever directory the script happens to start in."""
+    if cache_dir is not None:
+        return str(cache_dir)
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    return os.path.join(default_root_dir or os.getcwd(), ".nnscaler_cache")
 
 
 #: Marks a checkpoint (and its optimizer entries) whose parallelized state is in a sharded directory.
@@ -57,7 +72,7 @@ class NNScalerStrategyMixin:
     def __init__(self, plan: PlanLike = "dp", *, module_attr: Optional[str] = None, example_inputs: Any = None,
                  loss_fn: Optional[Callable] = None, start_method: str = "popen",
                  process_group_backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-                 cache_dir: str = ".nnscaler_cache", accelerator: Any = None, parallel_devices: Any = None,
+                 cache_dir: Optional[str] = None, accelerator: Any = None, parallel_devices: Any = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
                  state_dict_type: str = "full", **plan_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -80,7 +95,7 @@ class NNScalerStrategyMixin:
         self.module_attr = module_attr
         self.example_inputs = example_inputs
         self.loss_fn = loss_fn
-        self.cache_dir = cache_dir
+        self.cache_dir = cache_dir  # None: chosen at setup (`generated_code_dir`)
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -185,6 +200,8 @@ class NNScalerStrategyMixin:
     def _example_before_launch(self, model: Any, loaders: Any, datamodule: Any) -> Optional[tuple[Any, Any]]:
         attr = self.module_attr or _find_inner_module(model)
         inner = getattr(model, attr)
+        if isinstance(inner, PlannedModel):
+            return None  # planned already, by an earlier stage on this Trainer
         if self.example_inputs is not None:
             return inner, self.example_inputs
         if datamodule is not None or not isinstance(loaders, torch.utils.data.DataLoader):
@@ -297,6 +314,12 @@ class NNScalerStrategyMixin:
 
         attr = self._attr = self.module_attr or _find_inner_module(model)
         inner = getattr(model, attr, None)
+        if isinstance(inner, PlannedModel):  # a later stage (validate, test, predict, another fit) on this Trainer
+            if self.pmodule is not None and inner.pmodule is self.pmodule:
+                return model
+            raise RuntimeError(f"NNScalerStrategy: {type(model).__name__}.{attr} was planned by another Trainer's "
+                               "strategy; run every stage on that Trainer, or give this one a fresh module (load "
+                               "the checkpoint, or unpickle the planned module: it holds the plain model)")
         if not isinstance(inner, torch.nn.Module):
             raise AttributeError(f"NNScalerStrategy(module_attr={attr!r}): {type(model).__name__}.{attr} is not an "
                                  "nn.Module; name the submodule training_step calls")
@@ -306,12 +329,19 @@ class NNScalerStrategyMixin:
             from .hookspecs import example_inputs
 
             example = example_inputs(inner, self._record_inputs(model, attr))
-        self.pmodule = self.session.parallelize(inner, example, device=self.root_device, cache_dir=self.cache_dir,
-                                                loss_fn=self.loss_fn)
+        from nnscaler_plugins.capture.skeleton import meta_skeleton
+
+        skeleton = meta_skeleton(inner)  # what a pickle of the planned model rebuilds (PlannedModel.__reduce__)
+        kept = set(inner.state_dict())
+        buffers = {k: b.detach().cpu().clone() for k, b in inner.named_buffers() if k not in kept}
+        root = getattr(self._trainer, "default_root_dir", None)
+        self.pmodule = self.session.parallelize(inner, example, device=self.root_device,
+                                                cache_dir=generated_code_dir(self.cache_dir, root), loss_fn=self.loss_fn)
         check_training_state(self.pmodule.plan, "NNScalerStrategy", zero=True)
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole
-        setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole))
+        setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole, skeleton=skeleton, buffers=buffers,
+                                          eval_refusal=self._eval_refusal(skeleton, attr)))
         self._materialize_rest(model)
         # The replaced module's weights (already on the device) are held only by the reference cycles
         # the capture left; free them now rather than at some later collection (measured on one GPU:
@@ -320,6 +350,19 @@ class NNScalerStrategyMixin:
         gc.collect()
         on_parallelized(self.pmodule, self.pmodule.plan, "lightning")
         return model
+
+    def _eval_refusal(self, skeleton: Any, attr: str) -> str:
+        """Why this plan cannot run the model in evaluation mode ("" when it can): a program captured in
+        training mode runs dropout and batch norm as in training, so a model with them is evaluated only
+        by its own forward (the eager executor, which follows `eval()`)."""
+        if self.pmodule.eager_only or skeleton is None:
+            return ""
+        found = mode_dependent_modules(skeleton)
+        if not found:
+            return ""
+        return (f"NNScalerStrategy: {attr}.{', '.join(found[:4])} compute differently in evaluation, and this plan "
+                "runs a program captured in training mode; validate, test and predict with a plan that runs the "
+                "model's own forward (plan='dp' or a ZeRO plan with executor='eager'), or without those modules")
 
     def _materialize_rest(self, model: Any) -> None:
         """What `configure_model` built on the meta device outside the planned submodule (heads, metrics,
@@ -333,18 +376,19 @@ class NNScalerStrategyMixin:
     def _record_inputs(self, model: Any, attr: str, batch: Any = None) -> Any:
         """Run `training_step` on the first training batch up to the call of the inner model, and keep
         what it was called with: exactly the example inputs the plan must be made for."""
-        batch = self._first_train_batch() if batch is None else batch
+        step = _STEP_OF_STAGE.get(self._stage(), "training_step")
+        batch = self._first_stage_batch() if batch is None else batch
         from nnscaler_plugins.capture.tracing import unmoved_random_streams
 
         original = getattr(model, attr)
         setattr(model, attr, Recorder())
         try:
-            with unmoved_random_streams():  # what training_step draws before the call, drawn again in the real step
-                model.training_step(batch, 0)
+            with unmoved_random_streams(), torch.no_grad() if step != "training_step" else contextlib.nullcontext():
+                getattr(model, step)(batch, 0)  # what the step draws before the call, drawn again in the real one
         except Recorded as r:
             args, kwargs = r.args, r.kwargs
         else:
-            raise RuntimeError(f"NNScalerStrategy: training_step did not call self.{attr}; pass module_attr= (the "
+            raise RuntimeError(f"NNScalerStrategy: {step} did not call self.{attr}; pass module_attr= (the "
                                "submodule it calls) or example_inputs=")
         finally:
             setattr(model, attr, original)
@@ -355,13 +399,21 @@ class NNScalerStrategyMixin:
             return kwargs
         return args[0] if len(args) == 1 else tuple(args)
 
-    def _first_train_batch(self) -> Any:
-        trainer = self._trainer
-        if trainer is None or trainer.state.fn != "fit":
-            raise RuntimeError("NNScalerStrategy captures the model on a training batch; pass example_inputs= to "
-                               "validate, test or predict without fitting")
-        source = trainer.fit_loop._data_source
-        loader = source.dataloader()
+    def _stage(self) -> str:
+        fn = getattr(getattr(self._trainer, "state", None), "fn", None)
+        return str(getattr(fn, "value", fn) or "fit")
+
+    def _first_stage_batch(self) -> Any:
+        """The first batch of the running stage's loader (fit's training loader, or validate's, test's,
+        predict's): a stage run before any fit plans the model on its own batches."""
+        trainer, stage = self._trainer, self._stage()
+        loop = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
+        if trainer is None or stage not in loop:
+            raise RuntimeError(f"NNScalerStrategy: no batch to plan the model on in stage {stage!r}; pass "
+                               "example_inputs=")
+        loader = getattr(trainer, loop[stage])._data_source.dataloader()
+        if isinstance(loader, (list, tuple)) and loader:  # several loaders: the first one's batch
+            loader = loader[0]
         # Drawing a batch consumes random numbers (sampler seeds, a collator's); the real run must not notice.
         from nnscaler_plugins.capture.tracing import unmoved_random_streams
 
@@ -527,6 +579,11 @@ class NNScalerStrategyMixin:
                                    override=True)
         strategy_registry.register("nnscaler_spawn", cls, description="nnscaler-plugins plans, spawned processes",
                                    start_method="spawn", override=True)
+
+
+#: The LightningModule method each stage calls the model from.
+_STEP_OF_STAGE = {"fit": "training_step", "validate": "validation_step", "test": "test_step",
+                  "predict": "predict_step"}
 
 
 def _find_inner_module(model: torch.nn.Module) -> str:
