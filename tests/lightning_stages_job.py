@@ -84,7 +84,9 @@ def run(name: str, out: str, root: str) -> None:
     cwd_before = sorted(os.listdir("."))
     threads_before = {t.ident for t in threading.enumerate()}
     kw = dict(accelerator="cpu", devices=1 if name == "single" else 2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              default_root_dir=os.path.join(root, name.replace(":", "_")), num_sanity_val_steps=0)
+              default_root_dir=os.path.join(root, name.replace(":", "_")), num_sanity_val_steps=0,
+              # against one device (plans with one replica): every rank reads the loaders as they are
+              use_distributed_sampler=os.environ.get("NNS_STAGES_SAMPLER", "1") == "1")
     trainer = pl.Trainer(strategy=strategy, max_steps=3, **kw)
     train, val, test, pred = loader(24, 4, 1), loader(12, 3, 2), loader(10, 5, 3), loader(6, 3, 4)
     metrics = {}

@@ -74,3 +74,25 @@ def test_every_stage_in_any_order_on_one_trainer_as_under_ddp(tmp_path):
                     and t != "child-process-observer"] == [], left  # Lightning's own launcher thread only
             assert left["dist"] == ref["left"]["dist"] and left["cwd"] == [], left
             assert any(c.startswith(str(root / plan)) for c in got["caches"]), got["caches"]
+
+
+@pytest.mark.skipif(not ALL_PLANS, reason="a second launch; NNS_TEST_ALL_PLANS=1 runs it")
+def test_a_captured_plan_runs_every_stage_as_one_device(tmp_path):
+    """tp (captured, one replica: both ranks read every batch, so no distributed sampler) against one
+    device run by the launching process: each stage's per-batch losses, the metrics, the
+    predictions, the resumed fits and the pickled module (its weights gathered from the pieces)."""
+    cwd, out, root = tmp_path / "cwd", tmp_path / "out", tmp_path / "root"
+    for d in (cwd, out, root):
+        d.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", NNS_STAGES_SAMPLER="0")
+    env.pop(CACHE_ENV, None)
+    proc = subprocess.run([sys.executable, JOB, str(out), str(root), "single", "tp"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert os.listdir(cwd) == [], os.listdir(cwd)
+    ref = json.loads((out / "single.0.json").read_text())
+    for rank in (0, 1):
+        got = json.loads((out / f"tp.{rank}.json").read_text())
+        for key in ("seen", "resumed_seen", "metrics", "preds", "pickled"):
+            assert _close(got[key], ref[key]), (rank, key, got[key], ref[key])
+        assert got["left"]["cwd"] == [] and any(c.startswith(str(root / "tp")) for c in got["caches"]), got
