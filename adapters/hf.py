@@ -7,6 +7,8 @@
     class MyTrainer(NNScalerTrainerMixin, SomeTrainerSubclass): ...           # any other Trainer
     MyTrainer(..., args=SomeArguments(...), plan="1f1b", plan_options={"micro_batches": 2})
 
+`NNScalerSeq2SeqTrainer` and `NNScalerSeq2SeqTrainingArguments` are the same for `Seq2SeqTrainer`.
+
 A script that reads its arguments with `HfArgumentParser` (every transformers example) needs only its
 `Trainer` and `TrainingArguments` swapped for these classes: `--plan tp --plan_options '{"tp": 2}'`
 then come from its command line (or its JSON / YAML argument file).
@@ -29,8 +31,12 @@ What changes against a plain Trainer, and why:
   when the Trainer passes no count. Losses and gradients are then a plain single-process Trainer's
   on the same global batches, its arithmetic included.
 - Norm clipping uses the norm of the whole model, not of this rank's shards.
+- A subclass's own `compute_loss` (TRL's, or one logging metrics) runs in every training step, calling
+  the planned model's forward; the loss it returns must be that model's own loss output, which is then
+  weighed as above (adapters/hf_custom_loss.py); another loss is refused by name.
 - `evaluate` and `predict` read batches by replica too and keep each replica's outputs once; the loss
-  is each batch's mean, as one process reports it. A plan that runs whole training steps (a pipeline,
+  is each batch's mean, as one process reports it. With `predict_with_generate` (Seq2SeqTrainer)
+  generation runs on the original model, given the trained weights first (gathered from the shards). A plan that runs whole training steps (a pipeline,
   micro-batches) has no forward pass to evaluate with and refuses them by name.
 - `save_model` gathers whole tensors (every rank calls it, as the Trainer does) and writes an ordinary
   `save_pretrained` directory; the original model object is kept up to date with the trained weights.
@@ -55,7 +61,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainingArguments
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
 from nnscaler_plugins.plan.plan import Plan
@@ -170,6 +176,26 @@ class _ReplicaView:
         setattr(self._args, name, value)
 
 
+class _WithoutTokenAveraging:
+    """Training arguments with `average_tokens_across_devices` off, for a subclass's `compute_loss`
+    inside a planned step: transformers (and TRL) multiply the loss by the process count under it,
+    which undoes their division by a count summed over processes; the planned step weighs replicas
+    itself, so the factor one process would apply (1) is the one kept. Everything else reads through."""
+
+    def __init__(self, args: Any):
+        object.__setattr__(self, "_args", args)
+
+    @property
+    def average_tokens_across_devices(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_args"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._args, name, value)
+
+
 class _PlannedModel(torch.nn.Module):
     """What the Trainer sees as its wrapped model: the ParallelModule and the original model's
     attributes (config, name_or_path) for the parts of the Trainer that read them."""
@@ -178,9 +204,32 @@ class _PlannedModel(torch.nn.Module):
         super().__init__()
         self.pmodule = pmodule
         object.__setattr__(self, "_original", original)  # not a submodule: its weights are stale copies
+        self.calls: Any = None  # a training step's forward calls (hf_custom_loss.ForwardCalls), while one runs
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.pmodule(*args, **kwargs)
+        """The planned forward. The Trainer's `compute_loss` adds its count (`num_items_in_batch`), which
+        the program, captured without it, does not take: the adapter weighs the loss instead. Inside a
+        training step each call with gradients is weighed and recorded first (collective)."""
+        kwargs.pop("num_items_in_batch", None)
+        if self.calls is None or not torch.is_grad_enabled():
+            if self.training or getattr(self.pmodule, "dp_size", 1) <= 1:
+                return self.pmodule(*args, **kwargs)
+            # evaluation: each replica's batch mean weighed by its share of the targets, so the Trainer's
+            # mean over processes is the global batch's mean, as one process reports it (collective)
+            from .loss_weight import weighed_output
+
+            return weighed_output(self.pmodule, args, kwargs, lambda: self.pmodule(*args, **kwargs))
+        weight = self.pmodule.loss_weight(kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args)))
+        out = self.pmodule(*args, **kwargs)
+        self.calls.record(out, weight)
+        return out
+
+    def train(self, mode: bool = True) -> "_PlannedModel":
+        """The original model follows, as the Trainer's model would: generation (`Seq2SeqTrainer`) runs it,
+        and subclasses read `self.model.training` to tell training from evaluation."""
+        super().train(mode)
+        object.__getattribute__(self, "_original").train(mode)
+        return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The Trainer zeroes the model, not the optimizer: the ParallelModule's own zero_grad also
@@ -224,6 +273,8 @@ class NNScalerTrainerMixin:
         self._nns_wrapped: Optional[_PlannedModel] = None
         self._nns_shares: Optional[list[float]] = None  # each accumulated batch's share of the window's loss
         self._nns_count_use: Any = None  # how the model's loss uses num_items_in_batch (hf_loss_count.CountUse)
+        self._nns_window_count: Optional[float] = None  # the window's count as one process has it, once read
+        self._nns_in_step = False  # a subclass's compute_loss is running inside a training step
         super().__init__(*args, **kwargs)
 
     # -- planning ---------------------------------------------------------------------------------------
@@ -243,6 +294,7 @@ class NNScalerTrainerMixin:
         if self.nns_weights is not None:
             nns.checkpoint.load(self.nns_weights, self.nns_module)
         check_training_state(self.nns_module.plan, type(self).__name__, zero=True)
+        self._nns_refuse_whole_step_custom_loss()
         if getattr(self.args, "eval_strategy", "no") != "no" or getattr(self.args, "eval_on_start", False):
             self._nns_refuse_whole_step_evaluation()  # before training, not at the first evaluation
         self._nns_wrapped = _PlannedModel(self.nns_module, model)
@@ -263,6 +315,27 @@ class NNScalerTrainerMixin:
                 "which the planned step does not do (it back-propagates the loss the model returns, as captured); "
                 "train without them (label_smoothing_factor=0, no compute_loss_func), or compute that loss in the "
                 "model's forward")
+
+    def _nns_custom_loss(self) -> Optional[type]:
+        """The Trainer subclass whose own `compute_loss` each training step runs (adapters/hf_custom_loss.py);
+        None for transformers' own, which the plan's `train_step` computes."""
+        from .hf_custom_loss import own_compute_loss
+
+        return own_compute_loss(type(self), NNScalerTrainerMixin)
+
+    def _nns_refuse_whole_step_custom_loss(self) -> None:
+        """A subclass's compute_loss calls the model's forward, which a plan running whole training steps
+        (a pipeline, micro-batches) does not have: refused before training, naming both."""
+        owner, plan = self._nns_custom_loss(), self.nns_module.plan
+        if owner is None or (plan.pipeline is None and plan.num_micro_batches <= 1):
+            return
+        from .hf_custom_loss import CustomLossError
+
+        what = "a pipeline" if plan.pipeline is not None else f"{plan.num_micro_batches} micro-batches"
+        raise CustomLossError(
+            f"{type(self).__name__}: {owner.__name__}.compute_loss calls the model's forward, which plan "
+            f"{plan.strategy!r} does not have: it runs whole training steps ({what}). Use a plan without a pipeline "
+            "or micro_batches (dp, tp, the ZeRO plans), or leave compute_loss to transformers' Trainer")
 
     def _nns_passes_count(self, batch: Any) -> bool:
         """Whether the Trainer passes `num_items_in_batch` to the model's forward for such batches
@@ -363,6 +436,8 @@ class NNScalerTrainerMixin:
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loop, gathering predictions and losses once per replica (`_nns_gather_for_metrics`)."""
         self._nns_refuse_whole_step_evaluation()
+        if getattr(self.args, "predict_with_generate", False):
+            self._nns_prepare_generation()
         if self._nns_devices_per_replica() == 1:
             return super().evaluation_loop(*args, **kwargs)
         self.gather_function = functools.partial(self._nns_gather_for_metrics,
@@ -371,6 +446,20 @@ class NNScalerTrainerMixin:
             return super().evaluation_loop(*args, **kwargs)
         finally:
             self.gather_function = self.accelerator.gather_for_metrics  # what the Trainer leaves there
+
+    def _nns_prepare_generation(self) -> None:
+        """`Seq2SeqTrainer` generates with `self.model.generate`: the original model, which a planned run
+        does not train. It gets the trained weights first (gathered from the shards, collective: every
+        rank evaluates), so generation runs on a whole copy of the planned model; a model on the meta
+        device has no copy to generate with and is refused."""
+        if self.nns_module is None:  # not trained yet: the original holds the weights
+            return
+        if self._nns_on_meta():
+            raise NotImplementedError(
+                f"{type(self).__name__}: predict_with_generate generates with the whole model, and this one was built "
+                "on the meta device (no process holds it whole); save the model (save_model) and generate from "
+                "from_pretrained of that directory, or evaluate without predict_with_generate")
+        self._nns_sync_original()
 
     def _nns_refuse_whole_step_evaluation(self) -> None:
         """A plan that runs whole training steps (a pipeline, or micro-batches) has no forward pass of its
@@ -385,11 +474,15 @@ class NNScalerTrainerMixin:
             "pipeline or micro_batches, or train without evaluation (no --do_eval, eval_strategy='no')")
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        """Evaluation's loss (training runs the plan's `train_step` instead). The planned program computes
-        the loss as it was captured, each batch's mean over its targets: what one process reports for
-        the batch. Given the Trainer's count of the batch's items, the Trainer would pass it to a program
-        that never takes it and then rescale the mean by the processes (as for a sum over the count)."""
-        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+        """Evaluation's loss, and a training step's when a subclass has its own `compute_loss` (else
+        training runs the plan's `train_step`). The planned program computes the loss as it was
+        captured, each batch's mean over its targets: what one process reports for the batch. Outside
+        a training step the Trainer's count is not passed on: the Trainer would hand it to a program
+        that never takes it and then rescale the mean by the processes (as for a sum over the count).
+        Inside one, the subclass sees the window's count as one process has it, and the Trainer's
+        rescaling is off (`_nns_custom_step`)."""
+        count = num_items_in_batch if self._nns_in_step else None
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=count)
 
     def _nns_gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """accelerate's `gather_for_metrics` over replicas: the devices of one replica read the same batch
@@ -474,13 +567,16 @@ class NNScalerTrainerMixin:
         from .hookspecs import example_inputs
 
         k = len(batches)
+        self._nns_window_count = None
         accepts = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
                 or self.compute_loss_func is not None
         per = 1.0 if scaled else 1.0 / k
-        if not (accepts and num_items_in_batch is not None) or self._nns_count_use is CountUse.IGNORES:
+        custom = self._nns_custom_loss() is not None  # its compute_loss sees the count one process has
+        if not (accepts and num_items_in_batch is not None) or (self._nns_count_use is CountUse.IGNORES
+                                                               and not custom):
             return [per] * k
         pm = self.nns_module
         # The Trainer's count is already summed over processes when it averages tokens across them.
@@ -491,6 +587,9 @@ class NNScalerTrainerMixin:
             dist.all_reduce(counts)
         counts /= pm.plan.unit_size  # every device of a replica read the same batches
         trainer_count = float(num_items_in_batch) / pm.plan.unit_size if summed else float(counts[-1])
+        self._nns_window_count = trainer_count
+        if self._nns_count_use is CountUse.IGNORES:
+            return [per] * k
         if trainer_count <= 0:
             return [per] * k
         return [float(c) / trainer_count * per for c in counts[:-1]]
@@ -514,13 +613,16 @@ class NNScalerTrainerMixin:
         if k > 1:
             for p in params:
                 p.grad = None
-        scale = pm.loss_scale
-        pm.loss_scale = scale * share  # this step's share of the accumulated update, wherever its gradients land
-        try:
-            with self.compute_loss_context_manager():
-                loss = pm.train_step(example_inputs(self.model, inputs))
-        finally:
-            pm.loss_scale = scale
+        if self._nns_custom_loss() is not None:
+            loss = self._nns_custom_step(inputs, num_items_in_batch, share)
+        else:
+            scale = pm.loss_scale
+            pm.loss_scale = scale * share  # this step's share of the accumulated update, wherever its gradients land
+            try:
+                with self.compute_loss_context_manager():
+                    loss = pm.train_step(example_inputs(self.model, inputs))
+            finally:
+                pm.loss_scale = scale
         if k > 1:  # the earlier steps' gradients, already reduced, are added back after this step's reduction
             with torch.no_grad():
                 for p, old in zip(params, before):
@@ -530,6 +632,33 @@ class NNScalerTrainerMixin:
                     else:
                         p.grad = old
         return loss.detach() * share
+
+    def _nns_custom_step(self, inputs: dict, num_items_in_batch: Any, share: float) -> torch.Tensor:
+        """One batch through the subclass's own `compute_loss` (adapters/hf_custom_loss.py): it calls the
+        planned model's forward, and the loss it returns, which must be that model's loss output, is
+        back-propagated weighed by the replica's share of the targets (the call's `loss_weight`) and the
+        batch's share of the window. The subclass sees the window's count as one process has it, and
+        the Trainer's rescaling of the loss by the process count (`average_tokens_across_devices`, which
+        a process count of one makes 1) is off. Returns the loss weighed so that the Trainer's mean
+        over processes of what it logs is the global batch's."""
+        from .hf_custom_loss import ForwardCalls
+
+        count = num_items_in_batch
+        if count is not None and self._nns_window_count is not None:
+            count = torch.tensor(self._nns_window_count, dtype=count.dtype if isinstance(count, torch.Tensor)
+                                 else torch.float32, device=self.args.device)
+        pm, wrapped, args = self.nns_module, self._nns_wrapped, self.args
+        calls = wrapped.calls = ForwardCalls()
+        self.args = _WithoutTokenAveraging(args)
+        self._nns_in_step = True
+        try:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(wrapped, inputs, num_items_in_batch=count)
+        finally:
+            self._nns_in_step, self.args, wrapped.calls = False, args, None
+        weight = calls.weight_of(loss, self._nns_custom_loss().__name__)
+        (loss * (pm.loss_scale * share * weight)).backward()
+        return loss.detach() * weight
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         from nnscaler_plugins.runtime.grad_clip import clip_grad_norm_
@@ -680,4 +809,18 @@ class NNScalerTrainer(NNScalerTrainerMixin, Trainer):
     """`transformers.Trainer` that trains under a plan (see the module docstring)."""
 
 
-__all__ = ["NNScalerTrainer", "NNScalerTrainerMixin", "NNScalerTrainingArguments"]
+@dataclass
+class NNScalerSeq2SeqTrainingArguments(NNScalerTrainingArguments, Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` (`predict_with_generate`, `generation_max_length`, ...) plus the plan;
+    any other arguments class takes the plan fields the same way, in one line:
+    `@dataclass class MyArguments(NNScalerTrainingArguments, SFTConfig): pass`."""
+
+
+class NNScalerSeq2SeqTrainer(NNScalerTrainerMixin, Seq2SeqTrainer):
+    """`transformers.Seq2SeqTrainer` that trains under a plan. With `predict_with_generate`, `evaluate`
+    and `predict` generate with the whole model, given the trained weights from the shards first; the
+    loss is the planned model's."""
+
+
+__all__ = ["NNScalerSeq2SeqTrainer", "NNScalerSeq2SeqTrainingArguments", "NNScalerTrainer", "NNScalerTrainerMixin",
+           "NNScalerTrainingArguments"]
