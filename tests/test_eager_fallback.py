@@ -49,6 +49,9 @@ def long_batches_run_eagerly(rank: int, world: int, plan: str) -> tuple[list[str
     ref.train()
     pm = nns.parallelize(model, _batch(0, 2, 16), plan=plan, cache_dir="/tmp/nns_test_cache")
     assert pm.eager is None and pm.no_fallback is None, pm.no_fallback  # captured, and able to fall back
+    # the model kept for the fallback is no submodule: an optimizer over pm.parameters() steps the shards only
+    assert not {id(p) for p in pm.parameters()} & {id(p) for p in model.parameters()}
+    assert not any(m is model for m in pm.modules())
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     problems, eager = [], []

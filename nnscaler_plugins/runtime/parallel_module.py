@@ -222,11 +222,13 @@ class ParallelModule(torch.nn.Module):
         # A captured plan that keeps whole layers on each device runs the model's own forward for sizes
         # its captured program cannot take (the executor is bound at the first such batch): None when
         # it cannot, `no_fallback` then says why.
-        self._fallback_model, self.no_fallback = None, "the plan runs the model's own forward already"
+        # (kept outside nn.Module's registry: the user's model is no submodule, its parameters none of ours)
+        object.__setattr__(self, "_fallback_model", None)
+        self.no_fallback = "the plan runs the model's own forward already"
         if not is_eager:
             self.no_fallback = fallback_problem(plan, model, program)
             if self.no_fallback is None:
-                self._fallback_model = model
+                object.__setattr__(self, "_fallback_model", model)
                 if self._reducer is not None:  # either executor's backward may run on a replica: DDP's order
                     self._reducer.in_order = True
         # Which executor the forwards of the batch the replicas last agreed on run (`_agree_begin`).
