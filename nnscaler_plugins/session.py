@@ -41,7 +41,7 @@ from nnscaler_plugins.plan.source import PlanLike, PlanSource, resolve
 from nnscaler_plugins.plan.validate import made_for, validate
 from nnscaler_plugins.plugins import get_plugin_manager
 from nnscaler_plugins.rules.table import warn_replicate_only
-from nnscaler_plugins.runtime.job_store import launcher_advice
+from nnscaler_plugins.runtime.job_store import init_default_group, launcher_advice
 from nnscaler_plugins.runtime.materialize import has_meta_tensors
 from nnscaler_plugins.runtime.parallel_module import ParallelModule
 
@@ -396,7 +396,7 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = get_plugin_manager().hook.nnscaler_choose_backend(device_type=device.type)
-        dist.init_process_group(backend)
+        init_default_group(backend)  # on a store view of this restart attempt (runtime/job_store.py)
         advice = launcher_advice(os.environ)
         if advice and dist.get_rank() == 0:
             warnings.warn(advice, stacklevel=3)

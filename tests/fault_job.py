@@ -181,8 +181,14 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--work-tag", default="", help="appended to each scenario's folder name")
     ap.add_argument("--final-tag", default="", help="appended to each scenario's final weights file name")
+    ap.add_argument("--late-rank-on-restart", type=float, default=0.0,
+                    help="seconds a restarted attempt's rank 1 waits before joining, so that rank 0 reads the store "
+                         "first (where the killed attempt's keys may still be)")
     args, rest = ap.parse_known_args()
     os.makedirs(args.work, exist_ok=True)
+    if args.late_rank_on_restart and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
+            and os.environ.get("RANK") == "1":
+        time.sleep(args.late_rank_on_restart)
     for item in args.scenarios.split(","):
         plan, fault = item.split(":")
         if not args.no_reference:

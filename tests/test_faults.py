@@ -44,12 +44,19 @@ def _env() -> dict:
     return env
 
 
-def torchrun(work: str, args: list[str], nproc: int = 2, restarts: int = 0, timeout: float = 900) -> tuple[int, str]:
-    """Run tests/fault_job.py under torchrun (standalone, gloo on 127.0.0.1); (exit code, output)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+def torchrun(work: str, args: list[str], nproc: int = 2, restarts: int = 0, timeout: float = 900,
+             static: bool = False, share_store: bool = False) -> tuple[int, str]:
+    """Run tests/fault_job.py under torchrun, gloo on 127.0.0.1; (exit code, output). Standalone (c10d
+    rendezvous on a local store) by default; `static`: a static rendezvous on `--master_port`, as a job
+    started by hand is; `share_store`: the workers share the launcher's store (torchrun's default)."""
+    launch = (["--master_addr", "127.0.0.1", "--master_port", str(_free_port())] if static else ["--standalone"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(nproc),
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", JOB, "--work", work,
            "--cache-dir", os.path.join(work, "cache")] + args
-    proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=timeout)
+    env = _env()
+    if share_store:
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -90,6 +97,26 @@ def test_sigkill_at_a_random_step_resumes_exactly_under_tp_zero3_and_a_pipeline(
         assert resumed[0]["step"] in (last, last - 3), (name, kill, resumed)
         plan = s.split(":")[0]
         assert not same_weights(os.path.join(work, f"{plan}-ref.pt"), os.path.join(work, f"{name}.pt")), name
+
+
+@pytest.mark.parametrize("share_store", [False, pytest.param(True, marks=pytest.mark.skipif(
+    os.environ.get("NNS_TEST_ALL_PLANS") != "1", reason="a second torchrun launch; NNS_TEST_ALL_PLANS=1 runs it"))],
+    ids=["own store", "launcher's store"])
+def test_a_killed_rank_resumes_exactly_under_a_static_rendezvous(work, share_store):
+    """`torchrun --master_port P --max-restarts 1` (no c10d rendezvous): the restarted job meets in the
+    store the killed one used, where the killed processes' addresses still are; the default group is
+    set up on a view of the store per restart attempt (runtime/job_store.py), so it connects, resumes
+    from the last checkpoint and ends with the uninterrupted run's weights."""
+    tag = "-static-shared" if share_store else "-static"
+    # the restarted rank 1 comes late: rank 0 reads the store first, where rank 1's old address still is
+    code, out = torchrun(work, ["--scenarios", "zero3:kill", "--micro-batch-size", "2", f"--work-tag={tag}",
+                                "--late-rank-on-restart", "4"],
+                         restarts=1, static=True, share_store=share_store)
+    assert code == 0, out[-6000:]
+    ev = events(out)
+    name = "zero3-kill" + tag
+    assert [e["event"] for e in ev if e["scenario"] == name].count("resumed") == 1, ev
+    assert not same_weights(os.path.join(work, "zero3-ref.pt"), os.path.join(work, f"{name}.pt"))
 
 
 def test_kill_during_a_background_save_keeps_the_previous_checkpoint(work):

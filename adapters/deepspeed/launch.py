@@ -15,6 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from nnscaler_plugins.runtime.job_store import init_default_group
+
 from nnscaler_plugins.plugins import get_plugin_manager
 
 
@@ -61,6 +63,9 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     elif "RANK" in env and "WORLD_SIZE" in env:
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", str(distributed_port))
-        dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+        if init_method in (None, "env://"):  # on a store view of this restart attempt, as nns.parallelize does
+            init_default_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -50,3 +50,19 @@ def launcher_advice(environ: Mapping[str, str]) -> Optional[str]:
                 "the killed workers' keys: a restarted job can read them and fail to connect or save. Launch with "
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment (a store per attempt; pytorch/pytorch#135712)")
     return None
+
+
+def init_default_group(backend: str, **kwargs: Any) -> None:
+    """`dist.init_process_group(backend)` from the launcher's environment (env://), on a view of the
+    rendezvous store whose keys carry the restart attempt. Under torchrun with a static rendezvous
+    (`--master_port`) a restarted job meets in the store the killed attempt used, which still holds
+    the peers' addresses the killed processes published: gloo's set-up of the new default group reads
+    them and fails to connect ("Connection refused"). Prefixed per attempt, the new group's set-up
+    reads only what the new processes wrote."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = kwargs.pop("timeout", None)
+    store, rank, world = next(dist.rendezvous("env://", rank, world, **({"timeout": timeout} if timeout else {})))
+    store = dist.PrefixStore(f"{PREFIX}/attempt{attempt()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            **({"timeout": timeout} if timeout else {}), **kwargs)
+
