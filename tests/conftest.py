@@ -22,6 +22,8 @@ ALL_PLANS = os.environ.get("NNS_TEST_ALL_PLANS") == "1"
 # suite in under 20 minutes on 2 cores); NNS_TEST_ALL_PLANS=1 runs them. A node id, or its prefix
 # up to "[" for every parameter of a test. Keep the reason: it says which default test stands in.
 LONG = {
+    "tests/test_hf_seq2seq.py::test_seq2seq_trains_evaluates_and_generates_as_the_plain_trainer[tp]":
+        "a second 2-process Seq2Seq run, about 3 minutes; dp runs by default",
     "tests/test_faults.py::test_adapters_resume_a_killed_job_their_own_way_exactly":
         "three frameworks' resumes, 3 minutes; the plain loop's kill/resume runs by default",
     "tests/test_deepspeed_side_by_side.py::test_same_losses_as_deepspeed_for_zero_0_to_3":
