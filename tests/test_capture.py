@@ -178,3 +178,27 @@ def test_the_model_is_freed_as_soon_as_the_caller_drops_it(whole):
     finally:
         if was:
             gc.enable()
+
+
+def test_a_stray_fake_constant_from_torch_export_is_traced_again_once(monkeypatch):
+    """torch.export once reported a fake constant on a model it traces without fault otherwise: one
+    more trace is taken; the same message twice is the model's and refuses it by name."""
+    from nnscaler_plugins.capture import tracing
+
+    real = torch.export.export
+    failures = {"left": 1}
+
+    def flaky(*args, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("We found a fake tensor in the exported program constant's list. "
+                               "... model attribute: lifted_tensor_0.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", flaky)
+    model, inputs = models.mlp()
+    g = nns.capture(model, kwargs=inputs)
+    assert g.ops and failures["left"] == 0
+    failures["left"] = 2
+    with pytest.raises(tracing.CaptureError, match="lifted_tensor_0"):
+        nns.capture(model, kwargs=inputs)

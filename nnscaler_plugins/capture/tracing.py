@@ -198,22 +198,36 @@ def _recorded_contiguous() -> Iterator[None]:
         torch.Tensor.contiguous = original
 
 
+#: torch.export's non-strict tracer, on a model it traces without fault again and again, once in a
+#: long run of captures in one process reported a tensor made outside the trace as a fake constant
+#: ("lifted_tensor_0") and refused the model. It was not reproduced; a second trace after a garbage
+#: collection is the remedy for that message alone: one the model itself causes fails twice and is
+#: reported as before.
+_STRAY_FAKE_CONSTANT = "fake tensor in the exported program constant's list"
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.export.ExportedProgram,
                                                                        tuple[FoldedRead, ...]]:
     """torch.export, and the value reads answered while it traced (shape_values.py), quietly: on
     failure it prints the partial graph to stderr and logs warnings, hundreds of lines per rank. The
     user gets one short CaptureError naming their line; torch's full report stays in
     `CaptureError.details`."""
-    noise = io.StringIO()
     torch_log = logging.getLogger("torch")
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)
-    known = ShapeValues()  # value reads on tensors made from sizes alone are answered, not refused
     try:
-        with contextlib.redirect_stderr(noise), known:
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-    except Exception as e:  # torch.export raises many types; say what it means for the user
-        raise _capture_error(model, e, noise.getvalue(), known.too_large_hint()) from None
+        for attempt in range(2):
+            noise = io.StringIO()
+            known = ShapeValues()  # value reads on tensors made from sizes alone are answered, not refused
+            try:
+                with contextlib.redirect_stderr(noise), known:
+                    ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+                break
+            except Exception as e:  # torch.export raises many types; say what it means for the user
+                if attempt == 0 and _STRAY_FAKE_CONSTANT in str(e):
+                    gc.collect()  # see _STRAY_FAKE_CONSTANT: traced once more, from a collected heap
+                    continue
+                raise _capture_error(model, e, noise.getvalue(), known.too_large_hint()) from None
     finally:
         torch_log.setLevel(level)
     if noise.getvalue():
