@@ -120,6 +120,7 @@ class ForwardArguments:
 
         self.owner = type(model).__name__ if model is not None else "the model"
         self.named: Optional[set[str]] = None
+        self.defaults: dict[str, Any] = {}
         self.var_keyword = False
         self.var_positional = False
         self._warned: set[str] = set()
@@ -128,6 +129,7 @@ class ForwardArguments:
         except (AttributeError, TypeError, ValueError):
             return
         self.named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
         self.var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
         self.var_positional = any(p.kind is p.VAR_POSITIONAL for p in params)
 
@@ -162,6 +164,54 @@ class ForwardArguments:
             raise TypeError(f"the batch has {len(args)} positional inputs, the example had {captured_args}; the "
                             f"captured program does not read input {extra[0]}: capture with an example that has it, "
                             "or drop it from the batch")
+
+
+    def unlike_example(self, args: tuple, kwargs: dict, settings: dict) -> Optional[str]:
+        """What in this call the captured program would not do as eager does: a plain setting (a
+        number, a flag, a string, None) given another value than the example's -- `settings`, the
+        example's own (`capture.example_settings`) -- or, absent from the example, another value
+        than the forward's default (a keyword only `**kwargs` collects: any value but None). The
+        program was traced with the example's, as a Python branch on it is; None when all agree."""
+        for key, value in kwargs.items():
+            if not _is_setting(value):
+                continue
+            where = ("kwargs", key)
+            if where in settings:
+                traced, said = settings[where], "the example's"
+            elif self.named is not None and key in self.defaults:
+                traced, said = self.defaults[key], f"{self.owner}.forward's default"
+            elif self.named is not None and key not in self.named and self.var_keyword:
+                traced, said = None, "absent from the example, so never read"
+            else:
+                continue
+            if not _same_setting(value, traced):
+                return (f"batch key {key}={value!r} is not what the captured program was traced with "
+                        f"({said}: {traced!r}); eager PyTorch would run the model with {value!r}")
+        for i, value in enumerate(args):
+            where = ("args", i)
+            if where in settings and _is_setting(value) and not _same_setting(value, settings[where]):
+                return (f"positional input {i} is {value!r}, the captured program was traced with "
+                        f"{settings[where]!r}; eager PyTorch would run the model with {value!r}")
+        return None
+
+
+_SETTING_TYPES = (bool, int, float, str, type(None))
+
+
+def _is_setting(value: Any) -> bool:
+    return isinstance(value, _SETTING_TYPES)
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b or (a is None and b is None)
+
+
+def example_settings(args: tuple, kwargs: dict) -> dict[tuple, Any]:
+    """The plain settings (numbers, flags, strings, None) among a forward's top-level inputs, by
+    path (("kwargs", key) / ("args", i)): a captured program holds them as constants."""
+    out: dict[tuple, Any] = {("args", i): v for i, v in enumerate(args) if _is_setting(v)}
+    out.update({("kwargs", k): v for k, v in kwargs.items() if _is_setting(v)})
+    return out
 
 
 def _holds_tensor(value: Any) -> bool:

@@ -127,6 +127,10 @@ class Graph:
     # the order the model made them: the model's line and the answer, for messages and explain (those
     # of the two layers traced when a stack of layers was traced two deep).
     folded: tuple = field(default=(), compare=False)
+    # The example's plain settings among the forward's top-level inputs (a flag, a number, a string,
+    # None) by input path: the program holds them as constants, so a call giving others is not its to
+    # run (batches.ForwardArguments.unlike_example).
+    settings: dict = field(default_factory=dict, compare=False)
     _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

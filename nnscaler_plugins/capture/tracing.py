@@ -22,7 +22,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from nnscaler_plugins.batches import normalize_inputs
+from nnscaler_plugins.batches import example_settings, normalize_inputs
 from nnscaler_plugins.capture.autograd_functions import (
     FunctionCaptureError,
     is_opaque_call,
@@ -143,6 +143,7 @@ def _capture(model: torch.nn.Module, args: Any, kwargs: Optional[dict], trace_re
                 graph = split_fused_sections(slices_for_constant_index(graph))
                 graph.traced = "two layers"
                 graph.folded = folded
+                graph.settings = example_settings(args, kwargs)
                 return graph
             traced = f"whole: {why}"
             _log.info("%s: traced all %d layers of %s (%s)", type(model).__name__, len(layers.modules),
@@ -154,6 +155,7 @@ def _capture(model: torch.nn.Module, args: Any, kwargs: Optional[dict], trace_re
         graph = split_fused_sections(slices_for_constant_index(_to_graph(ep, model, args, kwargs)))
         graph.traced = traced
         graph.folded = folded
+        graph.settings = example_settings(args, kwargs)
         return graph
 
 

@@ -124,6 +124,8 @@ class ParallelModule(torch.nn.Module):
         self._forward_arguments = ForwardArguments(model)
         self._captured_kwargs = {s.path[1] for s in program.graph.inputs if s.path[0] == "kwargs"}
         self._captured_args = 1 + max((s.path[1] for s in program.graph.inputs if s.path[0] == "args"), default=-1)
+        # The example's flags and numbers the program holds as constants: a call giving others runs eagerly or is refused.
+        self._settings: dict = getattr(program.graph, "settings", None) or {}
         # The loss of this replica's own batch in the last train_step (it returns the global batch's).
         self.local_loss: Optional[torch.Tensor] = None
 
@@ -416,7 +418,7 @@ class ParallelModule(torch.nn.Module):
         if agreed is not None:
             return agreed
         flat = self._flat_inputs(args, kwargs, on_device=False)
-        refused = self.shape_programs.check(flat, args, kwargs, alone=False) is not None
+        refused = self._unlike_program(flat, args, kwargs, alone=False) is not None
         if self.dp_size > 1 and self._forward_communicates:
             t = torch.tensor([1.0 if refused else 0.0], dtype=torch.float64,
                              device=self._device if self._device.type != "meta" else "cpu")
@@ -427,8 +429,18 @@ class ParallelModule(torch.nn.Module):
             refused = t.item() > 0
         return refused
 
+    def _unlike_program(self, flat: list[Any], args: tuple, kwargs: dict, alone: bool) -> Optional[str]:
+        """Why the captured program cannot run this call as eager would (its sizes, or a setting it was
+        not traced with), None when it can; `alone` as in `ShapePrograms.check`."""
+        why = self._forward_arguments.unlike_example(args, kwargs, self._settings)
+        return why if why is not None else self.shape_programs.check(flat, args, kwargs, alone=alone)
+
     def _run(self, args: tuple, kwargs: dict, loss_only: bool = False) -> list[Any]:
         inputs = self._flat_inputs(args, kwargs)
+        unlike = self._forward_arguments.unlike_example(args, kwargs, self._settings)
+        if unlike is not None:
+            raise TypeError(f"{unlike}: capture with an example that gives it, or pass the example's value "
+                            f"(the model's own forward cannot run it here: {self.no_fallback})")
         run = self.shape_programs.program_for(inputs, args, kwargs)  # refuses sizes the plan cannot split, first
         fn = run.module.forward_loss if loss_only else run.module.forward
         meter = active_meter()  # a measurement around this forward: its hooks give way to these, which report to it
@@ -637,7 +649,7 @@ class ParallelModule(torch.nn.Module):
                 continue
             args, kwargs = normalize_inputs(mb, None)
             flat = self._flat_inputs(args, kwargs, on_device=False)
-            why = self.shape_programs.check(flat, args, kwargs, alone=not falls_back)
+            why = self._unlike_program(flat, args, kwargs, alone=not falls_back)
             if why is not None and falls_back:  # the model's own forward takes it: no refusal
                 needs_eager = True
             elif why is not None:  # said with why the model's own forward does not take it instead
