@@ -63,3 +63,7 @@ def main(out: str, plan: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    import torch.distributed
+
+    if torch.distributed.is_initialized():  # the Trainer leaves its group open; gloo's threads then abort at exit
+        torch.distributed.destroy_process_group()
