@@ -53,7 +53,7 @@ LONG = {
     "tests/test_auto.py::test_auto_equivalence_4[gpt2_small]":
         "auto at world 2 runs GPT-2 and Llama; the main job (test_main_job) trains GPT-2 under auto at world 4",
     "tests/test_precision.py::test_half_precision_with_pipelines": "bf16 against one process runs by default",
-    "tests/test_zero.py::test_zero_stages_with_pipeline_pp2_dp2": "ZeRO stages under dp and tp x dp run by default",
+    "tests/test_zero.py::test_zero_stages_with_pipeline_pp2_dp2": "ZeRO stages under dp run by default",
     "tests/test_equivalence.py::test_equivalence_4[gpt2_small-dp-options3]":
         "every model and strategy runs at world 2; world 4 runs Llama's tp and the MLP's cases",
     "tests/test_equivalence.py::test_equivalence_4[gpt2_small-tp-options4]":
