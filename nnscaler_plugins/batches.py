@@ -187,6 +187,13 @@ class ForwardArguments:
             if not _same_setting(value, traced):
                 return (f"batch key {key}={value!r} is not what the captured program was traced with "
                         f"({said}: {traced!r}); eager PyTorch would run the model with {value!r}")
+        for where, traced in settings.items():  # given to the example, left out here: the forward's default
+            if where[0] != "kwargs" or where[1] in kwargs or where[1] not in self.defaults:
+                continue
+            default = self.defaults[where[1]]
+            if _is_setting(default) and not _same_setting(default, traced):
+                return (f"batch key {where[1]!r} is left out, so eager PyTorch would run the model with its default "
+                        f"{default!r}; the captured program was traced with the example's {traced!r}")
         for i, value in enumerate(args):
             where = ("args", i)
             if where in settings and _is_setting(value) and not _same_setting(value, settings[where]):

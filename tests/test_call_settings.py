@@ -4,7 +4,8 @@ The example gives `scale=1.0` and no `squash` (its default, False): the program 
 as it holds a Python branch on them. A later call with `squash=True` or `scale=2.0` is not the program's
 to run: under dp (the model's own forward can take any call) it runs eagerly and equals eager PyTorch,
 in a training step and in a forward outside one; under tp (layers split, no fallback) it is refused by
-name. Before, the program ran and ignored the flag: a silent wrong answer.
+name. A call that leaves out a setting the example gave runs with the forward's default, so it is
+compared the same way. Before, the program ran and ignored the flag: a silent wrong answer.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _batch(seed: int, **settings) -> dict:
     return {"x": torch.randn(4, 8, generator=g), "y": torch.randn(4, 4, generator=g), **settings}
 
 
-CALLS = [{"scale": 1.0}, {"scale": 1.0, "squash": True}, {"scale": 2.0}, {"scale": 1.0, "squash": False}]
+CALLS = [{"scale": 1.0}, {"scale": 1.0, "squash": True}, {"scale": 2.0}, {"scale": 1.0, "squash": False}, {}]
 
 
 def settings_are_honoured(rank: int, world: int) -> tuple[list[str], list[bool], str]:
@@ -57,6 +58,17 @@ def settings_are_honoured(rank: int, world: int) -> tuple[list[str], list[bool],
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
             problems.append(f"forward outside a step: {got.item()} vs {want.item()}")
 
+    # an example giving scale=0.5, a call leaving it out: eager runs the forward's default, 1.0
+    other = Settable()
+    other.load_state_dict(ref.state_dict())
+    pm2 = nns.parallelize(other, _batch(0, scale=0.5), plan="dp", cache_dir="/tmp/nns_test_cache")
+    with torch.no_grad():
+        b = _batch(8)
+        got, want = pm2(**b), ref(**b)
+        eager.append(pm2.eager is not None)  # the eager executor is bound at its first forward
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            problems.append(f"a setting left out: {got.item()} vs {want.item()}")
+
     tp = nns.parallelize(Settable(), _batch(0, scale=1.0), plan="tp", cache_dir="/tmp/nns_test_cache")
     try:
         tp(**_batch(1, scale=1.0, squash=True))
@@ -69,5 +81,5 @@ def settings_are_honoured(rank: int, world: int) -> tuple[list[str], list[bool],
 def test_a_setting_the_program_was_not_traced_with_runs_eagerly_or_is_refused(workers2):
     for problems, eager, refusal in workers2.run(settings_are_honoured, timeout=240):
         assert not problems, problems
-        assert eager == [False, True, True, False], eager
+        assert eager == [False, True, True, False, False, True], eager
         assert "squash=True" in refusal and "False" in refusal, refusal
