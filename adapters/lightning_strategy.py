@@ -63,6 +63,18 @@ def generated_code_dir(cache_dir: Optional[str], default_root_dir: Optional[str]
 SHARDED = "nnscaler_sharded"
 
 
+class _CaptureThenLaunch:
+    """A launcher's `launch`, run after the strategy's capture in the launching process. A class, not a
+    closure: spawned processes are handed the pickled Trainer, its strategy and launcher with it."""
+
+    def __init__(self, strategy: Any, launch: Callable) -> None:
+        self.strategy, self.launch = strategy, launch
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        self.strategy._capture_before_launch(function, args)
+        return self.launch(function, *args, **kwargs)
+
+
 class NNScalerStrategyMixin:
     """Shared implementation; see `nnscaler_plugins.adapters.lightning.NNScalerStrategy`."""
 
@@ -159,13 +171,8 @@ class NNScalerStrategyMixin:
             self._launcher = launchers._MultiProcessingLauncher(self, start_method=self._start_method)
             starts_others = True
         if starts_others:  # this process starts the others: capture here first, so a model that cannot be
-            launch = self._launcher.launch  # captured is reported once, before any other process exists
-
-            def capture_then_launch(function: Callable, *args: Any, **kwargs: Any) -> Any:
-                self._capture_before_launch(function, args)
-                return launch(function, *args, **kwargs)
-
-            self._launcher.launch = capture_then_launch
+            # captured is reported once, before any other process exists
+            self._launcher.launch = _CaptureThenLaunch(self, self._launcher.launch)
 
     def _capture_before_launch(self, function: Callable, args: tuple) -> None:
         """`fit` only: the inner module captured on the example inputs (given, or recorded from the first
