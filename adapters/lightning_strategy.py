@@ -142,9 +142,18 @@ class NNScalerStrategyMixin:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Ranks of one model replica (its tensor-parallel and pipeline devices) read the same batch."""
-        if self.pmodule is None:
-            raise RuntimeError("NNScalerStrategy: the data-parallel degree is known once the model is set up")
-        return {"num_replicas": self.pmodule.dp_size, "rank": self.pmodule.dp_rank}
+        if self.pmodule is not None:
+            return {"num_replicas": self.pmodule.dp_size, "rank": self.pmodule.dp_rank}
+        # Loaders set up before the model (a stage's own loaders, Lightning's tests): the plan's mesh
+        # when it is fixed before capture; the model's setup checks the plan kept it (`_setup_model`).
+        mesh = self.session.source.mesh_before_capture(self._world_size_to_launch(), self.session.options)
+        if mesh is None:
+            raise RuntimeError(f"NNScalerStrategy: a loader was set up before the model, and plan "
+                               f"{self.session.source.label!r} chooses its data-parallel degree from the "
+                               "captured model; give a plan with fixed degrees (a strategy name with its degree "
+                               "options, or a plan file), or let the Trainer set the loaders up after the model")
+        self._sampler_replicas = mesh.replicas
+        return {"num_replicas": mesh.replicas, "rank": self.global_rank // mesh.unit_size}
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -345,6 +354,10 @@ class NNScalerStrategyMixin:
         self.pmodule = self.session.parallelize(inner, example, device=self.root_device,
                                                 cache_dir=generated_code_dir(self.cache_dir, root), loss_fn=self.loss_fn)
         check_training_state(self.pmodule.plan, "NNScalerStrategy", zero=True)
+        given = getattr(self, "_sampler_replicas", None)
+        if given is not None and given != self.pmodule.dp_size:
+            raise RuntimeError(f"NNScalerStrategy: loaders were split for {given} replicas before the model was "
+                               f"set up, and the plan has {self.pmodule.dp_size}; this is a bug to report")
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole
         setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole, skeleton=skeleton, buffers=buffers,

@@ -55,6 +55,9 @@ class Strategy:
     # The options it takes besides those every strategy takes and its degrees; None: those of
     # `apply` (its keyword parameters, unchecked if it takes **options), see plan.source.strategy_options.
     options: Optional[tuple[str, ...]] = None
+    # Whether its degrees are chosen from the captured graph (a search): its `mesh` is then only where the
+    # search starts, and nothing before capture may split data by it (PlanSource.mesh_before_capture).
+    mesh_after_capture: bool = False
 
     def __call__(self, builder: PlanBuilder, **options: Any) -> None:
         self.apply(builder, **options)
@@ -119,7 +122,7 @@ MEGATRON = Strategy("megatron", pipeline.megatron, pipeline.MEGATRON_MESH,
                     _PIPELINE + ("schedule", "cp_comm", "balance", "capacity_factor"))
 AUTO = Strategy("auto", auto_search.auto, auto_search.MESH,
                 "the fastest plan the search finds for the cluster (default: this machine) within its memory",
-                ("memory_limit", "batch_statistics", "choose_compile", "choose_fp8"))
+                ("memory_limit", "batch_statistics", "choose_compile", "choose_fp8"), mesh_after_capture=True)
 ZERO1 = Strategy("zero1", data_parallel.zero_stage(1), data_parallel.MESH,
                  "data parallel with ZeRO stage 1: optimizer state sharded across the replicas", _UNIT)
 ZERO2 = Strategy("zero2", data_parallel.zero_stage(2), data_parallel.MESH,

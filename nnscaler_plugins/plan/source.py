@@ -85,6 +85,18 @@ class PlanSource:
             return unit_mesh(unit, dp)
         return resolve_mesh(_BARE, world_size, {"unit": own.get("tp"), "dp": own.get("dp")}, self.name)
 
+    def mesh_before_capture(self, world_size: int, options: Mapping[str, Any]) -> Optional[Mesh]:
+        """The mesh when it is fixed before any graph exists: a ready plan's, a strategy's with a `mesh`
+        layout or `degrees`; None for one that chooses its degrees from the captured graph (its
+        `mesh_after_capture`, as auto's search) or says nothing of them (a bare function)."""
+        if self.plan is not None:
+            return self.plan.mesh
+        if getattr(self.fn, "mesh_after_capture", False):
+            return None
+        if isinstance(getattr(self.fn, "mesh", None), MeshLayout) or getattr(self.fn, "degrees", None) is not None:
+            return self.mesh(world_size, options)
+        return None
+
     def degrees(self, world_size: int, options: Mapping[str, Any]) -> tuple[int, int]:
         """(devices per model replica, data-parallel replicas): `mesh(...)`'s unit and replicas."""
         mesh = self.mesh(world_size, options)
