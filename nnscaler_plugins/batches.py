@@ -165,7 +165,6 @@ class ForwardArguments:
                             f"captured program does not read input {extra[0]}: capture with an example that has it, "
                             "or drop it from the batch")
 
-
     def unlike_example(self, args: tuple, kwargs: dict, settings: dict) -> Optional[str]:
         """What in this call the captured program would not do as eager does: a plain setting (a
         number, a flag, a string, None) given another value than the example's -- `settings`, the
@@ -210,7 +209,7 @@ def _is_setting(value: Any) -> bool:
 
 
 def _same_setting(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b or (a is None and b is None)
+    return type(a) is type(b) and a == b  # True is not 1, 1 is not 1.0: each may pick another path
 
 
 def example_settings(args: tuple, kwargs: dict) -> dict[tuple, Any]:
