@@ -122,6 +122,26 @@ class PlannedModel(torch.nn.Module):
         self.__dict__["_skeleton"] = skeleton
         self.__dict__["_plain_buffers"] = dict(buffers or {})
 
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the plain model read through (`self.layer.weight`, `self.layer[0].bias` in a
+        training_step or a callback): a parameter is this rank's piece of it, a submodule a view."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            found = _read_through(self, name)
+            if found is None:
+                raise
+            return found
+
+    def __getitem__(self, index: int) -> Any:
+        """`self.layer[0]` of a planned `nn.Sequential` / `ModuleList`: a view of that submodule."""
+        found = _read_through(self, str(index))
+        if found is None:
+            raise IndexError(f"the planned model has no submodule {index!r}")
+        return found
+
     def plain_model(self) -> torch.nn.Module:
         """The planned model as an ordinary module on the CPU with whole weights: what it pickles to.
         Collective where the weights are split (tensor-parallel pieces, ZeRO-3 chunks): call it, or
@@ -182,6 +202,39 @@ class PlannedModel(torch.nn.Module):
             p.grad = old
         anchor = torch.zeros((), device=loss.device, requires_grad=True)
         return _DeferredGradients.apply(anchor, loss, pending)
+
+
+class PlannedView:
+    """A submodule of the planned model, read through by name: its parameters are this rank's pieces
+    (tensor-parallel pieces, a ZeRO-3 chunk), its submodules views again."""
+
+    def __init__(self, planned: PlannedModel, prefix: str) -> None:
+        self._planned, self._prefix = planned, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        found = _read_through(self._planned, self._prefix + name)
+        if found is None:
+            raise AttributeError(f"the planned model has no {self._prefix + name!r}")
+        return found
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getattr__(str(index))
+
+
+def _read_through(planned: PlannedModel, fqn: str) -> Any:
+    """What the plain model's `fqn` is in the planned one (None: nothing of that name)."""
+    skeleton = planned.__dict__.get("_skeleton")
+    if skeleton is None:
+        return None
+    if fqn in dict(skeleton.named_parameters(remove_duplicate=False)):
+        return planned.pmodule.parameter(fqn)
+    try:
+        skeleton.get_submodule(fqn)
+    except AttributeError:
+        return None
+    return PlannedView(planned, fqn + ".")
 
 
 def _plain(model: torch.nn.Module) -> torch.nn.Module:

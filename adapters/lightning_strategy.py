@@ -6,10 +6,12 @@ each namespace's `ParallelStrategy`. Everything namespace-specific is imported t
 inside methods, which is also why this module imports no Lightning at all.
 
 How a LightningModule is run: the strategy parallelizes one submodule of it (the model whose forward
-`training_step` calls, found automatically or named by `module_attr=`), captured on the inputs
-`training_step` passes it for the first training batch. That attribute is replaced by a
-`PlannedModel`, so `training_step`, `configure_optimizers`, logging and Lightning's loops keep
-working unchanged. A model built in `configure_model` (Lightning's hook for large models) is built on
+`training_step` calls, found automatically or named by `module_attr=`), captured at its first call
+inside the user's own first step, on what that step passes it (`first_call`): nothing of the
+user's runs outside Lightning's loop. That attribute is then replaced by a `PlannedModel` (which
+reads the plain model's attributes through, `self.layer.weight` giving this rank's piece), and the
+optimizers `configure_optimizers` built from the plain parameters are pointed at the planned ones,
+so `training_step`, `configure_optimizers`, logging and Lightning's loops keep working unchanged. A model built in `configure_model` (Lightning's hook for large models) is built on
 the meta device and each rank makes only its own shards (see `tensor_init_context`). Plans that run whole steps (pipelines, micro-batches) run forward and backward
 inside the model call and hand back the loss; Lightning's own backward on it then adds the gradients
 the step made (see `lightning_model`).
@@ -29,7 +31,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .lightning_model import PlannedModel, Recorded, Recorder, mode_dependent_modules
+from . import first_call
+from .lightning_model import PlannedModel, mode_dependent_modules
 from .plan_choice import PlanLike, check_plan, check_training_state, session_for
 
 
@@ -61,6 +64,8 @@ def generated_code_dir(cache_dir: Optional[str], default_root_dir: Optional[str]
 
 #: Marks a checkpoint (and its optimizer entries) whose parallelized state is in a sharded directory.
 SHARDED = "nnscaler_sharded"
+#: Marks an optimizer entry saved before the model was planned (it holds no state yet).
+UNPLANNED = "nnscaler_unplanned"
 
 
 class _CaptureThenLaunch:
@@ -114,6 +119,8 @@ class NNScalerStrategyMixin:
         self.num_nodes = 1
         self.pmodule: Any = None  # the ParallelModule, once set up
         self._whole_steps = False
+        self._replaced_optimizers: dict[int, Any] = {}  # id of a plain optimizer -> its ZeRO rebuild
+        self._deferred_restore: Optional[dict] = None  # a checkpoint restored before the model was planned
         self._trainer: Any = None
         self._attr: Optional[str] = None
 
@@ -184,21 +191,19 @@ class NNScalerStrategyMixin:
             self._launcher.launch = _CaptureThenLaunch(self, self._launcher.launch)
 
     def _capture_before_launch(self, function: Callable, args: tuple) -> None:
-        """`fit` only: the inner module captured on the example inputs (given, or recorded from the first
-        batch of a DataLoader passed to fit) the way `nns.parallelize` will capture it on every rank.
-        A CaptureError stops the job here; anything else this cannot do before launch (a datamodule, a
-        training_step that needs the trainer) is left to the ranks, as without this step."""
-        if getattr(function, "__name__", "") != "_fit_impl" or not args:
+        """`fit` with `example_inputs=` only: the inner module captured on them the way
+        `nns.parallelize` will capture it on every rank, so a model that cannot be captured stops the
+        job here, once, before any other process exists. Without them nothing of the user's runs
+        outside the loop: the ranks capture at the model's first call in their own first step."""
+        if getattr(function, "__name__", "") != "_fit_impl" or not args or self.example_inputs is None:
             return
         from nnscaler_plugins.capture.tracing import CaptureError
 
         try:
-            found = self._example_before_launch(args[0], args[1] if len(args) > 1 else None,
-                                                args[3] if len(args) > 3 else None)
-            if found is None:
-                return
-            inner, example = found
-            graph = self.session.capture(inner, example)
+            inner = getattr(args[0], self.module_attr or _find_inner_module(args[0]))
+            if isinstance(inner, PlannedModel):
+                return  # planned already, by an earlier stage on this Trainer
+            graph = self.session.capture(inner, self.example_inputs)
         except CaptureError as e:
             if self.session.executor != "captured" and self.session.can_run_eagerly(self._world_size_to_launch()):
                 return  # the ranks run the model's own forward (the eager executor) and the plan says why
@@ -212,25 +217,6 @@ class NNScalerStrategyMixin:
 
     def _world_size_to_launch(self) -> int:
         return max(1, len(self.parallel_devices or ())) * max(1, int(getattr(self, "num_nodes", 1) or 1))
-
-    def _example_before_launch(self, model: Any, loaders: Any, datamodule: Any) -> Optional[tuple[Any, Any]]:
-        attr = self.module_attr or _find_inner_module(model)
-        inner = getattr(model, attr)
-        if isinstance(inner, PlannedModel):
-            return None  # planned already, by an earlier stage on this Trainer
-        if self.example_inputs is not None:
-            return inner, self.example_inputs
-        if datamodule is not None or not isinstance(loaders, torch.utils.data.DataLoader):
-            return None  # a datamodule's or the model's own loader may need setup() first
-        from nnscaler_plugins.capture.tracing import unmoved_random_streams
-
-        with unmoved_random_streams():  # a sampler's or collator's draws: the real run must not notice
-            batch = next(iter(loaders))
-        device = next((p.device for p in inner.parameters()), torch.device("cpu"))
-        batch = self._imp("fabric.utilities.apply_func").move_data_to_device(batch, device)
-        from .hookspecs import example_inputs
-
-        return inner, example_inputs(inner, self._record_inputs(model, attr, batch))
 
     def on_exception(self, exception: BaseException) -> None:
         """A capture error on this process (rank 0) is the job's report: the ranks this process started
@@ -326,8 +312,8 @@ class NNScalerStrategyMixin:
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     def _setup_model(self, model: Any) -> Any:
-        from .hookspecs import on_parallelized
-
+        """The submodule to plan is found now; it is planned at its first call, inside the user's own
+        step, on what that step passes it (`first_call`), or now when `example_inputs=` are given."""
         attr = self._attr = self.module_attr or _find_inner_module(model)
         inner = getattr(model, attr, None)
         if isinstance(inner, PlannedModel):  # a later stage (validate, test, predict, another fit) on this Trainer
@@ -340,13 +326,52 @@ class NNScalerStrategyMixin:
             raise AttributeError(f"NNScalerStrategy(module_attr={attr!r}): {type(model).__name__}.{attr} is not an "
                                  "nn.Module; name the submodule training_step calls")
         if self.example_inputs is not None:
-            example = self.example_inputs
-        else:  # what training_step passes, less what the forward does not take (nnscaler_example_inputs hook)
-            from .hookspecs import example_inputs
+            self._plan(model, attr, inner, self.example_inputs)
+        elif not first_call.pending(inner):
+            self._materialize_rest(model, without=attr)
+            first_call.plan_at_first_call(inner, self._plan_at_first_call)
+        return model
 
-            example = example_inputs(inner, self._record_inputs(model, attr))
+    def _plan_at_first_call(self, inner: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Inside the user's step, at its first call of the submodule: planned on exactly what the
+        step passes it (less what the forward does not take: the `nnscaler_example_inputs` hook), in
+        training mode (the first call may be a validation step's), then the step goes on."""
+        from .hookspecs import example_inputs
+
+        model, attr = self.lightning_module, self._attr
+        if getattr(model, attr, None) is not inner:
+            raise RuntimeError(f"NNScalerStrategy: {type(model).__name__}.{attr} was replaced after the Trainer set "
+                               "it up; set the model up before fit/validate/test/predict")
+        if args and kwargs:  # one example: positional arguments named by the forward's signature
+            bound = inspect.signature(inner.forward).bind(*args, **kwargs)
+            batch: Any = dict(bound.arguments)
+        elif kwargs:
+            batch = dict(kwargs)
+        else:
+            batch = args[0] if len(args) == 1 else tuple(args)
+        with first_call.planning_context(self.root_device):
+            example = example_inputs(inner, first_call.ordinary_tensors(batch))
+            was_training = inner.training
+            inner.train()
+            try:
+                planned = self._plan(model, attr, inner, example)
+            finally:
+                inner.train(was_training)
+            planned.train(was_training)
+        return planned
+
+    def _plan(self, model: Any, attr: str, inner: torch.nn.Module, example: Any) -> PlannedModel:
+        """Plan, compile and set up `inner` on `example`; it is replaced by its `PlannedModel`, and
+        the optimizers `configure_optimizers` built from the plain parameters now hold this rank's
+        pieces (rebuilt as the plan's sharded optimizer under ZeRO); a checkpoint Lightning restored
+        before the first call is loaded into them."""
+        from .hookspecs import on_parallelized
+
         from nnscaler_plugins.capture.skeleton import meta_skeleton
 
+        names: dict[int, list[str]] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(fqn)
         skeleton = meta_skeleton(inner)  # what a pickle of the planned model rebuilds (PlannedModel.__reduce__)
         kept = set(inner.state_dict())
         buffers = {k: b.detach().cpu().clone() for k, b in inner.named_buffers() if k not in kept}
@@ -360,16 +385,63 @@ class NNScalerStrategyMixin:
                                f"set up, and the plan has {self.pmodule.dp_size}; this is a bug to report")
         whole = self.pmodule.plan.pipeline is not None or self.pmodule.plan.num_micro_batches > 1
         self._whole_steps = whole
-        setattr(model, attr, PlannedModel(self.pmodule, whole_steps=whole, skeleton=skeleton, buffers=buffers,
-                                          eval_refusal=self._eval_refusal(skeleton, attr)))
+        planned = PlannedModel(self.pmodule, whole_steps=whole, skeleton=skeleton, buffers=buffers,
+                               eval_refusal=self._eval_refusal(skeleton, attr))
+        setattr(model, attr, planned)
         self._materialize_rest(model)
         # The replaced module's weights (already on the device) are held only by the reference cycles
         # the capture left; free them now rather than at some later collection (measured on one GPU:
         # 0.47 GiB, GPT-2 small's fp32 weights, still allocated during training otherwise).
         del inner
         gc.collect()
+        self._optimizers_to_planned(model, attr, names)
+        self._restore_deferred()
         on_parallelized(self.pmodule, self.pmodule.plan, "lightning")
-        return model
+        return planned
+
+    def _optimizers_to_planned(self, model: Any, attr: str, names: Optional[dict[int, list[str]]]) -> None:
+        """The optimizers built from the plain parameters (`names`: their ids -> FQNs, None when
+        they were built from the planned ones) hold the planned ones; under ZeRO each is rebuilt as
+        the plan's sharded optimizer (same class, hyperparameters and groups) and the schedulers
+        are pointed at it."""
+        from .rebuild_optimizer import point_at_planned, rebuild_sharded
+
+        if not self.optimizers:
+            return
+        prefix = attr + "."
+        own = dict(model.named_parameters())
+
+        def planned(fqn: str) -> Optional[torch.Tensor]:
+            return self.pmodule.parameter(fqn[len(prefix):]) if fqn.startswith(prefix) else own.get(fqn)
+
+        for opt in self.optimizers if names is not None else ():
+            point_at_planned(opt, names, planned, "NNScalerStrategy")
+        plan = self.pmodule.plan
+        if not plan.zero or plan.dp <= 1:
+            return
+        swapped = {id(opt): rebuild_sharded(self.pmodule, opt, "NNScalerStrategy") for opt in self.optimizers}
+        self._replaced_optimizers.update(swapped)
+        for opt in self.optimizers:  # it steps over nothing from now on (see `optimizer_step`)
+            for group in getattr(opt, "_optimizer", opt).param_groups:
+                group["params"] = []
+        self.optimizers = [swapped[id(opt)] for opt in self.optimizers]  # Lightning's wrappers made again
+        for config in self.lr_scheduler_configs:
+            old = getattr(config.scheduler, "optimizer", None)
+            if id(old) in swapped:
+                config.scheduler.optimizer = swapped[id(old)]
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Steps the optimizer that stands for `optimizer` now: under ZeRO, the sharded one it was
+        rebuilt as when the model was planned. In the step whose closure plans the model the plain
+        optimizer steps over nothing (its groups were emptied) and the rebuilt one steps after it."""
+        key = id(getattr(optimizer, "_optimizer", optimizer))
+        if key in self._replaced_optimizers:
+            return super().optimizer_step(self._replaced_optimizers[key], closure, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        rebuilt = self._replaced_optimizers.get(key)
+        if rebuilt is not None:  # planned inside this step's closure: its gradients are the rebuilt one's
+            rebuilt.step()
+        return result
 
     def _eval_refusal(self, skeleton: Any, attr: str) -> str:
         """Why this plan cannot run the model in evaluation mode ("" when it can): a program captured in
@@ -384,86 +456,42 @@ class NNScalerStrategyMixin:
                 "runs a program captured in training mode; validate, test and predict with a plan that runs the "
                 "model's own forward (plan='dp' or a ZeRO plan with executor='eager'), or without those modules")
 
-    def _materialize_rest(self, model: Any) -> None:
+    def _materialize_rest(self, model: Any, without: Optional[str] = None) -> None:
         """What `configure_model` built on the meta device outside the planned submodule (heads, metrics,
-        frozen parts) is made whole on every rank, by the same seeded initialization, then moved."""
+        frozen parts) is made whole on every rank, by the same seeded initialization (the seed the
+        plan's own initialization agrees on), then moved; `without`: the submodule still to be planned,
+        left on the meta device for the plan to make its shards."""
         from nnscaler_plugins.runtime.materialize import has_meta_tensors, materialize_in_place
+        from nnscaler_plugins.session import agreed_init_seed
 
-        if has_meta_tensors(model):
-            materialize_in_place(model, self.pmodule.init_seed if self.pmodule.init_seed is not None else 0)
-            self.model_to_device()
-
-    def _record_inputs(self, model: Any, attr: str, batch: Any = None) -> Any:
-        """Run `training_step` on the first training batch up to the call of the inner model, and keep
-        what it was called with: exactly the example inputs the plan must be made for."""
-        step = _STEP_OF_STAGE.get(self._stage(), "training_step")
-        batch = self._first_stage_batch() if batch is None else batch
-        from nnscaler_plugins.capture.tracing import unmoved_random_streams
-
-        original = getattr(model, attr)
-        setattr(model, attr, Recorder())
+        held = model._modules.pop(without) if without is not None else None
         try:
-            with unmoved_random_streams(), torch.no_grad() if step != "training_step" else contextlib.nullcontext():
-                getattr(model, step)(batch, 0)  # what the step draws before the call, drawn again in the real one
-        except Recorded as r:
-            args, kwargs = r.args, r.kwargs
-        else:
-            raise RuntimeError(f"NNScalerStrategy: {step} did not call self.{attr}; pass module_attr= (the "
-                               "submodule it calls) or example_inputs=")
+            if has_meta_tensors(model):
+                seed = self.pmodule.init_seed if self.pmodule is not None else None
+                if seed is None:
+                    seed = agreed_init_seed(None, self.root_device, self._world_size_to_launch())
+                materialize_in_place(model, seed)
+                self.model_to_device()
         finally:
-            setattr(model, attr, original)
-        if args and kwargs:
-            raise TypeError(f"NNScalerStrategy: training_step calls self.{attr} with both positional and keyword "
-                            "arguments; call it with one kind, or pass example_inputs=")
-        if kwargs:
-            return kwargs
-        return args[0] if len(args) == 1 else tuple(args)
-
-    def _stage(self) -> str:
-        fn = getattr(getattr(self._trainer, "state", None), "fn", None)
-        return str(getattr(fn, "value", fn) or "fit")
-
-    def _first_stage_batch(self) -> Any:
-        """The first batch of the running stage's loader (fit's training loader, or validate's, test's,
-        predict's): a stage run before any fit plans the model on its own batches."""
-        trainer, stage = self._trainer, self._stage()
-        loop = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
-        if trainer is None or stage not in loop:
-            raise RuntimeError(f"NNScalerStrategy: no batch to plan the model on in stage {stage!r}; pass "
-                               "example_inputs=")
-        loader = getattr(trainer, loop[stage])._data_source.dataloader()
-        if isinstance(loader, (list, tuple)) and loader:  # several loaders: the first one's batch
-            loader = loader[0]
-        # Drawing a batch consumes random numbers (sampler seeds, a collator's); the real run must not notice.
-        from nnscaler_plugins.capture.tracing import unmoved_random_streams
-
-        with unmoved_random_streams():
-            batch = next(iter(loader))
-        return self.batch_to_device(batch, self.root_device)
+            if held is not None:
+                model._modules[without] = held
 
     def setup_optimizers(self, trainer: Any) -> None:
-        """Lightning's optimizers from `configure_optimizers`; under a ZeRO plan each is rebuilt as
-        the plan's sharded optimizer (same class, hyperparameters and groups) and the schedulers
-        are pointed at it."""
+        """Lightning's optimizers from `configure_optimizers`, over the plain parameters until the model
+        is planned at its first call (`_optimizers_to_planned` then points them at the planned ones),
+        or at once when it is planned already (`example_inputs=`, a later stage)."""
         super().setup_optimizers(trainer)
-        plan = self.pmodule.plan if self.pmodule is not None else None
-        if plan is None or not plan.zero or plan.dp <= 1:
-            return
-        from .rebuild_optimizer import rebuild_sharded
-
-        swapped = {}
-        for i, opt in enumerate(self.optimizers):
-            swapped[id(opt)] = self.optimizers[i] = rebuild_sharded(self.pmodule, opt, "NNScalerStrategy")
-        for config in self.lr_scheduler_configs:
-            old = getattr(config.scheduler, "optimizer", None)
-            if id(old) in swapped:
-                config.scheduler.optimizer = swapped[id(old)]
+        if self.pmodule is not None and self._attr is not None:
+            inner = getattr(self.lightning_module, self._attr, None)
+            if isinstance(inner, PlannedModel) and inner.pmodule is self.pmodule:
+                self._optimizers_to_planned(self.lightning_module, self._attr, None)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         from nnscaler_plugins.runtime.grad_clip import clip_grad_norm_
         from nnscaler_plugins.runtime.optimizer import ParallelOptimizer
 
         inner = getattr(optimizer, "_optimizer", optimizer)
+        inner = self._replaced_optimizers.get(id(inner), inner)
         if isinstance(inner, ParallelOptimizer):  # ZeRO: the gradients are its shards
             inner.clip_grad_norm_(float(clip_val))
             return
@@ -474,6 +502,8 @@ class NNScalerStrategyMixin:
         """An ordinary (whole-tensor) state dict of the LightningModule, loadable without this strategy
         (collective: Lightning calls it on every rank)."""
         lm = self.lightning_module
+        if self.pmodule is None:  # not planned yet (no call of the model so far): the plain module's own
+            return lm.state_dict()
         prefix = self._attr + "."
         out = {k: v for k, v in lm.state_dict().items() if not k.startswith(prefix)}
         if self.state_dict_type == "sharded":
@@ -485,6 +515,16 @@ class NNScalerStrategyMixin:
     def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
         prefix = self._attr + "."
         state = checkpoint["state_dict"]
+        if self.pmodule is None:  # the plain module takes the weights; planning carries them into the shards
+            self._defer_restore(checkpoint)
+            if not checkpoint.get(SHARDED):
+                self.lightning_module.load_state_dict(state, strict=strict)
+                return
+            state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+            result = self.lightning_module.load_state_dict(state, strict=False)
+            if strict and result.unexpected_keys:
+                raise KeyError(f"checkpoint has keys the LightningModule lacks: {result.unexpected_keys[:8]}")
+            return
         if not checkpoint.get(SHARDED):  # a sharded checkpoint's weights are in the shards already
             self.pmodule.load_full_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         rest = {k: v for k, v in state.items() if not k.startswith(prefix)}
@@ -498,6 +538,11 @@ class NNScalerStrategyMixin:
         Collective: Lightning calls it on every rank."""
         from .resume import save_state
 
+        if self.pmodule is None:  # a checkpoint before the model's first call: nothing was stepped yet
+            if getattr(optimizer, "_optimizer", optimizer).state:
+                raise RuntimeError("NNScalerStrategy: the optimizer holds state and the model is not planned yet "
+                                   "(it is planned at its first call); save checkpoints after the first step")
+            return {UNPLANNED: True}
         if self.state_dict_type == "sharded":
             return {SHARDED: True}  # the state goes to `save_checkpoint` as each rank's pieces
         return save_state(self.pmodule, optimizer)
@@ -506,7 +551,10 @@ class NNScalerStrategyMixin:
         from .resume import load_state
 
         states = checkpoint.get("optimizer_states")
-        if not states or checkpoint.get(SHARDED):
+        if self.pmodule is None:  # loaded into the planned optimizers at the model's first call
+            self._defer_restore(checkpoint)
+            return
+        if not states or checkpoint.get(SHARDED) or any(UNPLANNED in s for s in states if isinstance(s, dict)):
             return  # a sharded checkpoint's state was read into the shards by `load_checkpoint`
         for optimizer, saved in zip(self.optimizers, states):
             load_state(self.pmodule, optimizer, saved)  # checked by load_checkpoint, before any restore
@@ -547,19 +595,44 @@ class NNScalerStrategyMixin:
         weights and the optimizer state go straight into this plan's shards (`nns.checkpoint.load`
         checks names and shapes on every rank before it changes anything); Lightning gets the rest."""
         import nnscaler_plugins as nns
-        from nnscaler_plugins.checkpoint.format import METADATA
+        from nnscaler_plugins.checkpoint.format import METADATA, read_extra, read_metadata
 
         if not os.path.isfile(os.path.join(path, METADATA)):
             raise IsADirectoryError(f"NNScalerStrategy: {path} is a directory but not a sharded checkpoint "
                                     f"({METADATA} is missing); full checkpoints are single .ckpt files")
-        if self.pmodule is None:
-            raise RuntimeError("NNScalerStrategy: a sharded checkpoint loads into the parallelized model, which "
-                               "exists once the trainer has set it up (fit/validate with ckpt_path=)")
+        if self.pmodule is None:  # read into the shards when the model is planned, at its first call
+            directory, meta = read_metadata(path)
+            checkpoint = dict(read_extra(directory, meta).get("lightning") or {})
+            checkpoint[SHARDED] = True
+            self._defer_restore(checkpoint, path)
+            return checkpoint
         fitting = self._trainer is not None and self._trainer.state.fn == "fit"
         extra = nns.checkpoint.load(path, self.pmodule, self._sharded_optimizer() if fitting else None)
         checkpoint = dict(extra.get("lightning") or {})
         checkpoint[SHARDED] = True
         return checkpoint
+
+    def _defer_restore(self, checkpoint: dict, path: Optional[str] = None) -> None:
+        """A checkpoint Lightning restores before the model's first call: its weights are loaded into
+        the plain module now (a sharded one's, and every optimizer state, when it is planned)."""
+        if self._deferred_restore is None or self._deferred_restore["checkpoint"] is not checkpoint:
+            self._deferred_restore = {"checkpoint": checkpoint, "path": path}
+        elif path is not None:
+            self._deferred_restore["path"] = path
+
+    def _restore_deferred(self) -> None:
+        """Right after planning, inside the first step: the deferred checkpoint checked against the plan
+        and loaded into the shards and the optimizers (`_defer_restore`)."""
+        deferred, self._deferred_restore = self._deferred_restore, None
+        if deferred is None:
+            return
+        checkpoint, path = deferred["checkpoint"], deferred["path"]
+        if path is not None:
+            self._load_sharded(path)
+            return
+        self._check_resumable(checkpoint)
+        if self._trainer is not None and self._trainer.state.fn == "fit":
+            self.load_optimizer_state_dict(checkpoint)
 
     def _check_resumable(self, checkpoint: dict) -> None:
         """Everything that could stop a restore half way, checked on every rank and agreed on before
@@ -599,11 +672,6 @@ class NNScalerStrategyMixin:
                                    override=True)
         strategy_registry.register("nnscaler_spawn", cls, description="nnscaler-plugins plans, spawned processes",
                                    start_method="spawn", override=True)
-
-
-#: The LightningModule method each stage calls the model from.
-_STEP_OF_STAGE = {"fit": "training_step", "validate": "validation_step", "test": "test_step",
-                  "predict": "predict_step"}
 
 
 def _find_inner_module(model: torch.nn.Module) -> str:

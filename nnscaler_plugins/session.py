@@ -310,7 +310,7 @@ class Session:
             except tracing.CaptureError as e:
                 if executor == "captured" or rank != 0 and world_size > 1:
                     raise
-                raise self.with_eager_plans(e) from e
+                raise self.with_eager_plans(e) from None  # one report: it carries e's message and details
             return None
         failed: Optional[str] = None
         try:
@@ -340,8 +340,10 @@ class Session:
     @staticmethod
     def with_eager_plans(e: tracing.CaptureError) -> tracing.CaptureError:
         """The capture's error, saying which plans run the model without capturing it."""
-        return type(e)(f"{e}\n  Plans that keep whole layers on each device run this model as it is, with its "
-                       "own forward (the eager executor): plan='dp', 'zero1', 'zero2' or 'zero3'.")
+        out = type(e)(f"{e}\n  Plans that keep whole layers on each device run this model as it is, with its "
+                      "own forward (the eager executor): plan='dp', 'zero1', 'zero2' or 'zero3'.")
+        out.details = e.details
+        return out
 
     def eager_plan(self, model: torch.nn.Module, example_inputs: Any, world_size: int, reason: str) -> Plan:
         """The plan over the model's parameters alone (`capture/parameters.py`), marked to run eagerly."""

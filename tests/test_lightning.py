@@ -121,14 +121,25 @@ def _capture_fails_script(tmp_path, strategy: str, max_steps: int = 1):
 
 
 def test_capture_error_is_one_message_before_any_process_starts(tmp_path):
-    """Under a plan that splits ops, the launching process captures the model first: the error names
-    the model's line once, and the plans that do run it, and no other process is started."""
-    proc, out = _capture_fails_script(tmp_path, 'NNScalerStrategy(plan="tp")')
+    """Under a plan that splits ops, with `example_inputs=` given, the launching process captures the
+    model first: the error names the model's line once, and the plans that do run it, and no other
+    process is started."""
+    proc, out = _capture_fails_script(tmp_path, 'NNScalerStrategy(plan="tp", example_inputs=torch.randn(4, 8))')
     assert proc.returncode != 0
     assert out.count("CaptureError:") == 1 and "capture_fails.py:12" in out and "if h.sum() > 0" in out, out[-3000:]
     assert "plan='dp', 'zero1', 'zero2' or 'zero3'" in out, out[-3000:]
     assert "Initializing distributed" not in out and "GLOBAL_RANK" not in out and "[rank1]" not in out, out[-3000:]
     assert len(out.splitlines()) < 60, out
+
+
+def test_capture_error_without_example_inputs_is_one_message_at_the_first_step(tmp_path):
+    """Without `example_inputs=` nothing of the user's runs before the loop: the model is captured at
+    its first call in training_step, on every rank, and rank 0 alone reports the error, once."""
+    proc, out = _capture_fails_script(tmp_path, 'NNScalerStrategy(plan="tp")')
+    assert proc.returncode != 0
+    assert out.count("CaptureError:") == 1 and "capture_fails.py:12" in out, out[-3000:]
+    assert "plan='dp', 'zero1', 'zero2' or 'zero3'" in out and "in training_step" in out, out[-3000:]
+    assert not (tmp_path / "steps0.txt").exists()  # the step that failed wrote nothing
 
 
 def _steps(folder) -> dict:

@@ -114,7 +114,7 @@ def _lightning_run(rank: int, world: int, port: int, out: str) -> dict:
 
         def configure_model(self):
             if self.model is None:
-                self.model = models.gpt2_small()[0].eval()  # the strategy's context puts it on meta
+                self.model = models.gpt2_small()[0]  # the strategy's context puts it on meta
                 self.head_scale = torch.nn.Linear(1, 1)  # outside the plan: made whole on every rank
                 self.built_on = self.model.transformer.wte.weight.device.type
 
@@ -124,7 +124,9 @@ def _lightning_run(rank: int, world: int, port: int, out: str) -> dict:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-        def on_train_start(self):
+        def on_before_optimizer_step(self, optimizer):  # planned at the first call: the weights before any update
+            if "start" in seen:
+                return
             seen["start"] = self.trainer.strategy.pmodule.full_state_dict()
             seen["seed"] = self.trainer.strategy.pmodule.init_seed
 
